@@ -1,0 +1,37 @@
+# The README's commands: `make demo` runs the main job, `make test` runs the tests.
+# Both create .venv on first use: the pinned CPU torch wheel first, then the package.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup test test-all demo lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m ""
+
+demo: setup
+	$(BIN)/linformer demo
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+format: setup
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,59 @@
+"""linformer-kit: Linformer self-attention with linear complexity, for PyTorch."""
+
+from .attention import LinformerSelfAttention
+from .config import (
+    LinformerConfig,
+    linformer_base,
+    linformer_small,
+    linformer_tiny,
+    proj_dim_schedule,
+)
+from .encoder import FeedForward, LinformerEncoder, LinformerEncoderLayer
+from .functional import exact_attention, linformer_attention
+from .models import (
+    LinformerForMaskedLM,
+    LinformerForSequenceClassification,
+    LinformerModel,
+    LinformerOutput,
+    LinformerPreTrainedModel,
+    MaskedLMOutput,
+    SequenceClassifierOutput,
+)
+from .projection import (
+    BlockProjection,
+    ExactProjection,
+    MatrixProjection,
+    SequenceProjection,
+    build_projection,
+    count_projection_matrices,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockProjection",
+    "ExactProjection",
+    "FeedForward",
+    "LinformerConfig",
+    "LinformerEncoder",
+    "LinformerEncoderLayer",
+    "LinformerForMaskedLM",
+    "LinformerForSequenceClassification",
+    "LinformerModel",
+    "LinformerOutput",
+    "LinformerPreTrainedModel",
+    "LinformerSelfAttention",
+    "MaskedLMOutput",
+    "MatrixProjection",
+    "SequenceClassifierOutput",
+    "SequenceProjection",
+    "__version__",
+    "build_projection",
+    "count_projection_matrices",
+    "exact_attention",
+    "linformer_attention",
+    "linformer_base",
+    "linformer_small",
+    "linformer_tiny",
+    "proj_dim_schedule",
+]

@@ -1,0 +1,208 @@
+"""LinformerConfig: every architectural choice of a model, validated, serialisable to JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SHARINGS = ("none", "headwise", "kv", "layerwise")
+PROJECTIONS = ("linear", "conv", "pool", "random")
+ACTIVATIONS = ("gelu", "relu")
+POSITIONS = ("learned", "sinusoidal")
+CHECKPOINTINGS = ("none", "layer", "attention")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_probability(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+
+
+@dataclass(kw_only=True)
+class LinformerConfig:
+    """Architecture of a Linformer encoder; `proj_dim=None` gives the exact-attention Transformer.
+
+    Raises:
+        ValueError: on construction, naming the bad field, its value and the allowed range.
+    """
+
+    vocab_size: int = 30522  # token vocabulary size
+    max_seq_len: int = 512  # longest n the model accepts: the sequence projection's input size
+    dim: int = 256  # model width
+    depth: int = 4  # number of encoder layers
+    num_heads: int = 4  # attention heads per layer; must divide dim
+    ffn_dim: int | None = None  # feed-forward hidden width; None means 4 * dim
+    proj_dim: int | list[int] | None = 128  # the paper's k, or one k per layer; None = exact
+    projection: str = "linear"  # sequence projection kind: linear, conv, pool or random
+    sharing: str = "layerwise"  # projection sharing (paper sec. 4): none, headwise, kv, layerwise
+    activation: str = "gelu"  # feed-forward non-linearity: gelu or relu
+    norm_first: bool = True  # pre-LN (True) or post-LN as in BERT/RoBERTa (False)
+    position: str = "learned"  # position embeddings: learned or sinusoidal
+    type_vocab_size: int = 0  # token-type (segment) embeddings; 0 disables them
+    pad_token_id: int = 0  # id of the padding token, used when no key_padding_mask is given
+    dropout: float = 0.1  # dropout on embeddings and on each sub-layer's output
+    attention_dropout: float = 0.1  # dropout on the attention weights (inside SDPA)
+    layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
+    init_std: float = 0.02  # std of the normal init of embeddings and dense weights
+    checkpointing: str = "none"  # activation checkpointing: none, layer or attention
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_seq_len", "dim", "depth", "num_heads"):
+            _check_positive(name, getattr(self, name))
+        if self.dim % self.num_heads:
+            raise ValueError(
+                f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.ffn_dim is not None:
+            _check_positive("ffn_dim", self.ffn_dim)
+        _check_choice("projection", self.projection, PROJECTIONS)
+        _check_choice("sharing", self.sharing, SHARINGS)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("position", self.position, POSITIONS)
+        _check_choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
+        _check_probability("dropout", self.dropout)
+        _check_probability("attention_dropout", self.attention_dropout)
+        if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
+            raise ValueError(f"type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id must be in [0, {self.vocab_size}), got {self.pad_token_id!r}"
+            )
+        if self.layer_norm_eps <= 0 or self.init_std <= 0:
+            raise ValueError(
+                f"layer_norm_eps and init_std must be > 0, got {self.layer_norm_eps!r} "
+                f"and {self.init_std!r}"
+            )
+        self._check_proj_dim()
+
+    def _check_proj_dim(self) -> None:
+        if self.proj_dim is None:
+            return
+        if isinstance(self.proj_dim, (list, tuple)):
+            self.proj_dim = list(self.proj_dim)
+            if len(self.proj_dim) != self.depth:
+                raise ValueError(
+                    f"proj_dim as a list needs one k per layer: got {len(self.proj_dim)} "
+                    f"values for depth {self.depth}"
+                )
+            if self.sharing == "layerwise" and len(set(self.proj_dim)) > 1:
+                raise ValueError(
+                    f"sharing='layerwise' uses one projection for every layer, so it cannot "
+                    f"have a different k per layer (proj_dim={self.proj_dim}); use a single "
+                    f"int or sharing in none, headwise, kv"
+                )
+        for k in self.proj_dims:
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.max_seq_len:
+                raise ValueError(
+                    f"proj_dim must be an integer in [1, max_seq_len={self.max_seq_len}], got {k!r}"
+                )
+            if self.projection in ("conv", "pool") and self.max_seq_len % k:
+                raise ValueError(
+                    f"projection={self.projection!r} uses kernel = stride = max_seq_len / proj_dim, "
+                    f"so proj_dim ({k}) must divide max_seq_len ({self.max_seq_len})"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.num_heads
+
+    @property
+    def hidden_ffn_dim(self) -> int:
+        """Feed-forward hidden width (ffn_dim, or 4 * dim when unset)."""
+        return self.ffn_dim if self.ffn_dim is not None else 4 * self.dim
+
+    @property
+    def proj_dims(self) -> list[int | None]:
+        """The k of every layer (None for exact attention)."""
+        if isinstance(self.proj_dim, list):
+            return list(self.proj_dim)
+        return [self.proj_dim] * self.depth
+
+    @property
+    def is_exact(self) -> bool:
+        """Whether the model runs exact softmax attention (proj_dim=None)."""
+        return self.proj_dim is None
+
+    def replace(self, **changes: Any) -> LinformerConfig:
+        """Returns a validated copy with the given fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form of the config."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LinformerConfig:
+        """Builds a config from `to_dict` output.
+
+        Raises:
+            ValueError: if the dict holds a key that is not a config field.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown LinformerConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def proj_dim_schedule(first: int, last: int, depth: int, multiple_of: int = 1) -> list[int]:
+    """A non-increasing per-layer k: geometric from `first` (layer 0) down to `last`.
+
+    The paper's "nonuniform projected dimension": higher layers' attention has lower rank,
+    so they can use a smaller k.
+
+    Args:
+        first: k of the first layer.
+        last: k of the last layer; at most `first`.
+        depth: number of layers.
+        multiple_of: round every k down to a multiple of this (e.g. to divide max_seq_len).
+
+    Returns:
+        A list of `depth` ints, non-increasing.
+
+    Raises:
+        ValueError: if the bounds are not 1 <= last <= first or depth < 1.
+    """
+    if depth < 1 or not 1 <= last <= first or multiple_of < 1:
+        raise ValueError(
+            f"need depth >= 1, 1 <= last <= first and multiple_of >= 1; got depth={depth}, "
+            f"first={first}, last={last}, multiple_of={multiple_of}"
+        )
+    if depth == 1:
+        return [first]
+    ratio = (last / first) ** (1 / (depth - 1))
+    dims = [first * ratio**i for i in range(depth)]
+    return [max(multiple_of, math.floor(k / multiple_of + 1e-9) * multiple_of) for k in dims]
+
+
+def linformer_tiny(**overrides: Any) -> LinformerConfig:
+    """A small model for tests and CPU demos (2 layers, width 64)."""
+    base = dict(vocab_size=1000, max_seq_len=256, dim=64, depth=2, num_heads=4, proj_dim=32)
+    return LinformerConfig(**{**base, **overrides})
+
+
+def linformer_small(**overrides: Any) -> LinformerConfig:
+    """A 4-layer, width-256 model: the shape of the CPU benchmarks."""
+    base = dict(max_seq_len=4096, dim=256, depth=4, num_heads=4, proj_dim=256)
+    return LinformerConfig(**{**base, **overrides})
+
+
+def linformer_base(**overrides: Any) -> LinformerConfig:
+    """RoBERTa-base shape (12 layers, 12 heads, width 768, 512 positions, k=256), as in the paper."""
+    base = dict(
+        vocab_size=50265, max_seq_len=512, dim=768, depth=12, num_heads=12, proj_dim=256,
+        norm_first=False, pad_token_id=1,
+    )
+    return LinformerConfig(**{**base, **overrides})

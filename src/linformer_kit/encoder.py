@@ -1,0 +1,152 @@
+"""Feed-forward block, encoder layer and the encoder stack (sharing plan, k schedule,
+activation checkpointing)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import LinformerSelfAttention
+from .config import LinformerConfig
+from .projection import SequenceProjection, build_sharing_plan
+
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
+
+
+class FeedForward(nn.Module):
+    """Position-wise two-layer MLP: Linear -> activation -> Linear.
+
+    Args:
+        dim: model width.
+        hidden_dim: inner width.
+        activation: gelu or relu.
+    """
+
+    def __init__(self, *, dim: int, hidden_dim: int, activation: str = "gelu") -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden_dim)
+        self.act = ACTIVATIONS[activation]()
+        self.down = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, N, dim) -> (B, N, dim)."""
+        return self.down(self.act(self.up(x)))
+
+
+class LinformerEncoderLayer(nn.Module):
+    """Attention and feed-forward sub-layers with residuals, pre-LN or post-LN.
+
+    Dropout is applied once per sub-layer output; attention-weight dropout lives in the
+    attention module.
+
+    Args:
+        dim, num_heads, max_seq_len: as in `LinformerSelfAttention`.
+        proj_k, proj_v: this layer's sequence projections.
+        ffn_dim: feed-forward inner width.
+        activation: gelu or relu.
+        norm_first: pre-LN (True) or post-LN (False).
+        dropout: dropout on each sub-layer's output.
+        attention_dropout: dropout on the attention weights.
+        layer_norm_eps: LayerNorm epsilon.
+        checkpoint_attention: recompute the attention sub-layer in backward to save memory.
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        max_seq_len: int,
+        proj_k: SequenceProjection | None,
+        proj_v: SequenceProjection | None,
+        ffn_dim: int,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        layer_norm_eps: float = 1e-5,
+        checkpoint_attention: bool = False,
+    ) -> None:
+        super().__init__()
+        self.attn = LinformerSelfAttention(
+            dim=dim, num_heads=num_heads, max_seq_len=max_seq_len, proj_k=proj_k, proj_v=proj_v,
+            dropout=attention_dropout,
+        )
+        self.ffn = FeedForward(dim=dim, hidden_dim=ffn_dim, activation=activation)
+        self.attn_norm = nn.LayerNorm(dim, eps=layer_norm_eps)
+        self.ffn_norm = nn.LayerNorm(dim, eps=layer_norm_eps)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+        self.checkpoint_attention = checkpoint_attention
+
+    def _attention(self, x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        if self.checkpoint_attention and self.training and torch.is_grad_enabled():
+            return checkpoint(self.attn, x, key_padding_mask, use_reentrant=False)
+        return self.attn(x, key_padding_mask)
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        """(B, N, dim) -> (B, N, dim)."""
+        if self.norm_first:
+            x = x + self.dropout(self._attention(self.attn_norm(x), key_padding_mask))
+            return x + self.dropout(self.ffn(self.ffn_norm(x)))
+        x = self.attn_norm(x + self.dropout(self._attention(x, key_padding_mask)))
+        return self.ffn_norm(x + self.dropout(self.ffn(x)))
+
+
+class LinformerEncoder(nn.Module):
+    """A stack of encoder layers whose projections follow the config's sharing plan.
+
+    Pre-LN stacks end with a final LayerNorm; post-LN stacks (BERT) normalise inside layers.
+
+    Args:
+        config: the model config (depth, k per layer, sharing, checkpointing, ...).
+    """
+
+    def __init__(self, config: LinformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(
+            LinformerEncoderLayer(
+                dim=config.dim, num_heads=config.num_heads, max_seq_len=config.max_seq_len,
+                proj_k=proj_k, proj_v=proj_v, ffn_dim=config.hidden_ffn_dim,
+                activation=config.activation, norm_first=config.norm_first,
+                dropout=config.dropout, attention_dropout=config.attention_dropout,
+                layer_norm_eps=config.layer_norm_eps,
+                checkpoint_attention=config.checkpointing == "attention",
+            )
+            for proj_k, proj_v in build_sharing_plan(config)
+        )
+        self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else None
+
+    def forward(
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> tuple[Tensor, tuple[Tensor, ...] | None]:
+        """Runs every layer.
+
+        Args:
+            x: (B, N, dim) embeddings.
+            key_padding_mask: optional bool (B, N), True at real tokens.
+            output_hidden_states: also return the input and every layer's output.
+
+        Returns:
+            The last hidden state (B, N, dim) (after the final norm for pre-LN), and the tuple
+            of depth + 1 hidden states when asked for, else None.
+        """
+        hidden = [x] if output_hidden_states else None
+        recompute = self.config.checkpointing == "layer" and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if recompute:
+                x = checkpoint(layer, x, key_padding_mask, use_reentrant=False)
+            else:
+                x = layer(x, key_padding_mask)
+            if hidden is not None:
+                hidden.append(x)
+        if self.norm is not None:
+            x = self.norm(x)
+            if hidden is not None:
+                hidden[-1] = x
+        return x, (tuple(hidden) if hidden is not None else None)

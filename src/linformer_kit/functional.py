@@ -1,0 +1,213 @@
+"""Pure functions: sequence projections, Linformer attention and exact attention.
+
+Paper eq. 7: head = softmax(Q (E K)^T / sqrt(d)) F V, with E, F of shape k x n. Here a
+projection weight is stored transposed, (max_seq_len, proj_dim), so that a sequence of any
+length n <= max_seq_len uses its first n rows. Keys and values at padded positions are
+zeroed before the projection, so padding never changes outputs at real positions.
+
+Internally tensors are sequence-major, (B, N, G, C): that is how a Linear layer's output
+lies in memory, so reshapes are views and the shared projection is one GEMM per batch row.
+The public attention functions take (B, H, N, D) like `F.scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def check_seq_len(seq_len: int, max_seq_len: int) -> None:
+    """Raises ValueError if a sequence is longer than the model accepts."""
+    if seq_len > max_seq_len:
+        raise ValueError(
+            f"sequence length {seq_len} exceeds max_seq_len {max_seq_len}; inputs may have any "
+            f"length from 1 to {max_seq_len}"
+        )
+
+
+def check_key_padding_mask(key_padding_mask: Tensor | None, batch: int, seq_len: int) -> None:
+    """Raises ValueError unless the mask is a bool tensor of shape (batch, seq_len)."""
+    if key_padding_mask is None:
+        return
+    if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (batch, seq_len):
+        raise ValueError(
+            f"key_padding_mask must be a bool tensor of shape (batch, seq_len) = "
+            f"({batch}, {seq_len}) with True at real tokens; got dtype "
+            f"{key_padding_mask.dtype} and shape {tuple(key_padding_mask.shape)}"
+        )
+
+
+def zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """Zeroes the padded positions of a (B, N, G, C) tensor."""
+    if key_padding_mask is None:
+        return x
+    return x * key_padding_mask[:, :, None, None].to(x.dtype)
+
+
+def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    """Projects the sequence axis with a matrix: out = weight[:N]^T @ x (padding zeroed first).
+
+    Args:
+        x: (B, N, G, C), N <= max_seq_len.
+        weight: (max_seq_len, K) shared by all G groups, or (G, max_seq_len, K), one per group.
+        key_padding_mask: optional bool (B, N), True at real tokens.
+
+    Returns:
+        (B, K, G, C).
+
+    Raises:
+        ValueError: if N exceeds the weight's max_seq_len, or the group counts differ.
+    """
+    batch, seq_len, groups, width = x.shape
+    check_seq_len(seq_len, weight.shape[-2])
+    x = zero_padding(x, key_padding_mask)
+    if weight.dim() == 2:
+        # One GEMM per batch row over all heads and features: (K, N) @ (B, N, G*C).
+        out = torch.matmul(weight[:seq_len].transpose(0, 1), x.reshape(batch, seq_len, -1))
+        return out.view(batch, -1, groups, width)  # (B, K, G, C)
+    if weight.shape[0] != groups:
+        raise ValueError(
+            f"a per-head projection of shape {tuple(weight.shape)} needs {weight.shape[0]} "
+            f"heads, got {groups}"
+        )
+    # (G, K, N) @ (B, G, N, C) -> (B, G, K, C): one batched matmul over heads.
+    out = torch.matmul(weight[:, :seq_len].transpose(-1, -2), x.transpose(1, 2))
+    return out.transpose(1, 2)  # (B, K, G, C)
+
+
+def project_blocks(
+    x: Tensor,
+    block_size: int,
+    weight: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Projects the sequence axis by blocks of `block_size` positions (kernel = stride).
+
+    With `weight=None` each block is the mean of its real positions (paper: "pooling"); with
+    a kernel of shape (block_size,) or (G, block_size) it is a strided 1-D convolution
+    (paper: "convolution"), rescaled by block_size / (real positions in the block), so a
+    block that is partly padding or past the end behaves like a full one.
+
+    Only the ceil(N / block_size) blocks that reach into the sequence are returned: the
+    rest would be empty. Blocks holding no real token are flagged in the returned mask.
+
+    Args:
+        x: (B, N, G, C).
+        block_size: positions per block.
+        weight: None (mean pooling), or a convolution kernel (block_size,) or (G, block_size).
+        key_padding_mask: optional bool (B, N), True at real tokens.
+
+    Returns:
+        (B, M, G, C) with M = ceil(N / block_size), and a bool (B, M) mask of non-empty
+        blocks (None when no key_padding_mask was given: then every block is non-empty).
+    """
+    batch, seq_len, groups, width = x.shape
+    num_blocks = math.ceil(seq_len / block_size)
+    pad = num_blocks * block_size - seq_len
+    if key_padding_mask is None:
+        real = x.new_ones(batch, seq_len)
+    else:
+        real = key_padding_mask.to(x.dtype)
+    x = x * real[:, :, None, None]
+    x = F.pad(x, (0, 0, 0, 0, 0, pad)).view(batch, num_blocks, block_size, groups, width)
+    counts = F.pad(real, (0, pad)).view(batch, num_blocks, block_size).sum(-1)  # (B, M)
+    if weight is None:
+        summed = x.sum(2)
+        scale = 1.0 / counts.clamp(min=1)
+    else:
+        equation = "bmsgc,s->bmgc" if weight.dim() == 1 else "bmsgc,gs->bmgc"
+        summed = torch.einsum(equation, x, weight.to(x.dtype))
+        scale = block_size / counts.clamp(min=1)
+    out = summed * scale[:, :, None, None]  # (B, M, G, C)
+    return out, (counts > 0 if key_padding_mask is not None else None)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> Tensor:
+    """Softmax attention through `F.scaled_dot_product_attention`, safe for empty rows.
+
+    Args:
+        q: (B, H, N, D).
+        k, v: (B, H, M, D); masked-out keys must already hold zero values.
+        kv_mask: optional bool (B, M), True at keys that may be attended to.
+        dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
+        scale: softmax scale; default 1 / sqrt(D).
+
+    Returns:
+        (B, H, N, D). A row with no key to attend to gives zeros, never NaN.
+    """
+    attn_mask = None
+    if kv_mask is not None:
+        # A row with no real key attends uniformly to the (zeroed) keys: output 0, not NaN.
+        kv_mask = kv_mask | ~kv_mask.any(-1, keepdim=True)
+        attn_mask = kv_mask[:, None, None, :]  # (B, 1, 1, M)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+    )
+
+
+def linformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    proj_k: Tensor,
+    proj_v: Tensor,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> Tensor:
+    """Linformer attention, softmax(Q (E K)^T / sqrt(d)) F V (paper eq. 7).
+
+    Args:
+        q, k, v: (B, H, N, D) with N <= max_seq_len.
+        proj_k, proj_v: (max_seq_len, K) shared across heads, or (H, max_seq_len, K).
+            Pass the same tensor twice for key-value sharing.
+        key_padding_mask: optional bool (B, N), True at real tokens; padded keys and values
+            are zeroed before the projection.
+        dropout_p: dropout on the attention weights, as in SDPA (pass 0.0 in eval mode).
+        scale: softmax scale; default 1 / sqrt(D).
+
+    Returns:
+        (B, H, N, D).
+
+    Raises:
+        ValueError: if N exceeds max_seq_len or the mask has the wrong shape or dtype.
+    """
+    check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2])
+    k = project_linear(k.transpose(1, 2), proj_k, key_padding_mask).transpose(1, 2)
+    v = project_linear(v.transpose(1, 2), proj_v, key_padding_mask).transpose(1, 2)
+    return attend(q, k, v, None, dropout_p, scale)  # (B, H, N, D)
+
+
+def exact_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> Tensor:
+    """Exact softmax attention with the same masking rules: the Transformer baseline.
+
+    Args:
+        q, k, v: (B, H, N, D).
+        key_padding_mask: optional bool (B, N), True at real tokens.
+        dropout_p: dropout on the attention weights.
+        scale: softmax scale; default 1 / sqrt(D).
+
+    Returns:
+        (B, H, N, D).
+    """
+    check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2])
+    k = zero_padding(k.transpose(1, 2), key_padding_mask).transpose(1, 2)
+    v = zero_padding(v.transpose(1, 2), key_padding_mask).transpose(1, 2)
+    return attend(q, k, v, key_padding_mask, dropout_p, scale)

@@ -1,0 +1,296 @@
+"""Embeddings, the LinformerModel backbone, task heads and their typed outputs."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import hub
+from .config import LinformerConfig
+from .encoder import LinformerEncoder
+from .functional import check_seq_len
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound="LinformerPreTrainedModel")
+POOLINGS = ("cls", "mean")
+
+
+@dataclass
+class LinformerOutput:
+    """Backbone output: `last_hidden_state` (B, N, dim); `hidden_states` (depth + 1 of them)
+    when `output_hidden_states=True`."""
+
+    last_hidden_state: Tensor
+    hidden_states: tuple[Tensor, ...] | None = None
+
+
+@dataclass
+class MaskedLMOutput:
+    """Masked-LM output: `loss` (when labels were given), `logits` (B, N, vocab_size)."""
+
+    loss: Tensor | None
+    logits: Tensor
+    last_hidden_state: Tensor
+    hidden_states: tuple[Tensor, ...] | None = None
+
+
+@dataclass
+class SequenceClassifierOutput:
+    """Classification output: `loss` (when labels were given), `logits` (B, num_labels)."""
+
+    loss: Tensor | None
+    logits: Tensor
+    last_hidden_state: Tensor
+    hidden_states: tuple[Tensor, ...] | None = None
+
+
+def sinusoidal_positions(max_seq_len: int, dim: int) -> Tensor:
+    """The fixed sin/cos position table of "Attention Is All You Need": (max_seq_len, dim)."""
+    position = torch.arange(max_seq_len, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(max_seq_len, dim)
+    table[:, 0::2] = torch.sin(position * freq)
+    table[:, 1::2] = torch.cos(position * freq)[:, : dim // 2]
+    return table
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """BERT-style init for dense and embedding layers; projections keep their own init."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=std)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+class LinformerEmbeddings(nn.Module):
+    """Token + position (+ token type) embeddings; LayerNorm here for post-LN models (BERT)."""
+
+    def __init__(self, config: LinformerConfig) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.positions = (
+            nn.Embedding(config.max_seq_len, config.dim) if config.position == "learned" else None
+        )
+        if self.positions is None:
+            table = sinusoidal_positions(config.max_seq_len, config.dim)
+            self.register_buffer("sinusoid", table, persistent=False)
+        self.token_types = (
+            nn.Embedding(config.type_vocab_size, config.dim) if config.type_vocab_size else None
+        )
+        self.norm = None if config.norm_first else nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        """(B, N) token ids -> (B, N, dim)."""
+        seq_len = input_ids.shape[1]
+        positions = self.positions.weight if self.positions is not None else self.sinusoid
+        x = self.tokens(input_ids) + positions[:seq_len]
+        if token_type_ids is not None:
+            if self.token_types is None:
+                raise ValueError("token_type_ids given but the config has type_vocab_size=0")
+            x = x + self.token_types(token_type_ids)
+        elif self.token_types is not None:
+            x = x + self.token_types.weight[0]
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)
+
+
+class LinformerPreTrainedModel(nn.Module):
+    """Base of all models: holds the config; `save_pretrained` / `from_pretrained`."""
+
+    base_model_prefix = "linformer"
+
+    def __init__(self, config: LinformerConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @property
+    def backbone(self) -> LinformerModel:
+        """The LinformerModel inside (the model itself for the backbone)."""
+        return getattr(self, self.base_model_prefix)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments beyond the config, saved in config.json."""
+        return {}
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Writes `config.json` and `model.safetensors` (shared tensors once) into `path`."""
+        hub.save_pretrained(self, path, type(self).__name__, self.model_kwargs())
+
+    @classmethod
+    def from_pretrained(
+        cls: type[ModelT],
+        path: str | os.PathLike,
+        *,
+        config_overrides: dict[str, Any] | None = None,
+        **model_kwargs: Any,
+    ) -> ModelT:
+        """Loads a model saved by `save_pretrained`.
+
+        Loading a different architecture keeps the backbone only (e.g. a classifier from a
+        masked-LM checkpoint); the new head is freshly initialised.
+
+        Args:
+            path: directory with config.json and model.safetensors.
+            config_overrides: config fields to change (e.g. dropout, checkpointing).
+            **model_kwargs: constructor arguments (e.g. num_labels) overriding the saved ones.
+
+        Raises:
+            FileNotFoundError: if a file is missing.
+            ValueError: if a file is corrupt or the weights do not match the config.
+        """
+        meta = hub.read_config(path)
+        config = meta["config"].replace(**(config_overrides or {}))
+        same = meta["architecture"] == cls.__name__
+        model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
+        tensors = hub.read_weights(path)
+        if same:
+            hub.load_weights(model, tensors, str(path))
+            return model
+        if meta["architecture"] != LinformerModel.__name__:
+            prefix = cls.base_model_prefix + "."
+            tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        hub.load_weights(model.backbone, tensors, str(path))
+        if model.backbone is not model:
+            logger.info("loaded the backbone of a %s; the %s head is newly initialised",
+                        meta["architecture"], cls.__name__)
+        return model
+
+
+class LinformerModel(LinformerPreTrainedModel):
+    """Embeddings + encoder: the backbone every task model wraps.
+
+    Args:
+        config: the architecture; `proj_dim=None` gives the exact-attention Transformer.
+    """
+
+    def __init__(self, config: LinformerConfig) -> None:
+        super().__init__(config)
+        self.embeddings = LinformerEmbeddings(config)
+        self.encoder = LinformerEncoder(config)
+        self.apply(lambda m: init_weights(m, config.init_std))
+
+    @property
+    def backbone(self) -> LinformerModel:
+        return self
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        key_padding_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> LinformerOutput:
+        """Encodes a batch of token ids of any length up to max_seq_len.
+
+        Args:
+            input_ids: (B, N) int64.
+            key_padding_mask: optional bool (B, N), True at real tokens.
+            token_type_ids: optional (B, N) segment ids (needs type_vocab_size > 0).
+            output_hidden_states: also return the embeddings and every layer's output.
+
+        Raises:
+            ValueError: if N exceeds max_seq_len or the inputs are malformed.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        check_seq_len(input_ids.shape[1], self.config.max_seq_len)
+        x = self.embeddings(input_ids, token_type_ids)
+        last, hidden = self.encoder(x, key_padding_mask, output_hidden_states)
+        return LinformerOutput(last_hidden_state=last, hidden_states=hidden)
+
+
+class LinformerForMaskedLM(LinformerPreTrainedModel):
+    """Backbone + RoBERTa-style LM head (dense, GELU, LayerNorm, decoder tied to the
+    token embeddings). The loss ignores label -100."""
+
+    def __init__(self, config: LinformerConfig) -> None:
+        super().__init__(config)
+        self.linformer = LinformerModel(config)
+        self.head = nn.Sequential(
+            nn.Linear(config.dim, config.dim), nn.GELU(),
+            nn.LayerNorm(config.dim, eps=config.layer_norm_eps),
+        )
+        self.decoder_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.head.apply(lambda m: init_weights(m, config.init_std))
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        key_padding_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> MaskedLMOutput:
+        """Token logits and, given labels (B, N) with -100 at unscored positions, the loss."""
+        out = self.linformer(input_ids, key_padding_mask, token_type_ids, output_hidden_states)
+        logits = F.linear(self.head(out.last_hidden_state), self.linformer.embeddings.tokens.weight,
+                          self.decoder_bias)  # (B, N, vocab_size)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return MaskedLMOutput(loss, logits, out.last_hidden_state, out.hidden_states)
+
+
+class LinformerForSequenceClassification(LinformerPreTrainedModel):
+    """Backbone + pooled classifier (dense, tanh, linear). `num_labels=1` is regression (MSE).
+
+    Args:
+        config: the architecture.
+        num_labels: number of classes (1 for regression).
+        pooling: `cls` (first token) or `mean` (over real tokens only).
+    """
+
+    def __init__(self, config: LinformerConfig, num_labels: int = 2, pooling: str = "cls") -> None:
+        super().__init__(config)
+        if not isinstance(num_labels, int) or num_labels < 1:
+            raise ValueError(f"num_labels must be an integer >= 1, got {num_labels!r}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
+        self.num_labels, self.pooling = num_labels, pooling
+        self.linformer = LinformerModel(config)
+        self.head = nn.Sequential(
+            nn.Dropout(config.dropout), nn.Linear(config.dim, config.dim), nn.Tanh(),
+            nn.Dropout(config.dropout), nn.Linear(config.dim, num_labels),
+        )
+        self.head.apply(lambda m: init_weights(m, config.init_std))
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {"num_labels": self.num_labels, "pooling": self.pooling}
+
+    def pool(self, hidden: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """(B, N, dim) -> (B, dim): the first token, or the mean over real tokens."""
+        if self.pooling == "cls":
+            return hidden[:, 0]
+        if key_padding_mask is None:
+            return hidden.mean(1)
+        weights = key_padding_mask.to(hidden.dtype)[:, :, None]  # (B, N, 1)
+        return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        key_padding_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> SequenceClassifierOutput:
+        """Class logits (B, num_labels) and, given labels (B,), the loss."""
+        out = self.linformer(input_ids, key_padding_mask, token_type_ids, output_hidden_states)
+        logits = self.head(self.pool(out.last_hidden_state, key_padding_mask))
+        loss = None
+        if labels is not None:
+            if self.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+            else:
+                loss = F.cross_entropy(logits.float(), labels)
+        return SequenceClassifierOutput(loss, logits, out.last_hidden_state, out.hidden_states)

@@ -1,0 +1,140 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from linformer_kit import (
+    LinformerConfig,
+    LinformerModel,
+    LinformerSelfAttention,
+    count_projection_matrices,
+    linformer_base,
+)
+from linformer_kit.projection import build_projection
+
+SHARINGS = ["none", "headwise", "kv", "layerwise"]
+KINDS = ["linear", "conv", "pool", "random"]
+
+
+def tiny(**changes):
+    base = dict(vocab_size=50, max_seq_len=24, dim=16, depth=2, num_heads=2, proj_dim=6,
+                dropout=0.0, attention_dropout=0.0)
+    return LinformerConfig(**{**base, **changes})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sharing=st.sampled_from(SHARINGS),
+    projection=st.sampled_from(KINDS + ["exact"]),
+    lengths=st.lists(st.integers(1, 16), min_size=1, max_size=3),
+    pad=st.integers(0, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_padding_invariance_over_sharing_and_kinds(sharing, projection, lengths, pad, seed):
+    torch.manual_seed(seed)
+    proj_dim = None if projection == "exact" else 6
+    cfg = tiny(sharing=sharing, projection="linear" if proj_dim is None else projection,
+               proj_dim=proj_dim, norm_first=seed % 2 == 0)
+    model = LinformerModel(cfg).double().eval()
+    width = max(lengths) + pad
+    ids = torch.randint(0, 50, (len(lengths), width))
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    padded = model(ids, mask).last_hidden_state
+    for row, n in enumerate(lengths):
+        alone = model(ids[row : row + 1, :n]).last_hidden_state[0]
+        torch.testing.assert_close(padded[row, :n], alone, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("projection", KINDS)
+@pytest.mark.parametrize("sharing", ["headwise", "kv", "layerwise"])
+def test_projecting_the_input_first_is_exactly_equal(projection, sharing, monkeypatch):
+    torch.manual_seed(0)
+    model = LinformerModel(tiny(projection=projection, sharing=sharing)).double().eval()
+    for p in model.parameters():  # non-zero biases so the (E 1) b term is exercised
+        torch.nn.init.normal_(p, std=0.3)
+    ids = torch.randint(0, 50, (3, 20))
+    mask = torch.arange(20)[None, :] < torch.tensor([20, 11, 3])[:, None]
+    attn = model.encoder.layers[0].attn
+    assert attn.projects_input_first(20)
+    fast = model(ids, mask).last_hidden_state
+    monkeypatch.setattr(LinformerSelfAttention, "projects_input_first", lambda self, n: False)
+    slow = model(ids, mask).last_hidden_state
+    torch.testing.assert_close(fast, slow, atol=1e-10, rtol=0)
+
+
+def test_order_is_chosen_by_flop_count():
+    attn = LinformerSelfAttention(
+        dim=64, num_heads=4, max_seq_len=1024,
+        proj_k=build_projection(projection="linear", max_seq_len=1024, proj_dim=256),
+    )
+    assert attn.projects_input_first(1024)
+    assert not attn.projects_input_first(64)  # k > n: projecting first would add rows
+    per_head = build_projection(projection="linear", max_seq_len=1024, proj_dim=8, num_heads=4)
+    assert not LinformerSelfAttention(dim=64, num_heads=4, max_seq_len=1024,
+                                      proj_k=per_head).projects_input_first(1024)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_exact_path_matches_torch_multihead_attention(masked):
+    torch.manual_seed(0)
+    dim, heads, n = 16, 4, 9
+    ours = LinformerSelfAttention(dim=dim, num_heads=heads, max_seq_len=32).double().eval()
+    peer = torch.nn.MultiheadAttention(dim, heads, batch_first=True).double().eval()
+    with torch.no_grad():
+        peer.in_proj_weight.copy_(torch.cat([ours.to_q.weight, ours.to_k.weight, ours.to_v.weight]))
+        peer.in_proj_bias.copy_(torch.cat([ours.to_q.bias, ours.to_k.bias, ours.to_v.bias]))
+        peer.out_proj.weight.copy_(ours.to_out.weight)
+        peer.out_proj.bias.copy_(ours.to_out.bias)
+    x = torch.randn(2, n, dim, dtype=torch.float64)
+    mask = torch.tensor([[True] * n, [True] * 5 + [False] * 4]) if masked else None
+    expected, _ = peer(x, x, x, key_padding_mask=None if mask is None else ~mask)
+    torch.testing.assert_close(ours(x, mask), expected, atol=1e-10, rtol=0)
+
+
+def test_identity_projections_reproduce_the_exact_model_at_full_length():
+    torch.manual_seed(0)
+    exact = LinformerModel(tiny(proj_dim=None, max_seq_len=12)).double().eval()
+    lin = LinformerModel(tiny(proj_dim=12, max_seq_len=12, sharing="headwise")).double().eval()
+    lin.load_state_dict(exact.state_dict(), strict=False)
+    with torch.no_grad():
+        for layer in lin.encoder.layers:
+            layer.attn.proj_k.weight.copy_(torch.eye(12))
+            layer.attn.proj_v.weight.copy_(torch.eye(12))
+    ids = torch.randint(0, 50, (2, 12))
+    torch.testing.assert_close(lin(ids).last_hidden_state, exact(ids).last_hidden_state,
+                               atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(("sharing", "count"), list(zip(SHARINGS, [288, 24, 12, 1])))
+def test_sharing_counts_match_the_paper(sharing, count):
+    model = LinformerModel(linformer_base(sharing=sharing, vocab_size=10, dim=96, ffn_dim=8))
+    assert count_projection_matrices(model) == count
+    projections = {id(p) for name, p in model.named_parameters() if "proj_" in name}
+    assert len(projections) == {"none": 24}.get(sharing, count)  # per-head: one (H, n, k) tensor
+    layers = model.encoder.layers
+    if sharing == "layerwise":
+        assert all(layer.attn.proj_k.weight is layers[0].attn.proj_k.weight for layer in layers)
+    if sharing in ("kv", "layerwise"):
+        assert all(layer.attn.proj_k is layer.attn.proj_v for layer in layers)
+
+
+def test_per_layer_k_builds_each_layer_with_its_own_k():
+    model = LinformerModel(tiny(proj_dim=[8, 4], sharing="kv"))
+    ks = [layer.attn.proj_k.weight.shape[-1] for layer in model.encoder.layers]
+    assert ks == [8, 4]
+
+
+def test_too_long_input_is_rejected_with_both_numbers():
+    model = LinformerModel(tiny())
+    with pytest.raises(ValueError, match=r"sequence length 25 exceeds max_seq_len 24"):
+        model(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_attention_dropout_only_in_training():
+    torch.manual_seed(0)
+    attn = LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=16, dropout=0.5)
+    x = torch.randn(2, 10, 16)
+    attn.eval()
+    assert torch.equal(attn(x), attn(x))
+    attn.train()
+    assert not torch.allclose(attn(x), attn(x))

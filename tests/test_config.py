@@ -1,0 +1,69 @@
+import pytest
+
+from linformer_kit import LinformerConfig, linformer_base, linformer_small, linformer_tiny
+from linformer_kit.config import proj_dim_schedule
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"dim": 0}, r"dim must be an integer >= 1, got 0"),
+        ({"dim": 30, "num_heads": 4}, r"dim \(30\) must be divisible by num_heads \(4\)"),
+        ({"proj_dim": 0}, r"proj_dim must be an integer in \[1, max_seq_len=64\], got 0"),
+        ({"proj_dim": 65}, r"proj_dim must be an integer in \[1, max_seq_len=64\], got 65"),
+        ({"proj_dim": [8, 8, 8]}, r"one k per layer: got 3 values for depth 2"),
+        ({"proj_dim": [16, 8]}, r"sharing='layerwise'.*cannot have a different k per layer"),
+        ({"projection": "pool", "proj_dim": 12}, r"proj_dim \(12\) must divide max_seq_len \(64\)"),
+        ({"projection": "fft"}, r"projection must be one of linear, conv, pool, random; got 'fft'"),
+        ({"sharing": "all"}, r"sharing must be one of none, headwise, kv, layerwise; got 'all'"),
+        ({"activation": "tanh"}, r"activation must be one of gelu, relu"),
+        ({"position": "rope"}, r"position must be one of learned, sinusoidal"),
+        ({"checkpointing": "full"}, r"checkpointing must be one of none, layer, attention"),
+        ({"dropout": 1.0}, r"dropout must be a float in \[0, 1\), got 1.0"),
+        ({"attention_dropout": -0.1}, r"attention_dropout must be a float in \[0, 1\)"),
+        ({"pad_token_id": 100}, r"pad_token_id must be in \[0, 100\), got 100"),
+        ({"type_vocab_size": -1}, r"type_vocab_size must be an integer >= 0"),
+        ({"ffn_dim": 0}, r"ffn_dim must be an integer >= 1"),
+    ],
+)
+def test_bad_values_are_named_with_allowed_range(changes, message):
+    base = dict(vocab_size=100, max_seq_len=64, dim=32, depth=2, num_heads=4, proj_dim=16)
+    with pytest.raises(ValueError, match=message):
+        LinformerConfig(**{**base, **changes})
+
+
+def test_config_is_keyword_only():
+    with pytest.raises(TypeError):
+        LinformerConfig(100)  # type: ignore[misc]
+
+
+def test_per_layer_k_allowed_without_layerwise_sharing():
+    cfg = linformer_tiny(proj_dim=[32, 16], sharing="headwise")
+    assert cfg.proj_dims == [32, 16]
+
+
+def test_round_trip_and_unknown_fields():
+    cfg = linformer_tiny(proj_dim=[32, 16], sharing="kv", position="sinusoidal")
+    assert LinformerConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match=r"unknown LinformerConfig fields \['hidden'\]"):
+        LinformerConfig.from_dict({**cfg.to_dict(), "hidden": 3})
+
+
+def test_presets_and_derived_fields():
+    base = linformer_base()
+    assert (base.dim, base.depth, base.num_heads, base.head_dim) == (768, 12, 12, 64)
+    assert base.hidden_ffn_dim == 3072 and not base.norm_first
+    assert linformer_small().max_seq_len == 4096
+    assert linformer_tiny(proj_dim=None).is_exact
+    with pytest.raises(ValueError, match="got 0"):
+        linformer_tiny(depth=0)
+
+
+def test_proj_dim_schedule_is_non_increasing_between_the_bounds():
+    dims = proj_dim_schedule(256, 64, 12, multiple_of=32)
+    assert dims[0] == 256 and dims[-1] == 64 and len(dims) == 12
+    assert all(a >= b for a, b in zip(dims, dims[1:]))
+    assert all(k % 32 == 0 for k in dims)
+    assert proj_dim_schedule(128, 128, 3) == [128, 128, 128]
+    with pytest.raises(ValueError, match="1 <= last <= first"):
+        proj_dim_schedule(64, 128, 4)

@@ -1,0 +1,148 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import projected_attention, softmax_attention
+
+from linformer_kit.functional import (
+    exact_attention,
+    linformer_attention,
+    project_blocks,
+    project_linear,
+)
+
+B, H, D = 2, 3, 4
+
+
+def qkv(n, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, n, D, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def test_identity_projection_equals_exact_attention_at_full_length():
+    n = 16
+    q, k, v = qkv(n)
+    eye = torch.eye(n, dtype=torch.float64)
+    out = linformer_attention(q, k, v, eye, eye)
+    torch.testing.assert_close(out, softmax_attention(q, k, v), atol=1e-10, rtol=0)
+
+
+def test_exact_attention_masks_keys_like_the_reference():
+    n = 12
+    q, k, v = qkv(n)
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[0, 7:] = False
+    out = exact_attention(q, k, v, mask)
+    torch.testing.assert_close(out, softmax_attention(q, k, v, mask), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_linformer_attention_matches_eq7(per_head, masked):
+    n, max_len, kdim = 10, 16, 5
+    q, k, v = qkv(n)
+    shape = (H, max_len, kdim) if per_head else (max_len, kdim)
+    proj_k, proj_v = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    mask = None
+    if masked:
+        mask = torch.ones(B, n, dtype=torch.bool)
+        mask[1, 4:] = False
+    out = linformer_attention(q, k, v, proj_k, proj_v, mask)
+    ref = projected_attention(q, k, v, proj_k, proj_v, mask)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_gradcheck_linformer_attention(per_head):
+    n, max_len, kdim = 6, 8, 3
+    q, k, v = (t.requires_grad_() for t in qkv(n))
+    shape = (H, max_len, kdim) if per_head else (max_len, kdim)
+    proj_k = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    proj_v = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True] * n, [True] * 4 + [False] * (n - 4)])
+    assert torch.autograd.gradcheck(
+        lambda *t: linformer_attention(*t, key_padding_mask=mask), (q, k, v, proj_k, proj_v)
+    )
+
+
+def test_gradcheck_exact_attention_and_block_projection():
+    q, k, v = (t.requires_grad_() for t in qkv(5))
+    mask = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    assert torch.autograd.gradcheck(lambda *t: exact_attention(*t, mask), (q, k, v))
+    x = torch.randn(B, 7, H, D, dtype=torch.float64, requires_grad=True)
+    kernel = torch.randn(H, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    assert torch.autograd.gradcheck(lambda x, w: project_blocks(x, 3, w, mask)[0], (x, kernel))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    pad=st.integers(0, 6),
+    per_head=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_padding_never_changes_real_outputs(n, pad, per_head, seed):
+    torch.manual_seed(seed)
+    q, k, v = qkv(n + pad, seed=seed)
+    shape = (H, 18, 4) if per_head else (18, 4)
+    proj_k, proj_v = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    mask = torch.zeros(B, n + pad, dtype=torch.bool)
+    mask[:, :n] = True
+    padded = linformer_attention(q, k, v, proj_k, proj_v, mask)[:, :, :n]
+    alone = linformer_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], proj_k, proj_v)
+    torch.testing.assert_close(padded, alone, atol=1e-10, rtol=0)
+
+
+def test_too_long_sequence_names_both_numbers():
+    q, k, v = qkv(20)
+    proj = torch.randn(16, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"20.*max_seq_len 16"):
+        linformer_attention(q, k, v, proj, proj)
+
+
+@pytest.mark.parametrize(
+    "mask", [torch.ones(B, 5, dtype=torch.int64), torch.ones(B, 4, dtype=torch.bool)]
+)
+def test_malformed_mask_is_rejected(mask):
+    q, k, v = qkv(5)
+    proj = torch.randn(8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="key_padding_mask must be a bool tensor"):
+        linformer_attention(q, k, v, proj, proj, mask)
+
+
+def test_per_head_projection_needs_matching_heads():
+    x = torch.randn(B, 5, H, D)
+    with pytest.raises(ValueError, match="needs 2 heads, got 3"):
+        project_linear(x, torch.randn(2, 8, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fully_masked_row_gives_zeros_not_nan(dtype):
+    q, k, v = qkv(6, dtype=dtype)
+    mask = torch.ones(B, 6, dtype=torch.bool)
+    mask[1] = False
+    proj = torch.randn(8, 4, dtype=dtype)
+    for out in (linformer_attention(q, k, v, proj, proj, mask), exact_attention(q, k, v, mask)):
+        assert not out.isnan().any()
+        assert out[1].abs().max() == 0
+
+
+def test_pool_blocks_average_real_positions_only():
+    x = torch.arange(1.0, 8.0).view(1, 7, 1, 1)  # values 1..7
+    out, mask = project_blocks(x, 3, None, torch.tensor([[True] * 5 + [False] * 2]))
+    # blocks [1,2,3], [4,5,(6 pad)], [(7 pad)]
+    assert out.flatten().tolist() == [2.0, 4.5, 0.0]
+    assert mask.tolist() == [[True, True, False]]
+    out, mask = project_blocks(x, 3)  # no mask: the short last block is the mean of what it has
+    assert out.flatten().tolist() == [2.0, 5.0, 7.0] and mask is None
+
+
+def test_conv_blocks_equal_strided_conv1d_on_full_blocks():
+    x = torch.randn(2, 12, 1, 5, dtype=torch.float64)
+    kernel = torch.randn(4, dtype=torch.float64)
+    out, _ = project_blocks(x, 4, kernel)
+    ref = torch.nn.functional.conv1d(
+        x[:, :, 0].transpose(1, 2).reshape(10, 1, 12), kernel.view(1, 1, 4), stride=4
+    )  # (B * C, 1, 3)
+    torch.testing.assert_close(out[:, :, 0], ref.view(2, 5, 3).transpose(1, 2))
