@@ -17,8 +17,16 @@ KINDS = ["linear", "conv", "pool", "random"]
 
 
 def tiny(**changes):
-    base = dict(vocab_size=50, max_seq_len=24, dim=16, depth=2, num_heads=2, proj_dim=6,
-                dropout=0.0, attention_dropout=0.0)
+    base = dict(
+        vocab_size=50,
+        max_seq_len=24,
+        dim=16,
+        depth=2,
+        num_heads=2,
+        proj_dim=6,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
     return LinformerConfig(**{**base, **changes})
 
 
@@ -33,8 +41,12 @@ def tiny(**changes):
 def test_padding_invariance_over_sharing_and_kinds(sharing, projection, lengths, pad, seed):
     torch.manual_seed(seed)
     proj_dim = None if projection == "exact" else 6
-    cfg = tiny(sharing=sharing, projection="linear" if proj_dim is None else projection,
-               proj_dim=proj_dim, norm_first=seed % 2 == 0)
+    cfg = tiny(
+        sharing=sharing,
+        projection="linear" if proj_dim is None else projection,
+        proj_dim=proj_dim,
+        norm_first=seed % 2 == 0,
+    )
     model = LinformerModel(cfg).double().eval()
     width = max(lengths) + pad
     ids = torch.randint(0, 50, (len(lengths), width))
@@ -64,14 +76,17 @@ def test_projecting_the_input_first_is_exactly_equal(projection, sharing, monkey
 
 def test_order_is_chosen_by_flop_count():
     attn = LinformerSelfAttention(
-        dim=64, num_heads=4, max_seq_len=1024,
+        dim=64,
+        num_heads=4,
+        max_seq_len=1024,
         proj_k=build_projection(projection="linear", max_seq_len=1024, proj_dim=256),
     )
     assert attn.projects_input_first(1024)
     assert not attn.projects_input_first(64)  # k > n: projecting first would add rows
     per_head = build_projection(projection="linear", max_seq_len=1024, proj_dim=8, num_heads=4)
-    assert not LinformerSelfAttention(dim=64, num_heads=4, max_seq_len=1024,
-                                      proj_k=per_head).projects_input_first(1024)
+    assert not LinformerSelfAttention(
+        dim=64, num_heads=4, max_seq_len=1024, proj_k=per_head
+    ).projects_input_first(1024)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -88,7 +103,7 @@ def test_exact_path_matches_torch_multihead_attention(masked):
     x = torch.randn(2, n, dim, dtype=torch.float64)
     mask = torch.tensor([[True] * n, [True] * 5 + [False] * 4]) if masked else None
     expected, _ = peer(x, x, x, key_padding_mask=None if mask is None else ~mask)
-    torch.testing.assert_close(ours(x, mask), expected, atol=1e-10, rtol=0)
+    torch.testing.assert_close(ours(x, mask)[0], expected, atol=1e-10, rtol=0)
 
 
 def test_identity_projections_reproduce_the_exact_model_at_full_length():
@@ -101,8 +116,9 @@ def test_identity_projections_reproduce_the_exact_model_at_full_length():
             layer.attn.proj_k.weight.copy_(torch.eye(12))
             layer.attn.proj_v.weight.copy_(torch.eye(12))
     ids = torch.randint(0, 50, (2, 12))
-    torch.testing.assert_close(lin(ids).last_hidden_state, exact(ids).last_hidden_state,
-                               atol=1e-10, rtol=0)
+    torch.testing.assert_close(
+        lin(ids).last_hidden_state, exact(ids).last_hidden_state, atol=1e-10, rtol=0
+    )
 
 
 @pytest.mark.parametrize(("sharing", "count"), list(zip(SHARINGS, [288, 24, 12, 1])))
@@ -135,6 +151,30 @@ def test_attention_dropout_only_in_training():
     attn = LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=16, dropout=0.5)
     x = torch.randn(2, 10, 16)
     attn.eval()
-    assert torch.equal(attn(x), attn(x))
+    assert torch.equal(attn(x)[0], attn(x)[0])
     attn.train()
-    assert not torch.allclose(attn(x), attn(x))
+    assert not torch.allclose(attn(x)[0], attn(x)[0])
+
+
+@pytest.mark.parametrize(("proj_dim", "width"), [(None, 10), (6, 6)])
+def test_returned_attention_is_the_matrix_sdpa_applied(proj_dim, width):
+    torch.manual_seed(0)
+    model = LinformerModel(tiny(proj_dim=proj_dim, projection="pool", max_seq_len=24)).eval()
+    ids = torch.randint(0, 50, (2, 10))
+    mask = torch.tensor([[True] * 10, [True] * 3 + [False] * 7])
+    out = model(ids, mask, output_attentions=True)
+    assert len(out.attentions) == 2
+    weights = out.attentions[0]  # pool: 4 positions per block, 3 blocks reach into n = 10
+    assert weights.shape == (2, 2, 10, width if proj_dim is None else 3)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 10))
+    assert (weights[1, :, :, 1:] == 0).all() if proj_dim else (weights[1, :, :, 3:] == 0).all()
+    # P @ V reproduces the layer's attention output (before the output projection).
+    attn = model.encoder.layers[0].attn
+    x = model.embeddings(ids)
+    x = model.encoder.layers[0].attn_norm(x)
+    captured = {}
+    attn.to_out.register_forward_hook(lambda m, inp, o: captured.update(inp=inp[0]))
+    attn(x, mask)
+    v, _ = attn.proj_v(attn.to_v(x).view(2, 10, 2, 8), mask)
+    expected = torch.matmul(weights, v.transpose(1, 2)).transpose(1, 2).reshape(2, 10, 16)
+    torch.testing.assert_close(captured["inp"], expected, atol=1e-5, rtol=1e-5)

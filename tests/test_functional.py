@@ -42,7 +42,10 @@ def test_linformer_attention_matches_eq7(per_head, masked):
     n, max_len, kdim = 10, 16, 5
     q, k, v = qkv(n)
     shape = (H, max_len, kdim) if per_head else (max_len, kdim)
-    proj_k, proj_v = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    proj_k, proj_v = (
+        torch.randn(shape, dtype=torch.float64),
+        torch.randn(shape, dtype=torch.float64),
+    )
     mask = None
     if masked:
         mask = torch.ones(B, n, dtype=torch.bool)
@@ -86,7 +89,10 @@ def test_padding_never_changes_real_outputs(n, pad, per_head, seed):
     torch.manual_seed(seed)
     q, k, v = qkv(n + pad, seed=seed)
     shape = (H, 18, 4) if per_head else (18, 4)
-    proj_k, proj_v = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    proj_k, proj_v = (
+        torch.randn(shape, dtype=torch.float64),
+        torch.randn(shape, dtype=torch.float64),
+    )
     mask = torch.zeros(B, n + pad, dtype=torch.bool)
     mask[:, :n] = True
     padded = linformer_attention(q, k, v, proj_k, proj_v, mask)[:, :, :n]

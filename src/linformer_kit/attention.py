@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .functional import attend, check_key_padding_mask, check_seq_len
+from .functional import attend, attention_weights, check_key_padding_mask, check_seq_len
 from .projection import ExactProjection, SequenceProjection
 
 
@@ -59,15 +59,20 @@ class LinformerSelfAttention(nn.Module):
         after = 2 * seq_len * self.dim**2 + 2 * self.proj_k.flops(seq_len, self.dim)
         return first < after
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, return_attention: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """Attends every position to the projected keys and values.
 
         Args:
             x: (B, N, dim) with N <= max_seq_len.
             key_padding_mask: optional bool (B, N), True at real tokens.
+            return_attention: also return the context-mapping matrix P (materialised
+                separately; the output itself always comes from SDPA).
 
         Returns:
-            (B, N, dim).
+            The output (B, N, dim), and P of shape (B, H, N, M) when asked for, else None
+            (M = k for Linformer, N for exact attention).
 
         Raises:
             ValueError: if N exceeds max_seq_len or the mask is malformed.
@@ -84,9 +89,11 @@ class LinformerSelfAttention(nn.Module):
             v = self.to_v(x).view(batch, seq_len, heads, head_dim)
             k, kv_mask = self.proj_k(k, key_padding_mask)  # (B, M, H, D)
             v, _ = self.proj_v(v, key_padding_mask)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, H, M, D)
         dropout_p = self.dropout if self.training else 0.0
-        out = attend(q, k.transpose(1, 2), v.transpose(1, 2), kv_mask, dropout_p)  # (B, H, N, D)
-        return self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.dim))
+        out = attend(q, k, v, kv_mask, dropout_p)  # (B, H, N, D)
+        out = self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.dim))
+        return out, (attention_weights(q, k, kv_mask) if return_attention else None)
 
     def _project_then_map(
         self, x: Tensor, key_padding_mask: Tensor | None

@@ -61,9 +61,7 @@ class LinformerConfig:
         for name in ("vocab_size", "max_seq_len", "dim", "depth", "num_heads"):
             _check_positive(name, getattr(self, name))
         if self.dim % self.num_heads:
-            raise ValueError(
-                f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})"
-            )
+            raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.ffn_dim is not None:
             _check_positive("ffn_dim", self.ffn_dim)
         _check_choice("projection", self.projection, PROJECTIONS)
@@ -74,7 +72,9 @@ class LinformerConfig:
         _check_probability("dropout", self.dropout)
         _check_probability("attention_dropout", self.attention_dropout)
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
-            raise ValueError(f"type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}")
+            raise ValueError(
+                f"type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}"
+            )
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
                 f"pad_token_id must be in [0, {self.vocab_size}), got {self.pad_token_id!r}"
@@ -109,8 +109,8 @@ class LinformerConfig:
                 )
             if self.projection in ("conv", "pool") and self.max_seq_len % k:
                 raise ValueError(
-                    f"projection={self.projection!r} uses kernel = stride = max_seq_len / proj_dim, "
-                    f"so proj_dim ({k}) must divide max_seq_len ({self.max_seq_len})"
+                    f"projection={self.projection!r} uses kernel = stride = max_seq_len / "
+                    f"proj_dim, so proj_dim ({k}) must divide max_seq_len ({self.max_seq_len})"
                 )
 
     @property
@@ -200,9 +200,15 @@ def linformer_small(**overrides: Any) -> LinformerConfig:
 
 
 def linformer_base(**overrides: Any) -> LinformerConfig:
-    """RoBERTa-base shape (12 layers, 12 heads, width 768, 512 positions, k=256), as in the paper."""
+    """RoBERTa-base shape (12 layers, 12 heads, width 768, 512 positions), k=256 as in the paper."""
     base = dict(
-        vocab_size=50265, max_seq_len=512, dim=768, depth=12, num_heads=12, proj_dim=256,
-        norm_first=False, pad_token_id=1,
+        vocab_size=50265,
+        max_seq_len=512,
+        dim=768,
+        depth=12,
+        num_heads=12,
+        proj_dim=256,
+        norm_first=False,
+        pad_token_id=1,
     )
     return LinformerConfig(**{**base, **overrides})

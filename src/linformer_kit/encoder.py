@@ -70,7 +70,11 @@ class LinformerEncoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.attn = LinformerSelfAttention(
-            dim=dim, num_heads=num_heads, max_seq_len=max_seq_len, proj_k=proj_k, proj_v=proj_v,
+            dim=dim,
+            num_heads=num_heads,
+            max_seq_len=max_seq_len,
+            proj_k=proj_k,
+            proj_v=proj_v,
             dropout=attention_dropout,
         )
         self.ffn = FeedForward(dim=dim, hidden_dim=ffn_dim, activation=activation)
@@ -80,18 +84,26 @@ class LinformerEncoderLayer(nn.Module):
         self.norm_first = norm_first
         self.checkpoint_attention = checkpoint_attention
 
-    def _attention(self, x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    def _attention(
+        self, x: Tensor, key_padding_mask: Tensor | None, return_attention: bool
+    ) -> tuple[Tensor, Tensor | None]:
         if self.checkpoint_attention and self.training and torch.is_grad_enabled():
-            return checkpoint(self.attn, x, key_padding_mask, use_reentrant=False)
-        return self.attn(x, key_padding_mask)
+            return checkpoint(self.attn, x, key_padding_mask, return_attention, use_reentrant=False)
+        return self.attn(x, key_padding_mask, return_attention)
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        """(B, N, dim) -> (B, N, dim)."""
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, return_attention: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B, N, dim) -> (B, N, dim), and the attention matrix when asked for."""
         if self.norm_first:
-            x = x + self.dropout(self._attention(self.attn_norm(x), key_padding_mask))
-            return x + self.dropout(self.ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + self.dropout(self._attention(x, key_padding_mask)))
-        return self.ffn_norm(x + self.dropout(self.ffn(x)))
+            attended, weights = self._attention(
+                self.attn_norm(x), key_padding_mask, return_attention
+            )
+            x = x + self.dropout(attended)
+            return x + self.dropout(self.ffn(self.ffn_norm(x))), weights
+        attended, weights = self._attention(x, key_padding_mask, return_attention)
+        x = self.attn_norm(x + self.dropout(attended))
+        return self.ffn_norm(x + self.dropout(self.ffn(x))), weights
 
 
 class LinformerEncoder(nn.Module):
@@ -108,45 +120,66 @@ class LinformerEncoder(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(
             LinformerEncoderLayer(
-                dim=config.dim, num_heads=config.num_heads, max_seq_len=config.max_seq_len,
-                proj_k=proj_k, proj_v=proj_v, ffn_dim=config.hidden_ffn_dim,
-                activation=config.activation, norm_first=config.norm_first,
-                dropout=config.dropout, attention_dropout=config.attention_dropout,
+                dim=config.dim,
+                num_heads=config.num_heads,
+                max_seq_len=config.max_seq_len,
+                proj_k=proj_k,
+                proj_v=proj_v,
+                ffn_dim=config.hidden_ffn_dim,
+                activation=config.activation,
+                norm_first=config.norm_first,
+                dropout=config.dropout,
+                attention_dropout=config.attention_dropout,
                 layer_norm_eps=config.layer_norm_eps,
                 checkpoint_attention=config.checkpointing == "attention",
             )
             for proj_k, proj_v in build_sharing_plan(config)
         )
-        self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else None
+        self.norm = (
+            nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else None
+        )
 
     def forward(
         self,
         x: Tensor,
         key_padding_mask: Tensor | None = None,
         output_hidden_states: bool = False,
-    ) -> tuple[Tensor, tuple[Tensor, ...] | None]:
+        output_attentions: bool = False,
+    ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
         """Runs every layer.
 
         Args:
             x: (B, N, dim) embeddings.
             key_padding_mask: optional bool (B, N), True at real tokens.
             output_hidden_states: also return the input and every layer's output.
+            output_attentions: also return every layer's attention matrix (B, H, N, M).
 
         Returns:
-            The last hidden state (B, N, dim) (after the final norm for pre-LN), and the tuple
-            of depth + 1 hidden states when asked for, else None.
+            The last hidden state (B, N, dim) (after the final norm for pre-LN); the depth + 1
+            hidden states and the depth attention matrices when asked for, else None.
         """
         hidden = [x] if output_hidden_states else None
-        recompute = self.config.checkpointing == "layer" and self.training and torch.is_grad_enabled()
+        attentions = [] if output_attentions else None
+        recompute = (
+            self.config.checkpointing == "layer" and self.training and torch.is_grad_enabled()
+        )
         for layer in self.layers:
             if recompute:
-                x = checkpoint(layer, x, key_padding_mask, use_reentrant=False)
+                x, weights = checkpoint(
+                    layer, x, key_padding_mask, output_attentions, use_reentrant=False
+                )
             else:
-                x = layer(x, key_padding_mask)
+                x, weights = layer(x, key_padding_mask, output_attentions)
             if hidden is not None:
                 hidden.append(x)
+            if attentions is not None:
+                attentions.append(weights)
         if self.norm is not None:
             x = self.norm(x)
             if hidden is not None:
                 hidden[-1] = x
-        return x, (tuple(hidden) if hidden is not None else None)
+        return (
+            x,
+            tuple(hidden) if hidden is not None else None,
+            tuple(attentions) if attentions is not None else None,
+        )

@@ -125,6 +125,12 @@ def project_blocks(
     return out, (counts > 0 if key_padding_mask is not None else None)
 
 
+def attendable(kv_mask: Tensor) -> Tensor:
+    """The keys each row may attend to: a row with no real key may attend to all its
+    (zeroed) keys, so its output is 0 instead of NaN."""
+    return kv_mask | ~kv_mask.any(-1, keepdim=True)
+
+
 def attend(
     q: Tensor,
     k: Tensor,
@@ -145,14 +151,33 @@ def attend(
     Returns:
         (B, H, N, D). A row with no key to attend to gives zeros, never NaN.
     """
-    attn_mask = None
-    if kv_mask is not None:
-        # A row with no real key attends uniformly to the (zeroed) keys: output 0, not NaN.
-        kv_mask = kv_mask | ~kv_mask.any(-1, keepdim=True)
-        attn_mask = kv_mask[:, None, None, :]  # (B, 1, 1, M)
+    attn_mask = None if kv_mask is None else attendable(kv_mask)[:, None, None, :]  # (B, 1, 1, M)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
     )
+
+
+def attention_weights(
+    q: Tensor, k: Tensor, kv_mask: Tensor | None = None, scale: float | None = None
+) -> Tensor:
+    """The context-mapping matrix softmax(Q K^T * scale) that `attend` applies, materialised.
+
+    For analysis (the paper's Figure 1 spectrum, attention maps); `attend` never builds it.
+
+    Args:
+        q: (B, H, N, D).
+        k: (B, H, M, D), already projected for Linformer (M = k) or not (M = N).
+        kv_mask: optional bool (B, M), True at keys that may be attended to.
+        scale: softmax scale; default 1 / sqrt(D).
+
+    Returns:
+        (B, H, N, M), rows summing to 1 (0 for a row with no key).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, N, M)
+    if kv_mask is not None:
+        scores = scores.masked_fill(~attendable(kv_mask)[:, None, None, :], float("-inf"))
+    return scores.softmax(-1)
 
 
 def linformer_attention(

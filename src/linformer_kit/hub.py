@@ -45,8 +45,16 @@ def _alias_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
     """Groups state-dict names that are views of the same memory (shared parameters)."""
     groups: dict[tuple, list[str]] = {}
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tensor.stride()) if tensor.numel() else ("empty", name)
+        key = (
+            (
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.stride(),
+            )
+            if tensor.numel()
+            else ("empty", name)
+        )
         groups.setdefault(key, []).append(name)
     return list(groups.values())
 
@@ -65,8 +73,12 @@ def save_pretrained(
     path = Path(path)
     state = model.state_dict()
     tensors = {group[0]: state[group[0]].contiguous() for group in _alias_groups(state)}
-    meta = {"format_version": FORMAT_VERSION, "architecture": architecture,
-            "config": model.config.to_dict(), "model_kwargs": model_kwargs}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "architecture": architecture,
+        "config": model.config.to_dict(),
+        "model_kwargs": model_kwargs,
+    }
     atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, {"format": "pt"}))
     text = json.dumps(meta, indent=2) + "\n"
     atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
@@ -84,14 +96,19 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
-        raise FileNotFoundError(f"no {CONFIG_NAME} in {Path(path)}: not a saved linformer-kit model")
+        raise FileNotFoundError(
+            f"no {CONFIG_NAME} in {Path(path)}: not a saved linformer-kit model"
+        )
     try:
         meta = json.loads(file.read_text())
         config = LinformerConfig.from_dict(meta["config"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{file} is corrupt or not a linformer-kit config: {err}") from err
-    return {"architecture": meta.get("architecture"), "config": config,
-            "model_kwargs": meta.get("model_kwargs", {})}
+    return {
+        "architecture": meta.get("architecture"),
+        "config": config,
+        "model_kwargs": meta.get("model_kwargs", {}),
+    }
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -119,8 +136,11 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
     state = model.state_dict()
     missing = [g[0] for g in _alias_groups(state) if not any(name in tensors for name in g)]
     unexpected = sorted(set(tensors) - set(state))
-    wrong = [f"{n}: file {tuple(t.shape)} vs model {tuple(state[n].shape)}"
-             for n, t in tensors.items() if n in state and t.shape != state[n].shape]
+    wrong = [
+        f"{n}: file {tuple(t.shape)} vs model {tuple(state[n].shape)}"
+        for n, t in tensors.items()
+        if n in state and t.shape != state[n].shape
+    ]
     if missing or unexpected or wrong:
         raise ValueError(
             f"weights in {source} do not match the model: missing {missing}, "

@@ -26,10 +26,12 @@ POOLINGS = ("cls", "mean")
 @dataclass
 class LinformerOutput:
     """Backbone output: `last_hidden_state` (B, N, dim); `hidden_states` (depth + 1 of them)
-    when `output_hidden_states=True`."""
+    when `output_hidden_states=True`; `attentions` (B, H, N, M) per layer when
+    `output_attentions=True`."""
 
     last_hidden_state: Tensor
     hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
 
 
 @dataclass
@@ -40,6 +42,7 @@ class MaskedLMOutput:
     logits: Tensor
     last_hidden_state: Tensor
     hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
 
 
 @dataclass
@@ -50,6 +53,7 @@ class SequenceClassifierOutput:
     logits: Tensor
     last_hidden_state: Tensor
     hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
 
 
 def sinusoidal_positions(max_seq_len: int, dim: int) -> Tensor:
@@ -85,7 +89,9 @@ class LinformerEmbeddings(nn.Module):
         self.token_types = (
             nn.Embedding(config.type_vocab_size, config.dim) if config.type_vocab_size else None
         )
-        self.norm = None if config.norm_first else nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.norm = (
+            None if config.norm_first else nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        )
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
@@ -161,8 +167,11 @@ class LinformerPreTrainedModel(nn.Module):
             tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         hub.load_weights(model.backbone, tensors, str(path))
         if model.backbone is not model:
-            logger.info("loaded the backbone of a %s; the %s head is newly initialised",
-                        meta["architecture"], cls.__name__)
+            logger.info(
+                "loaded the backbone of a %s; the %s head is newly initialised",
+                meta["architecture"],
+                cls.__name__,
+            )
         return model
 
 
@@ -189,6 +198,7 @@ class LinformerModel(LinformerPreTrainedModel):
         key_padding_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         output_hidden_states: bool = False,
+        output_attentions: bool = False,
     ) -> LinformerOutput:
         """Encodes a batch of token ids of any length up to max_seq_len.
 
@@ -197,16 +207,21 @@ class LinformerModel(LinformerPreTrainedModel):
             key_padding_mask: optional bool (B, N), True at real tokens.
             token_type_ids: optional (B, N) segment ids (needs type_vocab_size > 0).
             output_hidden_states: also return the embeddings and every layer's output.
+            output_attentions: also return every layer's attention matrix.
 
         Raises:
             ValueError: if N exceeds max_seq_len or the inputs are malformed.
         """
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}"
+            )
         check_seq_len(input_ids.shape[1], self.config.max_seq_len)
         x = self.embeddings(input_ids, token_type_ids)
-        last, hidden = self.encoder(x, key_padding_mask, output_hidden_states)
-        return LinformerOutput(last_hidden_state=last, hidden_states=hidden)
+        last, hidden, attentions = self.encoder(
+            x, key_padding_mask, output_hidden_states, output_attentions
+        )
+        return LinformerOutput(last, hidden, attentions)
 
 
 class LinformerForMaskedLM(LinformerPreTrainedModel):
@@ -217,7 +232,8 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         super().__init__(config)
         self.linformer = LinformerModel(config)
         self.head = nn.Sequential(
-            nn.Linear(config.dim, config.dim), nn.GELU(),
+            nn.Linear(config.dim, config.dim),
+            nn.GELU(),
             nn.LayerNorm(config.dim, eps=config.layer_norm_eps),
         )
         self.decoder_bias = nn.Parameter(torch.zeros(config.vocab_size))
@@ -230,15 +246,25 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         labels: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         output_hidden_states: bool = False,
+        output_attentions: bool = False,
     ) -> MaskedLMOutput:
         """Token logits and, given labels (B, N) with -100 at unscored positions, the loss."""
-        out = self.linformer(input_ids, key_padding_mask, token_type_ids, output_hidden_states)
-        logits = F.linear(self.head(out.last_hidden_state), self.linformer.embeddings.tokens.weight,
-                          self.decoder_bias)  # (B, N, vocab_size)
+        out = self.linformer(
+            input_ids, key_padding_mask, token_type_ids, output_hidden_states, output_attentions
+        )
+        logits = F.linear(
+            self.head(out.last_hidden_state),
+            self.linformer.embeddings.tokens.weight,
+            self.decoder_bias,
+        )  # (B, N, vocab_size)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-        return MaskedLMOutput(loss, logits, out.last_hidden_state, out.hidden_states)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100
+            )
+        return MaskedLMOutput(
+            loss, logits, out.last_hidden_state, out.hidden_states, out.attentions
+        )
 
 
 class LinformerForSequenceClassification(LinformerPreTrainedModel):
@@ -259,8 +285,11 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         self.num_labels, self.pooling = num_labels, pooling
         self.linformer = LinformerModel(config)
         self.head = nn.Sequential(
-            nn.Dropout(config.dropout), nn.Linear(config.dim, config.dim), nn.Tanh(),
-            nn.Dropout(config.dropout), nn.Linear(config.dim, num_labels),
+            nn.Dropout(config.dropout),
+            nn.Linear(config.dim, config.dim),
+            nn.Tanh(),
+            nn.Dropout(config.dropout),
+            nn.Linear(config.dim, num_labels),
         )
         self.head.apply(lambda m: init_weights(m, config.init_std))
 
@@ -283,9 +312,12 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         labels: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         output_hidden_states: bool = False,
+        output_attentions: bool = False,
     ) -> SequenceClassifierOutput:
         """Class logits (B, num_labels) and, given labels (B,), the loss."""
-        out = self.linformer(input_ids, key_padding_mask, token_type_ids, output_hidden_states)
+        out = self.linformer(
+            input_ids, key_padding_mask, token_type_ids, output_hidden_states, output_attentions
+        )
         logits = self.head(self.pool(out.last_hidden_state, key_padding_mask))
         loss = None
         if labels is not None:
@@ -293,4 +325,6 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
                 loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
             else:
                 loss = F.cross_entropy(logits.float(), labels)
-        return SequenceClassifierOutput(loss, logits, out.last_hidden_state, out.hidden_states)
+        return SequenceClassifierOutput(
+            loss, logits, out.last_hidden_state, out.hidden_states, out.attentions
+        )

@@ -153,15 +153,21 @@ def build_projection(
     """
     if proj_dim is None:
         return ExactProjection()
-    kinds = {"linear": (MatrixProjection, True), "random": (MatrixProjection, False),
-             "conv": (BlockProjection, True), "pool": (BlockProjection, False)}
+    kinds = {
+        "linear": (MatrixProjection, True),
+        "random": (MatrixProjection, False),
+        "conv": (BlockProjection, True),
+        "pool": (BlockProjection, False),
+    }
     if projection not in kinds:
         raise ValueError(f"projection must be one of {', '.join(kinds)}; got {projection!r}")
     cls, learned = kinds[projection]
     return cls(max_seq_len=max_seq_len, proj_dim=proj_dim, num_heads=num_heads, learned=learned)
 
 
-def build_sharing_plan(config: LinformerConfig) -> list[tuple[SequenceProjection, SequenceProjection]]:
+def build_sharing_plan(
+    config: LinformerConfig,
+) -> list[tuple[SequenceProjection, SequenceProjection]]:
     """The (key, value) projections of every layer under the config's sharing mode.
 
     Paper sec. 4: `headwise` shares E and F across the heads of a layer; `kv` also sets
@@ -172,7 +178,9 @@ def build_sharing_plan(config: LinformerConfig) -> list[tuple[SequenceProjection
 
     def make(proj_dim: int | None, per_head: bool = False) -> SequenceProjection:
         return build_projection(
-            projection=config.projection, max_seq_len=config.max_seq_len, proj_dim=proj_dim,
+            projection=config.projection,
+            max_seq_len=config.max_seq_len,
+            proj_dim=proj_dim,
             num_heads=config.num_heads if per_head else None,
         )
 

@@ -1,0 +1,34 @@
+"""Helpers shared by the subcommands: flags generated from dataclasses, text tables."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds one `--flag` per field of a dataclass, typed and defaulted from the field."""
+    for f in dataclasses.fields(cls):
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=type(f.default),
+            default=f.default,
+            help=f"{f.metadata.get('help', '')} (default: {f.default})",
+        )
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """Builds a dataclass from the flags `add_dataclass_arguments` added."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain aligned text table of dict rows (floats to 4 significant digits)."""
+    cells = [[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
+    header = list(rows[0])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
