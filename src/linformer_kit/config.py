@@ -50,6 +50,7 @@ class LinformerConfig:
     norm_first: bool = True  # pre-LN (True) or post-LN as in BERT/RoBERTa (False)
     position: str = "learned"  # position embeddings: learned or sinusoidal
     type_vocab_size: int = 0  # token-type (segment) embeddings; 0 disables them
+    pooler: bool = False  # BERT pooler (dense + tanh on the first token) -> pooler_output
     pad_token_id: int = 0  # id of the padding token, used when no key_padding_mask is given
     dropout: float = 0.1  # dropout on embeddings and on each sub-layer's output
     attention_dropout: float = 0.1  # dropout on the attention weights (inside SDPA)
@@ -75,6 +76,8 @@ class LinformerConfig:
             raise ValueError(
                 f"type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}"
             )
+        if not isinstance(self.pooler, bool):
+            raise ValueError(f"pooler must be True or False, got {self.pooler!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
                 f"pad_token_id must be in [0, {self.vocab_size}), got {self.pad_token_id!r}"

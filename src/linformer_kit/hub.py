@@ -35,6 +35,10 @@ def atomic_write(path: Path, write: Any) -> None:
     os.close(fd)
     try:
         write(tmp)
+        # mkstemp creates the file private (0o600); give it the permissions the umask allows.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -27,11 +27,12 @@ POOLINGS = ("cls", "mean")
 class LinformerOutput:
     """Backbone output: `last_hidden_state` (B, N, dim); `hidden_states` (depth + 1 of them)
     when `output_hidden_states=True`; `attentions` (B, H, N, M) per layer when
-    `output_attentions=True`."""
+    `output_attentions=True`; `pooler_output` (B, dim) when the config has `pooler=True`."""
 
     last_hidden_state: Tensor
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
+    pooler_output: Tensor | None = None
 
 
 @dataclass
@@ -54,6 +55,11 @@ class SequenceClassifierOutput:
     last_hidden_state: Tensor
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
+
+
+# Outputs are pytree nodes so that torch.export and torch.compile can trace models returning them.
+for _output in (LinformerOutput, MaskedLMOutput, SequenceClassifierOutput):
+    torch.export.register_dataclass(_output)
 
 
 def sinusoidal_positions(max_seq_len: int, dim: int) -> Tensor:
@@ -108,6 +114,17 @@ class LinformerEmbeddings(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         return self.dropout(x)
+
+
+class LinformerPooler(nn.Module):
+    """BERT's pooler: dense + tanh on the first token, (B, N, dim) -> (B, dim)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(dim, dim)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return torch.tanh(self.dense(hidden[:, 0]))
 
 
 class LinformerPreTrainedModel(nn.Module):
@@ -186,6 +203,7 @@ class LinformerModel(LinformerPreTrainedModel):
         super().__init__(config)
         self.embeddings = LinformerEmbeddings(config)
         self.encoder = LinformerEncoder(config)
+        self.pooler = LinformerPooler(config.dim) if config.pooler else None
         self.apply(lambda m: init_weights(m, config.init_std))
 
     @property
@@ -221,7 +239,8 @@ class LinformerModel(LinformerPreTrainedModel):
         last, hidden, attentions = self.encoder(
             x, key_padding_mask, output_hidden_states, output_attentions
         )
-        return LinformerOutput(last, hidden, attentions)
+        pooled = self.pooler(last) if self.pooler is not None else None
+        return LinformerOutput(last, hidden, attentions, pooled)
 
 
 class LinformerForMaskedLM(LinformerPreTrainedModel):

@@ -9,9 +9,9 @@ import argparse
 from collections.abc import Sequence
 
 from .. import __version__
-from . import demo
+from . import analysis, convert, demo, evaluate, finetune, pretrain
 
-SUBCOMMANDS = (demo,)
+SUBCOMMANDS = (demo, pretrain, finetune, evaluate, convert, analysis)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,35 +1,48 @@
-"""`linformer demo`: a few training steps of Linformer vs exact attention on random tokens."""
+"""`linformer demo`: the main job. Pretrain Linformer and an exact Transformer of identical
+size and budget on the Python standard library, then compare them."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+from pathlib import Path
 
 import torch
 
 from .. import __version__
-from ..bench.compare import StepComparison, compare_training_steps
+from ..training.compare import PLOT_NAME, RESULT_NAME, ComparisonSettings, run_comparison
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
+from .overrides import exit_on_user_error
 
 
+@exit_on_user_error
 def run(args: argparse.Namespace) -> None:
-    settings = dataclass_from_args(StepComparison, args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    settings = dataclass_from_args(ComparisonSettings, args)
     print(
         f"linformer-kit {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print(
-        f"masked-LM training on random tokens: batch {settings.batch_size} x "
-        f"{settings.seq_len} tokens, {settings.steps} timed steps"
+        f"masked-LM pretraining on {settings.data}: {settings.steps} steps of "
+        f"{settings.batch_size} x {settings.seq_len} tokens per model, same data, order and seed"
     )
-    rows = compare_training_steps(settings)
-    print(format_table(rows))
-    speedup = rows[1]["sec_per_step"] / rows[0]["sec_per_step"]
-    print(f"Linformer is {speedup:.2f}x the speed of exact attention per training step")
+    comparison = run_comparison(settings)
+    print(format_table([{k: v for k, v in r.items() if k != "run"} for r in comparison["rows"]]))
+    print(
+        f"Linformer / Transformer validation perplexity: {comparison['ppl_ratio']:.3f}; "
+        f"Linformer is {comparison['speedup_per_step']:.2f}x the speed per training step"
+    )
+    output = Path(settings.output_dir)
+    print(f"wrote {output / RESULT_NAME}, {output / PLOT_NAME} and both runs' checkpoints")
+    if settings.publish_dir:
+        print(f"copied the table and plot to {settings.publish_dir}")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Adds the `demo` subcommand."""
     parser = commands.add_parser(
-        "demo", help="train Linformer and exact attention for a few steps and compare speed"
+        "demo",
+        help="pretrain Linformer and an exact Transformer on the stdlib and compare them",
     )
-    add_dataclass_arguments(parser, StepComparison)
+    add_dataclass_arguments(parser, ComparisonSettings)
     parser.set_defaults(func=run)

@@ -1,0 +1,129 @@
+"""What the analysis tools run on: a checkpoint's backbone, its tokenizer, token sequences.
+
+`token_windows` is the one place that turns a data argument into model input, so the tools
+follow whatever corpora the data package reads (text, JSONL, directories, the stdlib).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..data.corpus import iter_documents
+from ..data.tokenizer import TOKENIZER_NAME, TextTokenizer, load_tokenizer
+from ..models import LinformerModel
+
+logger = logging.getLogger(__name__)
+
+
+def load_backbone(path: str | os.PathLike) -> LinformerModel:
+    """The LinformerModel of a checkpoint directory (the backbone of a masked-LM or
+    classifier checkpoint), in eval mode."""
+    return LinformerModel.from_pretrained(path).eval()
+
+
+def checkpoint_tokenizer(path: str | os.PathLike) -> TextTokenizer | None:
+    """The `tokenizer.json` saved beside a checkpoint, or None when there is none.
+
+    Padding and truncation baked into a tokenizer.json (BERT's pads to 128) are switched off:
+    the tools cut sequences themselves.
+    """
+    if not (Path(path) / TOKENIZER_NAME).is_file():
+        return None
+    tokenizer = load_tokenizer(path)
+    tokenizer.tokenizer.no_padding()
+    tokenizer.tokenizer.no_truncation()
+    return tokenizer
+
+
+def token_windows(
+    tokenizer: TextTokenizer,
+    data: str,
+    *,
+    count: int,
+    seq_len: int,
+    glob: str = "**/*.txt",
+    text_field: str = "text",
+) -> tuple[Tensor, Tensor]:
+    """Up to `count` windows of `seq_len` tokens cut from the documents of `data`.
+
+    Documents are read in order and joined with the separator token, as pretraining packs
+    them. When the data runs out before `count` full windows, the leftover tail becomes one
+    last window, right-padded and masked.
+
+    Args:
+        tokenizer: the checkpoint's tokenizer.
+        data: a file, directory, JSONL file or `stdlib` (see `data.iter_documents`).
+        count: windows wanted.
+        seq_len: tokens per window.
+        glob: files to read inside a directory.
+        text_field: the JSONL field holding the text.
+
+    Returns:
+        input_ids (B, seq_len) int64 and key_padding_mask (B, seq_len) bool, B <= count.
+
+    Raises:
+        ValueError: if the data holds no tokens.
+    """
+    windows: list[list[int]] = []
+    stream: list[int] = []
+    for document in iter_documents([data], glob=glob, text_field=text_field):
+        stream += tokenizer.encode_batch([document.text])[0] + [tokenizer.sep_id]
+        while len(stream) >= seq_len and len(windows) < count:
+            windows.append(stream[:seq_len])
+            stream = stream[seq_len:]
+        if len(windows) == count:
+            break
+    lengths = [seq_len] * len(windows)
+    if len(windows) < count and stream:
+        lengths.append(len(stream))
+        windows.append(stream + [tokenizer.pad_id] * (seq_len - len(stream)))
+    if not windows:
+        raise ValueError(f"{data}: no tokens to analyse")
+    if len(windows) < count:
+        logger.warning(
+            "%s holds %d windows of %d tokens, not %d", data, len(windows), seq_len, count
+        )
+    mask = torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]  # (B, N)
+    return torch.tensor(windows), mask
+
+
+def random_windows(
+    vocab_size: int, *, count: int, seq_len: int, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """`count` sequences of uniformly random token ids, for models without a tokenizer.
+
+    Returns:
+        input_ids (count, seq_len) int64 and an all-True key_padding_mask.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (count, seq_len), generator=generator)
+    return ids, torch.ones(count, seq_len, dtype=torch.bool)
+
+
+def encode_text(tokenizer: TextTokenizer, text: str, max_seq_len: int) -> tuple[Tensor, list[str]]:
+    """Token ids (1, N) of one text, with the tokenizer's own special tokens (BERT's [CLS] and
+    [SEP]), cut to `max_seq_len`; and a readable label per token.
+
+    Raises:
+        ValueError: if the text yields no token.
+    """
+    ids = tokenizer.tokenizer.encode(text, add_special_tokens=True).ids
+    if not ids:
+        raise ValueError(f"the text {text[:40]!r} yields no tokens")
+    if len(ids) > max_seq_len:
+        logger.warning("the text has %d tokens; keeping the first %d", len(ids), max_seq_len)
+        ids = ids[:max_seq_len]
+    labels = [token_label(tokenizer, i) for i in ids]
+    return torch.tensor([ids]), labels
+
+
+def token_label(tokenizer: TextTokenizer, token_id: int) -> str:
+    """A token as text for an axis label, whitespace made visible."""
+    text = tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+    text = text or tokenizer.tokenizer.id_to_token(token_id) or f"#{token_id}"
+    return text.replace("\n", "\\n").replace("\t", "\\t").replace(" ", "\u00b7")

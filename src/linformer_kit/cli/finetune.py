@@ -1,0 +1,51 @@
+"""`linformer finetune`: sequence classification from a pretrained checkpoint, with accuracy
+and F1 on the validation set after every epoch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from ..training.finetune import FinetuneSettings, finetune
+from ..training.settings import TrainSettings
+from .common import format_table
+from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
+
+DERIVED = ("max_steps", "eval_every", "save_every", "resume")  # set from --epochs
+
+
+@exit_on_user_error
+def run(args: argparse.Namespace) -> None:
+    main_process = os.environ.get("RANK", "0") == "0"
+    logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
+    overrides = collect_overrides(args)
+    settings = FinetuneSettings(**overrides.get("finetune", {}))
+    train = TrainSettings(
+        **{
+            "output_dir": "runs/finetune",
+            "lr": 1e-4,
+            "warmup_steps": 10,
+            "batch_size": 16,
+            "max_steps": 1,
+            **overrides.get("train", {}),
+        }
+    )
+    result = finetune(settings, train)
+    if main_process:
+        epochs = [
+            {"epoch": i + 1, "step": r["step"], **{k: r[k] for k in ("val_loss", "accuracy", "f1")}}
+            for i, r in enumerate(r for r in result.records if r["split"] == "val")
+        ]
+        print(format_table(epochs))
+        print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Adds the `finetune` subcommand."""
+    parser = commands.add_parser(
+        "finetune", help="fine-tune a pretrained checkpoint for sequence classification"
+    )
+    add_override_arguments(parser, FinetuneSettings, "finetune")
+    add_override_arguments(parser, TrainSettings, "train", exclude=DERIVED)
+    parser.set_defaults(func=run)

@@ -1,0 +1,99 @@
+"""Flags generated from dataclass fields that override a base config only when given.
+
+Unlike `common.add_dataclass_arguments` (plain typed flags with the field's default), these
+flags default to "not given", so `--config FILE` can supply the base values; the value type
+comes from the field's annotation (bool, int, float, str, optional, lists). A bool flag alone
+means true (`--resume`); `--resume false` also works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any
+
+TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in TRUE + FALSE:
+        return text.lower() in TRUE
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parser(hint: Any) -> tuple[Callable[[str], Any], str | None]:
+    """A converter for one command-line word, and argparse's nargs, for a type annotation."""
+    if hint is bool:
+        return _parse_bool, None
+    if hint in (int, float, str):
+        return hint, None
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        return parts[0], "+"
+    if origin in (typing.Union, types.UnionType):
+        options = [p for p in parts if p is not type(None)]
+        scalar = next((p for p in options if p in (int, float, str)), str)
+        has_list = any(typing.get_origin(p) is list for p in options)
+
+        def convert(text: str) -> Any:
+            if text.lower() == "none" and type(None) in parts:
+                return None
+            if has_list and "," in text:
+                return [scalar(t) for t in text.split(",")]
+            return scalar(text)
+
+        return convert, None
+    raise TypeError(f"no command-line parser for {hint!r}")
+
+
+def add_override_arguments(
+    parser: argparse.ArgumentParser, cls: type, section: str, exclude: Iterable[str] = ()
+) -> None:
+    """Adds `--field-name` for every field of dataclass `cls` (bar `exclude`) in a group
+    named `section`; given values are collected by `collect_overrides`."""
+    group = parser.add_argument_group(section)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        convert, nargs = _parser(hints[f.name])
+        flag = {"nargs": "?", "const": True} if hints[f.name] is bool else {"nargs": nargs}
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        note = f.metadata.get("help", "")
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f"{section}.{f.name}",
+            type=convert,
+            **flag,
+            default=argparse.SUPPRESS,
+            metavar=f.name.upper(),
+            help=f"{note} (default: {default})".strip(),
+        )
+
+
+def exit_on_user_error(run: Callable[[argparse.Namespace], None]) -> Callable:
+    """Wraps a subcommand so bad input (ValueError, FileNotFoundError) ends with its message
+    and exit status 2 instead of a traceback."""
+
+    @functools.wraps(run)
+    def wrapper(args: argparse.Namespace) -> None:
+        try:
+            run(args)
+        except (ValueError, FileNotFoundError) as err:
+            raise SystemExit(f"linformer {args.command}: error: {err}") from err
+
+    return wrapper
+
+
+def collect_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The flags given on the command line, as {section: {field: value}}."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            overrides.setdefault(section, {})[name] = value
+    return overrides

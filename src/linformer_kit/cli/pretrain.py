@@ -1,0 +1,69 @@
+"""`linformer pretrain`: masked-LM pretraining on your text (files, directories, JSONL, stdlib).
+
+Multi-process: `torchrun --nproc_per_node N --no-python linformer pretrain ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from ..config import LinformerConfig
+from ..data.pipeline import DataSettings
+from ..training.pretrain import pretrain
+from ..training.settings import RunConfig, TrainSettings
+from .common import format_table
+from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
+
+FROM_TOKENIZER = ("vocab_size", "pad_token_id")  # model fields the tokenizer decides
+
+
+def build_run_config(args: argparse.Namespace) -> RunConfig:
+    """Defaults, then `--config FILE` (a run_config.json or a run directory), then flags."""
+    base = RunConfig.load(args.config).to_dict() if args.config else {}
+    merged: dict[str, Any] = {}
+    for section, values in collect_overrides(args).items():
+        merged[section] = {**base.get(section, {}), **values}
+    return RunConfig.from_dict({**base, **merged})
+
+
+@exit_on_user_error
+def run(args: argparse.Namespace) -> None:
+    main_process = os.environ.get("RANK", "0") == "0"
+    logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
+    config = build_run_config(args)
+    result = pretrain(config)
+    if main_process:
+        print(
+            format_table(
+                [
+                    {
+                        "steps": config.train.max_steps,
+                        "params": result.params,
+                        **result.final,
+                        "tokens_per_s": result.tokens_per_s,
+                        "peak_mem_mb": result.peak_mem_mb,
+                    }
+                ]
+            )
+        )
+        print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Adds the `pretrain` subcommand."""
+    parser = commands.add_parser(
+        "pretrain",
+        help="masked-LM pretraining on text files, directories, JSONL or the stdlib",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", default="", help="a run_config.json (or run directory) to start from"
+    )
+    add_override_arguments(parser, DataSettings, "data")
+    add_override_arguments(parser, TrainSettings, "train")
+    add_override_arguments(parser, LinformerConfig, "model", exclude=FROM_TOKENIZER)
+    parser.set_defaults(func=run)

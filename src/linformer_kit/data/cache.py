@@ -1,0 +1,175 @@
+"""The token cache: a corpus tokenized once into a memory-mapped file, reused across runs,
+then packed into fixed-length blocks and split deterministically into train/validation."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .corpus import Document
+from .tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+TOKENS_NAME = "tokens.bin"
+META_NAME = "meta.json"
+SPLIT_SEED = 0  # the train/validation split never depends on the training seed
+
+
+def default_cache_dir() -> Path:
+    """`$LINFORMER_CACHE`, else `$XDG_CACHE_HOME/linformer-kit`, else `~/.cache/linformer-kit`."""
+    if os.environ.get("LINFORMER_CACHE"):
+        return Path(os.environ["LINFORMER_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "linformer-kit"
+
+
+def cache_key(*parts: object) -> str:
+    """A short stable hash of JSON-serialisable parts."""
+    text = json.dumps([CACHE_FORMAT, *parts], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
+
+
+def build_token_cache(
+    documents: Iterable[Document],
+    tokenizer: TextTokenizer,
+    directory: Path,
+    *,
+    chunk: int = 512,
+) -> Path:
+    """Tokenizes documents into `directory/tokens.bin` (separator token after each document),
+    unless that cache already exists. Written in a temporary directory and renamed, so an
+    interrupted build never leaves a partial cache.
+
+    Returns:
+        The cache directory.
+
+    Raises:
+        ValueError: if the corpus holds no tokens.
+    """
+    if (directory / META_NAME).is_file():
+        logger.info("reusing the token cache %s", directory)
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    dtype = _token_dtype(tokenizer.vocab_size)
+    count = num_documents = 0
+    try:
+        with open(tmp / TOKENS_NAME, "wb") as out:
+            batch: list[str] = []
+            progress = tqdm(desc="tokenizing", unit=" docs", leave=False)
+            for document in itertools.chain(documents, [None]):
+                if document is not None:
+                    batch.append(document.text)
+                if batch and (document is None or len(batch) == chunk):
+                    for ids in tokenizer.encode_batch(batch):
+                        out.write(np.asarray([*ids, tokenizer.sep_id], dtype=dtype).tobytes())
+                        count += len(ids) + 1
+                    num_documents += len(batch)
+                    progress.update(len(batch))
+                    batch = []
+            progress.close()
+        if count == 0:
+            raise ValueError("the corpus holds no documents")
+        meta = {"dtype": dtype.name, "num_tokens": count, "num_documents": num_documents}
+        (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("cached %d tokens of %d documents in %s", count, num_documents, directory)
+    return directory
+
+
+def open_token_cache(directory: Path) -> np.memmap:
+    """The cached token stream as a read-only memory map.
+
+    Raises:
+        ValueError: if the cache is incomplete (its size disagrees with its metadata).
+    """
+    meta = json.loads((directory / META_NAME).read_text())
+    file = directory / TOKENS_NAME
+    dtype = np.dtype(meta["dtype"])
+    if file.stat().st_size != meta["num_tokens"] * dtype.itemsize:
+        raise ValueError(f"token cache {file} is truncated; delete {directory} to rebuild it")
+    return np.memmap(file, dtype=dtype, mode="r")
+
+
+@dataclass
+class PackedBlocks:
+    """Fixed-length blocks of a token stream: block i holds tokens [i*L, (i+1)*L).
+
+    Attributes:
+        tokens: the memory-mapped token stream.
+        block_len: tokens per block (the model's max_seq_len).
+        indices: which blocks belong to this split.
+    """
+
+    tokens: np.ndarray
+    block_len: int
+    indices: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> Tensor:
+        """Block i as an int64 tensor (block_len,)."""
+        start = int(self.indices[i]) * self.block_len
+        return torch.from_numpy(self.tokens[start : start + self.block_len].astype(np.int64))
+
+    def batch(self, rows: list[int]) -> Tensor:
+        """Blocks `rows` stacked: (len(rows), block_len)."""
+        return torch.stack([self[i] for i in rows])
+
+
+def split_blocks(
+    tokens: np.ndarray, block_len: int, val_fraction: float, max_val_blocks: int = 0
+) -> tuple[PackedBlocks, PackedBlocks]:
+    """Packs a token stream into blocks and splits them by a fixed-seed permutation.
+
+    Args:
+        tokens: the token stream.
+        block_len: tokens per block; the tail shorter than a block is dropped.
+        val_fraction: share of blocks for validation, in (0, 1).
+        max_val_blocks: cap on validation blocks (0 = no cap).
+
+    Returns:
+        (train, validation) blocks.
+
+    Raises:
+        ValueError: if the corpus is too small for one block in each split.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    num_blocks = len(tokens) // block_len
+    num_val = max(1, round(num_blocks * val_fraction))
+    if max_val_blocks:
+        num_val = min(num_val, max_val_blocks)
+    if num_blocks - num_val < 1:
+        raise ValueError(
+            f"the corpus has {len(tokens)} tokens: {num_blocks} blocks of {block_len}, too few "
+            f"to split into train and validation; add data or lower max_seq_len"
+        )
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(SPLIT_SEED))
+    order = order.numpy()
+    return (
+        PackedBlocks(tokens, block_len, np.sort(order[num_val:])),
+        PackedBlocks(tokens, block_len, np.sort(order[:num_val])),
+    )

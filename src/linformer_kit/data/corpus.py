@@ -1,0 +1,189 @@
+"""Text corpora: files, directories (recursive glob), JSONL with a text field, the stdlib.
+
+Every document is yielded as a `Document(source, text)`; `source` names the file (and line,
+for JSONL), so later errors can point at it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sysconfig
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STDLIB = "stdlib"  # the data name that selects the running Python's standard library
+HF_PREFIX = "hf:"  # `hf:NAME[:CONFIG]` reads a Hugging Face `datasets` corpus
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One training document and where it came from (`path` or `path:line`)."""
+
+    source: str
+    text: str
+
+
+def stdlib_root() -> Path:
+    """The running Python's standard-library source directory (from sysconfig)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def read_text(path: Path) -> str:
+    """Reads a UTF-8 text file.
+
+    Raises:
+        ValueError: if the file is empty or not valid UTF-8 (naming the file and line).
+    """
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{path}: file is empty")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}:{_line_of(data, err.start)}: not valid UTF-8 (byte "
+            f"{data[err.start]:#04x} at offset {err.start})"
+        ) from err
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """Yields (line number, object) for each non-blank line of a JSONL file.
+
+    Raises:
+        ValueError: naming the file and line, if the file is empty, a line is not valid UTF-8
+            or JSON, or a line holds something other than an object.
+    """
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{path}: file is empty")
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid UTF-8 ({err.reason})") from err
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
+            )
+        yield number, record
+
+
+def jsonl_field(path: Path, number: int, record: dict, field: str) -> object:
+    """Returns `record[field]`, or raises a ValueError naming the file, line and keys."""
+    if field not in record:
+        raise ValueError(
+            f"{path}:{number}: no field {field!r} (fields: {', '.join(sorted(record)) or 'none'})"
+        )
+    return record[field]
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:
+    for number, record in iter_jsonl(path):
+        text = jsonl_field(path, number, record, text_field)
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{path}:{number}: field {text_field!r} must be a string, got {type(text).__name__}"
+            )
+        yield Document(f"{path}:{number}", text)
+
+
+def _hf_documents(name: str, text_field: str) -> Iterator[Document]:
+    try:
+        import datasets
+    except ImportError as err:
+        raise ValueError(
+            f"data {HF_PREFIX}{name} needs the optional `datasets` package (pip install datasets)"
+        ) from err
+    dataset_name, _, config = name.partition(":")
+    dataset = datasets.load_dataset(dataset_name, config or None, split="train")
+    for index, record in enumerate(dataset):
+        yield Document(
+            f"{HF_PREFIX}{name}#{index}", jsonl_field(Path(name), index, record, text_field)
+        )
+
+
+def list_files(spec: str, glob: str) -> list[Path]:
+    """The files a data argument names: itself, or a directory's files matching `glob`
+    (sorted, so the corpus order never depends on the file system).
+
+    Raises:
+        FileNotFoundError: if the path does not exist or a directory has no matching file.
+    """
+    if spec == STDLIB:
+        root = stdlib_root()
+        return sorted(
+            p
+            for p in root.rglob("*.py")
+            if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
+        )
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"data path {path} does not exist")
+    files = sorted(p for p in path.glob(glob) if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no file in {path} matches {glob!r}")
+    return files
+
+
+def iter_documents(
+    specs: Sequence[str], *, glob: str = "**/*.txt", text_field: str = "text"
+) -> Iterator[Document]:
+    """Yields every document of the given data arguments, in a fixed order.
+
+    A file named directly must be valid: empty or non-UTF-8 files raise. Files found by
+    scanning a directory (or the stdlib) are skipped with a warning when empty or not UTF-8,
+    since real source trees hold a few such files.
+
+    Args:
+        specs: file paths, directory paths, `stdlib`, or `hf:NAME[:CONFIG]`.
+        glob: pattern for files inside directories (recursive with `**/`).
+        text_field: the JSONL / dataset field that holds the text.
+
+    Raises:
+        ValueError: naming file and line, for malformed files named directly or JSONL lines.
+        FileNotFoundError: for missing paths.
+    """
+    for spec in specs:
+        if spec.startswith(HF_PREFIX):
+            yield from _hf_documents(spec[len(HF_PREFIX) :], text_field)
+            continue
+        files = list_files(spec, glob)
+        scanned = spec == STDLIB or Path(spec).is_dir()
+        for path in files:
+            if path.suffix in JSONL_SUFFIXES:
+                yield from _jsonl_documents(path, text_field)
+                continue
+            try:
+                yield Document(str(path), read_text(path))
+            except ValueError as err:
+                if not scanned:
+                    raise
+                logger.debug("skipping %s", err)
+
+
+def fingerprint(specs: Sequence[str], glob: str, text_field: str) -> list[list]:
+    """What identifies a corpus without reading it: each file's path, size and mtime."""
+    rows: list[list] = [[glob, text_field]]
+    for spec in specs:
+        if spec.startswith(HF_PREFIX):
+            rows.append([spec])
+            continue
+        for path in list_files(spec, glob):
+            stat = path.stat()
+            rows.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+    return rows

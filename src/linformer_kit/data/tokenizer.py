@@ -1,0 +1,121 @@
+"""Tokenizers: train a byte-level BPE (Hugging Face `tokenizers`) or load a tokenizer.json."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ..hub import atomic_write
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_NAME = "tokenizer.json"
+SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # RoBERTa's ids 0..4
+# Names the special tokens go by in RoBERTa-style and BERT-style vocabularies.
+ROLES = {
+    "pad": ("<pad>", "[PAD]"),
+    "mask": ("<mask>", "[MASK]"),
+    "sep": ("</s>", "[SEP]"),
+    "cls": ("<s>", "[CLS]"),
+}
+
+
+@dataclass
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` with the ids of the special tokens training needs.
+
+    Attributes:
+        tokenizer: the wrapped Hugging Face tokenizer.
+        pad_id, mask_id, sep_id, cls_id: ids of padding, mask, separator and start tokens.
+    """
+
+    tokenizer: Tokenizer
+    pad_id: int
+    mask_id: int
+    sep_id: int
+    cls_id: int
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included."""
+        return self.tokenizer.get_vocab_size()
+
+    @property
+    def special_ids(self) -> list[int]:
+        """Ids never chosen for masking."""
+        return sorted({self.pad_id, self.mask_id, self.sep_id, self.cls_id})
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without special tokens (parallel in Rust)."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def save(self, path: Path) -> None:
+        """Writes `tokenizer.json` atomically."""
+        atomic_write(Path(path), lambda tmp: self.tokenizer.save(str(tmp)))
+
+
+def from_tokenizer(tokenizer: Tokenizer, source: str) -> TextTokenizer:
+    """Finds the special tokens of a tokenizer.
+
+    Raises:
+        ValueError: if it lacks a padding, mask or separator token.
+    """
+    ids = {}
+    for role, names in ROLES.items():
+        found = [tokenizer.token_to_id(n) for n in names if tokenizer.token_to_id(n) is not None]
+        if not found:
+            raise ValueError(f"{source}: the tokenizer has no {role} token (one of {names})")
+        ids[role] = found[0]
+    return TextTokenizer(tokenizer, ids["pad"], ids["mask"], ids["sep"], ids["cls"])
+
+
+def load_tokenizer(path: str | Path) -> TextTokenizer:
+    """Loads a `tokenizer.json` file (or the one inside a directory).
+
+    Raises:
+        FileNotFoundError: if there is none.
+        ValueError: if it cannot be parsed or lacks the special tokens.
+    """
+    file = Path(path)
+    if file.is_dir():
+        file = file / TOKENIZER_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer at {file}")
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception on parse errors
+        raise ValueError(f"{file} is not a valid tokenizer.json: {err}") from err
+    return from_tokenizer(tokenizer, str(file))
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> TextTokenizer:
+    """Trains a byte-level BPE tokenizer (GPT-2 / RoBERTa style) on `texts`.
+
+    Args:
+        texts: the training texts.
+        vocab_size: size of the vocabulary, special tokens included; at least 260
+            (the 256 bytes plus the special tokens).
+
+    Raises:
+        ValueError: if vocab_size is too small.
+    """
+    minimum = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be >= {minimum} for byte-level BPE, got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    logger.info("trained a byte-level BPE tokenizer with %d tokens", tokenizer.get_vocab_size())
+    return from_tokenizer(tokenizer, "trained tokenizer")

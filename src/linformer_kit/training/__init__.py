@@ -1,0 +1,39 @@
+"""Training: settings, the loop (accumulation, clipping, bf16, DDP), checkpoints and resume,
+pretraining, fine-tuning, evaluation and the Linformer-vs-Transformer comparison."""
+
+from .batches import MaskedLMBatches, MaskedLMEvaluator, RowSchedule, classification_metrics
+from .checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from .distributed import Distributed, setup_distributed, teardown_distributed
+from .evaluate import EvaluateSettings, evaluate_checkpoint
+from .finetune import FinetuneSettings, finetune
+from .loop import Trainer, TrainResult
+from .optim import build_optimizer, build_scheduler, lr_factor
+from .pretrain import build_trainer, pretrain
+from .settings import RunConfig, TrainSettings
+
+__all__ = [
+    "Checkpoint",
+    "Distributed",
+    "EvaluateSettings",
+    "FinetuneSettings",
+    "MaskedLMBatches",
+    "MaskedLMEvaluator",
+    "RowSchedule",
+    "RunConfig",
+    "TrainResult",
+    "TrainSettings",
+    "Trainer",
+    "build_optimizer",
+    "build_scheduler",
+    "build_trainer",
+    "classification_metrics",
+    "evaluate_checkpoint",
+    "finetune",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "lr_factor",
+    "pretrain",
+    "save_checkpoint",
+    "setup_distributed",
+    "teardown_distributed",
+]

@@ -1,0 +1,172 @@
+"""Deterministic batches: which rows every process reads at every step, and their masking.
+
+A batch is a pure function of (seed, step, micro-batch, rank), so a resumed run reads exactly
+the data an uninterrupted run would have read, and each DDP rank reads its own share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+from torch import Tensor, nn
+
+from ..data.cache import PackedBlocks
+from ..data.classification import ClassificationData
+from ..data.masking import IGNORE_INDEX, mask_tokens
+from ..data.tokenizer import TextTokenizer
+
+EVAL_SEED = 1234  # validation masking is fixed, so every evaluation scores the same tokens
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (a simple polynomial hash)."""
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + part) % (2**63 - 1)
+    return value
+
+
+@lru_cache(maxsize=4)
+def epoch_order(size: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The shuffled order of `size` rows in `epoch`."""
+    generator = torch.Generator().manual_seed(mix_seed(seed, epoch))
+    return tuple(torch.randperm(size, generator=generator).tolist())
+
+
+@dataclass
+class RowSchedule:
+    """Maps (step, micro-batch, rank) to dataset rows: the global stream of shuffled epochs is
+    consumed `batch_size * grad_accum_steps * world_size` rows per step."""
+
+    size: int
+    batch_size: int
+    grad_accum_steps: int
+    world_size: int
+    seed: int
+
+    def rows(self, step: int, micro: int, rank: int) -> list[int]:
+        """Dataset rows of one micro-batch."""
+        per_step = self.batch_size * self.grad_accum_steps * self.world_size
+        first = step * per_step + (micro * self.world_size + rank) * self.batch_size
+        positions = (divmod(first + j, self.size) for j in range(self.batch_size))
+        return [epoch_order(self.size, self.seed, epoch)[offset] for epoch, offset in positions]
+
+    def position(self, step: int) -> dict[str, int]:
+        """Where the data stream stands before `step`: epoch and offset in it."""
+        per_step = self.batch_size * self.grad_accum_steps * self.world_size
+        epoch, offset = divmod(step * per_step, self.size)
+        return {"epoch": epoch, "offset": offset}
+
+
+@dataclass
+class MaskedLMBatches:
+    """Packed blocks with fresh RoBERTa masking per step (dynamic masking)."""
+
+    blocks: PackedBlocks
+    tokenizer: TextTokenizer
+    schedule: RowSchedule
+    mlm_probability: float = 0.15
+
+    def micro_batch(self, step: int, micro: int, rank: int) -> dict[str, Tensor]:
+        """input_ids and labels (B, N) of one micro-batch."""
+        ids = self.blocks.batch(self.schedule.rows(step, micro, rank))  # (B, N)
+        generator = torch.Generator().manual_seed(mix_seed(self.schedule.seed, step, micro, rank))
+        return self._mask(ids, generator)
+
+    def _mask(self, ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+        inputs, labels = mask_tokens(
+            ids,
+            mask_id=self.tokenizer.mask_id,
+            vocab_size=self.tokenizer.vocab_size,
+            special_ids=self.tokenizer.special_ids,
+            generator=generator,
+            mlm_probability=self.mlm_probability,
+        )
+        return {"input_ids": inputs, "labels": labels}
+
+
+@dataclass
+class MaskedLMEvaluator:
+    """Validation loss and perplexity on fixed-masked validation blocks."""
+
+    batches: MaskedLMBatches
+    batch_size: int
+    max_batches: int = 0  # 0 = every validation block
+    key: str = field(default="val_loss", init=False)
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """Mean masked-token loss (weighted by scored tokens) and its exponential."""
+        blocks = self.batches.blocks
+        count = math.ceil(len(blocks) / self.batch_size)
+        count = min(count, self.max_batches) if self.max_batches else count
+        total = scored = 0.0
+        for index in range(count):
+            rows = list(
+                range(index * self.batch_size, min(len(blocks), (index + 1) * self.batch_size))
+            )
+            generator = torch.Generator().manual_seed(mix_seed(EVAL_SEED, index))
+            batch = self.batches._mask(blocks.batch(rows), generator)
+            n = int((batch["labels"] != IGNORE_INDEX).sum())
+            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+            total += float(loss) * n
+            scored += n
+        loss = total / max(scored, 1)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+@dataclass
+class ClassificationBatches:
+    """Shuffled, padded classification batches."""
+
+    data: ClassificationData
+    pad_id: int
+    schedule: RowSchedule
+
+    def micro_batch(self, step: int, micro: int, rank: int) -> dict[str, Tensor]:
+        """input_ids, key_padding_mask (B, N) and labels (B,) of one micro-batch."""
+        return self.data.batch(self.schedule.rows(step, micro, rank), self.pad_id)
+
+
+@dataclass
+class ClassificationEvaluator:
+    """Loss, accuracy and macro F1 on a labelled set."""
+
+    data: ClassificationData
+    pad_id: int
+    batch_size: int
+    num_labels: int
+    key: str = field(default="val_loss", init=False)
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """Metrics over every example."""
+        predictions, total = [], 0.0
+        for start in range(0, len(self.data), self.batch_size):
+            rows = list(range(start, min(len(self.data), start + self.batch_size)))
+            batch = {k: v.to(device) for k, v in self.data.batch(rows, self.pad_id).items()}
+            out = model(**batch)
+            total += float(out.loss) * len(rows)
+            predictions += out.logits.argmax(-1).tolist()
+        return {
+            "val_loss": total / len(self.data),
+            **classification_metrics(predictions, self.data.labels, self.num_labels),
+        }
+
+
+def classification_metrics(
+    predictions: list[int], labels: list[int], num_labels: int
+) -> dict[str, float]:
+    """Accuracy and macro-averaged F1 (classes absent from both lists are skipped)."""
+    accuracy = sum(p == y for p, y in zip(predictions, labels)) / len(labels)
+    scores = []
+    for c in range(num_labels):
+        tp = sum(p == c and y == c for p, y in zip(predictions, labels))
+        fp = sum(p == c and y != c for p, y in zip(predictions, labels))
+        fn = sum(p != c and y == c for p, y in zip(predictions, labels))
+        if tp + fp + fn:
+            scores.append(2 * tp / (2 * tp + fp + fn))
+    return {"accuracy": accuracy, "f1": sum(scores) / len(scores)}

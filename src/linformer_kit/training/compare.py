@@ -1,0 +1,192 @@
+"""The main job: pretrain Linformer and an exact-attention Transformer of identical size on
+the same data, order, seed and step budget, then compare validation perplexity, speed and
+memory (table, JSON and a plot)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import LinformerConfig
+from ..data.corpus import STDLIB
+from ..data.pipeline import DataSettings, prepare_pretraining_data
+from .loop import TrainResult
+from .pretrain import pretrain
+from .settings import RunConfig, TrainSettings
+
+logger = logging.getLogger(__name__)
+
+RESULT_NAME = "comparison.json"
+PLOT_NAME = "comparison.png"
+
+
+@dataclass(kw_only=True)
+class ComparisonSettings:
+    """Settings of the Linformer-vs-Transformer pretraining comparison (`linformer demo`)."""
+
+    output_dir: str = field(default="runs/demo", metadata={"help": "where both runs are written"})
+    publish_dir: str = field(
+        default="", metadata={"help": "also copy the table and plot here (e.g. benchmarks/demo)"}
+    )
+    data: str = field(default=STDLIB, metadata={"help": "corpus: a path, or 'stdlib'"})
+    glob: str = field(default="**/*.txt", metadata={"help": "files to read inside directories"})
+    vocab_size: int = field(default=4096, metadata={"help": "byte-level BPE vocabulary"})
+    seq_len: int = field(default=1024, metadata={"help": "tokens per sequence (max_seq_len)"})
+    dim: int = field(default=128, metadata={"help": "model width"})
+    depth: int = field(default=4, metadata={"help": "encoder layers"})
+    num_heads: int = field(default=4, metadata={"help": "attention heads"})
+    proj_dim: int = field(default=128, metadata={"help": "Linformer's k"})
+    sharing: str = field(default="layerwise", metadata={"help": "none, headwise, kv, layerwise"})
+    steps: int = field(default=500, metadata={"help": "optimiser steps per model"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per step"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    warmup_steps: int = field(default=50, metadata={"help": "warm-up steps"})
+    eval_every: int = field(default=50, metadata={"help": "validate every N steps"})
+    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
+    seed: int = field(default=0, metadata={"help": "seed of weights, data order and masking"})
+
+    def run_configs(self) -> dict[str, RunConfig]:
+        """One run config per model, identical except for proj_dim (None = exact)."""
+        model = LinformerConfig(
+            max_seq_len=self.seq_len,
+            dim=self.dim,
+            depth=self.depth,
+            num_heads=self.num_heads,
+            proj_dim=self.proj_dim,
+            sharing=self.sharing,
+            dropout=0.0,
+            attention_dropout=0.0,
+        )
+        data = DataSettings(
+            data=[self.data],
+            glob=self.glob,
+            vocab_size=self.vocab_size,
+            max_val_blocks=self.eval_batches * self.batch_size,
+        )
+        runs = {}
+        for name, proj_dim in (("linformer", self.proj_dim), ("transformer", None)):
+            train = TrainSettings(
+                output_dir=str(Path(self.output_dir) / name),
+                max_steps=self.steps,
+                batch_size=self.batch_size,
+                lr=self.lr,
+                warmup_steps=self.warmup_steps,
+                eval_every=self.eval_every,
+                eval_batches=self.eval_batches,
+                save_every=self.steps,
+                log_every=10,
+                seed=self.seed,
+                keep_last=1,
+            )
+            runs[name] = RunConfig(model=model.replace(proj_dim=proj_dim), train=train, data=data)
+        return runs
+
+
+def _pretrain_in_fresh_process(run: RunConfig) -> TrainResult:
+    """Runs `pretrain` in a new process, so each model's peak memory is its own."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(pretrain, run).result()
+
+
+def _row(name: str, run: RunConfig, result: TrainResult) -> dict[str, Any]:
+    label = "Transformer (exact)" if run.model.is_exact else f"Linformer k={run.model.proj_dim}"
+    return {
+        "model": label,
+        "params": result.params,
+        "val_ppl": result.final["val_ppl"],
+        "tokens_per_s": result.tokens_per_s,
+        "sec_per_step": result.sec_per_step,
+        "peak_rss_mb": result.peak_mem_mb,
+        "train_s": max(r["train_s"] for r in result.records),
+        "run": name,
+    }
+
+
+def plot_comparison(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Validation perplexity vs step and vs training time, one line per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for label, records in results.items():
+        val = [r for r in records if r["split"] == "val"]
+        axes[0].plot([r["step"] for r in val], [r["val_ppl"] for r in val], marker="o", label=label)
+        axes[1].plot(
+            [r["train_s"] for r in val], [r["val_ppl"] for r in val], marker="o", label=label
+        )
+    axes[0].set(xlabel="optimiser step", ylabel="validation perplexity", yscale="log")
+    axes[1].set(xlabel="training time (s)")
+    for axis in axes:
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    fig.suptitle("Masked-LM pretraining: Linformer vs exact attention")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on (with the load average: other jobs skew timings)."""
+    return {
+        "load_avg_1_5_15min": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": multiprocessing.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
+    """Prepares the corpus once, pretrains both models one after the other, writes
+    comparison.json and comparison.png into `output_dir` (and `publish_dir` when set).
+
+    Existing runs under `output_dir/linformer` and `output_dir/transformer` are replaced.
+
+    Returns:
+        The comparison: settings, machine, one row per model and both runs' records.
+    """
+    runs = settings.run_configs()
+    output = Path(settings.output_dir)
+    before = machine()
+    first = next(iter(runs.values()))
+    prepare_pretraining_data(first.data, first.model.max_seq_len)  # tokenizer + token cache
+    rows, records = [], {}
+    for name, run in runs.items():
+        shutil.rmtree(run.train.output_dir, ignore_errors=True)
+        result = _pretrain_in_fresh_process(run)
+        row = _row(name, run, result)
+        rows.append(row)
+        records[row["model"]] = result.records
+    comparison = {
+        "settings": dataclasses.asdict(settings),
+        "machine": before,
+        "load_avg_after": machine()["load_avg_1_5_15min"],
+        "rows": rows,
+        "ppl_ratio": rows[0]["val_ppl"] / rows[1]["val_ppl"],
+        "speedup_per_step": rows[1]["sec_per_step"] / rows[0]["sec_per_step"],
+        "records": records,
+    }
+    output.mkdir(parents=True, exist_ok=True)
+    (output / RESULT_NAME).write_text(json.dumps(comparison, indent=2) + "\n")
+    plot_comparison(records, output / PLOT_NAME)
+    if settings.publish_dir:
+        publish = Path(settings.publish_dir)
+        publish.mkdir(parents=True, exist_ok=True)
+        for name in (RESULT_NAME, PLOT_NAME):
+            shutil.copy2(output / name, publish / name)
+    return comparison

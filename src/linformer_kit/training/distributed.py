@@ -1,0 +1,99 @@
+"""Multi-process training with torch.distributed: set up from torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), gloo on CPU and NCCL on GPU."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Distributed:
+    """This process's place in the job: rank, world size and device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes logs and checkpoints (rank 0)."""
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether more than one process trains."""
+        return self.world_size > 1
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model wrapped in DistributedDataParallel when the job has several processes.
+
+        A `layerwise` projection is one Parameter used by every layer; DDP reduces its
+        gradient once, after autograd has summed the contributions of all layers.
+        """
+        if not self.enabled:
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def mean(self, value: float) -> float:
+        """The mean of a number over all processes."""
+        if not self.enabled:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return float(tensor) / self.world_size
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's `value` (a picklable object), in rank order."""
+        if not self.enabled:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+    def barrier(self) -> None:
+        """Waits for every process."""
+        if self.enabled:
+            dist.barrier()
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when available; `cpu` / `cuda` / `cuda:N` are taken as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def setup_distributed(device: str = "auto") -> Distributed:
+    """Joins the torchrun job described by the environment (or runs alone without one).
+
+    Under torchrun every process takes GPU LOCAL_RANK when on CUDA.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    target = resolve_device(device)
+    if world_size == 1:
+        return Distributed(0, 1, target)
+    if target.type == "cuda":
+        target = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(target)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if target.type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    logger.info("process %d of %d on %s", rank, world_size, target)
+    return Distributed(rank, world_size, target)
+
+
+def teardown_distributed() -> None:
+    """Leaves the process group, if one was joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

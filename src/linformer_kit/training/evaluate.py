@@ -1,0 +1,87 @@
+"""Evaluate a saved model: masked-LM perplexity on text, or a classifier's accuracy / F1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import hub
+from ..data.cache import PackedBlocks
+from ..data.classification import load_classification
+from ..data.corpus import iter_documents
+from ..data.tokenizer import TextTokenizer, load_tokenizer
+from ..models import LinformerForMaskedLM, LinformerForSequenceClassification
+from .batches import ClassificationEvaluator, MaskedLMBatches, MaskedLMEvaluator, RowSchedule
+from .distributed import resolve_device
+
+
+@dataclass(kw_only=True)
+class EvaluateSettings:
+    """What to evaluate a checkpoint on."""
+
+    data: list[str] = field(
+        default_factory=list, metadata={"help": "text files / directories, or labelled JSONL"}
+    )
+    batch_size: int = field(default=8, metadata={"help": "sequences per batch"})
+    glob: str = field(default="**/*.txt", metadata={"help": "files to read inside directories"})
+    text_field: str = field(default="text", metadata={"help": "JSONL text field"})
+    label_field: str = field(default="label", metadata={"help": "JSONL label field"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+
+
+def _text_blocks(
+    specs: list[str], tokenizer: TextTokenizer, block_len: int, settings: EvaluateSettings
+) -> PackedBlocks:
+    documents = iter_documents(specs, glob=settings.glob, text_field=settings.text_field)
+    texts = [d.text for d in documents]
+    stream = [t for ids in tokenizer.encode_batch(texts) for t in (*ids, tokenizer.sep_id)]
+    count = len(stream) // block_len
+    if count == 0:
+        raise ValueError(
+            f"{', '.join(specs)}: {len(stream)} tokens, fewer than one block of {block_len}"
+        )
+    return PackedBlocks(np.asarray(stream), block_len, np.arange(count))
+
+
+def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[str, Any]:
+    """Evaluates a saved model: masked-LM loss / perplexity on text, or accuracy / F1 of a
+    classifier on labelled JSONL.
+
+    Returns:
+        {data name: {metric: value}}.
+
+    Raises:
+        ValueError / FileNotFoundError: for a missing or corrupt checkpoint or bad data.
+    """
+    if not settings.data:
+        raise ValueError("evaluate needs --data")
+    data, batch_size = settings.data, settings.batch_size
+    meta = hub.read_config(path)
+    tokenizer = load_tokenizer(path)
+    target = resolve_device(settings.device)
+    config = meta["config"]
+    if meta["architecture"] == LinformerForSequenceClassification.__name__:
+        model = LinformerForSequenceClassification.from_pretrained(path)
+        metrics: dict[str, Any] = {}
+        for spec in data:
+            labelled = load_classification(
+                spec,
+                tokenizer,
+                max_seq_len=config.max_seq_len,
+                num_labels=model.num_labels,
+                text_field=settings.text_field,
+                label_field=settings.label_field,
+            )
+            evaluator = ClassificationEvaluator(
+                labelled, tokenizer.pad_id, batch_size, model.num_labels
+            )
+            metrics[spec] = evaluator(model.to(target).eval(), target)
+        return metrics
+    model = LinformerForMaskedLM.from_pretrained(path)
+    blocks = _text_blocks(data, tokenizer, config.max_seq_len, settings)
+    schedule = RowSchedule(len(blocks), batch_size, 1, 1, 0)
+    evaluator = MaskedLMEvaluator(MaskedLMBatches(blocks, tokenizer, schedule), batch_size)
+    return {"+".join(data): evaluator(model.to(target).eval(), target)}

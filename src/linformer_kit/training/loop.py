@@ -1,0 +1,316 @@
+"""The training loop: gradient accumulation, clipping, bf16 autocast, DDP, periodic validation,
+metrics (JSONL, TensorBoard when installed), best / last checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .. import hub
+from ..data.tokenizer import TextTokenizer
+from ..models import LinformerPreTrainedModel
+from .batches import mix_seed
+from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, save_checkpoint
+from .distributed import Distributed
+from .optim import build_optimizer, build_scheduler
+from .settings import RUN_CONFIG_NAME, RunConfig, TrainSettings
+
+logger = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+
+
+class BatchSource(Protocol):
+    """Anything that yields the micro-batch of (step, micro-batch index, rank)."""
+
+    def micro_batch(self, step: int, micro: int, rank: int) -> dict[str, Tensor]: ...
+
+
+Evaluator = Callable[[torch.nn.Module, torch.device], dict[str, float]]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far: allocated CUDA memory, or the CPU resident set.
+
+    On Linux the resident peak is VmHWM (reset when a process starts, unlike ru_maxrss,
+    which a spawned child inherits from its parent).
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**10  # kB
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB else
+
+
+class MetricsLog:
+    """Appends records to metrics.jsonl (and TensorBoard when installed); rank 0 only."""
+
+    def __init__(self, run_dir: Path, enabled: bool, keep_until: int | None) -> None:
+        self.path = run_dir / METRICS_NAME
+        self.enabled = enabled
+        self.records: list[dict[str, Any]] = []
+        if self.path.is_file() and keep_until is not None:  # resuming: drop records past it
+            lines = self.path.read_text().splitlines()
+            self.records = [r for r in map(json.loads, lines) if r["step"] <= keep_until]
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            text = "".join(json.dumps(r) + "\n" for r in self.records)
+            hub.atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
+        self.writer = self._tensorboard(run_dir) if enabled else None
+
+    @staticmethod
+    def _tensorboard(run_dir: Path) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        return SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Keeps a record; rank 0 also appends it to the log."""
+        self.records.append(record)
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for name, value in record.items():
+                if name not in ("step", "split") and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{record['split']}/{name}", value, record["step"])
+
+    def close(self) -> None:
+        """Flushes TensorBoard."""
+        if self.writer is not None:
+            self.writer.close()
+
+
+@dataclass
+class TrainResult:
+    """What a run measured: every metrics record, the final validation and throughput."""
+
+    records: list[dict[str, Any]]
+    final: dict[str, float]
+    params: int
+    tokens_per_s: float
+    sec_per_step: float
+    peak_mem_mb: float
+    run_dir: Path
+    best_val: float
+
+
+class Trainer:
+    """Trains `model` on `batches` for `settings.max_steps` steps.
+
+    Args:
+        model: the unwrapped model (seeded identically on every rank before construction).
+        batches: the training micro-batches.
+        evaluator: validation metrics; its `key` metric (lower is better) picks `best`.
+        settings: the recipe.
+        dist: this process's place in the job.
+        run_config: saved into every checkpoint.
+        tokenizer: saved into every checkpoint.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: LinformerPreTrainedModel,
+        batches: BatchSource,
+        evaluator: Evaluator,
+        settings: TrainSettings,
+        dist: Distributed,
+        run_config: RunConfig | None = None,
+        tokenizer: TextTokenizer | None = None,
+    ) -> None:
+        self.model = model.to(dist.device)
+        self.batches, self.evaluator, self.settings, self.dist = batches, evaluator, settings, dist
+        self.run_config, self.tokenizer = run_config, tokenizer
+        self.run_dir = Path(settings.output_dir)
+        self.optimizer = build_optimizer(model, settings)
+        self.scheduler = build_scheduler(self.optimizer, settings)
+        self.step, self.tokens, self.train_s = 0, 0, 0.0
+        self.best = math.inf
+        self.autocast = torch.autocast(
+            dist.device.type, dtype=torch.bfloat16, enabled=settings.precision == "bf16"
+        )
+
+    def _resume(self) -> int | None:
+        checkpoint = latest_checkpoint(self.run_dir)
+        if checkpoint is None:
+            logger.info("no checkpoint in %s: starting from scratch", self.run_dir)
+            return None
+        state = checkpoint.state
+        hub.load_weights(self.model, hub.read_weights(checkpoint.path), str(checkpoint.path))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.train_s, self.best = state["train_s"], state["best"]
+        torch.set_rng_state(state["rng"][self.dist.rank])
+        if self.dist.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"][self.dist.rank], self.dist.device)
+        logger.info("resumed from %s at step %d", checkpoint.path, self.step)
+        return self.step
+
+    def _check_fresh(self) -> None:
+        if any((self.run_dir / CHECKPOINTS_DIR).glob("step-*")):
+            raise ValueError(
+                f"{self.run_dir} already holds checkpoints: pass --resume to continue that run, "
+                f"or choose another --output-dir"
+            )
+
+    def _state(self) -> dict[str, Any]:
+        cuda = self.dist.device.type == "cuda"
+        rng = self.dist.gather(torch.get_rng_state())
+        cuda_rng = self.dist.gather(torch.cuda.get_rng_state(self.dist.device) if cuda else None)
+        schedule = getattr(self.batches, "schedule", None)
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "train_s": self.train_s,
+            "best": self.best,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng,
+            "cuda_rng": cuda_rng if cuda else [],
+            "data_position": schedule.position(self.step) if schedule is not None else {},
+        }
+
+    def _save(self, best: bool) -> None:
+        state = self._state()  # every rank joins the RNG gather; rank 0 writes
+        if self.dist.is_main:
+            save_checkpoint(
+                self.run_dir,
+                self.step,
+                model=self.model,
+                state=state,
+                run_config=self.run_config,
+                tokenizer=self.tokenizer,
+                best=best,
+                keep_last=self.settings.keep_last,
+            )
+        self.dist.barrier()
+
+    def _train_step(self, model: torch.nn.Module) -> tuple[float, int]:
+        accum = self.settings.grad_accum_steps
+        losses, tokens = [], 0
+        for micro in range(accum):
+            batch = self.batches.micro_batch(self.step, micro, self.dist.rank)
+            batch = {k: v.to(self.dist.device) for k, v in batch.items()}
+            last = micro == accum - 1
+            sync = contextlib.nullcontext() if last or not self.dist.enabled else model.no_sync()
+            with sync:
+                with self.autocast:
+                    loss = model(**batch).loss
+                (loss / accum).backward()
+            losses.append(loss.item())
+            tokens += batch["input_ids"].numel()
+        if self.settings.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.clip_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return sum(losses) / accum, tokens * self.dist.world_size
+
+    def _evaluate(self, log: MetricsLog) -> tuple[dict[str, float], bool]:
+        self.model.eval()
+        with self.autocast:
+            metrics = self.evaluator(self.model, self.dist.device)
+        self.model.train()
+        improved = metrics[self.evaluator.key] < self.best
+        self.best = min(self.best, metrics[self.evaluator.key])
+        log.write({"step": self.step, "split": "val", "train_s": self.train_s, **metrics})
+        return metrics, improved
+
+    def fit(self) -> TrainResult:
+        """Runs (or resumes) training to `max_steps`.
+
+        Returns:
+            The run's records, final validation metrics and measured throughput.
+        """
+        s = self.settings
+        resumed = self._resume() if s.resume else None
+        if resumed is None:
+            self._check_fresh()
+            torch.manual_seed(mix_seed(s.seed, self.dist.rank))  # dropout differs per rank
+        log = MetricsLog(self.run_dir, self.dist.is_main, keep_until=resumed)
+        if self.dist.is_main and self.run_config is not None:
+            self.run_config.save(self.run_dir / RUN_CONFIG_NAME)
+        model = self.dist.wrap(self.model)
+        model.train()
+        bar = tqdm(
+            total=s.max_steps,
+            initial=self.step,
+            disable=not self.dist.is_main,
+            desc=self.run_dir.name,
+            dynamic_ncols=True,
+        )
+        interval_tokens, interval_s, step_times = 0, 0.0, []
+        final: dict[str, float] = {}
+        while self.step < s.max_steps:
+            start = time.perf_counter()
+            loss, tokens = self._train_step(model)
+            elapsed = time.perf_counter() - start
+            self.step += 1
+            self.tokens += tokens
+            self.train_s += elapsed
+            interval_tokens, interval_s = interval_tokens + tokens, interval_s + elapsed
+            step_times.append(elapsed)
+            loss = self.dist.mean(loss)
+            lr = self.scheduler.get_last_lr()[0]
+            bar.update()
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
+            if self.step % s.log_every == 0 or self.step == s.max_steps:
+                log.write(
+                    {
+                        "step": self.step,
+                        "split": "train",
+                        "loss": loss,
+                        "lr": lr,
+                        "tokens": self.tokens,
+                        "tokens_per_s": interval_tokens / interval_s,
+                        "train_s": self.train_s,
+                    }
+                )
+                interval_tokens, interval_s = 0, 0.0
+            improved = False
+            if self.step % s.eval_every == 0 or self.step == s.max_steps:
+                final, improved = self._evaluate(log)
+            if improved or self.step % s.save_every == 0 or self.step == s.max_steps:
+                self._save(best=improved)
+        bar.close()
+        log.close()
+        if not final:
+            final = next((r for r in reversed(log.records) if r["split"] == "val"), {})
+        return self._result(log.records, final, step_times)
+
+    def _result(
+        self, records: list[dict[str, Any]], final: dict[str, float], step_times: list[float]
+    ) -> TrainResult:
+        steady = sorted(step_times[len(step_times) // 10 :]) or [math.nan]  # skip warm-up
+        return TrainResult(
+            records=records,
+            final={k: v for k, v in final.items() if isinstance(v, float)},
+            params=sum(p.numel() for p in self.model.parameters()),
+            tokens_per_s=self.tokens / self.train_s if self.train_s else math.nan,
+            sec_per_step=steady[len(steady) // 2],
+            peak_mem_mb=peak_memory_mb(self.dist.device),
+            run_dir=self.run_dir,
+            best_val=self.best,
+        )

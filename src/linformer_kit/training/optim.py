@@ -1,0 +1,42 @@
+"""AdamW with decoupled weight decay (not on norms, biases, projections' bias) and a warm-up +
+linear / cosine decay schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .settings import TrainSettings
+
+
+def build_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.AdamW:
+    """AdamW over every trainable parameter once (shared projections included once);
+    one-dimensional tensors (biases, LayerNorm weights) get no weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, settings.beta2), eps=1e-6)
+
+
+def lr_factor(step: int, settings: TrainSettings) -> float:
+    """Multiplier of the peak learning rate at `step`: linear warm-up, then decay to 0."""
+    if step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    if settings.schedule == "constant":
+        return 1.0
+    span = max(1, settings.max_steps - settings.warmup_steps)
+    progress = min(1.0, (step - settings.warmup_steps) / span)
+    if settings.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, settings: TrainSettings
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The warm-up + decay schedule as a LambdaLR (its state goes into checkpoints)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, settings))

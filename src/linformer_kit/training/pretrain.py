@@ -1,0 +1,73 @@
+"""Masked-LM pretraining of a run config: data, tokenizer, model, trainer (one or N processes)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..data.pipeline import PretrainingData, prepare_pretraining_data
+from ..models import LinformerForMaskedLM
+from .batches import MaskedLMBatches, MaskedLMEvaluator, RowSchedule
+from .distributed import Distributed, setup_distributed, teardown_distributed
+from .loop import Trainer, TrainResult
+from .settings import RunConfig
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_data(run: RunConfig, dist: Distributed) -> PretrainingData:
+    """Tokenizer and token cache: rank 0 builds them first, the other ranks then reuse them."""
+    data = prepare_pretraining_data(run.data, run.model.max_seq_len) if dist.is_main else None
+    dist.barrier()
+    return data or prepare_pretraining_data(run.data, run.model.max_seq_len)
+
+
+def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> Trainer:
+    """The masked-LM model (vocab_size and pad_token_id from the tokenizer; seeded so every
+    rank starts from the same weights), its batches, evaluator and trainer."""
+    model_config = run.model.replace(
+        vocab_size=data.tokenizer.vocab_size, pad_token_id=data.tokenizer.pad_id
+    )
+    run = RunConfig(model=model_config, train=run.train, data=run.data)
+    settings = run.train
+    torch.manual_seed(settings.seed)
+    model = LinformerForMaskedLM(model_config)
+    schedule = RowSchedule(
+        len(data.train),
+        settings.batch_size,
+        settings.grad_accum_steps,
+        dist.world_size,
+        settings.seed,
+    )
+    batches = MaskedLMBatches(data.train, data.tokenizer, schedule, settings.mlm_probability)
+    val_batches = MaskedLMBatches(data.val, data.tokenizer, schedule, settings.mlm_probability)
+    return Trainer(
+        model=model,
+        batches=batches,
+        evaluator=MaskedLMEvaluator(val_batches, settings.batch_size, settings.eval_batches),
+        settings=settings,
+        dist=dist,
+        run_config=run,
+        tokenizer=data.tokenizer,
+    )
+
+
+def pretrain(run: RunConfig, data: PretrainingData | None = None) -> TrainResult:
+    """Pretrains a masked LM per `run` (under torchrun: one process of a DDP job).
+
+    Args:
+        run: model, training and data settings; the model's vocab_size and pad_token_id are
+            taken from the tokenizer.
+        data: prepared data, to share one corpus between several runs (else prepared here).
+
+    Returns:
+        The run's records, final validation metrics and throughput.
+    """
+    dist = setup_distributed(run.train.device)
+    try:
+        result = build_trainer(run, data or prepare_data(run, dist), dist).fit()
+        dist.barrier()  # gloo can abort a process whose peer already closed the group
+        return result
+    finally:
+        teardown_distributed()

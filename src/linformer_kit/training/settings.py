@@ -1,0 +1,130 @@
+"""Training settings (dataclasses: the CLI flags and the saved run config come from them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import LinformerConfig
+from ..data.pipeline import DataSettings
+from ..hub import atomic_write
+
+SCHEDULES = ("linear", "cosine", "constant")
+PRECISIONS = ("fp32", "bf16")
+RUN_CONFIG_NAME = "run_config.json"
+
+
+@dataclass(kw_only=True)
+class TrainSettings:
+    """The optimisation recipe and the run's bookkeeping."""
+
+    output_dir: str = field(default="runs/pretrain", metadata={"help": "run directory"})
+    max_steps: int = field(default=1000, metadata={"help": "optimiser steps"})
+    batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch per process"})
+    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per step"})
+    lr: float = field(default=5e-4, metadata={"help": "peak learning rate"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW decay (not on norms/bias)"})
+    beta2: float = field(default=0.98, metadata={"help": "AdamW beta2 (RoBERTa: 0.98)"})
+    warmup_steps: int = field(default=100, metadata={"help": "linear warm-up steps"})
+    schedule: str = field(default="linear", metadata={"help": "decay: linear, cosine, constant"})
+    clip_grad_norm: float = field(default=1.0, metadata={"help": "max gradient norm (0 = off)"})
+    precision: str = field(default="fp32", metadata={"help": "fp32, or bf16 autocast"})
+    mlm_probability: float = field(default=0.15, metadata={"help": "share of tokens to predict"})
+    eval_every: int = field(default=100, metadata={"help": "validate every N steps"})
+    eval_batches: int = field(default=8, metadata={"help": "validation batches (0 = all)"})
+    save_every: int = field(default=500, metadata={"help": "checkpoint every N steps"})
+    log_every: int = field(default=10, metadata={"help": "log training metrics every N steps"})
+    keep_last: int = field(default=2, metadata={"help": "step checkpoints kept besides best"})
+    seed: int = field(default=0, metadata={"help": "seed of weights, data order and masking"})
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_steps",
+            "batch_size",
+            "grad_accum_steps",
+            "eval_every",
+            "save_every",
+            "log_every",
+            "keep_last",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}"
+            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything a pretraining run needs; saved as run_config.json beside its checkpoints."""
+
+    model: LinformerConfig
+    train: TrainSettings
+    data: DataSettings
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return {
+            "model": self.model.to_dict(),
+            "train": dataclasses.asdict(self.train),
+            "data": dataclasses.asdict(self.data),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Builds a run config from `to_dict` output; missing sections take their defaults.
+
+        Raises:
+            ValueError: on an unknown section or field.
+        """
+        unknown = sorted(set(data) - {"model", "train", "data"})
+        if unknown:
+            raise ValueError(f"unknown run config sections {unknown}; known: model, train, data")
+        return cls(
+            model=LinformerConfig.from_dict(data.get("model", {})),
+            train=_build(TrainSettings, data.get("train", {})),
+            data=_build(DataSettings, data.get("data", {})),
+        )
+
+    def save(self, path: Path) -> None:
+        """Writes the JSON form to `path`."""
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        """Reads a run config (a run_config.json, or a directory holding one).
+
+        Raises:
+            FileNotFoundError / ValueError: if it is missing or malformed.
+        """
+        file = Path(path)
+        if file.is_dir():
+            file = file / RUN_CONFIG_NAME
+        try:
+            return cls.from_dict(json.loads(file.read_text()))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}; known: {sorted(known)}")
+    return cls(**values)

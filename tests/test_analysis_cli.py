@@ -1,0 +1,166 @@
+"""`linformer spectrum` and `linformer attention-map` end to end on saved tiny models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+
+from linformer_kit import LinformerConfig, LinformerForMaskedLM, LinformerModel
+from linformer_kit.analysis import attention_map
+from linformer_kit.analysis.inputs import checkpoint_tokenizer
+from linformer_kit.cli import main
+from linformer_kit.data import train_tokenizer
+
+TEXT = "the cat sees the dog and the dog sees a bird every day."
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def config(proj_dim: int | None) -> LinformerConfig:
+    return LinformerConfig(
+        vocab_size=300, max_seq_len=32, dim=32, depth=2, num_heads=2, proj_dim=proj_dim
+    )
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("\n".join(f"{TEXT} line {i} of {i * 7} words." for i in range(40)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def random_exact(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    """A random-init exact-attention backbone saved with a tokenizer trained on the corpus."""
+    path = tmp_path_factory.mktemp("random_exact")
+    torch.manual_seed(0)
+    LinformerModel(config(None)).save_pretrained(path)
+    train_tokenizer([corpus.read_text()], 300).save(path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_linformer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Linformer masked LM after 2 AdamW steps on random tokens; no tokenizer saved."""
+    path = tmp_path_factory.mktemp("trained_linformer")
+    torch.manual_seed(0)
+    model = LinformerForMaskedLM(config(8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 300, (4, 32))
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    model.save_pretrained(path)
+    return path
+
+
+def check_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 300
+    assert image.std() > 0.05  # not a blank canvas
+
+
+def check_report(out: Path, depth: int, heads: int, curve_len: int) -> dict:
+    report = json.loads((out / "spectrum.json").read_text())
+    assert len(report["layers"]) == depth
+    for layer in report["layers"]:
+        assert len(layer["heads"]) == heads
+        assert len(layer["mean_curve"]) == curve_len
+        assert layer["mean_curve"][-1] == pytest.approx(1.0)
+        assert set(layer["k"]) == {"0.9", "0.95", "0.99"}
+        assert all(1 <= k <= curve_len for k in layer["k"].values())
+        for head in layer["heads"]:
+            assert all(a <= b + 1e-9 for a, b in zip(head["curve"], head["curve"][1:]))
+    check_png(out / "spectrum.png")
+    return report
+
+
+def test_spectrum_of_random_exact_model_on_text(
+    random_exact: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "spectrum"
+    main(
+        ["spectrum", str(random_exact), "--data", str(corpus), "--num-samples", "3"]
+        + ["--seq-len", "24", "--batch-size", "2", "--index", "6", "--out", str(out)]
+    )
+    report = check_report(out, depth=2, heads=2, curve_len=24)
+    assert report["attention"] == "exact"
+    assert report["num_sequences"] == 3 and report["index"] == 6
+    printed = capsys.readouterr().out
+    assert f"recommended k = {report['recommendation']['proj_dim']}" in printed
+    assert "2k/n" in printed
+
+
+def test_spectrum_pads_a_short_text(random_exact: Path, tmp_path: Path) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text(TEXT + "\n")
+    out = tmp_path / "spectrum"
+    main(["spectrum", str(random_exact), "--data", str(short), "--out", str(out)])
+    report = check_report(out, depth=2, heads=2, curve_len=32)
+    assert report["num_sequences"] == 1 and report["mean_real_tokens"] < 32
+    assert report["index"] == report["recommendation"]["proj_dim"]  # the default
+
+
+def test_spectrum_of_trained_linformer_with_random_tokens(
+    trained_linformer: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "spectrum"
+    main(
+        ["spectrum", str(trained_linformer), "--random-tokens", "--num-samples", "4"]
+        + ["--masses", "0.9", "0.99", "--out", str(out)]
+    )
+    report = check_report(out, depth=2, heads=2, curve_len=8)
+    assert report["attention"] == "linformer (proj_dim=8)"
+    with pytest.raises(SystemExit, match="--random-tokens"):
+        main(["spectrum", str(trained_linformer), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match=r"masses must be fractions in \(0, 1\]"):
+        main(["spectrum", str(trained_linformer), "--random-tokens", "--masses", "1.5"])
+
+
+@pytest.mark.parametrize("proj_dim", [None, 8])
+def test_attention_map_cli(
+    proj_dim: int | None,
+    random_exact: Path,
+    trained_linformer: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    checkpoint = random_exact
+    if proj_dim is not None:  # the trained Linformer, with a tokenizer beside it
+        checkpoint = Path(shutil.copytree(trained_linformer, tmp_path / "ckpt"))
+        shutil.copy(random_exact / "tokenizer.json", checkpoint / "tokenizer.json")
+    out = tmp_path / "map.png"
+    main(
+        ["attention-map", str(checkpoint), "--text", TEXT, "--layer", "1", "--head", "1"]
+        + ["--out", str(out)]
+    )
+    check_png(out)
+    rows = len(checkpoint_tokenizer(checkpoint).tokenizer.encode(TEXT).ids)
+    assert f"{rows} x {rows if proj_dim is None else proj_dim} map" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"layer must be in \[0, 1\], got 2"):
+        main(["attention-map", str(checkpoint), "--text", TEXT, "--layer", "2", "--out", str(out)])
+
+
+def test_attention_map_without_tokenizer_fails_clearly(
+    trained_linformer: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit, match="no tokenizer.json"):
+        main(
+            ["attention-map", str(trained_linformer), "--text", TEXT, "--out", str(tmp_path / "m")]
+        )
+
+
+@pytest.mark.parametrize("proj_dim", [None, 8])
+def test_attention_map_is_row_stochastic_n_by_k(proj_dim: int | None) -> None:
+    model = LinformerModel(config(proj_dim))
+    matrix = attention_map(model, torch.randint(0, 300, (1, 20)), layer=1, head=0)
+    assert matrix.shape == (20, 20 if proj_dim is None else proj_dim)
+    assert torch.allclose(matrix.sum(-1), torch.ones(20), atol=1e-5)

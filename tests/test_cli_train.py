@@ -1,0 +1,103 @@
+"""The pretrain / finetune / evaluate / demo subcommands end to end on tiny generated data."""
+
+import json
+
+import pytest
+from train_helpers import write_classification, write_corpus
+
+from linformer_kit.cli import build_parser, main
+from linformer_kit.cli.overrides import collect_overrides
+
+MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "2", "--num-heads", "2"]
+TRAIN = ["--batch-size", "4", "--warmup-steps", "2", "--lr", "3e-3", "--log-every", "1"]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINFORMER_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def pretrained(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    main(
+        ["pretrain", "--data", str(corpus), "--vocab-size", "300", "--proj-dim", "16"]
+        + MODEL
+        + TRAIN
+        + ["--max-steps", "8", "--eval-every", "4", "--output-dir", str(run)]
+    )
+    return run
+
+
+def test_pretrain_writes_checkpoints_and_resumes_from_its_config(pretrained, capsys):
+    out = capsys.readouterr().out
+    assert "val_ppl" in out and "checkpoints:" in out
+    assert (pretrained / "last").is_dir() and (pretrained / "best").is_dir()
+    saved = json.loads((pretrained / "run_config.json").read_text())
+    assert saved["model"]["proj_dim"] == 16 and saved["model"]["vocab_size"] == 300
+
+    main(["pretrain", "--config", str(pretrained), "--max-steps", "12", "--resume"])
+    records = [json.loads(line) for line in (pretrained / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 13))
+
+
+def test_finetune_reports_accuracy_per_epoch_and_evaluate_reads_it(tmp_path, pretrained, capsys):
+    train = write_classification(tmp_path / "train.jsonl", 48, seed=0)
+    valid = write_classification(tmp_path / "valid.jsonl", 16, seed=1)
+    out_dir = tmp_path / "ft"
+    capsys.readouterr()
+    main(
+        ["finetune", "--init", str(pretrained / "best"), "--data", str(train)]
+        + ["--eval", str(valid), "--epochs", "2", "--batch-size", "8", "--output-dir", str(out_dir)]
+    )
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "f1" in out
+    assert out.count("\n") >= 4  # header, two epochs, checkpoint line
+    main(["evaluate", str(out_dir / "best"), "--data", str(valid)])
+    assert "accuracy" in capsys.readouterr().out
+    main(["evaluate", str(pretrained / "best"), "--data", str(tmp_path / "corpus")])
+    assert "val_ppl" in capsys.readouterr().out
+
+
+def test_malformed_data_ends_with_a_message_naming_file_and_line(tmp_path, pretrained):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "the cat", "label": 0}\n{"text": "the dog"}\n')
+    with pytest.raises(SystemExit, match=rf"{bad}:2: no field 'label'"):
+        main(
+            ["finetune", "--init", str(pretrained / "best"), "--data", str(bad), "--eval", str(bad)]
+        )
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["pretrain", "--data", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "x")])
+
+
+def test_override_flags_parse_their_field_types():
+    parser = build_parser()
+    args = parser.parse_args(
+        ["pretrain", "--proj-dim", "16,8", "--norm-first", "false", "--resume", "--data", "a", "b"]
+    )
+    overrides = collect_overrides(args)
+    assert overrides["model"] == {"proj_dim": [16, 8], "norm_first": False}
+    assert overrides["train"] == {"resume": True}
+    assert overrides["data"] == {"data": ["a", "b"]}
+    args = parser.parse_args(["pretrain", "--proj-dim", "none", "--ffn-dim", "64"])
+    assert collect_overrides(args)["model"] == {"proj_dim": None, "ffn_dim": 64}
+
+
+def test_demo_compares_both_models_and_publishes_table_and_plot(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus")
+    publish = tmp_path / "benchmarks"
+    main(
+        ["demo", "--data", str(corpus), "--output-dir", str(tmp_path / "demo")]
+        + ["--publish-dir", str(publish), "--vocab-size", "300", "--seq-len", "64", "--dim", "32"]
+        + ["--depth", "1", "--proj-dim", "16", "--steps", "4", "--eval-every", "2"]
+        + ["--eval-batches", "1", "--warmup-steps", "1"]
+    )
+    out = capsys.readouterr().out
+    assert "Linformer k=16" in out and "Transformer (exact)" in out and "speed per" in out
+    result = json.loads((publish / "comparison.json").read_text())
+    assert [r["run"] for r in result["rows"]] == ["linformer", "transformer"]
+    assert result["rows"][0]["params"] > result["rows"][1]["params"]
+    assert (publish / "comparison.png").stat().st_size > 1000
+    for name in ("linformer", "transformer"):
+        assert (tmp_path / "demo" / name / "last" / "model.safetensors").is_file()

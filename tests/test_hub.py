@@ -1,0 +1,246 @@
+"""save_pretrained / from_pretrained: config.json + model.safetensors round trips and errors."""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from linformer_kit import (
+    LinformerForMaskedLM,
+    LinformerForSequenceClassification,
+    LinformerModel,
+    linformer_tiny,
+)
+from linformer_kit.hub import CONFIG_NAME, WEIGHTS_NAME
+
+SHARINGS = ["none", "headwise", "kv", "layerwise"]
+KINDS = ["linear", "conv", "pool", "random"]
+DEPTH = 2
+
+
+def tiny(**changes):
+    base = dict(vocab_size=100, max_seq_len=64, dim=32, depth=DEPTH, num_heads=4, proj_dim=16)
+    return linformer_tiny(**{**base, "dropout": 0.0, "attention_dropout": 0.0, **changes})
+
+
+def perturbed(model):
+    """The model with every parameter moved off its deterministic init (e.g. conv kernels
+    start at 1 / block), so a round trip that skips a tensor cannot pass by accident."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    return model.eval()
+
+
+def batch(seed=0, n=20):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 100, (3, n), generator=gen)
+    mask = torch.ones(3, n, dtype=torch.bool)
+    mask[1, n // 2 :] = False
+    return ids, mask
+
+
+def state_equal(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        torch.testing.assert_close(sa[name], sb[name], rtol=0, atol=0, msg=name)
+
+
+def shared_weight_names(model):
+    return [n for n in model.state_dict() if "proj" in n]
+
+
+@pytest.fixture
+def mlm_dir(tmp_path):
+    """A saved masked-LM checkpoint; returns (model, directory)."""
+    model = perturbed(LinformerForMaskedLM(tiny()))
+    model.save_pretrained(tmp_path / "mlm")
+    return model, tmp_path / "mlm"
+
+
+ROUND_TRIPS = [dict(sharing=s, projection=p) for s in SHARINGS for p in KINDS] + [
+    dict(proj_dim=None),
+    dict(proj_dim=[16, 8], sharing="none"),
+]
+
+
+@pytest.mark.parametrize("changes", ROUND_TRIPS, ids=lambda c: "-".join(map(str, c.values())))
+def test_round_trip_gives_identical_outputs(tmp_path, changes):
+    model = perturbed(LinformerForMaskedLM(tiny(**changes)))
+    model.save_pretrained(tmp_path)
+    loaded = LinformerForMaskedLM.from_pretrained(tmp_path).eval()
+    assert loaded.config == model.config
+    state_equal(loaded, model)
+    ids, mask = batch()
+    torch.testing.assert_close(loaded(ids, mask).logits, model(ids, mask).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "sharing, stored", [("none", 4), ("headwise", 4), ("kv", 2), ("layerwise", 1)]
+)
+def test_shared_projections_are_stored_once(tmp_path, sharing, stored):
+    model = perturbed(LinformerModel(tiny(sharing=sharing)))
+    assert len(shared_weight_names(model)) == 2 * DEPTH  # every alias is in the state dict
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / WEIGHTS_NAME), framework="pt") as f:
+        keys = [k for k in f.keys() if "proj" in k]
+        assert len(keys) == stored
+        ours = model.state_dict()
+        for key in keys:
+            torch.testing.assert_close(f.get_tensor(key), ours[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("projection", ["linear", "conv", "random"])
+def test_loaded_layerwise_projection_is_still_one_tensor(tmp_path, projection):
+    model = perturbed(LinformerModel(tiny(sharing="layerwise", projection=projection)))
+    model.save_pretrained(tmp_path)
+    loaded = LinformerModel.from_pretrained(tmp_path)
+    weights = [
+        getattr(layer.attn, side).weight
+        for layer in loaded.encoder.layers
+        for side in ("proj_k", "proj_v")
+    ]
+    assert all(w is weights[0] for w in weights)
+    torch.testing.assert_close(weights[0], model.encoder.layers[0].attn.proj_k.weight)
+    assert isinstance(weights[0], torch.nn.Parameter) == (projection != "random")
+
+
+def test_directory_holds_only_config_and_safetensors(mlm_dir):
+    _, path = mlm_dir
+    assert sorted(p.name for p in path.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
+    meta = json.loads((path / CONFIG_NAME).read_text())
+    assert meta["architecture"] == "LinformerForMaskedLM"
+    assert meta["config"]["dim"] == 32
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX permission bits")
+def test_saved_files_get_ordinary_permissions(mlm_dir):
+    """Files are readable as the umask allows (mkstemp's private 0o600 must not leak through),
+    so a checkpoint directory can be shared like any other output."""
+    _, path = mlm_dir
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        assert oct((path / name).stat().st_mode & 0o777) == oct(0o666 & ~umask), name
+
+
+def test_missing_directory_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+        LinformerModel.from_pretrained(tmp_path / "nowhere")
+
+
+def test_missing_weights_raise(mlm_dir):
+    _, path = mlm_dir
+    (path / WEIGHTS_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match=WEIGHTS_NAME):
+        LinformerForMaskedLM.from_pretrained(path)
+
+
+def test_truncated_weights_raise_value_error_naming_the_file(mlm_dir):
+    _, path = mlm_dir
+    file = path / WEIGHTS_NAME
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=re.escape(str(file))):
+        LinformerForMaskedLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        "[]",
+        json.dumps({"architecture": "LinformerModel"}),
+        json.dumps({"config": {"dim": -1}}),
+    ],
+    ids=["syntax", "not-a-dict", "no-config", "invalid-config"],
+)
+def test_corrupt_config_raises_value_error(mlm_dir, text):
+    _, path = mlm_dir
+    (path / CONFIG_NAME).write_text(text)
+    with pytest.raises(ValueError, match=CONFIG_NAME):
+        LinformerForMaskedLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize(
+    "changes, problem",
+    [
+        (
+            {"dim": 48},
+            r"wrong shapes \[.*embeddings\.tokens\.weight: file \(100, 32\) vs model \(100, 48\)",
+        ),
+        ({"depth": 3}, r"missing \[.*layers\.2\."),
+        ({"depth": 1}, r"unexpected \[.*layers\.1\."),
+        ({"type_vocab_size": 2}, r"missing \[.*token_types"),
+    ],
+)
+def test_weights_of_another_config_raise_listing_the_problem(mlm_dir, changes, problem):
+    _, path = mlm_dir
+    meta = json.loads((path / CONFIG_NAME).read_text())
+    meta["config"].update(changes)
+    (path / CONFIG_NAME).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=problem):
+        LinformerForMaskedLM.from_pretrained(path)
+
+
+def test_classifier_from_masked_lm_gets_backbone_and_fresh_head(mlm_dir):
+    mlm, path = mlm_dir
+    torch.manual_seed(7)
+    fresh = LinformerForSequenceClassification(mlm.config, num_labels=3, pooling="mean")
+    torch.manual_seed(7)
+    clf = LinformerForSequenceClassification.from_pretrained(path, num_labels=3, pooling="mean")
+    assert (clf.num_labels, clf.pooling) == (3, "mean")
+    state_equal(clf.linformer, mlm.linformer)
+    state_equal(clf.head, fresh.head)
+    assert not torch.equal(
+        clf.linformer.embeddings.tokens.weight, fresh.linformer.embeddings.tokens.weight
+    )
+    ids, mask = batch()
+    assert clf.eval()(ids, mask).logits.shape == (3, 3)
+
+
+@pytest.mark.parametrize(
+    "source", [LinformerForSequenceClassification, LinformerForMaskedLM, LinformerModel]
+)
+def test_backbone_from_any_checkpoint(tmp_path, source):
+    model = perturbed(source(tiny()))
+    model.save_pretrained(tmp_path)
+    backbone = LinformerModel.from_pretrained(tmp_path).eval()
+    state_equal(backbone, model.backbone)
+    ids, mask = batch()
+    torch.testing.assert_close(
+        backbone(ids, mask).last_hidden_state, model(ids, mask).last_hidden_state, rtol=0, atol=0
+    )
+
+
+def test_masked_lm_from_backbone_checkpoint(tmp_path):
+    backbone = perturbed(LinformerModel(tiny()))
+    backbone.save_pretrained(tmp_path)
+    mlm = LinformerForMaskedLM.from_pretrained(tmp_path)
+    state_equal(mlm.linformer, backbone)
+
+
+def test_config_overrides(mlm_dir):
+    mlm, path = mlm_dir
+    loaded = LinformerForMaskedLM.from_pretrained(
+        path, config_overrides={"dropout": 0.3, "checkpointing": "layer"}
+    )
+    assert loaded.config == mlm.config.replace(dropout=0.3, checkpointing="layer")
+    assert loaded.linformer.embeddings.dropout.p == 0.3
+    state_equal(loaded, mlm)
+    with pytest.raises(ValueError, match="dropout"):
+        LinformerForMaskedLM.from_pretrained(path, config_overrides={"dropout": 2.0})
+
+
+def test_classifier_kwargs_are_restored(tmp_path):
+    clf = perturbed(LinformerForSequenceClassification(tiny(), num_labels=5, pooling="mean"))
+    clf.save_pretrained(tmp_path)
+    loaded = LinformerForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert (loaded.num_labels, loaded.pooling) == (5, "mean")
+    ids, mask = batch()
+    torch.testing.assert_close(loaded(ids, mask).logits, clf(ids, mask).logits, rtol=0, atol=0)

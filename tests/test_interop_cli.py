@@ -1,0 +1,57 @@
+"""`linformer convert`: MiniLM round trip through save_pretrained / from_pretrained, and the
+report's building blocks on a tiny sample."""
+
+import json
+
+import torch
+
+from linformer_kit import LinformerModel
+from linformer_kit.cli import main
+from linformer_kit.interop import convert_hf_model
+from linformer_kit.interop.report import (
+    ConversionReport,
+    conversion_report,
+    minilm_path,
+    stdlib_files,
+    text_windows,
+)
+
+
+def test_convert_round_trip(tmp_path, capsys):
+    out = tmp_path / "linminilm"
+    args = ["--from", str(minilm_path()), "--proj-dim", "64", "--init", "mean"]
+    main(["convert", *args, "--out", str(out)])
+    assert "k=64, layerwise" in capsys.readouterr().out
+    assert (out / "tokenizer.json").is_file()
+    loaded = LinformerModel.from_pretrained(out).eval()
+    direct = convert_hf_model(minilm_path(), proj_dim=64, init="mean")
+    assert loaded.config == direct.config and loaded.config.pooler
+    ids = torch.randint(1000, 30000, (1, 300))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).last_hidden_state, direct(ids).last_hidden_state)
+
+
+def test_convert_exact_with_data_driven_init_flag_is_still_exact(tmp_path):
+    out = tmp_path / "exact"
+    main(["convert", "--exact", "--init", "attention", "--out", str(out)])
+    assert LinformerModel.from_pretrained(out).config.is_exact
+
+
+def test_stdlib_splits_are_disjoint_and_windows_are_full_length():
+    calibration, heldout = stdlib_files("calibration"), stdlib_files("heldout")
+    assert calibration and heldout and not set(calibration) & set(heldout)
+    ids = text_windows(minilm_path() / "tokenizer.json", heldout, 128, 3)
+    assert ids.shape == (3, 128)
+    assert (ids[:, 0] == 101).all() and (ids[:, -1] == 102).all()  # [CLS] ... [SEP]
+    assert (ids[:, 1:-1] != 0).all()  # no [PAD] (the tokenizer.json pads to 128 by default)
+
+
+def test_report_rows_on_a_small_sample(tmp_path, capsys):
+    settings = ConversionReport(
+        proj_dims="64", inits="mean", heldout_texts=2, batch_size=1, repeats=1
+    )
+    result = conversion_report(minilm_path(), settings, calibration_texts=1)
+    (row,) = result["rows"]
+    assert row["proj_dim"] == 64 and row["init"] == "mean"
+    assert 0.0 < row["cosine_mean"] <= 1.0 and row["speedup"] > 0
+    assert json.loads(json.dumps(result))["seq_len"] == 512

@@ -1,0 +1,240 @@
+"""Whole models: outputs, heads, losses, masks, variants, checkpointing, training, bf16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linformer_kit import (
+    LinformerForMaskedLM,
+    LinformerForSequenceClassification,
+    LinformerModel,
+    linformer_tiny,
+)
+
+B, N, VOCAB, DIM, DEPTH = 3, 20, 100, 32, 2
+KINDS = ["exact", "linear", "conv", "pool", "random"]
+
+
+def tiny(**changes):
+    base = dict(vocab_size=VOCAB, max_seq_len=64, dim=DIM, depth=DEPTH, num_heads=4, proj_dim=16)
+    return linformer_tiny(**{**base, "dropout": 0.0, "attention_dropout": 0.0, **changes})
+
+
+def kind(name):
+    """Config fields of a projection kind, or of exact attention."""
+    return dict(proj_dim=None) if name == "exact" else dict(projection=name)
+
+
+def inputs(seed=0, lengths=(N, N // 2, 5)):
+    """Token ids (B, N) and a key_padding_mask for rows of the given real lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB // 2, (len(lengths), N), generator=gen)
+    mask = torch.arange(N)[None, :] < torch.tensor(lengths)[:, None]
+    return ids, mask
+
+
+def mlm_labels(ids, seed=0, rate=0.3):
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.rand(ids.shape, generator=gen) < rate
+    return torch.where(keep, ids, torch.full_like(ids, -100))
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_output_shapes():
+    ids, mask = inputs()
+    out = LinformerModel(tiny(pooler=True))(ids, mask)
+    assert out.last_hidden_state.shape == (B, N, DIM)
+    assert out.pooler_output.shape == (B, DIM)
+    assert out.hidden_states is None and out.attentions is None
+    assert LinformerModel(tiny())(ids).pooler_output is None
+    mlm = LinformerForMaskedLM(tiny())(ids, mask)
+    assert mlm.logits.shape == (B, N, VOCAB) and mlm.loss is None
+    assert mlm.last_hidden_state.shape == (B, N, DIM)
+    clf = LinformerForSequenceClassification(tiny(), num_labels=5)(ids, mask, labels=ids[:, 0] % 5)
+    assert clf.logits.shape == (B, 5) and clf.loss.shape == ()
+
+
+def test_hidden_states_and_attentions():
+    ids, mask = inputs()
+    model = LinformerModel(tiny()).eval()
+    out = model(ids, mask, output_hidden_states=True, output_attentions=True)
+    assert len(out.hidden_states) == DEPTH + 1
+    assert all(h.shape == (B, N, DIM) for h in out.hidden_states)
+    torch.testing.assert_close(out.hidden_states[0], model.embeddings(ids))
+    torch.testing.assert_close(out.hidden_states[-1], out.last_hidden_state)
+    assert len(out.attentions) == DEPTH
+    assert all(a.shape == (B, 4, N, 16) for a in out.attentions)
+    torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(B, 4, N))
+
+
+def test_mlm_loss_ignores_minus_100():
+    ids, mask = inputs()
+    labels = mlm_labels(ids)
+    out = LinformerForMaskedLM(tiny())(ids, mask, labels=labels)
+    scored = labels != -100
+    assert 0 < scored.sum() < scored.numel()
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[scored], labels[scored]))
+
+
+def test_decoder_is_tied_to_token_embeddings():
+    model = LinformerForMaskedLM(tiny()).eval()
+    tokens = model.linformer.embeddings.tokens.weight
+    assert not any(p.shape == tokens.shape for p in model.parameters() if p is not tokens)
+    ids, mask = inputs()  # ids < VOCAB // 2, so row VOCAB - 1 only feeds the decoder
+    out = model(ids, mask)
+    delta = torch.randn(DIM)
+    with torch.no_grad():
+        tokens[-1] += delta
+    new = model(ids, mask).logits
+    torch.testing.assert_close(new[..., :-1], out.logits[..., :-1])
+    expected = out.logits[..., -1] + model.head(out.last_hidden_state) @ delta
+    torch.testing.assert_close(new[..., -1], expected, rtol=1e-4, atol=1e-4)
+    model(ids, mask, labels=ids).loss.backward()
+    assert tokens.grad[-1].abs().sum() > 0  # gradient from the decoder alone
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_classifier_ignores_padding(pooling):
+    model = LinformerForSequenceClassification(tiny(), num_labels=3, pooling=pooling)
+    model = model.double().eval()
+    ids, mask = inputs()
+    padded = model(ids, mask).logits
+    for row, n in enumerate(mask.sum(1).tolist()):
+        alone = model(ids[row : row + 1, :n]).logits[0]
+        torch.testing.assert_close(padded[row], alone, rtol=0, atol=1e-10)
+    if pooling == "mean":  # without the mask the padding is averaged in
+        assert not torch.allclose(model(ids).logits[2], padded[2])
+
+
+def test_regression_uses_mse():
+    ids, mask = inputs()
+    labels = torch.tensor([0.5, -1.0, 2.0])
+    out = LinformerForSequenceClassification(tiny(), num_labels=1)(ids, mask, labels=labels)
+    assert out.logits.shape == (B, 1)
+    torch.testing.assert_close(out.loss, F.mse_loss(out.logits[:, 0], labels))
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_labels=0), dict(num_labels=2.5), dict(pooling="max")])
+def test_classifier_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        LinformerForSequenceClassification(tiny(), **kwargs)
+
+
+def test_too_long_input_names_both_lengths():
+    with pytest.raises(ValueError, match=r"65.*64"):
+        LinformerModel(tiny())(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_token_types():
+    ids, mask = inputs()
+    with pytest.raises(ValueError, match="type_vocab_size"):
+        LinformerModel(tiny())(ids, mask, token_type_ids=torch.zeros_like(ids))
+    model = LinformerModel(tiny(type_vocab_size=2)).eval()
+    zeros, ones = model(ids, mask, torch.zeros_like(ids)), model(ids, mask, torch.ones_like(ids))
+    torch.testing.assert_close(model(ids, mask).last_hidden_state, zeros.last_hidden_state)
+    assert not torch.allclose(zeros.last_hidden_state, ones.last_hidden_state)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(position="sinusoidal"),
+        dict(norm_first=False),
+        dict(activation="relu"),
+        dict(position="sinusoidal", norm_first=False, activation="relu", proj_dim=None),
+    ],
+    ids=["sinusoidal", "post-ln", "relu", "all-exact"],
+)
+def test_variants_run_and_backprop(changes):
+    model = LinformerForMaskedLM(tiny(**changes))
+    ids, mask = inputs()
+    model(ids, mask, labels=mlm_labels(ids)).loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.isfinite().all(), name
+
+
+@pytest.mark.parametrize("checkpointing", ["layer", "attention"])
+def test_activation_checkpointing_matches_plain_training(checkpointing):
+    ids, mask = inputs()
+    labels = mlm_labels(ids)
+
+    def loss_and_grads(level, state=None):
+        model = LinformerForMaskedLM(tiny(dropout=0.2, attention_dropout=0.2, checkpointing=level))
+        if state is not None:
+            model.load_state_dict(state)
+        torch.manual_seed(0)
+        loss = model(ids, mask, labels=labels).loss
+        loss.backward()
+        return model.state_dict(), loss, grads(model)
+
+    state, loss, expected = loss_and_grads("none")
+    _, ckpt_loss, got = loss_and_grads(checkpointing, state)
+    torch.testing.assert_close(ckpt_loss, loss)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=name)
+
+
+def test_eval_is_deterministic_and_train_is_not():
+    model = LinformerForMaskedLM(tiny(dropout=0.3, attention_dropout=0.3))
+    ids, mask = inputs()
+    assert not torch.equal(model(ids, mask).logits, model(ids, mask).logits)
+    model.eval()
+    torch.testing.assert_close(model(ids, mask).logits, model(ids, mask).logits, rtol=0, atol=0)
+
+
+def test_tiny_mlm_overfits_a_fixed_batch():
+    torch.manual_seed(0)
+    model = LinformerForMaskedLM(tiny())
+    ids, mask = inputs()
+    labels = mlm_labels(ids, rate=0.5)
+    masked = torch.where(labels != -100, torch.ones_like(ids), ids)  # token 1 plays [MASK]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(50):
+        loss = model(masked, mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def fully_masked_inputs():
+    ids, mask = inputs()
+    mask[1] = False
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_bf16_autocast_matches_fp32(name):
+    model = LinformerForMaskedLM(tiny(**kind(name)))
+    ids, mask = inputs()
+    labels = mlm_labels(ids)
+    reference = model(ids, mask, labels=labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, mask, labels=labels)
+    assert out.logits.dtype == torch.bfloat16 and out.loss.isfinite()
+    out.loss.backward()
+    assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+    torch.testing.assert_close(out.logits.float(), reference.logits, rtol=0.02, atol=0.02)
+    close = dict(rtol=0.02, atol=0.05)
+    torch.testing.assert_close(out.last_hidden_state, reference.last_hidden_state, **close)
+    torch.testing.assert_close(out.loss, reference.loss, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", KINDS)
+def test_fully_masked_row_gives_no_nan(name, dtype):
+    model = LinformerForMaskedLM(tiny(**kind(name)))
+    ids, mask = fully_masked_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        out = model(ids, mask, labels=mlm_labels(ids))
+    assert out.logits.isfinite().all() and out.loss.isfinite()
+    out.loss.backward()
+    for param_name, param in model.named_parameters():
+        if param.grad is not None:
+            assert param.grad.isfinite().all(), param_name

@@ -1,0 +1,67 @@
+"""Checkpoints: atomic writes, truncation detection, fallback to the previous checkpoint."""
+
+import pytest
+from train_helpers import tiny_run
+
+from linformer_kit.models import LinformerForMaskedLM
+from linformer_kit.training import checkpoint as checkpoint_module
+from linformer_kit.training import latest_checkpoint, load_checkpoint, pretrain
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    pretrain(tiny_run(tmp_path, max_steps=8, save_every=4, eval_every=100))
+    return tmp_path / "run"
+
+
+def test_checkpoint_holds_everything_needed_to_resume(run_dir):
+    names = {p.name for p in (run_dir / "last").iterdir()}
+    assert names >= {
+        "config.json",
+        "model.safetensors",
+        "trainer_state.pt",
+        "run_config.json",
+        "tokenizer.json",
+        "manifest.json",
+    }
+    state = load_checkpoint(run_dir / "last").state
+    assert state["step"] == 8
+    assert set(state) >= {"optimizer", "scheduler", "rng", "data_position", "tokens"}
+    model = LinformerForMaskedLM.from_pretrained(run_dir / "best")
+    assert model.config.vocab_size == 300
+
+
+def test_truncated_checkpoint_is_rejected_and_the_previous_one_loads(run_dir):
+    weights = run_dir / "checkpoints" / "step-00000008" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors has \d+ bytes, expected \d+"):
+        load_checkpoint(run_dir / "last")
+    previous = latest_checkpoint(run_dir)
+    assert previous.state["step"] == 4
+    LinformerForMaskedLM.from_pretrained(previous.path)
+
+
+def test_checkpoint_without_manifest_is_incomplete(run_dir):
+    (run_dir / "last" / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="incomplete"):
+        load_checkpoint(run_dir / "last")
+
+
+def test_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    real_save = checkpoint_module.torch.save
+    calls = []
+
+    def dies_on_second_save(obj, path):
+        calls.append(path)
+        if len(calls) == 2:
+            with open(path, "wb") as handle:
+                handle.write(b"half a file")
+            raise KeyboardInterrupt("killed mid-write")
+        real_save(obj, path)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", dies_on_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(tiny_run(tmp_path, max_steps=8, save_every=4, eval_every=100))
+    run_dir = tmp_path / "run"
+    assert load_checkpoint(run_dir / "last").state["step"] == 4
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000004"]

@@ -1,0 +1,65 @@
+"""Generated corpora and files for the data and training tests (no downloads)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "cat", "dog", "runs", "eats"]
+
+
+def sentence(rng: random.Random) -> str:
+    """A sentence from a tiny grammar, so a model can learn something quickly."""
+    subject = rng.choice(["the cat", "the dog", "a bird"])
+    verb = rng.choice(["eats", "sees", "likes"])
+    obj = rng.choice(["red apples", "green apples", "blue fish"])
+    return f"{subject} {verb} {obj} every {rng.choice(['day', 'night'])}."
+
+
+def write_corpus(directory: Path, files: int = 6, sentences: int = 120, seed: int = 0) -> Path:
+    """A directory of .txt files of grammar sentences; returns the directory."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        text = "\n".join(sentence(rng) for _ in range(sentences))
+        (directory / f"doc{i}.txt").write_text(text + "\n")
+    return directory
+
+
+def write_classification(path: Path, count: int = 64, seed: int = 0) -> Path:
+    """A JSONL file where the label says whether the text mentions a cat (1) or not (0)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(count):
+        text = sentence(rng)
+        lines.append(json.dumps({"text": text, "label": int("cat" in text)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_run(tmp_path: Path, **train: object):
+    """A RunConfig for a ~40k-parameter masked LM on a generated corpus, cached under tmp_path."""
+    from linformer_kit.config import linformer_tiny
+    from linformer_kit.data import DataSettings
+    from linformer_kit.training import RunConfig, TrainSettings
+
+    corpus = write_corpus(tmp_path / "corpus")
+    defaults = dict(
+        output_dir=str(tmp_path / "run"),
+        max_steps=12,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_every=4,
+        save_every=4,
+        log_every=1,
+        eval_batches=2,
+    )
+    return RunConfig(
+        model=linformer_tiny(max_seq_len=64, dim=32, num_heads=2, proj_dim=16),
+        train=TrainSettings(**{**defaults, **train}),
+        data=DataSettings(
+            data=[str(corpus)], vocab_size=300, val_fraction=0.1, cache_dir=str(tmp_path / "cache")
+        ),
+    )
