@@ -10,12 +10,18 @@ from typing import Any
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds one `--flag` per field of a dataclass, typed and defaulted from the field."""
     for f in dataclasses.fields(cls):
+        # A bool field becomes a --flag / --no-flag pair: bool("False") would be True.
+        typed = (
+            {"action": argparse.BooleanOptionalAction}
+            if isinstance(f.default, bool)
+            else {"type": type(f.default)}
+        )
         parser.add_argument(
             f"--{f.name.replace('_', '-')}",
             dest=f.name,
-            type=type(f.default),
             default=f.default,
             help=f"{f.metadata.get('help', '')} (default: {f.default})",
+            **typed,
         )
 
 

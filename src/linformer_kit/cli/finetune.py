@@ -13,6 +13,14 @@ from .common import format_table
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 DERIVED = ("max_steps", "eval_every", "save_every", "resume")  # set from --epochs
+# Fine-tuning's own defaults where they differ from pretraining's.
+TRAIN_DEFAULTS = {
+    "output_dir": "runs/finetune",
+    "lr": 1e-4,
+    "warmup_steps": 10,
+    "batch_size": 16,
+    "max_steps": 1,
+}
 
 
 @exit_on_user_error
@@ -21,16 +29,7 @@ def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     overrides = collect_overrides(args)
     settings = FinetuneSettings(**overrides.get("finetune", {}))
-    train = TrainSettings(
-        **{
-            "output_dir": "runs/finetune",
-            "lr": 1e-4,
-            "warmup_steps": 10,
-            "batch_size": 16,
-            "max_steps": 1,
-            **overrides.get("train", {}),
-        }
-    )
+    train = TrainSettings(**{**TRAIN_DEFAULTS, **overrides.get("train", {})})
     result = finetune(settings, train)
     if main_process:
         epochs = [
@@ -47,5 +46,5 @@ def register(commands: argparse._SubParsersAction) -> None:
         "finetune", help="fine-tune a pretrained checkpoint for sequence classification"
     )
     add_override_arguments(parser, FinetuneSettings, "finetune")
-    add_override_arguments(parser, TrainSettings, "train", exclude=DERIVED)
+    add_override_arguments(parser, TrainSettings, "train", exclude=DERIVED, defaults=TRAIN_DEFAULTS)
     parser.set_defaults(func=run)

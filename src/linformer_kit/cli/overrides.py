@@ -51,10 +51,15 @@ def _parser(hint: Any) -> tuple[Callable[[str], Any], str | None]:
 
 
 def add_override_arguments(
-    parser: argparse.ArgumentParser, cls: type, section: str, exclude: Iterable[str] = ()
+    parser: argparse.ArgumentParser,
+    cls: type,
+    section: str,
+    exclude: Iterable[str] = (),
+    defaults: dict[str, Any] | None = None,
 ) -> None:
     """Adds `--field-name` for every field of dataclass `cls` (bar `exclude`) in a group
-    named `section`; given values are collected by `collect_overrides`."""
+    named `section`; given values are collected by `collect_overrides`. `defaults` names the
+    values a subcommand uses instead of the field's own default (shown in the help)."""
     group = parser.add_argument_group(section)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -63,6 +68,7 @@ def add_override_arguments(
         convert, nargs = _parser(hints[f.name])
         flag = {"nargs": "?", "const": True} if hints[f.name] is bool else {"nargs": nargs}
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = (defaults or {}).get(f.name, default)
         note = f.metadata.get("help", "")
         group.add_argument(
             f"--{f.name.replace('_', '-')}",

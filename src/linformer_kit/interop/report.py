@@ -70,15 +70,21 @@ def stdlib_files(split: str, calibration_every: int = 10) -> list[Path]:
 
 
 def text_windows(
-    tokenizer_file: str | os.PathLike, files: list[Path], seq_len: int, count: int
+    tokenizer_file: str | os.PathLike,
+    files: list[Path],
+    seq_len: int,
+    count: int,
+    per_file: int = 1,
 ) -> torch.Tensor:
-    """Token windows of exactly `seq_len` ids ([CLS] ... [SEP]), at most one per file.
+    """Token windows of exactly `seq_len` ids ([CLS] ... [SEP]), at most `per_file` per file
+    (consecutive, non-overlapping pieces of its text).
 
     Args:
         tokenizer_file: a Hugging Face `tokenizer.json`.
         files: text files, read in order until `count` windows are found.
         seq_len: window length including the two special tokens.
         count: number of windows.
+        per_file: most windows cut from one file.
 
     Returns:
         (count, seq_len) int64.
@@ -96,11 +102,14 @@ def text_windows(
     for file in files:
         text = re.sub(r"\s+", " ", file.read_text(encoding="utf-8", errors="replace"))
         ids = tokenizer.encode(text, add_special_tokens=False).ids
-        if len(ids) >= body:
-            windows.append(first + ids[:body] + last)
+        pieces = min(per_file, len(ids) // body, count - len(windows))
+        windows += [first + ids[i * body : (i + 1) * body] + last for i in range(pieces)]
         if len(windows) == count:
             return torch.tensor(windows)
-    raise ValueError(f"only {len(windows)} of {len(files)} files hold {body} tokens; need {count}")
+    raise ValueError(
+        f"{len(files)} files hold only {len(windows)} windows of {body} tokens "
+        f"(at most {per_file} per file); need {count}"
+    )
 
 
 @torch.no_grad()

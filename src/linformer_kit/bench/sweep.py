@@ -1,0 +1,274 @@
+"""The sweep behind `linformer bench`: every variant x sequence length x k x scope, timed
+interleaved in one run next to the machine's own matmul ceilings, with peak memory, FLOP
+rates, budget skipping and the JSON + CSV + PNG outputs."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..training.compare import machine
+from .flops import Shape, matmul_flops
+from .timing import Call, make_step, matmul_step, peak_memory, time_interleaved
+from .variants import SCOPES, SHARINGS, Variant, default_variants, estimate_bytes, peer_available
+from .variants import variant_flops
+
+logger = logging.getLogger(__name__)
+
+RESULT_NAME, TABLE_NAME = "bench.json", "bench.csv"
+CEILINGS = ("float32", "bfloat16")
+MODES = {"fwd": False, "fwdbwd": True}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+@dataclass(kw_only=True)
+class BenchSettings:
+    """Settings of the efficiency benchmark (`linformer bench`)."""
+
+    n: str = field(default="1024,2048,4096,8192,16384", metadata={"help": "sequence lengths"})
+    proj_dim: str = field(default="256", metadata={"help": "Linformer k values"})
+    dim: int = field(default=256, metadata={"help": "model width"})
+    num_heads: int = field(default=4, metadata={"help": "attention heads"})
+    batch_size: int = field(default=1, metadata={"help": "sequences per call"})
+    mode: str = field(default="fwdbwd", metadata={"help": "fwd (inference) or fwdbwd"})
+    dtype: str = field(default="float32", metadata={"help": "float32, or bfloat16 autocast"})
+    scope: str = field(default="attention,layer", metadata={"help": "attention and/or layer"})
+    sharing: str = field(default=",".join(SHARINGS), metadata={"help": "our sharing modes to time"})
+    exact: str = field(default="sdpa,naive", metadata={"help": "exact baselines to time"})
+    peers: bool = field(default=False, metadata={"help": "also time the published packages"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    threads: int = field(default=0, metadata={"help": "CPU threads (0: torch's default)"})
+    warmup: int = field(default=1, metadata={"help": "untimed rounds"})
+    repeats: int = field(default=5, metadata={"help": "timed rounds (median reported)"})
+    memory: bool = field(default=True, metadata={"help": "measure peak memory per config"})
+    memory_budget_gb: float = field(default=8.0, metadata={"help": "skip configs above this"})
+    time_budget_s: float = field(default=60.0, metadata={"help": "skip configs above this"})
+    out: str = field(default="benchmarks/bench", metadata={"help": "output directory"})
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be fwd or fwdbwd; got {self.mode!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda; got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for but torch sees no GPU")
+        if self.dtype not in CEILINGS:
+            raise ValueError(f"dtype must be float32 or bfloat16; got {self.dtype!r}")
+        for scope in _names(self.scope):
+            if scope not in SCOPES:
+                raise ValueError(f"scope must be among {', '.join(SCOPES)}; got {scope!r}")
+        for sharing in _names(self.sharing):
+            if sharing not in SHARINGS:
+                raise ValueError(f"sharing must be among {', '.join(SHARINGS)}; got {sharing!r}")
+        if not set(_names(self.exact)) <= {"sdpa", "naive"}:
+            raise ValueError(f"exact must be among sdpa, naive; got {self.exact!r}")
+        if not _ints(self.n) or not _ints(self.proj_dim) or self.repeats < 1:
+            raise ValueError("n, proj_dim and repeats need at least one value each")
+
+    def variants(self) -> list[Variant]:
+        """The variants to time, in table order."""
+        exact = _names(self.exact)
+        chosen = default_variants(sharings=tuple(_names(self.sharing)), peers=self.peers)
+        return [v for v in chosen if not v.exact or v.kind in exact]
+
+
+def _ceiling_size(device: str) -> int:
+    return 8192 if device == "cuda" else 2048
+
+
+def _skip_reason(call: Call, settings: BenchSettings, ceiling_flops_s: float) -> str | None:
+    """Why a configuration is not run (None: run it), from estimates made before running."""
+    shape, variant = call.shape, call.variant
+    if not variant.exact and shape.proj_dim >= shape.seq_len:
+        return f"k = {shape.proj_dim} >= n = {shape.seq_len}: nothing to project"
+    if variant.kind not in ("ours", "sdpa", "naive") and not peer_available(variant.kind):
+        return f"{variant.name} is not installed (pip install 'linformer-kit[bench]')"
+    gib = estimate_bytes(variant, shape, call.scope, backward=call.backward) / 2**30
+    if gib > settings.memory_budget_gb:
+        return f"estimated {gib:.1f} GiB > memory budget {settings.memory_budget_gb:g} GiB"
+    # Assume a third of the matmul ceiling: a pessimistic guess for a memory-bound variant.
+    flops = variant_flops(variant, shape, call.scope, backward=call.backward)
+    seconds = flops / (ceiling_flops_s / 3) * (settings.warmup + settings.repeats)
+    if seconds > settings.time_budget_s:
+        return f"estimated {seconds:.0f} s > time budget {settings.time_budget_s:g} s"
+    return None
+
+
+def _calls(settings: BenchSettings, seq_len: int) -> list[Call]:
+    """The configurations at one sequence length: scope x k x variant (exact ones once)."""
+    calls = []
+    for scope in _names(settings.scope):
+        for variant in settings.variants():
+            for proj_dim in [None] if variant.exact else _ints(settings.proj_dim):
+                shape = Shape(
+                    batch_size=settings.batch_size,
+                    seq_len=seq_len,
+                    dim=settings.dim,
+                    num_heads=settings.num_heads,
+                    proj_dim=proj_dim,
+                    ffn_dim=4 * settings.dim,
+                )
+                calls.append(
+                    Call(
+                        variant=variant,
+                        shape=shape,
+                        scope=scope,
+                        backward=MODES[settings.mode],
+                        dtype=settings.dtype,
+                        device=settings.device,
+                        threads=settings.threads,
+                    )
+                )
+    return calls
+
+
+def _key(call: Call) -> str:
+    k = "" if call.shape.proj_dim is None else f" k={call.shape.proj_dim}"
+    return f"{call.scope}: {call.variant.name}{k} n={call.shape.seq_len}"
+
+
+def _row(call: Call, ceiling: float | None, seconds: list[float] | None) -> dict[str, Any]:
+    flops = variant_flops(call.variant, call.shape, call.scope, backward=call.backward)
+    row: dict[str, Any] = {
+        "scope": call.scope,
+        "variant": call.variant.name,
+        "kind": call.variant.kind,
+        "n": call.shape.seq_len,
+        "k": call.shape.proj_dim,
+        "status": "ok",
+        "reason": "",
+        "median_ms": None,
+        "gflop": flops / 1e9,
+        "gflop_per_s": None,
+        "ceiling_fraction": None,
+        "peak_mem_mb": None,
+        "speedup_vs_sdpa": None,
+        "memory_saving_vs_sdpa": None,
+    }
+    if seconds:
+        median = statistics.median(seconds)
+        row.update(median_ms=median * 1e3, gflop_per_s=flops / median / 1e9)
+        row["ceiling_fraction"] = flops / median / ceiling if ceiling else None
+        row["times_ms"] = [s * 1e3 for s in seconds]
+    return row
+
+
+def _compare_to_sdpa(rows: list[dict[str, Any]]) -> None:
+    """Adds each row's speed-up and memory saving over exact SDPA at the same scope and n."""
+    base = {(r["scope"], r["n"]): r for r in rows if r["kind"] == "sdpa" and r["median_ms"]}
+    for row in rows:
+        ref = base.get((row["scope"], row["n"]))
+        if ref is None or not row["median_ms"]:
+            continue
+        row["speedup_vs_sdpa"] = ref["median_ms"] / row["median_ms"]
+        if ref["peak_mem_mb"] and row["peak_mem_mb"]:
+            row["memory_saving_vs_sdpa"] = ref["peak_mem_mb"] / row["peak_mem_mb"]
+
+
+def run_bench(settings: BenchSettings) -> dict[str, Any]:
+    """Runs the sweep and writes bench.json, bench.csv and the plots into `settings.out`.
+
+    For each n, one interleaved timing run holds every variant of every scope and k plus
+    the fp32 and bf16 matmul ceilings, so ratios and ceiling fractions come from the same
+    minutes of the same machine. Peak memory is measured afterwards, one fresh process per
+    configuration.
+
+    Returns:
+        The result: settings, machine (with load averages before and after), ceilings and
+        one row per configuration.
+    """
+    from .plots import plot_grid, plot_scaling
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    before = machine()
+    size = _ceiling_size(settings.device)
+    ceiling_steps = {f"matmul {d}": matmul_step(size, d, settings.device) for d in CEILINGS}
+    probe = time_interleaved(ceiling_steps, warmup=1, repeats=3, device=settings.device)
+    first_ceiling = matmul_flops(size) / statistics.median(probe[f"matmul {settings.dtype}"])
+    seq_lens = _ints(settings.n)
+    rows, ceilings = [], {}
+    rounds = len(seq_lens) * (settings.warmup + settings.repeats)
+    with tqdm(total=rounds, desc="timing", unit="round") as bar:
+        for seq_len in seq_lens:
+            runnable, skipped = [], []
+            for call in _calls(settings, seq_len):
+                reason = _skip_reason(call, settings, first_ceiling)
+                (skipped if reason else runnable).append((call, reason))
+            steps = {_key(call): make_step(call) for call, _ in runnable}
+            steps.update(ceiling_steps)
+            bar.set_postfix(n=seq_len)
+            times = time_interleaved(
+                steps,
+                warmup=settings.warmup,
+                repeats=settings.repeats,
+                device=settings.device,
+                tick=lambda: bar.update(1),
+            )
+            del steps
+            flop_s = {
+                d: matmul_flops(size) / statistics.median(times[f"matmul {d}"]) for d in CEILINGS
+            }
+            ceilings[seq_len] = {d: flop_s[d] / 1e9 for d in CEILINGS}
+            for call, _ in runnable:
+                rows.append((call, _row(call, flop_s[settings.dtype], times[_key(call)])))
+            for call, reason in skipped:
+                row = _row(call, None, None)
+                row.update(status="skipped", reason=reason)
+                rows.append((call, row))
+    if settings.memory:
+        measured = [(c, r) for c, r in rows if r["status"] == "ok"]
+        for call, row in tqdm(measured, desc="peak memory", unit="config"):
+            row["peak_mem_mb"] = peak_memory(call) / 2**20
+    table = [row for _, row in rows]
+    _compare_to_sdpa(table)
+    result = {
+        "settings": dataclasses.asdict(settings),
+        "machine": before,
+        "load_avg_after": os.getloadavg(),
+        "flop_convention": "matmul FLOPs (2 per multiply-add), backward = 2x forward; see "
+        "linformer_kit.bench.flops",
+        "ceiling_matmul_size": size,
+        "ceiling_gflop_per_s": {str(n): c for n, c in ceilings.items()},
+        "rows": table,
+    }
+    write_outputs(result, Path(settings.out))
+    plot_scaling(table, Path(settings.out) / "scaling.png", title=_title(settings))
+    plot_grid(table, Path(settings.out) / "grid.png", title=_title(settings))
+    return result
+
+
+def _title(settings: BenchSettings) -> str:
+    return (
+        f"{settings.mode}, {settings.dtype}, dim {settings.dim}, {settings.num_heads} heads, "
+        f"batch {settings.batch_size}, {settings.device}"
+    )
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    """Writes the result as JSON (everything) and CSV (one line per row, no raw times)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULT_NAME).write_text(json.dumps(result, indent=2) + "\n")
+    rows = result["rows"]
+    columns = [c for c in rows[0] if c != "times_ms"] if rows else []
+    with open(out / TABLE_NAME, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,215 @@
+"""The benchmarked variants: ours per sharing mode, exact attention through SDPA, the naive
+exact attention of 2020 (materialised n x n scores, the paper's baseline) and the published
+Linformer packages, each as one attention layer or one full encoder layer of the same shape.
+
+Every builder returns a module mapping x (B, N, dim) to a tensor (B, N, dim).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from ..attention import LinformerSelfAttention
+from ..config import LinformerConfig
+from ..encoder import LinformerEncoderLayer
+from ..functional import attention_weights
+from ..projection import build_sharing_plan
+from .flops import Shape, exact_attention_flops, linformer_attention_flops, total_flops
+
+SCOPES = ("attention", "layer")
+SHARINGS = ("none", "headwise", "kv", "layerwise")
+# Import name of each peer package (PyPI: linformer==0.2.3, linformer-pytorch==0.19.3).
+PEERS = {"lucidrains": "linformer", "linformer-pytorch": "linformer_pytorch"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """One benchmarked implementation.
+
+    Attributes:
+        name: label in tables and plots.
+        kind: ours, sdpa, naive, or a key of PEERS.
+        sharing: projection sharing for ours; the peers run `headwise` (their default: E and
+            F shared by the heads of a layer, E != F).
+    """
+
+    name: str
+    kind: str
+    sharing: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Whether it computes exact attention (independent of proj_dim)."""
+        return self.kind in ("sdpa", "naive")
+
+
+def default_variants(*, sharings: tuple[str, ...], peers: bool) -> list[Variant]:
+    """Ours in each sharing mode, exact SDPA, naive exact and (optionally) the peers."""
+    variants = [Variant(name=f"linformer {s}", kind="ours", sharing=s) for s in sharings]
+    variants += [Variant(name="exact sdpa", kind="sdpa"), Variant(name="exact naive", kind="naive")]
+    if peers:
+        variants += [Variant(name=name, kind=name, sharing="headwise") for name in PEERS]
+    return variants
+
+
+def peer_available(kind: str) -> bool:
+    """Whether a peer package is installed."""
+    return importlib.util.find_spec(PEERS[kind]) is not None
+
+
+class NaiveAttention(nn.Module):
+    """Exact attention as written in 2020: softmax(Q K^T / sqrt(d)) V with the n x n scores
+    materialised (the paper's Transformer baseline). Same layers as `LinformerSelfAttention`.
+
+    Args:
+        dim: model width.
+        num_heads: attention heads.
+    """
+
+    def __init__(self, *, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, return_attention: bool = False
+    ) -> tuple[Tensor, None]:
+        """(B, N, dim) -> (B, N, dim); the signature of `LinformerSelfAttention`."""
+        batch, seq_len, dim = x.shape
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))  # (B, H, N, D)
+        out = attention_weights(q, k, key_padding_mask) @ v  # (B, H, N, D)
+        return self.to_out(out.transpose(1, 2).reshape(batch, seq_len, dim)), None
+
+
+class FirstOutput(nn.Module):
+    """Keeps the first output of a module that returns (output, extra)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.module(x)[0]
+
+
+def _ours(variant: Variant, shape: Shape, scope: str) -> nn.Module:
+    proj_dim = None if variant.kind in ("sdpa", "naive") else shape.proj_dim
+    config = LinformerConfig(
+        max_seq_len=shape.seq_len,
+        dim=shape.dim,
+        depth=1,
+        num_heads=shape.num_heads,
+        ffn_dim=shape.ffn_dim,
+        proj_dim=proj_dim,
+        sharing=variant.sharing or "layerwise",
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    proj_k, proj_v = build_sharing_plan(config)[0]
+    if scope == "attention":
+        attention = LinformerSelfAttention(
+            dim=shape.dim,
+            num_heads=shape.num_heads,
+            max_seq_len=shape.seq_len,
+            proj_k=proj_k,
+            proj_v=proj_v,
+        )
+        if variant.kind == "naive":
+            attention = NaiveAttention(dim=shape.dim, num_heads=shape.num_heads)
+        return FirstOutput(attention)
+    layer = LinformerEncoderLayer(
+        dim=shape.dim,
+        num_heads=shape.num_heads,
+        max_seq_len=shape.seq_len,
+        proj_k=proj_k,
+        proj_v=proj_v,
+        ffn_dim=shape.ffn_dim,
+    )
+    if variant.kind == "naive":
+        layer.attn = NaiveAttention(dim=shape.dim, num_heads=shape.num_heads)
+    return FirstOutput(layer)
+
+
+def _lucidrains(shape: Shape, scope: str) -> nn.Module:
+    import linformer
+
+    n, d, k, h = shape.seq_len, shape.dim, shape.proj_dim, shape.num_heads
+    if scope == "attention":
+        return linformer.LinformerSelfAttention(d, n, k=k, heads=h)
+    return linformer.Linformer(d, n, 1, k=k, heads=h)  # feed-forward width 4 x dim
+
+
+def _linformer_pytorch(shape: Shape, scope: str) -> nn.Module:
+    from linformer_pytorch import linformer_pytorch as lp
+
+    n, d, k, h = shape.seq_len, shape.dim, shape.proj_dim, shape.num_heads
+    if scope == "attention":
+        return lp.MHAttention(n, d // h, d, k, h, 0.0, "C0", "headwise", None, None, False, None)
+    return lp.Linformer(
+        input_size=n,
+        channels=d,
+        dim_k=k,
+        dim_ff=shape.ffn_dim,
+        nhead=h,
+        depth=1,
+        dropout=0.0,
+        dropout_ff=0.0,
+        parameter_sharing="headwise",
+    )
+
+
+def build_variant(variant: Variant, shape: Shape, scope: str) -> nn.Module:
+    """One attention layer (`scope="attention"`) or encoder layer (`"layer"`) of a variant.
+
+    Raises:
+        ValueError: for an unknown scope or kind.
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}")
+    if variant.kind in ("ours", "sdpa", "naive"):
+        return _ours(variant, shape, scope)
+    if variant.kind == "lucidrains":
+        return _lucidrains(shape, scope)
+    if variant.kind == "linformer-pytorch":
+        return _linformer_pytorch(shape, scope)
+    raise ValueError(f"unknown variant kind {variant.kind!r}")
+
+
+def variant_flops(variant: Variant, shape: Shape, scope: str, *, backward: bool) -> int:
+    """FLOPs of one call, in the order the variant computes (see `flops`)."""
+    if variant.exact:
+        attention = exact_attention_flops(shape)
+    elif variant.kind == "ours":
+        module = build_variant(variant, shape, "attention").module
+        attention = linformer_attention_flops(
+            shape,
+            input_first=module.projects_input_first(shape.seq_len),
+            shared_kv=module.proj_k is module.proj_v,
+        )
+    else:  # the peers map keys and values on all n rows, then project them
+        attention = linformer_attention_flops(shape, input_first=False, shared_kv=False)
+    return total_flops(attention, shape, layer=scope == "layer", backward=backward)
+
+
+def estimate_bytes(variant: Variant, shape: Shape, scope: str, *, backward: bool) -> int:
+    """A rough upper estimate of a call's peak memory, to skip what would not fit.
+
+    Counts float32 activations: about 16 (B, N, dim) tensors (+ 3 of the feed-forward width
+    for a layer), 3 (B, H, N, M) score tensors for the naive and peer variants that
+    materialise them (M = n or k), and the n x k projections; x2 with backward.
+    """
+    b, n, d, h = shape.batch_size, shape.seq_len, shape.dim, shape.num_heads
+    k = shape.proj_dim or n
+    floats = 16 * b * n * d + (3 * b * n * shape.ffn_dim if scope == "layer" else 0)
+    if variant.kind == "naive":
+        floats += 3 * b * h * n * n
+    elif not variant.exact:
+        floats += 3 * b * h * n * k + 2 * n * k
+    return 4 * floats * (2 if backward else 1)

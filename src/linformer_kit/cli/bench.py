@@ -1,0 +1,58 @@
+"""`linformer bench`: time and memory of Linformer, exact attention and the published
+Linformer packages, one attention layer and one encoder layer, across sequence lengths."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..bench.sweep import RESULT_NAME, TABLE_NAME, BenchSettings, run_bench
+from .common import add_dataclass_arguments, dataclass_from_args, format_table
+from .overrides import exit_on_user_error
+
+COLUMNS = (
+    "scope",
+    "variant",
+    "n",
+    "k",
+    "median_ms",
+    "gflop_per_s",
+    "ceiling_fraction",
+    "peak_mem_mb",
+    "speedup_vs_sdpa",
+    "reason",
+)
+
+
+@exit_on_user_error
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    settings = dataclass_from_args(BenchSettings, args)
+    print(
+        f"linformer-kit {__version__}, torch {torch.__version__}, {settings.device}, "
+        f"{settings.threads or torch.get_num_threads()} threads, {settings.mode}, {settings.dtype}"
+    )
+    result = run_bench(settings)
+    print(format_table([{c: row.get(c) for c in COLUMNS} for row in result["rows"]]))
+    ceilings = ", ".join(
+        f"n={n}: " + " / ".join(f"{v:.0f}" for v in c.values())
+        for n, c in result["ceiling_gflop_per_s"].items()
+    )
+    print(f"matmul ceiling fp32 / bf16 GFLOP/s per timing run: {ceilings}")
+    out = Path(settings.out)
+    print(
+        f"wrote {out / RESULT_NAME}, {out / TABLE_NAME}, {out / 'scaling.png'}, {out / 'grid.png'}"
+    )
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Adds the `bench` subcommand."""
+    parser = commands.add_parser(
+        "bench", help="time and memory of Linformer vs exact attention (and the peers)"
+    )
+    add_dataclass_arguments(parser, BenchSettings)
+    parser.set_defaults(func=run)
