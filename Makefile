@@ -1,11 +1,12 @@
-# The README's commands: `make demo` runs the main job, `make test` runs the tests.
-# Both create .venv on first use: the pinned CPU torch wheel first, then the package.
+# The README's commands: `make demo` runs the main job, `make test` runs the tests,
+# `make bench` the efficiency sweep (the published Linformer packages, in the dev extra, beside ours).
+# Each creates .venv on first use: the pinned CPU torch wheel first, then the package.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-all demo lint format clean
+.PHONY: setup test test-all demo bench lint format clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +25,9 @@ test-all: setup
 
 demo: setup
 	$(BIN)/linformer demo
+
+bench: setup
+	$(BIN)/linformer bench --peers --out benchmarks/bench
 
 lint: setup
 	$(BIN)/ruff check src tests

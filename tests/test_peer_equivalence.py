@@ -42,7 +42,8 @@ def twins(seed: int = 0) -> tuple[torch.nn.Module, LinformerSelfAttention]:
 @pytest.mark.parametrize("seq_len", [MAX_LEN, 30, 5])
 def test_same_weights_give_the_same_output_as_lucidrains(seq_len):
     theirs, ours = twins()
-    x = torch.randn(3, seq_len, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, seq_len, DIM, dtype=torch.float64, generator=generator)
     # Both slice the projection to its first n rows for a shorter input.
     torch.testing.assert_close(ours(x)[0], theirs(x), rtol=0, atol=1e-12)
 

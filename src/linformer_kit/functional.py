@@ -64,9 +64,12 @@ def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = 
     batch, seq_len, groups, width = x.shape
     check_seq_len(seq_len, weight.shape[-2])
     x = zero_padding(x, key_padding_mask)
+    if seq_len < weight.shape[-2]:
+        # Sliced only when shorter: a slice's backward writes a zero-filled full-size copy.
+        weight = weight[..., :seq_len, :]
     if weight.dim() == 2:
         # One GEMM per batch row over all heads and features: (K, N) @ (B, N, G*C).
-        out = torch.matmul(weight[:seq_len].transpose(0, 1), x.reshape(batch, seq_len, -1))
+        out = torch.matmul(weight.transpose(0, 1), x.reshape(batch, seq_len, -1))
         return out.view(batch, -1, groups, width)  # (B, K, G, C)
     if weight.shape[0] != groups:
         raise ValueError(
@@ -74,7 +77,7 @@ def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = 
             f"heads, got {groups}"
         )
     # (G, K, N) @ (B, G, N, C) -> (B, G, K, C): one batched matmul over heads.
-    out = torch.matmul(weight[:, :seq_len].transpose(-1, -2), x.transpose(1, 2))
+    out = torch.matmul(weight.transpose(-1, -2), x.transpose(1, 2))
     return out.transpose(1, 2)  # (B, K, G, C)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import json
-import logging
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -19,11 +19,17 @@ from tqdm.auto import tqdm
 
 from ..training.compare import machine
 from .flops import Shape, matmul_flops
-from .timing import Call, make_step, matmul_step, peak_memory, time_interleaved
-from .variants import SCOPES, SHARINGS, Variant, default_variants, estimate_bytes, peer_available
-from .variants import variant_flops
-
-logger = logging.getLogger(__name__)
+from .summary import summarise
+from .timing import Call, autocast_error, make_step, matmul_step, peak_memory, time_interleaved
+from .variants import (
+    SCOPES,
+    SHARINGS,
+    Variant,
+    default_variants,
+    estimate_bytes,
+    peer_available,
+    variant_flops,
+)
 
 RESULT_NAME, TABLE_NAME = "bench.json", "bench.csv"
 CEILINGS = ("float32", "bfloat16")
@@ -48,7 +54,9 @@ class BenchSettings:
     num_heads: int = field(default=4, metadata={"help": "attention heads"})
     batch_size: int = field(default=1, metadata={"help": "sequences per call"})
     mode: str = field(default="fwdbwd", metadata={"help": "fwd (inference) or fwdbwd"})
-    dtype: str = field(default="float32", metadata={"help": "float32, or bfloat16 autocast"})
+    dtype: str = field(
+        default="float32", metadata={"help": "float32 and/or bfloat16 (autocast), interleaved"}
+    )
     scope: str = field(default="attention,layer", metadata={"help": "attention and/or layer"})
     sharing: str = field(default=",".join(SHARINGS), metadata={"help": "our sharing modes to time"})
     exact: str = field(default="sdpa,naive", metadata={"help": "exact baselines to time"})
@@ -56,10 +64,15 @@ class BenchSettings:
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     threads: int = field(default=0, metadata={"help": "CPU threads (0: torch's default)"})
     warmup: int = field(default=1, metadata={"help": "untimed rounds"})
-    repeats: int = field(default=5, metadata={"help": "timed rounds (median reported)"})
+    repeats: int = field(default=3, metadata={"help": "timed rounds, at least"})
+    min_time_s: float = field(
+        default=3.0, metadata={"help": "more rounds (up to 100) until they take this long"}
+    )
     memory: bool = field(default=True, metadata={"help": "measure peak memory per config"})
     memory_budget_gb: float = field(default=8.0, metadata={"help": "skip configs above this"})
-    time_budget_s: float = field(default=60.0, metadata={"help": "skip configs above this"})
+    time_budget_s: float = field(
+        default=300.0, metadata={"help": "skip configs estimated above this (all rounds)"}
+    )
     out: str = field(default="benchmarks/bench", metadata={"help": "output directory"})
 
     def __post_init__(self) -> None:
@@ -69,8 +82,8 @@ class BenchSettings:
             raise ValueError(f"device must be cpu or cuda; got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but torch sees no GPU")
-        if self.dtype not in CEILINGS:
-            raise ValueError(f"dtype must be float32 or bfloat16; got {self.dtype!r}")
+        if not _names(self.dtype) or not set(_names(self.dtype)) <= set(CEILINGS):
+            raise ValueError(f"dtype must be among float32, bfloat16; got {self.dtype!r}")
         for scope in _names(self.scope):
             if scope not in SCOPES:
                 raise ValueError(f"scope must be among {', '.join(SCOPES)}; got {scope!r}")
@@ -112,9 +125,10 @@ def _skip_reason(call: Call, settings: BenchSettings, ceiling_flops_s: float) ->
 
 
 def _calls(settings: BenchSettings, seq_len: int) -> list[Call]:
-    """The configurations at one sequence length: scope x k x variant (exact ones once)."""
+    """The configurations at one sequence length: scope x dtype x variant x k (exact ones
+    once)."""
     calls = []
-    for scope in _names(settings.scope):
+    for scope, dtype in itertools.product(_names(settings.scope), _names(settings.dtype)):
         for variant in settings.variants():
             for proj_dim in [None] if variant.exact else _ints(settings.proj_dim):
                 shape = Shape(
@@ -131,7 +145,7 @@ def _calls(settings: BenchSettings, seq_len: int) -> list[Call]:
                         shape=shape,
                         scope=scope,
                         backward=MODES[settings.mode],
-                        dtype=settings.dtype,
+                        dtype=dtype,
                         device=settings.device,
                         threads=settings.threads,
                     )
@@ -141,13 +155,14 @@ def _calls(settings: BenchSettings, seq_len: int) -> list[Call]:
 
 def _key(call: Call) -> str:
     k = "" if call.shape.proj_dim is None else f" k={call.shape.proj_dim}"
-    return f"{call.scope}: {call.variant.name}{k} n={call.shape.seq_len}"
+    return f"{call.scope} {call.dtype}: {call.variant.name}{k} n={call.shape.seq_len}"
 
 
 def _row(call: Call, ceiling: float | None, seconds: list[float] | None) -> dict[str, Any]:
     flops = variant_flops(call.variant, call.shape, call.scope, backward=call.backward)
     row: dict[str, Any] = {
         "scope": call.scope,
+        "dtype": call.dtype,
         "variant": call.variant.name,
         "kind": call.variant.kind,
         "n": call.shape.seq_len,
@@ -155,31 +170,42 @@ def _row(call: Call, ceiling: float | None, seconds: list[float] | None) -> dict
         "status": "ok",
         "reason": "",
         "median_ms": None,
+        "min_ms": None,
         "gflop": flops / 1e9,
         "gflop_per_s": None,
         "ceiling_fraction": None,
         "peak_mem_mb": None,
         "speedup_vs_sdpa": None,
         "memory_saving_vs_sdpa": None,
+        "speedup_vs_naive": None,
+        "memory_saving_vs_naive": None,
     }
     if seconds:
         median = statistics.median(seconds)
-        row.update(median_ms=median * 1e3, gflop_per_s=flops / median / 1e9)
+        row.update(
+            median_ms=median * 1e3, min_ms=min(seconds) * 1e3, gflop_per_s=flops / median / 1e9
+        )
         row["ceiling_fraction"] = flops / median / ceiling if ceiling else None
         row["times_ms"] = [s * 1e3 for s in seconds]
     return row
 
 
-def _compare_to_sdpa(rows: list[dict[str, Any]]) -> None:
-    """Adds each row's speed-up and memory saving over exact SDPA at the same scope and n."""
-    base = {(r["scope"], r["n"]): r for r in rows if r["kind"] == "sdpa" and r["median_ms"]}
-    for row in rows:
-        ref = base.get((row["scope"], row["n"]))
-        if ref is None or not row["median_ms"]:
-            continue
-        row["speedup_vs_sdpa"] = ref["median_ms"] / row["median_ms"]
-        if ref["peak_mem_mb"] and row["peak_mem_mb"]:
-            row["memory_saving_vs_sdpa"] = ref["peak_mem_mb"] / row["peak_mem_mb"]
+def _compare_to_exact(rows: list[dict[str, Any]]) -> None:
+    """Adds each row's speed-up and memory saving over exact SDPA (today's baseline) and over
+    naive exact attention (the paper's), at the same scope and n."""
+    for kind in ("sdpa", "naive"):
+        base = {
+            (r["scope"], r["dtype"], r["n"]): r
+            for r in rows
+            if r["kind"] == kind and r["median_ms"]
+        }
+        for row in rows:
+            ref = base.get((row["scope"], row["dtype"], row["n"]))
+            if ref is None or not row["median_ms"]:
+                continue
+            row[f"speedup_vs_{kind}"] = ref["median_ms"] / row["median_ms"]
+            if ref["peak_mem_mb"] and row["peak_mem_mb"]:
+                row[f"memory_saving_vs_{kind}"] = ref["peak_mem_mb"] / row["peak_mem_mb"]
 
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
@@ -202,7 +228,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     size = _ceiling_size(settings.device)
     ceiling_steps = {f"matmul {d}": matmul_step(size, d, settings.device) for d in CEILINGS}
     probe = time_interleaved(ceiling_steps, warmup=1, repeats=3, device=settings.device)
-    first_ceiling = matmul_flops(size) / statistics.median(probe[f"matmul {settings.dtype}"])
+    first_ceiling = matmul_flops(size) / max(statistics.median(t) for t in probe.values())
     seq_lens = _ints(settings.n)
     rows, ceilings = [], {}
     rounds = len(seq_lens) * (settings.warmup + settings.repeats)
@@ -220,6 +246,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
                 warmup=settings.warmup,
                 repeats=settings.repeats,
                 device=settings.device,
+                min_seconds=settings.min_time_s,
                 tick=lambda: bar.update(1),
             )
             del steps
@@ -228,7 +255,10 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             }
             ceilings[seq_len] = {d: flop_s[d] / 1e9 for d in CEILINGS}
             for call, _ in runnable:
-                rows.append((call, _row(call, flop_s[settings.dtype], times[_key(call)])))
+                row = _row(call, flop_s[call.dtype], times[_key(call)])
+                if call.dtype != "float32":
+                    row["relative_error_vs_float32"] = autocast_error(call)
+                rows.append((call, row))
             for call, reason in skipped:
                 row = _row(call, None, None)
                 row.update(status="skipped", reason=reason)
@@ -238,7 +268,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         for call, row in tqdm(measured, desc="peak memory", unit="config"):
             row["peak_mem_mb"] = peak_memory(call) / 2**20
     table = [row for _, row in rows]
-    _compare_to_sdpa(table)
+    _compare_to_exact(table)
     result = {
         "settings": dataclasses.asdict(settings),
         "machine": before,
@@ -247,6 +277,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "linformer_kit.bench.flops",
         "ceiling_matmul_size": size,
         "ceiling_gflop_per_s": {str(n): c for n, c in ceilings.items()},
+        "summary": summarise(table),
         "rows": table,
     }
     write_outputs(result, Path(settings.out))
@@ -256,8 +287,9 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
 
 def _title(settings: BenchSettings) -> str:
+    dtypes = " + ".join(_names(settings.dtype))
     return (
-        f"{settings.mode}, {settings.dtype}, dim {settings.dim}, {settings.num_heads} heads, "
+        f"{settings.mode}, {dtypes}, dim {settings.dim}, {settings.num_heads} heads, "
         f"batch {settings.batch_size}, {settings.device}"
     )
 

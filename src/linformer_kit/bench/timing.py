@@ -4,15 +4,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
-import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from torch import nn
 
 from .flops import Shape
 from .variants import Variant, build_variant
@@ -70,6 +70,19 @@ def make_step(call: Call) -> Callable[[], None]:
     return step
 
 
+def autocast_error(call: Call) -> float:
+    """Relative error ||y - y32|| / ||y32|| of the forward output under the call's autocast
+    dtype against float32, same weights and input."""
+    torch.manual_seed(call.seed)
+    module = build_variant(call.variant, call.shape, call.scope).to(call.device).eval()
+    x = torch.randn(call.shape.batch_size, call.shape.seq_len, call.shape.dim, device=call.device)
+    with torch.inference_mode():
+        reference = module(x)
+        with _autocast(call):
+            low = module(x).float()
+    return float((low - reference).norm() / reference.norm())
+
+
 def matmul_step(size: int, dtype: str, device: str) -> Callable[[], None]:
     """One (size x size) @ (size x size) matmul in `dtype`: the machine's ceiling."""
     a = torch.randn(size, size, device=device, dtype=DTYPES[dtype])
@@ -96,16 +109,21 @@ def time_interleaved(
     warmup: int,
     repeats: int,
     device: str,
+    min_seconds: float = 0.0,
+    max_repeats: int = 100,
     tick: Callable[[], None] = lambda: None,
 ) -> dict[str, list[float]]:
-    """Times every step `repeats` times, interleaved: each round runs each step once, in an
-    order rotated by one per round, so load from other processes falls on all steps alike.
+    """Times every step in interleaved rounds: each round runs each step once, in an order
+    rotated by one per round, so load from other processes falls on all steps alike.
 
     Args:
         steps: name -> a call to time.
         warmup: untimed rounds first.
-        repeats: timed rounds.
+        repeats: timed rounds, at least.
         device: cpu or cuda (CUDA events, synchronised).
+        min_seconds: keep adding timed rounds (up to `max_repeats`) until the timed rounds
+            have taken this long: cheap configurations get more samples on a noisy machine.
+        max_repeats: most timed rounds.
         tick: called after every round (a progress bar's update).
 
     Returns:
@@ -113,58 +131,65 @@ def time_interleaved(
     """
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(warmup + repeats):
+    round_, began = 0, time.perf_counter()
+    while round_ < warmup + repeats or (
+        time.perf_counter() - began < min_seconds and round_ < warmup + max_repeats
+    ):
+        if round_ == warmup:
+            began = time.perf_counter()
         shift = round_ % len(names) if names else 0
         for name in names[shift:] + names[:shift]:
             seconds = _seconds(steps[name], device)
             if round_ >= warmup:
                 times[name].append(seconds)
+        round_ += 1
         tick()
     return times
 
 
-def _max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def _resident_bytes(field: str) -> int:
+    """A line of /proc/self/status in bytes: VmRSS (now) or VmHWM (high-water mark)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _peak_in_this_process(call: Call) -> int:
-    """Peak bytes one call of `call` adds: RSS high-water mark growth on CPU (so this
-    process must be fresh), the caching allocator's peak on CUDA."""
+    """Peak bytes that building `call` and running it once add: on CPU the growth of the
+    resident set's high-water mark over the resident set before (the mark is reset first,
+    after a tiny warm-up run, so what this process did earlier does not count); on CUDA the
+    allocator's peak."""
     if call.threads:
         torch.set_num_threads(call.threads)
     if call.device == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    else:
-        base = _max_rss_bytes()
-    make_step(call)()
-    if call.device == "cuda":
+        make_step(call)()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    return _max_rss_bytes() - base
+    # A tiny run first, so the libraries' one-off buffers (thread pools, BLAS) are not
+    # counted as this configuration's memory.
+    tiny = dataclasses.replace(call.shape, seq_len=64, proj_dim=call.shape.proj_dim and 32)
+    make_step(dataclasses.replace(call, shape=tiny))()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+    base = _resident_bytes("VmRSS")
+    make_step(call)()
+    return _resident_bytes("VmHWM") - base
 
 
 def peak_memory(call: Call) -> int:
     """Peak memory in bytes of building the module and input and running one call.
 
-    On CPU it runs in a fresh 'spawn' process (whose RSS high-water mark then belongs to
-    this configuration alone); on CUDA in this process, with the allocator's peak reset.
+    On CPU (Linux) it runs in a fresh process forked from a clean server that has only
+    imported this module (fast, and no other configuration's allocations in it); on CUDA
+    in this process, with the allocator's peak reset.
     """
     if call.device == "cuda":
-        with _released_cuda_cache():
-            return _peak_in_this_process(call)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return _peak_in_this_process(call)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(_peak_in_this_process, call).result()
-
-
-@contextlib.contextmanager
-def _released_cuda_cache() -> Iterator[None]:
-    torch.cuda.empty_cache()
-    yield
-    torch.cuda.empty_cache()
-
-
-def parameter_count(module: nn.Module) -> int:
-    """Parameters of a module (shared tensors once)."""
-    return sum(p.numel() for p in module.parameters())

@@ -16,6 +16,7 @@ from .overrides import exit_on_user_error
 
 COLUMNS = (
     "scope",
+    "dtype",
     "variant",
     "n",
     "k",

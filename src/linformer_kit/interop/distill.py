@@ -3,16 +3,19 @@
 The student (`convert_hf_model` with a k) learns to reproduce the exact teacher's outputs at
 full length: the loss is the relative squared error of every layer's hidden state plus
 (1 - cosine) of the mean-pooled last hidden state, the sentence embedding that is scored.
-By default only the sequence projections (the paper's E, F) train; the pretrained weights
-stay as they were, so what distillation changes is which k mixtures of positions the keys
-and values are pooled into.
+By default every weight trains (at a fine-tuning learning rate), so the rest of the network
+adapts to keys and values pooled into k mixtures; `trainable='projections'` trains only the
+sequence projections (the paper's E, F) and keeps the pretrained weights as they were.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +23,18 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import LinformerConfig
+from ..data.corpus import list_files
 from ..models import LinformerModel
 from ..training.optim import build_optimizer, build_scheduler
 from ..training.settings import TrainSettings
-from .report import sentence_embeddings
+from .bert import convert_hf_model
+from .report import (
+    TOKENIZER_NAME,
+    calibration_ids,
+    sentence_embeddings,
+    stdlib_files,
+    text_windows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +59,11 @@ class DistillSettings:
     """Settings of `distill` (also the `linformer distill` flags)."""
 
     trainable: str = field(
-        default="projections", metadata={"help": "what trains: projections, or all weights"}
+        default="all", metadata={"help": "what trains: all weights, or projections only"}
     )
-    max_steps: int = field(default=120, metadata={"help": "optimiser steps"})
+    max_steps: int = field(default=60, metadata={"help": "optimiser steps"})
     batch_size: int = field(default=4, metadata={"help": "full-length windows per step"})
-    lr: float = field(default=2e-3, metadata={"help": "peak learning rate (AdamW)"})
+    lr: float = field(default=1e-4, metadata={"help": "peak learning rate (AdamW)"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
     layer_weight: float = field(
         default=1.0, metadata={"help": "weight of the per-layer hidden-state error"}
@@ -180,7 +191,7 @@ def distill(
     settings: DistillSettings,
     *,
     heldout: HeldOut | None = None,
-) -> list[dict[str, float]]:
+) -> list[dict[str, float | None]]:
     """Trains `student` in place to reproduce the teacher's layer outputs on `ids`.
 
     Dropout stays off (eval mode): the target is the teacher's deterministic output.
@@ -193,8 +204,8 @@ def distill(
         heldout: scored before training, every `eval_every` steps and at the end.
 
     Returns:
-        One record per evaluation: step, mean training loss since the last record and,
-        with `heldout`, the cosine mean and min.
+        One record per evaluation: step, mean training loss since the last record (None
+        at step 0) and, with `heldout`, the cosine mean and min.
 
     Raises:
         ValueError: on mismatched shapes or nothing to train.
@@ -221,7 +232,9 @@ def distill(
         for step in bar:
             batch = next(batches)
             out = student(ids[batch], output_hidden_states=True)
-            loss = distillation_loss(out.hidden_states[1:], targets[:, batch], settings.layer_weight)
+            loss = distillation_loss(
+                out.hidden_states[1:], targets[:, batch], settings.layer_weight
+            )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
@@ -241,13 +254,102 @@ def distill(
 
 def _record(
     model: LinformerModel, step: int, loss: float | None, heldout: HeldOut | None
-) -> dict[str, float]:
-    record: dict[str, float] = {"step": step}
-    if loss is not None:
-        record["loss"] = round(loss, 5)
+) -> dict[str, float | None]:
+    record: dict[str, float | None] = {"step": step, "loss": loss and round(loss, 5)}
     if heldout is not None:
         cosine = heldout.cosine(model)
         record["cosine_mean"] = round(cosine.mean().item(), 4)
         record["cosine_min"] = round(cosine.min().item(), 4)
     logger.info("distillation %s", record)
     return record
+
+
+@dataclass(kw_only=True)
+class DistillData:
+    """Which windows are distilled on and which are scored (also `linformer distill` flags)."""
+
+    texts: int = field(default=256, metadata={"help": "distillation windows"})
+    per_file: int = field(default=8, metadata={"help": "most distillation windows per file"})
+    heldout_texts: int = field(default=64, metadata={"help": "held-out windows scored"})
+    calibration_texts: int = field(
+        default=16, metadata={"help": "calibration windows of the attention init"}
+    )
+    glob: str = field(default="**/*.txt", metadata={"help": "files read inside --data dirs"})
+
+
+def distillation_files(data: list[str] | None, glob: str) -> list[Path]:
+    """The files distilled on: those `data` names (files, or directories' `glob` matches), or
+    the stdlib's calibration split when None.
+
+    Raises:
+        FileNotFoundError: for a missing path or a directory without matches.
+        ValueError: if a file is one of the held-out files the cosine is scored on.
+    """
+    if not data:
+        return stdlib_files("calibration")
+    files = [file for spec in data for file in list_files(spec, glob)]
+    scored = {file.resolve() for file in stdlib_files("heldout")}
+    overlap = [file for file in files if file.resolve() in scored]
+    if overlap:
+        raise ValueError(
+            f"{len(overlap)} data files (e.g. {overlap[0]}) are held-out files the cosine is "
+            "scored on; distil on other text (default: the stdlib's calibration split)"
+        )
+    return files
+
+
+def distill_checkpoint(
+    teacher_dir: str | os.PathLike,
+    student_dir: str | os.PathLike,
+    settings: DistillSettings,
+    data: DistillData,
+    *,
+    files: list[Path],
+    proj_dim: int = 128,
+    sharing: str = "layerwise",
+) -> list[dict[str, float | None]]:
+    """Distils the Linformer in `student_dir` against the exact `teacher_dir` and saves it
+    back there (with the teacher's tokenizer.json). A `student_dir` without a model is first
+    filled by converting the teacher with `proj_dim`, `sharing` and the attention init.
+
+    Args:
+        teacher_dir: Hugging Face BERT/RoBERTa directory with tokenizer.json.
+        student_dir: Linformer model directory (`linformer convert` output), or a new one.
+        settings: the recipe.
+        data: window counts.
+        files: the distillation text (`distillation_files`).
+        proj_dim: k of a newly converted student.
+        sharing: sharing of a newly converted student.
+
+    Returns:
+        `distill`'s history, scored on `data.heldout_texts` stdlib held-out windows.
+
+    Raises:
+        FileNotFoundError: for a missing teacher, tokenizer or data file.
+        ValueError: if the student does not match the teacher, or on bad settings.
+    """
+    teacher_dir, student_dir = Path(teacher_dir), Path(student_dir)
+    teacher = convert_hf_model(teacher_dir, proj_dim=None)
+    tokenizer = teacher_dir / TOKENIZER_NAME
+    calibration = calibration_ids(teacher_dir, data.calibration_texts)  # checks tokenizer.json
+    n = teacher.config.max_seq_len
+    if (student_dir / "config.json").is_file():
+        student = LinformerModel.from_pretrained(student_dir)
+    else:
+        logger.info("no model in %s: converting %s at k=%d", student_dir, teacher_dir, proj_dim)
+        student = convert_hf_model(
+            teacher_dir, proj_dim=proj_dim, sharing=sharing, calibration_ids=calibration
+        )
+    check_student(student.config, teacher.config)
+    ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file)
+    heldout_ids = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts)
+    history = distill(
+        student,
+        ids,
+        layer_outputs(teacher, ids),
+        settings,
+        heldout=HeldOut.from_teacher(teacher, heldout_ids),
+    )
+    student.save_pretrained(student_dir)
+    shutil.copy(tokenizer, student_dir / TOKENIZER_NAME)
+    return history

@@ -166,6 +166,16 @@ def forward_peak_mib(config: LinformerConfig, batch_size: int, runs: int = 3) ->
     return statistics.median(peaks)
 
 
+def machine() -> dict[str, Any]:
+    """Where a benchmark ran: platform, processor, torch version and threads."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
 @dataclass(kw_only=True)
 class ConversionReport:
     """Settings of `conversion_report` (also the `linformer convert --report` flags)."""
@@ -187,7 +197,7 @@ def calibration_ids(path: str | os.PathLike, count: int) -> torch.Tensor:
     tokenizer = Path(path) / TOKENIZER_NAME
     if not tokenizer.is_file():
         raise FileNotFoundError(f"no {TOKENIZER_NAME} in {Path(path)}: needed for calibration")
-    seq_len = linformer_config_from_hf(read_hf_config(path)).max_seq_len
+    seq_len = linformer_config_from_hf(read_hf_config(path), proj_dim=None).max_seq_len
     return text_windows(tokenizer, stdlib_files("calibration"), seq_len, count)
 
 
@@ -266,12 +276,7 @@ def conversion_report(
             "calibration_texts": calibration_texts,
             "seed": seed,
         },
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "machine": machine(),
         "teacher": {"forward_sec": round(teacher_seconds, 4), "forward_peak_mib": teacher_mib},
         "rows": rows,
     }

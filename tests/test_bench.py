@@ -1,0 +1,205 @@
+"""The benchmark toolkit: FLOP formulas, variants, interleaved timing, budgets, outputs.
+
+No wall-clock asserts: structure, counts and files only, on tiny sizes with one repeat.
+"""
+
+import csv
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from linformer_kit.bench import (
+    BenchSettings,
+    Call,
+    Shape,
+    Variant,
+    build_variant,
+    default_variants,
+    peak_memory,
+    run_bench,
+    time_interleaved,
+    variant_flops,
+)
+from linformer_kit.bench.flops import exact_attention_flops, linformer_attention_flops
+from linformer_kit.bench.summary import summarise
+from linformer_kit.bench.variants import NaiveAttention
+
+SHAPE = Shape(batch_size=2, seq_len=64, dim=32, num_heads=4, proj_dim=16, ffn_dim=128)
+OURS = {v.sharing: v for v in default_variants(sharings=("none", "headwise", "kv"), peers=False)}
+SDPA, NAIVE = Variant(name="exact sdpa", kind="sdpa"), Variant(name="exact naive", kind="naive")
+
+
+def tiny_settings(tmp_path, **changes) -> BenchSettings:
+    base = dict(
+        n="32,64",
+        proj_dim="16",
+        dim=32,
+        num_heads=2,
+        sharing="headwise,kv",
+        repeats=1,
+        min_time_s=0.0,
+        warmup=0,
+        memory=False,
+        threads=1,
+        out=str(tmp_path / "bench"),
+    )
+    return BenchSettings(**{**base, **changes})
+
+
+def test_flop_formulas_match_hand_counts():
+    b, n, d, k, f = 2, 64, 32, 16, 128
+    assert exact_attention_flops(SHAPE) == 8 * b * n * d * d + 4 * b * n * n * d
+    mapped_then_projected = 8 * b * n * d * d + 4 * b * n * k * d + 4 * b * n * k * d
+    assert linformer_attention_flops(SHAPE, input_first=False, shared_kv=False) == (
+        mapped_then_projected
+    )
+    # (E X) W: q and out on n rows, k and v on k rows, one input projection when E = F.
+    input_first = 4 * b * n * d * d + 4 * b * k * d * d + 4 * b * n * k * d + 2 * b * n * k * d
+    assert linformer_attention_flops(SHAPE, input_first=True, shared_kv=True) == input_first
+    layer = variant_flops(SDPA, SHAPE, "layer", backward=True)
+    assert layer == 3 * (exact_attention_flops(SHAPE) + 4 * b * n * d * f)
+
+
+def test_ours_counts_the_order_it_runs():
+    long = dataclasses.replace(SHAPE, seq_len=4096, proj_dim=64)
+    module = build_variant(OURS["kv"], long, "attention").module
+    assert module.projects_input_first(long.seq_len)
+    assert variant_flops(OURS["kv"], long, "attention", backward=False) == (
+        linformer_attention_flops(long, input_first=True, shared_kv=True)
+    )
+    per_head = linformer_attention_flops(long, input_first=False, shared_kv=False)
+    assert variant_flops(OURS["none"], long, "attention", backward=False) == per_head
+    assert variant_flops(OURS["headwise"], long, "attention", backward=False) < per_head
+
+
+@pytest.mark.parametrize("scope", ["attention", "layer"])
+@pytest.mark.parametrize("variant", [*OURS.values(), SDPA, NAIVE], ids=lambda v: v.name)
+def test_every_variant_maps_b_n_dim_to_itself(variant, scope):
+    x = torch.randn(SHAPE.batch_size, SHAPE.seq_len, SHAPE.dim)
+    assert build_variant(variant, SHAPE, scope)(x).shape == x.shape
+
+
+def test_naive_exact_equals_sdpa_exact_with_the_same_weights():
+    sdpa = build_variant(SDPA, SHAPE, "attention").module
+    naive = NaiveAttention(dim=SHAPE.dim, num_heads=SHAPE.num_heads)
+    naive.load_state_dict(sdpa.state_dict())
+    x = torch.randn(SHAPE.batch_size, SHAPE.seq_len, SHAPE.dim)
+    torch.testing.assert_close(naive(x)[0], sdpa(x)[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["lucidrains", "linformer-pytorch"])
+@pytest.mark.parametrize("scope", ["attention", "layer"])
+def test_peers_build_with_the_same_shape(kind, scope):
+    pytest.importorskip({"lucidrains": "linformer"}.get(kind, "linformer_pytorch"))
+    variant = Variant(name=kind, kind=kind, sharing="headwise")
+    x = torch.randn(SHAPE.batch_size, SHAPE.seq_len, SHAPE.dim)
+    assert build_variant(variant, SHAPE, scope)(x).shape == x.shape
+    mapped_then_projected = linformer_attention_flops(SHAPE, input_first=False, shared_kv=False)
+    assert variant_flops(variant, SHAPE, "attention", backward=False) == mapped_then_projected
+
+
+def test_timing_adds_rounds_until_the_minimum_time():
+    times = time_interleaved(
+        {"a": lambda: None}, warmup=0, repeats=1, device="cpu", min_seconds=10.0, max_repeats=7
+    )
+    assert len(times["a"]) == 7
+
+
+def test_timing_interleaves_and_rotates_the_order():
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    ticks = []
+    times = time_interleaved(steps, warmup=1, repeats=2, device="cpu", tick=lambda: ticks.append(1))
+    assert {name: len(t) for name, t in times.items()} == {"a": 2, "b": 2, "c": 2}
+    assert calls == list("abcbcacab")
+    assert len(ticks) == 3
+
+
+def test_peak_memory_of_a_fresh_process_is_positive():
+    call = Call(
+        variant=OURS["kv"],
+        shape=dataclasses.replace(SHAPE, seq_len=2048, dim=64),
+        scope="attention",
+        backward=True,
+        dtype="float32",
+        device="cpu",
+        threads=1,
+    )
+    # Weights, input and activations of this call: several MiB, far below a GiB.
+    assert 2**20 < peak_memory(call) < 2**30
+
+
+def test_sweep_writes_json_csv_and_plots(tmp_path):
+    settings = tiny_settings(tmp_path)
+    result = run_bench(settings)
+    out = tmp_path / "bench"
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["settings"]["n"] == "32,64"
+    assert len(saved["machine"]["load_avg_1_5_15min"]) == 3 and len(saved["load_avg_after"]) == 3
+    assert set(saved["ceiling_gflop_per_s"]["64"]) == {"float32", "bfloat16"}
+    # 2 n x 2 scopes x (2 sharings + sdpa + naive), all run; one time each.
+    assert len(result["rows"]) == 16
+    for row in result["rows"]:
+        assert row["status"] == "ok" and len(row["times_ms"]) == 1
+        assert row["gflop_per_s"] > 0 and row["ceiling_fraction"] > 0
+    sdpa = [r for r in result["rows"] if r["kind"] == "sdpa"]
+    assert all(r["speedup_vs_sdpa"] == 1.0 for r in sdpa)
+    with open(out / "bench.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == 16 and "times_ms" not in table[0]
+    for name in ("scaling.png", "grid.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_budgets_skip_with_a_stated_reason(tmp_path):
+    settings = tiny_settings(tmp_path, n="16,64", scope="attention", memory_budget_gb=1e-4)
+    rows = run_bench(settings)["rows"]
+    reasons = {(r["variant"], r["n"]): r["reason"] for r in rows if r["status"] == "skipped"}
+    assert "nothing to project" in reasons[("linformer kv", 16)]
+    assert "memory budget" in reasons[("exact naive", 64)]
+    assert all(r["median_ms"] is None for r in rows if r["status"] == "skipped")
+    slow = run_bench(dataclasses.replace(settings, memory_budget_gb=8.0, time_budget_s=1e-9))
+    assert all(r["status"] == "skipped" for r in slow["rows"])
+    assert sum("time budget" in r["reason"] for r in slow["rows"]) == 6
+
+
+def test_summary_reads_the_targets_off_the_rows():
+    def row(kind, variant, n, ms, mem, k=8):
+        return dict(
+            min_ms=ms / 2,
+            scope="attention",
+            dtype="float32",
+            kind=kind,
+            variant=variant,
+            k=k,
+            n=n,
+            median_ms=ms,
+            peak_mem_mb=mem,
+            ceiling_fraction=0.5,
+            speedup_vs_sdpa=None,
+        )
+
+    rows = [
+        row("ours", "linformer kv", 32, 1.0, 10.0),
+        row("ours", "linformer kv", 64, 2.0, 19.0),
+        row("lucidrains", "lucidrains", 64, 3.0, 30.0),
+        row("linformer-pytorch", "linformer-pytorch", 64, 5.0, 40.0),
+        row("sdpa", "exact sdpa", 64, 8.0, 20.0, k=None),
+    ]
+    entry = summarise(rows)["attention"]["float32"]["linformer kv k=8"][64]
+    assert entry["speedup_vs_faster_peer"] == pytest.approx(1.5)
+    assert entry["speedup_vs_faster_peer_by_min"] == pytest.approx(1.5)
+    assert entry["time_growth_from_half_n"] == pytest.approx(2.0)
+    assert entry["memory_growth_from_half_n"] == pytest.approx(1.9)
+    assert entry["memory_vs_sdpa"] == pytest.approx(0.95)
+
+
+def test_settings_reject_unknown_choices(tmp_path):
+    with pytest.raises(ValueError, match="mode"):
+        tiny_settings(tmp_path, mode="backward")
+    with pytest.raises(ValueError, match="sharing"):
+        tiny_settings(tmp_path, sharing="kv,everything")
+    with pytest.raises(ValueError, match="dtype"):
+        tiny_settings(tmp_path, dtype="float16")

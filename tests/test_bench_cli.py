@@ -1,0 +1,56 @@
+"""`linformer bench` end to end on tiny sizes."""
+
+import json
+
+import pytest
+
+from linformer_kit.cli import main
+
+
+def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys):
+    out = tmp_path / "bench"
+    main(
+        ["bench", "--n", "32", "--proj-dim", "8,16", "--dim", "16", "--num-heads", "2"]
+        + ["--mode", "fwd", "--dtype", "float32,bfloat16", "--sharing", "layerwise"]
+        + ["--exact", "sdpa", "--scope", "attention"]
+        + [
+            "--repeats",
+            "1",
+            "--min-time-s",
+            "0",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--no-memory",
+            "--out",
+            str(out),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert "linformer layerwise" in printed and "matmul ceiling" in printed
+    result = json.loads((out / "bench.json").read_text())
+    rows = result["rows"]
+    assert [(r["dtype"], r["variant"], r["k"]) for r in rows] == [
+        ("float32", "linformer layerwise", 8),
+        ("float32", "linformer layerwise", 16),
+        ("float32", "exact sdpa", None),
+        ("bfloat16", "linformer layerwise", 8),
+        ("bfloat16", "linformer layerwise", 16),
+        ("bfloat16", "exact sdpa", None),
+    ]
+    low = result["summary"]["attention"]["bfloat16"]["linformer layerwise k=8"]["32"]
+    assert low["speedup_vs_float32"] > 0 and 0 < low["relative_error_vs_float32"] < 0.1
+    assert (out / "grid.png").exists() and (out / "bench.csv").exists()
+
+
+def test_bench_command_reports_bad_settings_without_a_traceback(tmp_path):
+    with pytest.raises(SystemExit, match="device must be cpu or cuda"):
+        main(["bench", "--device", "tpu", "--out", str(tmp_path)])
+
+
+def test_peers_flag_is_a_switch():
+    from linformer_kit.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "--peers"]).peers is True
+    assert build_parser().parse_args(["bench"]).peers is False

@@ -1,0 +1,213 @@
+"""`linformer distill`: distillation recovers the exact teacher's outputs, trains only what it
+is asked to, saves a loadable student, and refuses bad inputs clearly. Runs on a tiny
+BERT-shaped Hugging Face directory written here (with MiniLM's tokenizer)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from linformer_kit import LinformerModel
+from linformer_kit.cli import main
+from linformer_kit.interop import convert_hf_model, linformer_config_from_hf
+from linformer_kit.interop.bert import EMBEDDING_NAMES, LAYER_NAMES
+from linformer_kit.interop.distill import (
+    DistillData,
+    DistillSettings,
+    HeldOut,
+    distill,
+    distill_checkpoint,
+    distillation_files,
+    layer_outputs,
+)
+from linformer_kit.interop.distill_report import distillation_report, plot_curves
+from linformer_kit.interop.report import minilm_path, stdlib_files, text_windows
+
+N, K = 64, 8
+SMALL = DistillData(texts=8, per_file=2, heldout_texts=4, calibration_texts=2)
+
+
+def write_tiny_bert(path, *, hidden_size=32, seed=0):
+    """A random 2-layer BERT directory (config.json, model.safetensors, tokenizer.json) whose
+    attention weights are scaled up: peaked attention that moves the outputs, as in a trained
+    model (at the default init scale a Linformer of it is already almost exact)."""
+    hf = {
+        "model_type": "bert",
+        "vocab_size": 30522,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 2 * hidden_size,
+        "max_position_embeddings": N,
+        "type_vocab_size": 2,
+    }
+    torch.manual_seed(seed)
+    model = LinformerModel(linformer_config_from_hf(hf, proj_dim=None))
+    to_hf = {mine: theirs for theirs, mine in EMBEDDING_NAMES.items() if "pooler" not in theirs}
+    to_hf |= {mine: theirs for theirs, mine in LAYER_NAMES.items()}
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        module, _, param = name.rpartition(".")
+        if module.startswith("encoder.layers."):
+            _, _, index, inner = module.split(".", 3)
+            scale = 20.0 if inner.startswith("attn.to_") else 1.0
+            key = f"bert.encoder.layer.{index}.{to_hf[inner]}.{param}"
+            tensors[key] = (tensor * scale).contiguous()
+        else:
+            tensors[f"bert.{to_hf[module]}.{param}"] = tensor.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    save_file(tensors, str(path / "model.safetensors"))
+    shutil.copy(minilm_path() / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
+
+
+@pytest.fixture(scope="module")
+def windows(tiny):
+    """Distillation windows (calibration split) and scored windows (held-out split)."""
+    tokenizer = tiny / "tokenizer.json"
+    train = text_windows(tokenizer, stdlib_files("calibration"), N, 16, per_file=4)
+    return train, text_windows(tokenizer, stdlib_files("heldout"), N, 8)
+
+
+def _student(tiny):
+    return convert_hf_model(tiny, proj_dim=K, init="mean")
+
+
+def test_text_windows_cut_several_windows_per_file(tiny):
+    files = stdlib_files("calibration")[:3]
+    one = text_windows(tiny / "tokenizer.json", files, N, 2)
+    several = text_windows(tiny / "tokenizer.json", files, N, 2, per_file=2)
+    assert torch.equal(one[0], several[0]) and not torch.equal(one[1], several[1])
+    with pytest.raises(ValueError, match="at most 1 per file"):
+        text_windows(tiny / "tokenizer.json", files, N, 4)
+
+
+def test_distillation_lowers_the_loss_and_raises_the_heldout_cosine(tiny, windows):
+    train, heldout = windows
+    teacher = convert_hf_model(tiny, proj_dim=None)
+    settings = DistillSettings(trainable="all", max_steps=8, lr=3e-3, warmup_steps=2, eval_every=4)
+    history = distill(
+        _student(tiny),
+        train,
+        layer_outputs(teacher, train),
+        settings,
+        heldout=HeldOut.from_teacher(teacher, heldout),
+    )
+    assert [record["step"] for record in history] == [0, 4, 8]
+    assert history[0]["loss"] is None and history[-1]["loss"] < history[1]["loss"]
+    before, after = history[0]["cosine_mean"], history[-1]["cosine_mean"]
+    assert after > before + 0.05, history
+
+
+def test_projections_only_change_only_the_projections(tiny, windows):
+    train, _ = windows
+    teacher = convert_hf_model(tiny, proj_dim=None)
+    student = _student(tiny)
+    start = {name: t.clone() for name, t in student.state_dict().items()}
+    distill(
+        student,
+        train,
+        layer_outputs(teacher, train),
+        DistillSettings(trainable="projections", max_steps=3),
+    )
+    changed = {name for name, t in student.state_dict().items() if not torch.equal(t, start[name])}
+    assert changed and all(".proj_" in name for name in changed)
+    assert all(p.requires_grad for p in student.parameters())  # unfrozen afterwards
+
+
+def test_cli_distill_converts_distils_saves_and_reloads(tiny, tmp_path, capsys):
+    out = tmp_path / "student"
+    flags = ["--texts", "4", "--per-file", "2", "--heldout-texts", "2", "--calibration-texts", "2"]
+    command = ["distill", "--teacher", str(tiny), "--student", str(out), *flags]
+    main([*command, "--proj-dim", str(K), "--max-steps", "2", "--batch-size", "2"])
+    assert "held-out embedding cosine" in capsys.readouterr().out
+    assert (out / "tokenizer.json").is_file()
+    first = LinformerModel.from_pretrained(out)
+    assert first.config.proj_dim == K
+    main([*command, "--max-steps", "1"])
+    second = LinformerModel.from_pretrained(out)  # distilled further, in place
+    assert _projections(first).keys() == _projections(second).keys()
+    assert any(not torch.equal(t, _projections(second)[n]) for n, t in _projections(first).items())
+
+
+def _projections(model):
+    return {name: t for name, t in model.state_dict().items() if ".proj_" in name}
+
+
+def test_report_rows_curves_and_plot(tiny, tmp_path):
+    settings = DistillSettings(max_steps=2, batch_size=2, eval_every=1)
+    result = distillation_report(tiny, [K], settings, SMALL)
+    (row,) = result["rows"]
+    assert row["proj_dim"] == K and 0 < row["cosine_before"] <= 1 and 0 < row["cosine_after"] <= 1
+    assert [r["step"] for r in result["curves"][str(K)]] == [0, 1, 2]
+    assert result["settings"]["texts"] == SMALL.texts
+    plot_curves(json.loads(json.dumps(result)), tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_missing_teacher_dir_is_reported(tmp_path):
+    settings = DistillSettings(max_steps=1)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        distill_checkpoint(tmp_path / "nope", tmp_path / "s", settings, SMALL, files=[])
+
+
+def test_mismatched_student_is_reported(tiny, tmp_path):
+    other = write_tiny_bert(tmp_path / "wide", hidden_size=48)
+    convert_hf_model(other, proj_dim=K, init="mean").save_pretrained(tmp_path / "s")
+    with pytest.raises(ValueError, match="dim: student 48, teacher 32"):
+        distill_checkpoint(
+            tiny,
+            tmp_path / "s",
+            DistillSettings(max_steps=1),
+            SMALL,
+            files=stdlib_files("calibration"),
+        )
+
+
+def test_exact_student_and_k_beyond_n_are_refused(tiny, tmp_path):
+    convert_hf_model(tiny, proj_dim=None).save_pretrained(tmp_path / "exact")
+    files = stdlib_files("calibration")
+    with pytest.raises(ValueError, match="exact attention"):
+        distill_checkpoint(
+            tiny, tmp_path / "exact", DistillSettings(max_steps=1), SMALL, files=files
+        )
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        distill_checkpoint(
+            tiny, tmp_path / "new", DistillSettings(max_steps=1), SMALL, files=files, proj_dim=2 * N
+        )
+
+
+def test_bad_settings_and_inputs_are_refused(tiny, windows):
+    train, _ = windows
+    with pytest.raises(ValueError, match="trainable"):
+        DistillSettings(trainable="heads")
+    with pytest.raises(ValueError, match="max_steps"):
+        DistillSettings(max_steps=0)
+    teacher = convert_hf_model(tiny, proj_dim=None)
+    with pytest.raises(ValueError, match="targets"):
+        distill(_student(tiny), train, layer_outputs(teacher, train[:2]), DistillSettings())
+    pooled = convert_hf_model(tiny, proj_dim=K, projection="pool")
+    with pytest.raises(ValueError, match="no learned parameters"):
+        distill(
+            pooled, train, layer_outputs(teacher, train), DistillSettings(trainable="projections")
+        )
+
+
+def test_heldout_files_are_refused_as_distillation_data(tmp_path):
+    heldout = stdlib_files("heldout")[0]
+    with pytest.raises(ValueError, match="held-out"):
+        distillation_files([str(heldout)], "**/*.txt")
+    with pytest.raises(FileNotFoundError):
+        distillation_files([str(tmp_path / "missing")], "**/*.txt")
+    text = tmp_path / "a.txt"
+    text.write_text("some text")
+    assert distillation_files([str(tmp_path)], "**/*.txt") == [text]
+    assert distillation_files(None, "**/*.txt") == stdlib_files("calibration")
