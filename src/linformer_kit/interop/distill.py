@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 from ..config import LinformerConfig
 from ..data.corpus import list_files
 from ..models import LinformerModel
+from ..training.distributed import resolve_device
 from ..training.optim import build_optimizer, build_scheduler
 from ..training.settings import TrainSettings
 from .bert import convert_hf_model
@@ -72,6 +74,9 @@ class DistillSettings:
         default=0, metadata={"help": "held-out cosine every N steps (0 = before and after)"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the window order"})
+    device: str = field(
+        default="auto", metadata={"help": "auto (CUDA when available), cpu, cuda or cuda:N"}
+    )
 
     def __post_init__(self) -> None:
         if self.trainable not in TRAINABLES:
@@ -82,7 +87,20 @@ class DistillSettings:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.layer_weight < 0:
             raise ValueError(f"layer_weight must be >= 0, got {self.layer_weight}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         self.train_settings()  # validates steps, batch size, lr and warm-up
+
+    def torch_device(self) -> torch.device:
+        """The device distillation runs on (teacher targets, student and held-out windows).
+
+        Raises:
+            ValueError: if CUDA is asked for and this machine has none.
+        """
+        device = resolve_device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available here")
+        return device
 
     def train_settings(self) -> TrainSettings:
         """The optimiser / schedule recipe: AdamW without weight decay (it would pull the
@@ -107,8 +125,12 @@ class HeldOut:
 
     @classmethod
     def from_teacher(cls, teacher: LinformerModel, ids: Tensor) -> HeldOut:
-        """Embeds `ids` with the exact teacher."""
+        """Embeds `ids` with the exact teacher (on `ids`' device)."""
         return cls(ids, sentence_embeddings(teacher, ids))
+
+    def to(self, device: torch.device) -> HeldOut:
+        """These windows and embeddings on `device`."""
+        return HeldOut(self.ids.to(device), self.reference.to(device))
 
     def cosine(self, model: LinformerModel) -> Tensor:
         """Per-window cosine of `model`'s sentence embeddings vs the teacher's: (B,)."""
@@ -194,7 +216,9 @@ def distill(
 ) -> list[dict[str, float | None]]:
     """Trains `student` in place to reproduce the teacher's layer outputs on `ids`.
 
-    Dropout stays off (eval mode): the target is the teacher's deterministic output.
+    Dropout stays off (eval mode): the target is the teacher's deterministic output. The
+    student, windows and targets are moved to `settings.device` (a no-op where they are);
+    the student stays there.
 
     Args:
         student: the converted Linformer.
@@ -208,7 +232,7 @@ def distill(
         at step 0) and, with `heldout`, the cosine mean and min.
 
     Raises:
-        ValueError: on mismatched shapes or nothing to train.
+        ValueError: on mismatched shapes, nothing to train or an unavailable device.
     """
     if ids.dim() != 2 or targets.shape[:3] != (student.config.depth, *ids.shape):
         raise ValueError(
@@ -219,6 +243,11 @@ def distill(
         raise ValueError(
             f"windows of {ids.shape[1]} tokens exceed max_seq_len={student.config.max_seq_len}"
         )
+    device = settings.torch_device()
+    student.to(device)
+    ids, targets = ids.to(device), targets.to(device)
+    if heldout is not None:
+        heldout = heldout.to(device)
     params = set_trainable(student, settings.trainable)
     recipe = settings.train_settings()
     optimizer = build_optimizer(student, recipe)
@@ -329,7 +358,8 @@ def distill_checkpoint(
         ValueError: if the student does not match the teacher, or on bad settings.
     """
     teacher_dir, student_dir = Path(teacher_dir), Path(student_dir)
-    teacher = convert_hf_model(teacher_dir, proj_dim=None)
+    device = settings.torch_device()
+    teacher = convert_hf_model(teacher_dir, proj_dim=None).to(device)
     tokenizer = teacher_dir / TOKENIZER_NAME
     calibration = calibration_ids(teacher_dir, data.calibration_texts)  # checks tokenizer.json
     n = teacher.config.max_seq_len
@@ -341,15 +371,15 @@ def distill_checkpoint(
             teacher_dir, proj_dim=proj_dim, sharing=sharing, calibration_ids=calibration
         )
     check_student(student.config, teacher.config)
-    ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file)
+    ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file).to(device)
     heldout_ids = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts)
     history = distill(
         student,
         ids,
         layer_outputs(teacher, ids),
         settings,
-        heldout=HeldOut.from_teacher(teacher, heldout_ids),
+        heldout=HeldOut.from_teacher(teacher, heldout_ids.to(device)),
     )
-    student.save_pretrained(student_dir)
+    student.cpu().save_pretrained(student_dir)
     shutil.copy(tokenizer, student_dir / TOKENIZER_NAME)
     return history
