@@ -201,6 +201,25 @@ def test_bad_settings_and_inputs_are_refused(tiny, windows):
         )
 
 
+def test_device_cpu_runs_and_bad_devices_are_refused(tiny, windows):
+    train, heldout = windows
+    teacher = convert_hf_model(tiny, proj_dim=None)
+    settings = DistillSettings(max_steps=1, device="cpu")
+    history = distill(
+        _student(tiny),
+        train,
+        layer_outputs(teacher, train),
+        settings,
+        heldout=HeldOut.from_teacher(teacher, heldout),
+    )
+    assert [record["step"] for record in history] == [0, 1]
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        DistillSettings(device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            DistillSettings(device="cuda").torch_device()
+
+
 def test_heldout_files_are_refused_as_distillation_data(tmp_path):
     heldout = stdlib_files("heldout")[0]
     with pytest.raises(ValueError, match="held-out"):
