@@ -7,6 +7,7 @@ import torch
 from train_helpers import tiny_run
 
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, lr_factor, pretrain
+from linformer_kit.training.distributed import resolve_device
 
 
 def train_losses(run_dir):
@@ -95,6 +96,15 @@ def test_settings_reject_bad_values():
         TrainSettings(precision="fp16")
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         TrainSettings(batch_size=0)
+
+
+def test_devices_are_checked_before_training():
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N; got 'gpu'"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda:0")
 
 
 def test_run_config_round_trips_and_rejects_unknown_fields(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -87,20 +86,17 @@ class DistillSettings:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.layer_weight < 0:
             raise ValueError(f"layer_weight must be >= 0, got {self.layer_weight}")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if self.device != "auto":
+            self.torch_device()  # names the allowed devices, or says CUDA is missing
         self.train_settings()  # validates steps, batch size, lr and warm-up
 
     def torch_device(self) -> torch.device:
         """The device distillation runs on (teacher targets, student and held-out windows).
 
         Raises:
-            ValueError: if CUDA is asked for and this machine has none.
+            ValueError: for an unknown device, or CUDA asked for on a machine without it.
         """
-        device = resolve_device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but CUDA is not available here")
-        return device
+        return resolve_device(self.device)
 
     def train_settings(self) -> TrainSettings:
         """The optimiser / schedule recipe: AdamW without weight decay (it would pull the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +69,17 @@ class Distributed:
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when available; `cpu` / `cuda` / `cuda:N` are taken as given."""
+    """`auto` picks CUDA when available; `cpu` / `cuda` / `cuda:N` are taken as given.
+
+    Raises:
+        ValueError: for any other name, or CUDA asked for on a machine without it.
+    """
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available here")
     return torch.device(name)
 
 
