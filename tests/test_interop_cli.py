@@ -3,6 +3,7 @@ report's building blocks on a tiny sample."""
 
 import json
 
+import pytest
 import torch
 
 from linformer_kit import LinformerModel
@@ -55,3 +56,13 @@ def test_report_rows_on_a_small_sample(tmp_path, capsys):
     assert row["proj_dim"] == 64 and row["init"] == "mean"
     assert 0.0 < row["cosine_mean"] <= 1.0 and row["speedup"] > 0
     assert json.loads(json.dumps(result))["seq_len"] == 512
+
+
+def test_missing_source_directories_end_with_a_message_not_a_traceback(tmp_path):
+    missing = tmp_path / "nowhere"
+    for argv in (
+        ["convert", "--from", str(missing), "--out", str(tmp_path / "out")],
+        ["distill", "--teacher", str(missing), "--student", str(tmp_path / "student")],
+    ):
+        with pytest.raises(SystemExit, match=rf"error: no config.json in {missing}"):
+            main(argv)

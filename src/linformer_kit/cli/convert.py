@@ -19,6 +19,7 @@ from ..interop.report import (
     minilm_path,
 )
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
+from .overrides import exit_on_user_error
 
 DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
 
@@ -62,6 +63,7 @@ def _report(args: argparse.Namespace, source: Path) -> None:
     print(f"teacher forward {result['teacher']['forward_sec']:.3f} s; wrote {out}")
 
 
+@exit_on_user_error
 def run(args: argparse.Namespace) -> None:
     source = Path(args.source) if args.source else minilm_path()
     (_report if args.report else _convert)(args, source)

@@ -18,6 +18,7 @@ from ..interop.distill import (
 from ..interop.distill_report import distillation_report, plot_curves
 from ..interop.report import minilm_path
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
+from .overrides import exit_on_user_error
 
 
 def _distill(args: argparse.Namespace, teacher: Path) -> None:
@@ -56,6 +57,7 @@ def _report(args: argparse.Namespace, teacher: Path) -> None:
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
+@exit_on_user_error
 def run(args: argparse.Namespace) -> None:
     teacher = Path(args.teacher) if args.teacher else minilm_path()
     (_report if args.report else _distill)(args, teacher)

@@ -192,12 +192,12 @@ def calibration_ids(path: str | os.PathLike, count: int) -> torch.Tensor:
     model directory's tokenizer.json: (count, max_seq_len).
 
     Raises:
-        FileNotFoundError: if the directory has no tokenizer.json.
+        FileNotFoundError: if the directory has no config.json or no tokenizer.json.
     """
+    seq_len = linformer_config_from_hf(read_hf_config(path), proj_dim=None).max_seq_len
     tokenizer = Path(path) / TOKENIZER_NAME
     if not tokenizer.is_file():
         raise FileNotFoundError(f"no {TOKENIZER_NAME} in {Path(path)}: needed for calibration")
-    seq_len = linformer_config_from_hf(read_hf_config(path), proj_dim=None).max_seq_len
     return text_windows(tokenizer, stdlib_files("calibration"), seq_len, count)
 
 
