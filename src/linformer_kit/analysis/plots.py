@@ -1,28 +1,25 @@
-"""Matplotlib figures of the analysis tools, written atomically as PNG (Agg backend)."""
+"""Matplotlib figures of the analysis tools, written atomically as PNG.
+
+Figures are built with `matplotlib.figure.Figure`, not pyplot, so importing this module never
+changes the user's matplotlib backend (a notebook keeps its inline plots)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-from ..hub import atomic_write  # noqa: E402
+from ..hub import atomic_write
 
 MAX_TICK_LABELS = 64  # beyond this many tokens an axis shows positions, not token text
 MAX_ANNOTATED_CELLS = 256  # the heatmap prints its values when it has at most this many cells
 
 
 def save_figure(fig: Figure, path: str | Path) -> None:
-    """Writes a figure as PNG atomically and closes it."""
-    try:
-        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
-    finally:
-        plt.close(fig)
+    """Writes a figure as PNG atomically."""
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
 
 def plot_spectrum(report: dict, path: str | Path, title: str) -> None:
@@ -39,10 +36,9 @@ def plot_spectrum(report: dict, path: str | Path, title: str) -> None:
     layers = report["layers"]
     index, n = report["index"], report["seq_len"]
     recommended = report["recommendation"]
-    fig, (left, right) = plt.subplots(
-        1, 2, figsize=(12.5, 4.8), gridspec_kw={"width_ratios": [1.25, 1]}
-    )
-    colors = plt.get_cmap("viridis")(np.linspace(0.0, 0.9, len(layers)))
+    fig = Figure(figsize=(12.5, 4.8))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.25, 1]})
+    colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(layers)))
     for layer, color in zip(layers, colors):
         curve = layer["mean_curve"]
         left.plot(np.arange(1, len(curve) + 1), curve, color=color, label=f"layer {layer['layer']}")
@@ -107,7 +103,8 @@ def plot_attention_map(
     rows, cols = matrix.shape
     width = min(16.0, max(6.0, 0.22 * cols + 3.0))
     height = min(16.0, max(4.5, 0.22 * rows + 2.0))
-    fig, ax = plt.subplots(figsize=(width, height))
+    fig = Figure(figsize=(width, height))
+    ax = fig.subplots()
     image = ax.imshow(matrix, cmap="viridis", aspect="auto", interpolation="nearest")
     ax.set_ylabel(f"query token (n = {rows})")
     if rows <= MAX_TICK_LABELS:

@@ -7,10 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
 
 def _label(row: dict[str, Any], with_dtype: bool) -> str:
@@ -22,7 +19,8 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
     """Median time and peak memory vs n, one panel per scope, one line per variant and k."""
     scopes = list(dict.fromkeys(r["scope"] for r in rows))
     with_dtype = len({r["dtype"] for r in rows}) > 1
-    fig, axes = plt.subplots(2, len(scopes), figsize=(6.5 * len(scopes), 9), squeeze=False)
+    fig = Figure(figsize=(6.5 * len(scopes), 9))
+    axes = fig.subplots(2, len(scopes), squeeze=False)
     for col, scope in enumerate(scopes):
         lines: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
@@ -48,7 +46,6 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_grid(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
@@ -72,15 +69,13 @@ def plot_grid(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
         )
         if any(r.get(metric) for r in ours)
     ] or [("speedup_vs_sdpa", "speed-up over exact SDPA")]
-    fig, axes = plt.subplots(
-        len(metrics),
-        max(len(variants), 1),
+    fig = Figure(
         figsize=(
             1.5 + 0.8 * len(seq_lens) * max(len(variants), 1),
             1.0 + (0.6 + 0.45 * len(proj_dims)) * len(metrics),
-        ),
-        squeeze=False,
+        )
     )
+    axes = fig.subplots(len(metrics), max(len(variants), 1), squeeze=False)
     for col, variant in enumerate(variants):
         cells = {(r["k"], r["n"]): r for r in ours if r["variant"] == variant}
         for line, (metric, name) in enumerate(metrics):
@@ -103,4 +98,3 @@ def plot_grid(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
     fig.suptitle(f"{scope}, {dtype} ({title})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -10,16 +10,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import torch
+from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from ..hub import atomic_write  # noqa: E402
-from .bert import convert_hf_model  # noqa: E402
-from .distill import DistillData, DistillSettings, HeldOut, distill, layer_outputs  # noqa: E402
-from .report import (  # noqa: E402
+from ..hub import atomic_write
+from .bert import convert_hf_model
+from .distill import DistillData, DistillSettings, HeldOut, distill, layer_outputs
+from .report import (
     TOKENIZER_NAME,
     calibration_ids,
     machine,
@@ -101,21 +98,17 @@ def _device_name(device: torch.device) -> str:
 
 def plot_curves(result: dict[str, Any], path: str | os.PathLike) -> None:
     """Held-out cosine vs distillation step, one line per k, with the target as a dashed line."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    try:
-        for k, history in result["curves"].items():
-            steps = [record["step"] for record in history]
-            ax.plot(
-                steps, [record["cosine_mean"] for record in history], marker="o", label=f"k={k}"
-            )
-        ax.axhline(TARGET_COSINE, color="grey", linestyle="--", label=f"target {TARGET_COSINE}")
-        ax.set_xlabel("distillation step")
-        ax.set_ylabel("held-out embedding cosine (mean)")
-        trainable = result["settings"]["trainable"]
-        ax.set_title(f"distillation ({trainable}) at n={result['seq_len']}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for k, history in result["curves"].items():
+        steps = [record["step"] for record in history]
+        ax.plot(steps, [record["cosine_mean"] for record in history], marker="o", label=f"k={k}")
+    ax.axhline(TARGET_COSINE, color="grey", linestyle="--", label=f"target {TARGET_COSINE}")
+    ax.set_xlabel("distillation step")
+    ax.set_ylabel("held-out embedding cosine (mean)")
+    trainable = result["settings"]["trainable"]
+    ax.set_title(f"distillation ({trainable}) at n={result['seq_len']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ..config import LinformerConfig
 from ..models import LinformerModel
+from ..training.compare import machine
 from .bert import convert_hf_model, linformer_config_from_hf, read_hf_config
 from .projection_init import INITS
 
@@ -164,16 +164,6 @@ def forward_peak_mib(config: LinformerConfig, batch_size: int, runs: int = 3) ->
         for _ in range(runs)
     ]
     return statistics.median(peaks)
-
-
-def machine() -> dict[str, Any]:
-    """Where a benchmark ran: platform, processor, torch version and threads."""
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
 
 
 @dataclass(kw_only=True)

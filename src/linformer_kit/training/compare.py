@@ -115,12 +115,10 @@ def _row(name: str, run: RunConfig, result: TrainResult) -> dict[str, Any]:
 
 def plot_comparison(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
     """Validation perplexity vs step and vs training time, one line per model."""
-    import matplotlib
+    from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig = Figure(figsize=(11, 4.2))
+    axes = fig.subplots(1, 2, sharey=True)
     for label, records in results.items():
         val = [r for r in records if r["split"] == "val"]
         axes[0].plot([r["step"] for r in val], [r["val_ppl"] for r in val], marker="o", label=label)
@@ -135,7 +133,6 @@ def plot_comparison(results: dict[str, list[dict[str, Any]]], path: Path) -> Non
     fig.suptitle("Masked-LM pretraining: Linformer vs exact attention")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def machine() -> dict[str, Any]:
