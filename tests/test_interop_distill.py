@@ -20,7 +20,6 @@ from linformer_kit.interop.distill import (
     distill,
     distill_checkpoint,
     distillation_files,
-    layer_outputs,
 )
 from linformer_kit.interop.distill_report import distillation_report, plot_curves
 from linformer_kit.interop.report import minilm_path, stdlib_files, text_windows
@@ -90,14 +89,17 @@ def test_text_windows_cut_several_windows_per_file(tiny):
         text_windows(tiny / "tokenizer.json", files, N, 4)
 
 
-def test_distillation_lowers_the_loss_and_raises_the_heldout_cosine(tiny, windows):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_distillation_lowers_the_loss_and_raises_the_heldout_cosine(tiny, windows, precision):
     train, heldout = windows
     teacher = convert_hf_model(tiny, proj_dim=None)
-    settings = DistillSettings(trainable="all", max_steps=8, lr=3e-3, warmup_steps=2, eval_every=4)
+    settings = DistillSettings(
+        trainable="all", max_steps=8, lr=1e-3, warmup_steps=2, eval_every=4, precision=precision
+    )
     history = distill(
         _student(tiny),
+        teacher,
         train,
-        layer_outputs(teacher, train),
         settings,
         heldout=HeldOut.from_teacher(teacher, heldout),
     )
@@ -112,12 +114,7 @@ def test_projections_only_change_only_the_projections(tiny, windows):
     teacher = convert_hf_model(tiny, proj_dim=None)
     student = _student(tiny)
     start = {name: t.clone() for name, t in student.state_dict().items()}
-    distill(
-        student,
-        train,
-        layer_outputs(teacher, train),
-        DistillSettings(trainable="projections", max_steps=3),
-    )
+    distill(student, teacher, train, DistillSettings(trainable="projections", max_steps=3))
     changed = {name for name, t in student.state_dict().items() if not torch.equal(t, start[name])}
     assert changed and all(".proj_" in name for name in changed)
     assert all(p.requires_grad for p in student.parameters())  # unfrozen afterwards
@@ -149,8 +146,22 @@ def test_report_rows_curves_and_plot(tiny, tmp_path):
     assert row["proj_dim"] == K and 0 < row["cosine_before"] <= 1 and 0 < row["cosine_after"] <= 1
     assert [r["step"] for r in result["curves"][str(K)]] == [0, 1, 2]
     assert result["settings"]["texts"] == SMALL.texts
+    assert result["text"]["files"] == len(stdlib_files("calibration"))
     plot_curves(json.loads(json.dumps(result)), tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_report_distils_on_the_given_files(tiny, tmp_path):
+    text = tmp_path / "text"
+    text.mkdir()
+    for i, file in enumerate(stdlib_files("calibration")[:4]):
+        (text / f"{i}.txt").write_text(file.read_text(encoding="utf-8"))
+    files = sorted(text.glob("*.txt"))
+    settings = DistillSettings(max_steps=1, batch_size=2)
+    result = distillation_report(tiny, [K], settings, SMALL, files=files)
+    assert result["text"] == {"files": 4, "under": str(text)}
+    with pytest.raises(ValueError, match="need 8"):  # one file gives at most per_file=2
+        distillation_report(tiny, [K], settings, SMALL, files=files[:1])
 
 
 def test_missing_teacher_dir_is_reported(tmp_path):
@@ -191,14 +202,16 @@ def test_bad_settings_and_inputs_are_refused(tiny, windows):
         DistillSettings(trainable="heads")
     with pytest.raises(ValueError, match="max_steps"):
         DistillSettings(max_steps=0)
+    with pytest.raises(ValueError, match="precision"):
+        DistillSettings(precision="fp8")
     teacher = convert_hf_model(tiny, proj_dim=None)
-    with pytest.raises(ValueError, match="targets"):
-        distill(_student(tiny), train, layer_outputs(teacher, train[:2]), DistillSettings())
+    with pytest.raises(ValueError, match=r"must be \(batch, length <= max_seq_len=64\)"):
+        distill(_student(tiny), teacher, train[0], DistillSettings())
+    with pytest.raises(ValueError, match="exact attention"):
+        distill(teacher, teacher, train, DistillSettings())
     pooled = convert_hf_model(tiny, proj_dim=K, projection="pool")
     with pytest.raises(ValueError, match="no learned parameters"):
-        distill(
-            pooled, train, layer_outputs(teacher, train), DistillSettings(trainable="projections")
-        )
+        distill(pooled, teacher, train, DistillSettings(trainable="projections"))
 
 
 def test_device_cpu_runs_and_bad_devices_are_refused(tiny, windows):
@@ -207,8 +220,8 @@ def test_device_cpu_runs_and_bad_devices_are_refused(tiny, windows):
     settings = DistillSettings(max_steps=1, device="cpu")
     history = distill(
         _student(tiny),
+        teacher,
         train,
-        layer_outputs(teacher, train),
         settings,
         heldout=HeldOut.from_teacher(teacher, heldout),
     )

@@ -40,13 +40,13 @@ def _distill(args: argparse.Namespace, teacher: Path) -> None:
 
 
 def _report(args: argparse.Namespace, teacher: Path) -> None:
-    if args.data:
-        raise SystemExit("linformer distill --report distils on the stdlib's calibration split")
+    data = dataclass_from_args(DistillData, args)
     result = distillation_report(
         teacher,
         [int(k) for k in args.proj_dims.split(",")],
         dataclass_from_args(DistillSettings, args),
-        dataclass_from_args(DistillData, args),
+        data,
+        files=distillation_files(args.data, data.glob),
         sharing=args.sharing,
     )
     out = Path(args.report_out)

@@ -6,6 +6,8 @@ full length: the loss is the relative squared error of every layer's hidden stat
 By default every weight trains (at a fine-tuning learning rate), so the rest of the network
 adapts to keys and values pooled into k mixtures; `trainable='projections'` trains only the
 sequence projections (the paper's E, F) and keeps the pretrained weights as they were.
+The teacher's targets are computed batch by batch, so the distillation text is not limited by
+memory (precomputed, 4096 MiniLM windows of 512 tokens would hold 19 GB of targets).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +78,10 @@ class DistillSettings:
     device: str = field(
         default="auto", metadata={"help": "auto (CUDA when available), cpu, cuda or cuda:N"}
     )
+    precision: str = field(
+        default="fp32",
+        metadata={"help": "fp32, or bf16 autocast of the student (the teacher stays fp32)"},
+    )
 
     def __post_init__(self) -> None:
         if self.trainable not in TRAINABLES:
@@ -88,7 +94,7 @@ class DistillSettings:
             raise ValueError(f"layer_weight must be >= 0, got {self.layer_weight}")
         if self.device != "auto":
             self.torch_device()  # names the allowed devices, or says CUDA is missing
-        self.train_settings()  # validates steps, batch size, lr and warm-up
+        self.train_settings()  # validates steps, batch size, lr, warm-up and precision
 
     def torch_device(self) -> torch.device:
         """The device distillation runs on (teacher targets, student and held-out windows).
@@ -108,6 +114,7 @@ class DistillSettings:
             weight_decay=0.0,
             warmup_steps=self.warmup_steps,
             schedule="cosine",
+            precision=self.precision,
             seed=self.seed,
         )
 
@@ -160,7 +167,7 @@ def check_student(student: LinformerConfig, teacher: LinformerConfig) -> None:
         raise ValueError("the student has exact attention (proj_dim=None): nothing to distill")
 
 
-def distillation_loss(student: tuple[Tensor, ...], teacher: Tensor, layer_weight: float) -> Tensor:
+def distillation_loss(student: Sequence[Tensor], teacher: Tensor, layer_weight: float) -> Tensor:
     """Mean relative squared error of the layer outputs, times `layer_weight`, plus the mean
     (1 - cosine) of the mean-pooled last layer.
 
@@ -204,22 +211,22 @@ def _batches(count: int, batch_size: int, seed: int) -> Iterator[Tensor]:
 
 def distill(
     student: LinformerModel,
+    teacher: LinformerModel,
     ids: Tensor,
-    targets: Tensor,
     settings: DistillSettings,
     *,
     heldout: HeldOut | None = None,
 ) -> list[dict[str, float | None]]:
-    """Trains `student` in place to reproduce the teacher's layer outputs on `ids`.
+    """Trains `student` in place to reproduce the exact `teacher`'s layer outputs on `ids`.
 
-    Dropout stays off (eval mode): the target is the teacher's deterministic output. The
-    student, windows and targets are moved to `settings.device` (a no-op where they are);
-    the student stays there.
+    Dropout stays off (eval mode): the target is the teacher's deterministic output, computed
+    in fp32 for each batch. Both models, the windows and `heldout` are moved to
+    `settings.device` (a no-op where they are); the student stays there.
 
     Args:
         student: the converted Linformer.
+        teacher: the exact model it was converted from (`convert_hf_model(..., proj_dim=None)`).
         ids: (B, N) distillation windows; keep them apart from the scored text.
-        targets: the exact teacher's `layer_outputs` of `ids`, (depth, B, N, dim).
         settings: the recipe.
         heldout: scored before training, every `eval_every` steps and at the end.
 
@@ -228,26 +235,25 @@ def distill(
         at step 0) and, with `heldout`, the cosine mean and min.
 
     Raises:
-        ValueError: on mismatched shapes, nothing to train or an unavailable device.
+        ValueError: on mismatched models or shapes, nothing to train or an unavailable device.
     """
-    if ids.dim() != 2 or targets.shape[:3] != (student.config.depth, *ids.shape):
+    check_student(student.config, teacher.config)
+    if ids.dim() != 2 or ids.shape[1] > student.config.max_seq_len:
         raise ValueError(
-            f"targets {tuple(targets.shape)} must be (depth={student.config.depth}, "
-            f"*ids.shape={tuple(ids.shape)}, dim)"
-        )
-    if ids.shape[1] > student.config.max_seq_len:
-        raise ValueError(
-            f"windows of {ids.shape[1]} tokens exceed max_seq_len={student.config.max_seq_len}"
+            f"ids {tuple(ids.shape)} must be (batch, length <= max_seq_len="
+            f"{student.config.max_seq_len})"
         )
     device = settings.torch_device()
     student.to(device)
-    ids, targets = ids.to(device), targets.to(device)
+    teacher.to(device).eval()
+    ids = ids.to(device)
     if heldout is not None:
         heldout = heldout.to(device)
     params = set_trainable(student, settings.trainable)
     recipe = settings.train_settings()
     optimizer = build_optimizer(student, recipe)
     scheduler = build_scheduler(optimizer, recipe)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
     student.eval()
     history = [_record(student, 0, None, heldout)]
     losses: list[float] = []
@@ -255,11 +261,12 @@ def distill(
     bar = tqdm(range(1, settings.max_steps + 1), desc=f"distill k={student.config.proj_dim}")
     try:
         for step in bar:
-            batch = next(batches)
-            out = student(ids[batch], output_hidden_states=True)
-            loss = distillation_loss(
-                out.hidden_states[1:], targets[:, batch], settings.layer_weight
-            )
+            batch = ids[next(batches)]
+            targets = layer_outputs(teacher, batch)
+            with autocast:
+                out = student(batch, output_hidden_states=True)
+            layers = [hidden.float() for hidden in out.hidden_states[1:]]
+            loss = distillation_loss(layers, targets, settings.layer_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
@@ -367,12 +374,12 @@ def distill_checkpoint(
             teacher_dir, proj_dim=proj_dim, sharing=sharing, calibration_ids=calibration
         )
     check_student(student.config, teacher.config)
-    ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file).to(device)
+    ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file)
     heldout_ids = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts)
     history = distill(
         student,
+        teacher,
         ids,
-        layer_outputs(teacher, ids),
         settings,
         heldout=HeldOut.from_teacher(teacher, heldout_ids.to(device)),
     )

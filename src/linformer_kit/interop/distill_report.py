@@ -1,6 +1,7 @@
 """The before / after distillation benchmark: for each k, convert the teacher (attention
-init), distil it on the stdlib's calibration split, and score the sentence-embedding cosine
-on held-out files (a disjoint split) before, during and after; plus a PNG of the curves."""
+init), distil it (by default on the stdlib's calibration split), and score the
+sentence-embedding cosine on the stdlib's held-out files before, during and after; plus a PNG
+of the curves."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as
 
 from ..hub import atomic_write
 from .bert import convert_hf_model
-from .distill import DistillData, DistillSettings, HeldOut, distill, layer_outputs
+from .distill import DistillData, DistillSettings, HeldOut, distill
 from .report import (
     TOKENIZER_NAME,
     calibration_ids,
@@ -33,6 +34,7 @@ def distillation_report(
     settings: DistillSettings,
     data: DistillData,
     *,
+    files: list[Path] | None = None,
     sharing: str = "layerwise",
 ) -> dict[str, Any]:
     """Distils one student per k and scores it on held-out text before, during and after.
@@ -41,7 +43,9 @@ def distillation_report(
         path: Hugging Face model directory with config.json, model.safetensors, tokenizer.json.
         proj_dims: the k values.
         settings: the distillation recipe (the same for every k).
-        data: window counts; distillation text is the stdlib's calibration split.
+        data: window counts.
+        files: the distillation text (`distillation_files`); None: the stdlib's calibration
+            split.
         sharing: projection sharing of every student.
 
     Returns:
@@ -52,19 +56,16 @@ def distillation_report(
     teacher = convert_hf_model(path, proj_dim=None).to(device)
     n = teacher.config.max_seq_len
     tokenizer = path / TOKENIZER_NAME
-    ids = text_windows(
-        tokenizer, stdlib_files("calibration"), n, data.texts, per_file=data.per_file
-    ).to(device)
-    targets = layer_outputs(teacher, ids)  # on the device: 256 MiniLM windows are ~1.2 GB
+    files = stdlib_files("calibration") if files is None else files
+    ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file)
     heldout_ids = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts)
     heldout = HeldOut.from_teacher(teacher, heldout_ids.to(device))
-    del teacher
     calibration = calibration_ids(path, data.calibration_texts)
     rows, curves = [], {}
     for k in proj_dims:
         student = convert_hf_model(path, proj_dim=k, sharing=sharing, calibration_ids=calibration)
         start = time.perf_counter()
-        history = distill(student, ids, targets, settings, heldout=heldout)
+        history = distill(student, teacher, ids, settings, heldout=heldout)
         before, after = history[0], history[-1]
         rows.append(
             {
@@ -82,6 +83,7 @@ def distillation_report(
         "model": str(path),
         "seq_len": n,
         "settings": {**asdict(settings), **asdict(data), "sharing": sharing, "init": "attention"},
+        "text": {"files": len(files), "under": os.path.commonpath(files)},
         "machine": {**machine(), "device": _device_name(device)},
         "target": {"proj_dim": 128, "cosine_mean": TARGET_COSINE},
         "rows": rows,
