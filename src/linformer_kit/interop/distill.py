@@ -373,7 +373,6 @@ def distill_checkpoint(
         student = convert_hf_model(
             teacher_dir, proj_dim=proj_dim, sharing=sharing, calibration_ids=calibration
         )
-    check_student(student.config, teacher.config)
     ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file)
     heldout_ids = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts)
     history = distill(
