@@ -80,6 +80,14 @@ def _student(tiny):
     return convert_hf_model(tiny, proj_dim=K, init="mean")
 
 
+def _distill_scored(tiny, windows, settings):
+    """Distils a fresh student on the training windows, scored on the held-out ones."""
+    train, heldout = windows
+    teacher = convert_hf_model(tiny, proj_dim=None)
+    scored = HeldOut.from_teacher(teacher, heldout)
+    return distill(_student(tiny), teacher, train, settings, heldout=scored)
+
+
 def test_text_windows_cut_several_windows_per_file(tiny):
     files = stdlib_files("calibration")[:3]
     one = text_windows(tiny / "tokenizer.json", files, N, 2)
@@ -91,18 +99,10 @@ def test_text_windows_cut_several_windows_per_file(tiny):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_distillation_lowers_the_loss_and_raises_the_heldout_cosine(tiny, windows, precision):
-    train, heldout = windows
-    teacher = convert_hf_model(tiny, proj_dim=None)
     settings = DistillSettings(
         trainable="all", max_steps=8, lr=1e-3, warmup_steps=2, eval_every=4, precision=precision
     )
-    history = distill(
-        _student(tiny),
-        teacher,
-        train,
-        settings,
-        heldout=HeldOut.from_teacher(teacher, heldout),
-    )
+    history = _distill_scored(tiny, windows, settings)
     assert [record["step"] for record in history] == [0, 4, 8]
     assert history[0]["loss"] is None and history[-1]["loss"] < history[1]["loss"]
     before, after = history[0]["cosine_mean"], history[-1]["cosine_mean"]
@@ -215,16 +215,7 @@ def test_bad_settings_and_inputs_are_refused(tiny, windows):
 
 
 def test_device_cpu_runs_and_bad_devices_are_refused(tiny, windows):
-    train, heldout = windows
-    teacher = convert_hf_model(tiny, proj_dim=None)
-    settings = DistillSettings(max_steps=1, device="cpu")
-    history = distill(
-        _student(tiny),
-        teacher,
-        train,
-        settings,
-        heldout=HeldOut.from_teacher(teacher, heldout),
-    )
+    history = _distill_scored(tiny, windows, DistillSettings(max_steps=1, device="cpu"))
     assert [record["step"] for record in history] == [0, 1]
     with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
         DistillSettings(device="tpu")
