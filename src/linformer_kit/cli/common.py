@@ -1,10 +1,15 @@
-"""Helpers shared by the subcommands: flags generated from dataclasses, text tables."""
+"""Helpers shared by the subcommands: flags generated from dataclasses, text tables, report
+JSON files."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
+
+from ..hub import atomic_write
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -38,3 +43,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+def write_report(result: dict[str, Any], path: str) -> Path:
+    """Writes `result` as indented JSON to `path` (atomically, creating its folder); returns
+    the path."""
+    out = Path(path)
+    text = json.dumps(result, indent=2) + "\n"
+    atomic_write(out, lambda tmp: Path(tmp).write_text(text))
+    return out

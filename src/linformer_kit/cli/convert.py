@@ -5,7 +5,6 @@ directory (`config.json` + `model.safetensors`, plus `tokenizer.json` when prese
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from ..interop.report import (
     conversion_report,
     minilm_path,
 )
-from .common import add_dataclass_arguments, dataclass_from_args, format_table
+from .common import add_dataclass_arguments, dataclass_from_args, format_table, write_report
 from .overrides import exit_on_user_error
 
 DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
@@ -56,9 +55,7 @@ def _report(args: argparse.Namespace, source: Path) -> None:
         calibration_texts=args.calibration_texts,
         seed=args.seed,
     )
-    out = Path(args.report_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_report(result, args.report_out)
     print(format_table(result["rows"]))
     print(f"teacher forward {result['teacher']['forward_sec']:.3f} s; wrote {out}")
 

@@ -5,7 +5,6 @@ Hugging Face teacher (hidden states and sentence embeddings), scored on held-out
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from ..config import SHARINGS
@@ -17,7 +16,7 @@ from ..interop.distill import (
 )
 from ..interop.distill_report import distillation_report, plot_curves
 from ..interop.report import minilm_path
-from .common import add_dataclass_arguments, dataclass_from_args, format_table
+from .common import add_dataclass_arguments, dataclass_from_args, format_table, write_report
 from .overrides import exit_on_user_error
 
 
@@ -49,9 +48,7 @@ def _report(args: argparse.Namespace, teacher: Path) -> None:
         files=distillation_files(args.data, data.glob),
         sharing=args.sharing,
     )
-    out = Path(args.report_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_report(result, args.report_out)
     plot_curves(result, out.with_suffix(".png"))
     print(format_table(result["rows"]))
     print(f"wrote {out} and {out.with_suffix('.png')}")
