@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from linformer_kit import precision
 from linformer_kit.bench import (
     BenchSettings,
     Call,
@@ -24,6 +25,7 @@ from linformer_kit.bench import (
 )
 from linformer_kit.bench.flops import exact_attention_flops, linformer_attention_flops
 from linformer_kit.bench.summary import summarise
+from linformer_kit.bench.timing import size_ceiling_matmul
 from linformer_kit.bench.variants import NaiveAttention
 
 SHAPE = Shape(batch_size=2, seq_len=64, dim=32, num_heads=4, proj_dim=16, ffn_dim=128)
@@ -131,14 +133,20 @@ def test_peak_memory_of_a_fresh_process_is_positive():
     assert 2**20 < peak_memory(call) < 2**30
 
 
-def test_sweep_writes_json_csv_and_plots(tmp_path):
+def test_sweep_writes_json_csv_and_plots(tmp_path, monkeypatch):
+    def no_bf16_probe(device):
+        raise AssertionError("a float32 bench must not probe bf16")
+
+    monkeypatch.setattr(precision, "bf16_support", no_bf16_probe)
     settings = tiny_settings(tmp_path)
     result = run_bench(settings)
     out = tmp_path / "bench"
     saved = json.loads((out / "bench.json").read_text())
     assert saved["settings"]["n"] == "32,64"
     assert len(saved["machine"]["load_avg_1_5_15min"]) == 3 and len(saved["load_avg_after"]) == 3
-    assert set(saved["ceiling_gflop_per_s"]["64"]) == {"float32", "bfloat16"}
+    # Only the dtype asked for is probed: no bf16 matmul, no bf16 verdict.
+    assert set(saved["ceiling_gflop_per_s"]["64"]) == {"float32"}
+    assert set(saved["ceiling_matmul_size"]) == {"float32"} and saved["bf16"] is None
     # 2 n x 2 scopes x (2 sharings + sdpa + naive), all run; one time each.
     assert len(result["rows"]) == 16
     for row in result["rows"]:
@@ -179,6 +187,7 @@ def test_summary_reads_the_targets_off_the_rows():
             peak_mem_mb=mem,
             ceiling_fraction=0.5,
             speedup_vs_sdpa=None,
+            status="ok",
         )
 
     rows = [
@@ -203,3 +212,11 @@ def test_settings_reject_unknown_choices(tmp_path):
         tiny_settings(tmp_path, sharing="kv,everything")
     with pytest.raises(ValueError, match="dtype"):
         tiny_settings(tmp_path, dtype="float16")
+
+
+def test_ceiling_matmul_grows_to_the_time_budget_or_stops_at_the_limit():
+    # Already slower than the target at the first size: no growth.
+    assert size_ceiling_matmul("float32", "cpu", target_s=1e-9, start=64)[0] == 64
+    # An unreachable target: the growth stops at the limit.
+    size, seconds = size_ceiling_matmul("float32", "cpu", target_s=60.0, start=64, limit=256)
+    assert size == 256 and 0 < seconds < 60.0

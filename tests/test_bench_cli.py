@@ -7,7 +7,9 @@ import pytest
 from linformer_kit.cli import main
 
 
-def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys):
+@pytest.mark.parametrize("native", [True, False])
+def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys, native, bf16_is):
+    support = bf16_is(native)
     out = tmp_path / "bench"
     main(
         ["bench", "--n", "32", "--proj-dim", "8,16", "--dim", "16", "--num-heads", "2"]
@@ -39,9 +41,20 @@ def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys):
         ("bfloat16", "linformer layerwise", 16),
         ("bfloat16", "exact sdpa", None),
     ]
-    low = result["summary"]["attention"]["bfloat16"]["linformer layerwise k=8"]["32"]
-    assert low["speedup_vs_float32"] > 0 and 0 < low["relative_error_vs_float32"] < 0.1
+    assert result["bf16"] == support.to_dict()
     assert (out / "grid.png").exists() and (out / "bench.csv").exists()
+    bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
+    if native:
+        low = result["summary"]["attention"]["bfloat16"]["linformer layerwise k=8"]["32"]
+        assert low["speedup_vs_float32"] > 0 and 0 < low["relative_error_vs_float32"] < 0.1
+        assert all(r["status"] == "ok" for r in rows)
+        assert "emulated" not in printed
+    else:
+        # Timed, as asked, but marked: no summary, no speed-ups, a reason on every row.
+        assert "bfloat16" not in result["summary"]["attention"]
+        assert all(r["status"] == "emulated" and r["speedup_vs_sdpa"] is None for r in bf16)
+        assert all("not a result: this CPU has no native bf16" in r["reason"] for r in bf16)
+        assert "bfloat16 rows marked 'emulated' are not a result" in printed
 
 
 def test_bench_command_reports_bad_settings_without_a_traceback(tmp_path):

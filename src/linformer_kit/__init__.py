@@ -19,6 +19,7 @@ from .models import (
     MaskedLMOutput,
     SequenceClassifierOutput,
 )
+from .precision import Bf16Support, bf16_support
 from .projection import (
     BlockProjection,
     ExactProjection,
@@ -31,6 +32,7 @@ from .projection import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Bf16Support",
     "BlockProjection",
     "ExactProjection",
     "FeedForward",
@@ -48,6 +50,7 @@ __all__ = [
     "SequenceClassifierOutput",
     "SequenceProjection",
     "__version__",
+    "bf16_support",
     "build_projection",
     "count_projection_matrices",
     "exact_attention",

@@ -18,7 +18,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         its inputs were not measured.
     """
     index = {
-        (r["scope"], r["dtype"], r["variant"], r["k"], r["n"]): r for r in rows if r["median_ms"]
+        (r["scope"], r["dtype"], r["variant"], r["k"], r["n"]): r
+        for r in rows
+        if r["median_ms"] and r["status"] == "ok"  # emulated bf16 rows are not results
     }
     summary: dict[str, Any] = {}
     for (scope, dtype, variant, k, n), row in index.items():

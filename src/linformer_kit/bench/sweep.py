@@ -17,10 +17,19 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
 from .flops import Shape, matmul_flops
 from .summary import summarise
-from .timing import Call, autocast_error, make_step, matmul_step, peak_memory, time_interleaved
+from .timing import (
+    Call,
+    autocast_error,
+    make_step,
+    matmul_step,
+    peak_memory,
+    size_ceiling_matmul,
+    time_interleaved,
+)
 from .variants import (
     SCOPES,
     SHARINGS,
@@ -32,7 +41,8 @@ from .variants import (
 )
 
 RESULT_NAME, TABLE_NAME = "bench.json", "bench.csv"
-CEILINGS = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")
+EMULATED = "emulated"  # the status of a bf16 row on a CPU without native bf16
 MODES = {"fwd": False, "fwdbwd": True}
 
 
@@ -82,7 +92,7 @@ class BenchSettings:
             raise ValueError(f"device must be cpu or cuda; got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but torch sees no GPU")
-        if not _names(self.dtype) or not set(_names(self.dtype)) <= set(CEILINGS):
+        if not _names(self.dtype) or not set(_names(self.dtype)) <= set(DTYPES):
             raise ValueError(f"dtype must be among float32, bfloat16; got {self.dtype!r}")
         for scope in _names(self.scope):
             if scope not in SCOPES:
@@ -100,10 +110,6 @@ class BenchSettings:
         exact = _names(self.exact)
         chosen = default_variants(sharings=tuple(_names(self.sharing)), peers=self.peers)
         return [v for v in chosen if not v.exact or v.kind in exact]
-
-
-def _ceiling_size(device: str) -> int:
-    return 8192 if device == "cuda" else 2048
 
 
 def _skip_reason(call: Call, settings: BenchSettings, ceiling_flops_s: float) -> str | None:
@@ -197,11 +203,11 @@ def _compare_to_exact(rows: list[dict[str, Any]]) -> None:
         base = {
             (r["scope"], r["dtype"], r["n"]): r
             for r in rows
-            if r["kind"] == kind and r["median_ms"]
+            if r["kind"] == kind and r["status"] == "ok"
         }
         for row in rows:
             ref = base.get((row["scope"], row["dtype"], row["n"]))
-            if ref is None or not row["median_ms"]:
+            if ref is None or row["status"] != "ok":
                 continue
             row[f"speedup_vs_{kind}"] = ref["median_ms"] / row["median_ms"]
             if ref["peak_mem_mb"] and row["peak_mem_mb"]:
@@ -225,10 +231,18 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     before = machine()
-    size = _ceiling_size(settings.device)
-    ceiling_steps = {f"matmul {d}": matmul_step(size, d, settings.device) for d in CEILINGS}
-    probe = time_interleaved(ceiling_steps, warmup=1, repeats=3, device=settings.device)
-    first_ceiling = matmul_flops(size) / max(statistics.median(t) for t in probe.values())
+    dtypes = _names(settings.dtype)
+    # Only the dtypes asked for: a bf16 probe where bf16 is emulated costs minutes.
+    bf16 = (
+        warn_if_bf16_is_slow(settings.device, "--dtype float32") if "bfloat16" in dtypes else None
+    )
+    sizes, first_ceiling = {}, {}
+    for dtype in dtypes:
+        sizes[dtype], seconds = size_ceiling_matmul(
+            dtype, settings.device, limit=16384 if settings.device == "cuda" else 4096
+        )
+        first_ceiling[dtype] = matmul_flops(sizes[dtype]) / seconds
+    ceiling_steps = {f"matmul {d}": matmul_step(sizes[d], d, settings.device) for d in dtypes}
     seq_lens = _ints(settings.n)
     rows, ceilings = [], {}
     rounds = len(seq_lens) * (settings.warmup + settings.repeats)
@@ -236,7 +250,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         for seq_len in seq_lens:
             runnable, skipped = [], []
             for call in _calls(settings, seq_len):
-                reason = _skip_reason(call, settings, first_ceiling)
+                reason = _skip_reason(call, settings, first_ceiling[call.dtype])
                 (skipped if reason else runnable).append((call, reason))
             steps = {_key(call): make_step(call) for call, _ in runnable}
             steps.update(ceiling_steps)
@@ -251,13 +265,15 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             )
             del steps
             flop_s = {
-                d: matmul_flops(size) / statistics.median(times[f"matmul {d}"]) for d in CEILINGS
+                d: matmul_flops(sizes[d]) / statistics.median(times[f"matmul {d}"]) for d in dtypes
             }
-            ceilings[seq_len] = {d: flop_s[d] / 1e9 for d in CEILINGS}
+            ceilings[seq_len] = {d: flop_s[d] / 1e9 for d in dtypes}
             for call, _ in runnable:
                 row = _row(call, flop_s[call.dtype], times[_key(call)])
                 if call.dtype != "float32":
                     row["relative_error_vs_float32"] = autocast_error(call)
+                    if not bf16.native:
+                        row.update(status=EMULATED, reason=f"not a result: {bf16.describe()}")
                 rows.append((call, row))
             for call, reason in skipped:
                 row = _row(call, None, None)
@@ -275,7 +291,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         "load_avg_after": os.getloadavg(),
         "flop_convention": "matmul FLOPs (2 per multiply-add), backward = 2x forward; see "
         "linformer_kit.bench.flops",
-        "ceiling_matmul_size": size,
+        "ceiling_matmul_size": sizes,
+        "bf16": bf16.to_dict() if bf16 else None,
         "ceiling_gflop_per_s": {str(n): c for n, c in ceilings.items()},
         "summary": summarise(table),
         "rows": table,

@@ -90,6 +90,35 @@ def matmul_step(size: int, dtype: str, device: str) -> Callable[[], None]:
     return lambda: torch.mm(a, b)
 
 
+def size_ceiling_matmul(
+    dtype: str, device: str, *, target_s: float = 0.1, start: int = 256, limit: int = 16384
+) -> tuple[int, float]:
+    """Grows a square matmul in `dtype` until one call takes about `target_s`, so that the
+    ceiling probe costs the same time on every machine, whether `dtype` runs at 1 GFLOP/s
+    (emulated bf16) or at hundreds.
+
+    Args:
+        dtype: float32 or bfloat16.
+        device: cpu or cuda.
+        target_s: the time one call should take.
+        start: the first size tried.
+        limit: the largest size (the growth stops there, whatever the time).
+
+    Returns:
+        The size, and the seconds one call of it took (the best of two after a warm-up).
+    """
+    size = start
+    while True:
+        step = matmul_step(size, dtype, device)
+        step()
+        seconds = min(_seconds(step, device) for _ in range(2))
+        if seconds >= target_s / 2 or size >= limit:
+            return size, seconds
+        # Time grows as size^3; at most 4x per try, since tiny calls time noisily.
+        growth = min(4.0, (target_s / max(seconds, 1e-9)) ** (1 / 3))
+        size = min(limit, -(-int(size * growth) // 64) * 64)
+
+
 def _seconds(step: Callable[[], None], device: str) -> float:
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

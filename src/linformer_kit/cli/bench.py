@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..bench.sweep import RESULT_NAME, TABLE_NAME, BenchSettings, run_bench
+from ..bench.sweep import EMULATED, RESULT_NAME, TABLE_NAME, BenchSettings, run_bench
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
 from .overrides import exit_on_user_error
 
@@ -43,7 +43,11 @@ def run(args: argparse.Namespace) -> None:
         f"n={n}: " + " / ".join(f"{v:.0f}" for v in c.values())
         for n, c in result["ceiling_gflop_per_s"].items()
     )
-    print(f"matmul ceiling fp32 / bf16 GFLOP/s per timing run: {ceilings}")
+    dtypes = " / ".join(result["ceiling_matmul_size"])
+    print(f"matmul ceiling {dtypes} GFLOP/s per timing run: {ceilings}")
+    emulated = [row for row in result["rows"] if row["status"] == EMULATED]
+    if emulated:
+        print(f"bfloat16 rows marked {EMULATED!r} are {emulated[0]['reason']}")
     out = Path(settings.out)
     print(
         f"wrote {out / RESULT_NAME}, {out / TABLE_NAME}, {out / 'scaling.png'}, {out / 'grid.png'}"

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from ..config import LinformerConfig
 from ..data.corpus import list_files
 from ..models import LinformerModel
+from ..precision import bf16_autocast
 from ..training.distributed import resolve_device
 from ..training.optim import build_optimizer, build_scheduler
 from ..training.settings import TrainSettings
@@ -253,7 +254,9 @@ def distill(
     recipe = settings.train_settings()
     optimizer = build_optimizer(student, recipe)
     scheduler = build_scheduler(optimizer, recipe)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.precision == "bf16")
+    autocast = bf16_autocast(
+        device, enabled=recipe.precision == "bf16", alternative="--precision fp32"
+    )
     student.eval()
     history = [_record(student, 0, None, heldout)]
     losses: list[float] = []

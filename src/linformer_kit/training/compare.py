@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import platform
 import shutil
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ import torch
 from ..config import LinformerConfig
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
+from ..models import LinformerForMaskedLM
+from ..precision import cpu_features
 from .loop import TrainResult
 from .pretrain import pretrain
 from .settings import RunConfig, TrainSettings
@@ -28,6 +31,7 @@ from .settings import RunConfig, TrainSettings
 logger = logging.getLogger(__name__)
 
 RESULT_NAME = "comparison.json"
+VALIDATION_OVERHEAD = 1.1
 PLOT_NAME = "comparison.png"
 
 
@@ -55,6 +59,13 @@ class ComparisonSettings:
     eval_every: int = field(default=50, metadata={"help": "validate every N steps"})
     eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and masking"})
+    budget_min: float = field(
+        default=12.0,
+        metadata={
+            "help": "fewer steps where a probe says --steps would train longer than this "
+            "many minutes (both models); 0: always --steps"
+        },
+    )
 
     def run_configs(self) -> dict[str, RunConfig]:
         """One run config per model, identical except for proj_dim (None = exact)."""
@@ -91,6 +102,63 @@ class ComparisonSettings:
             )
             runs[name] = RunConfig(model=model.replace(proj_dim=proj_dim), train=train, data=data)
         return runs
+
+
+def seconds_per_step(settings: ComparisonSettings) -> float:
+    """Seconds one optimiser step of both models takes together on this machine, timed on
+    random tokens (the best of two steps after a warm-up step): the probe that sizes the
+    demo. It costs about six steps' time (a few seconds at the default sizes)."""
+    total = 0.0
+    ids = torch.randint(settings.vocab_size, (settings.batch_size, settings.seq_len))
+    labels = torch.where(torch.rand(ids.shape) < 0.15, ids, -100)  # as masked-LM batches
+    for run in settings.run_configs().values():
+        torch.manual_seed(settings.seed)
+        model = LinformerForMaskedLM(run.model.replace(vocab_size=settings.vocab_size))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+        times = []
+        for _ in range(3):
+            begin = time.perf_counter()
+            model(input_ids=ids, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - begin)
+        total += min(times[1:])  # the first step is the warm-up
+    return total
+
+
+def fit_to_budget(settings: ComparisonSettings, step_s: float) -> ComparisonSettings:
+    """The settings with fewer steps (warm-up and validation interval shrunk to match) where
+    `steps` steps of `step_s` seconds, plus validation, would overrun `budget_min`.
+
+    Args:
+        settings: the requested comparison.
+        step_s: seconds per step of both models, from `seconds_per_step`.
+
+    Returns:
+        `settings` unchanged when it fits (or the budget is 0), else a shortened copy.
+    """
+    # Validation (eval_batches forward passes every eval_every steps) adds about 10%.
+    cost = step_s * VALIDATION_OVERHEAD
+    steps = max(1, int(settings.budget_min * 60 / cost))
+    if not settings.budget_min or steps >= settings.steps:
+        return settings
+    logger.warning(
+        "this machine takes %.2f s per training step of both models (probe), so %d steps "
+        "would take about %.0f min, over the %g-min budget: running %d steps instead "
+        "(--budget-min 0 runs all %d)",
+        step_s,
+        settings.steps,
+        settings.steps * cost / 60,
+        settings.budget_min,
+        steps,
+        settings.steps,
+    )
+    return dataclasses.replace(
+        settings,
+        steps=steps,
+        eval_every=min(settings.eval_every, steps),
+        warmup_steps=min(settings.warmup_steps, steps // 10),
+    )
 
 
 def _pretrain_in_fresh_process(run: RunConfig) -> TrainResult:
@@ -141,6 +209,7 @@ def machine() -> dict[str, Any]:
         "load_avg_1_5_15min": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_features(),
         "cpu_count": multiprocessing.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -157,9 +226,14 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     Returns:
         The comparison: settings, machine, one row per model and both runs' records.
     """
+    before = machine()
+    requested = settings.steps
+    step_s = seconds_per_step(settings) if settings.budget_min else None
+    if step_s is not None:
+        logger.info("probe: %.2f s per training step of both models", step_s)
+        settings = fit_to_budget(settings, step_s)
     runs = settings.run_configs()
     output = Path(settings.output_dir)
-    before = machine()
     first = next(iter(runs.values()))
     prepare_pretraining_data(first.data, first.model.max_seq_len)  # tokenizer + token cache
     rows, records = [], {}
@@ -172,6 +246,7 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     comparison = {
         "settings": dataclasses.asdict(settings),
         "machine": before,
+        "probe": {"sec_per_step_both_models": step_s, "steps_requested": requested},
         "load_avg_after": machine()["load_avg_1_5_15min"],
         "rows": rows,
         "ppl_ratio": rows[0]["val_ppl"] / rows[1]["val_ppl"],

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from .. import hub
 from ..data.tokenizer import TextTokenizer
 from ..models import LinformerPreTrainedModel
+from ..precision import bf16_autocast
 from .batches import mix_seed
 from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, save_checkpoint
 from .distributed import Distributed
@@ -147,8 +148,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, settings)
         self.step, self.tokens, self.train_s = 0, 0, 0.0
         self.best = math.inf
-        self.autocast = torch.autocast(
-            dist.device.type, dtype=torch.bfloat16, enabled=settings.precision == "bf16"
+        self.autocast = bf16_autocast(
+            dist.device, enabled=settings.precision == "bf16", alternative="--precision fp32"
         )
 
     def _resume(self) -> int | None:
