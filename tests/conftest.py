@@ -1,5 +1,7 @@
 """Shared fixtures."""
 
+import os
+
 import pytest
 
 from linformer_kit import precision
@@ -22,3 +24,12 @@ def bf16_is(monkeypatch):
         return support
 
     return pretend
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fresh_inductor_cache(tmp_path_factory):
+    """A compile cache of this test run's own. Inductor's shared cache (/tmp/torchinductor_$USER)
+    does not key its CPU kernels on `ATEN_CPU_CAPABILITY`: kernels built under one ISA setting
+    (say, the AVX2 emulation used to check this suite on every CPU) crash or fail a later run
+    under another (measured: a segfault in test_export_compile)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
