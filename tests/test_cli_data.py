@@ -1,0 +1,67 @@
+"""What a user meets when the data is wrong: `linformer pretrain` and `finetune` / `evaluate`
+on bad files, directories without matches, CSV and string labels (tiny generated data)."""
+
+import json
+import logging
+
+import pytest
+from train_helpers import write_corpus
+
+from linformer_kit.cli import main
+
+MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "2", "--num-heads", "2"]
+TINY = ["--vocab-size", "300", "--proj-dim", "16", "--batch-size", "4", "--warmup-steps", "1"]
+TINY += ["--eval-batches", "1", "--val-fraction", "0.1"] + MODEL
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINFORMER_CACHE", str(tmp_path / "cache"))
+
+
+def corpus_with_bad_files(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", files=3)
+    (corpus / "empty.txt").write_text("")
+    (corpus / "latin1.txt").write_bytes("one\ntwo\ncaf\u00e9\n".encode("latin-1"))
+    return corpus
+
+
+def pretrain(tmp_path, *flags):
+    main(["pretrain", *flags, "--max-steps", "2", "--output-dir", str(tmp_path / "run"), *TINY])
+
+
+def test_a_bad_file_in_a_directory_stops_pretrain_with_one_line(tmp_path):
+    corpus = corpus_with_bad_files(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        pretrain(tmp_path, "--data", str(corpus))
+    assert str(stop.value) == f"linformer pretrain: error: {corpus / 'empty.txt'}: file is empty"
+    (corpus / "empty.txt").unlink()
+    with pytest.raises(SystemExit) as stop:
+        pretrain(tmp_path, "--data", str(corpus))
+    assert str(stop.value) == (
+        f"linformer pretrain: error: {corpus / 'latin1.txt'}:3: not valid UTF-8 "
+        "(byte 0xe9 at offset 11)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_skip_bad_files_warns_per_file_and_counts_them_in_the_summary(tmp_path, caplog):
+    corpus = corpus_with_bad_files(tmp_path)
+    with caplog.at_level(logging.INFO):
+        pretrain(tmp_path, "--data", str(corpus), "--skip-bad-files")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"skipping bad file {corpus / 'empty.txt'}: file is empty",
+        f"skipping bad file {corpus / 'latin1.txt'}:3: not valid UTF-8 (byte 0xe9 at offset 11)",
+    ]
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cached ")]
+    assert len(summary) == 1
+    assert summary[0].startswith("cached ") and " of 3 documents in " in summary[0]
+    assert summary[0].endswith("; skipped 2 bad files")
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["data"]["skip_bad_files"]
+
+
+def test_a_directory_without_matches_points_at_glob(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", files=1)
+    with pytest.raises(SystemExit, match=r"matches --glob '\*\*/\*.md' \(it holds 1 .txt\)"):
+        pretrain(tmp_path, "--data", str(corpus), "--glob", "**/*.md")
