@@ -65,3 +65,16 @@ def test_a_directory_without_matches_points_at_glob(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", files=1)
     with pytest.raises(SystemExit, match=r"matches --glob '\*\*/\*.md' \(it holds 1 .txt\)"):
         pretrain(tmp_path, "--data", str(corpus), "--glob", "**/*.md")
+
+
+def test_finetune_from_a_missing_folder_says_it_does_not_exist(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "a", "label": 0}\n')
+    with pytest.raises(SystemExit) as stop:
+        main(
+            ["finetune", "--init", str(tmp_path / "runs"), "--data", str(data), "--eval", str(data)]
+        )
+    assert str(stop.value) == (
+        f"linformer finetune: error: {tmp_path / 'runs'} does not exist "
+        "(expected a checkpoint folder or a tokenizer.json)"
+    )

@@ -43,6 +43,15 @@ def test_existing_bert_tokenizer_json_is_usable():
     assert (tok.pad_id, tok.mask_id) == (vocab.token_to_id("[PAD]"), vocab.token_to_id("[MASK]"))
 
 
+def test_a_missing_folder_is_not_reported_as_a_missing_tokenizer(tmp_path):
+    with pytest.raises(FileNotFoundError) as caught:
+        load_tokenizer(tmp_path / "runs" / "best")
+    expected = f"{tmp_path / 'runs' / 'best'} does not exist (expected a checkpoint folder or a "
+    assert str(caught.value) == expected + "tokenizer.json)"
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer at {tmp_path / 'tokenizer.json'}"):
+        load_tokenizer(tmp_path)
+
+
 def test_broken_tokenizer_file_is_a_clear_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a valid tokenizer.json"):
