@@ -5,7 +5,7 @@ import json
 import logging
 
 import pytest
-from train_helpers import write_corpus
+from train_helpers import write_classification, write_corpus
 
 from linformer_kit.cli import main
 
@@ -77,4 +77,38 @@ def test_finetune_from_a_missing_folder_says_it_does_not_exist(tmp_path):
     assert str(stop.value) == (
         f"linformer finetune: error: {tmp_path / 'runs'} does not exist "
         "(expected a checkpoint folder or a tokenizer.json)"
+    )
+
+
+def named(path, names=("other", "cat")):
+    """The classification file at `path` with its 0/1 labels replaced by names."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "label": names[r["label"]]}) + "\n" for r in rows))
+    return path
+
+
+def test_string_labels_round_trip_through_finetune_config_and_evaluate(tmp_path, capsys):
+    pretrain(tmp_path, "--data", str(write_corpus(tmp_path / "corpus", files=2)))
+    train = named(write_classification(tmp_path / "train.jsonl", 24, seed=0))
+    valid = named(write_classification(tmp_path / "valid.jsonl", 8, seed=1))
+    ft = tmp_path / "ft"
+    main(
+        ["finetune", "--init", str(tmp_path / "run" / "last"), "--data", str(train)]
+        + ["--eval", str(valid), "--epochs", "1", "--batch-size", "8", "--output-dir", str(ft)]
+    )
+    config = json.loads((ft / "last" / "config.json").read_text())["config"]
+    assert config["id2label"] == {"0": "cat", "1": "other"}
+    assert config["label2id"] == {"cat": 0, "other": 1}
+    rows = [json.loads(line) for line in valid.read_text().splitlines()]
+    csv = tmp_path / "valid.csv"
+    csv.write_text("text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
+    capsys.readouterr()
+    main(["evaluate", str(ft / "last"), "--data", str(valid), str(csv)])
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[1:] == table[2].split()[1:]  # the same metrics from JSONL and CSV
+    csv.write_text(csv.read_text() + "the dog,dog\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["evaluate", str(ft / "last"), "--data", str(csv)])
+    assert str(stop.value) == (
+        f"linformer evaluate: error: {csv}:10: unknown label 'dog'; known labels: cat, other"
     )
