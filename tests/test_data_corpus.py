@@ -36,7 +36,7 @@ def test_jsonl_without_the_field_names_file_and_line(tmp_path):
 def test_jsonl_with_bad_json_names_file_and_line(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "ok"}\n{"text": \n')
-    with pytest.raises(ValueError, match=rf"{path}:2: not valid JSON"):
+    with pytest.raises(ValueError, match=rf"{path}:2: not valid JSON .*; expected JSONL, one"):
         list(iter_documents([str(path)]))
 
 
@@ -54,18 +54,69 @@ def test_non_utf8_file_names_file_and_line(tmp_path):
         list(iter_documents([str(path)]))
 
 
-def test_directory_scan_skips_empty_and_undecodable_files(tmp_path):
-    (tmp_path / "good.txt").write_text("fine")
-    (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
-    assert [d.text for d in iter_documents([str(tmp_path)])] == ["fine"]
+def bad_directory(tmp_path):
+    """Two good files, an empty one and one with a non-UTF-8 byte on line 3."""
+    (tmp_path / "a_good.txt").write_text("fine")
+    (tmp_path / "b_empty.txt").write_text("")
+    (tmp_path / "c_latin1.txt").write_bytes("one\ntwo\ncaf\u00e9\n".encode("latin-1"))
+    (tmp_path / "d_good.txt").write_text("also fine")
+    return tmp_path
+
+
+def test_a_bad_file_in_a_directory_stops_like_a_file_named_directly(tmp_path):
+    directory = bad_directory(tmp_path)
+    with pytest.raises(ValueError, match=rf"^{directory / 'b_empty.txt'}: file is empty$"):
+        list(iter_documents([str(directory)]))
+    (directory / "b_empty.txt").unlink()
+    message = rf"^{directory / 'c_latin1.txt'}:3: not valid UTF-8 \(byte 0xe9 at offset 11\)$"
+    with pytest.raises(ValueError, match=message):
+        list(iter_documents([str(directory)]))
+
+
+def test_skip_bad_files_warns_once_per_file_and_records_the_reason(tmp_path, caplog):
+    directory = bad_directory(tmp_path)
+    skipped = {}
+    for _ in range(2):  # a second pass over the corpus reports nothing new
+        docs = iter_documents([str(directory)], skip_bad_files=True, skipped=skipped)
+        assert [d.text for d in docs] == ["fine", "also fine"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    latin1 = directory / "c_latin1.txt"
+    assert warnings == [
+        f"skipping bad file {directory / 'b_empty.txt'}: file is empty",
+        f"skipping bad file {latin1}:3: not valid UTF-8 (byte 0xe9 at offset 11)",
+    ]
+    assert sorted(skipped) == [directory / "b_empty.txt", directory / "c_latin1.txt"]
+
+
+def test_skip_bad_files_leaves_out_a_malformed_jsonl_file_whole(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "kept"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "read before the bad line"}\n{"text": \n')
+    skipped = {}
+    docs = iter_documents([str(tmp_path)], glob="*.jsonl", skip_bad_files=True, skipped=skipped)
+    assert [d.text for d in docs] == ["kept"]
+    assert "b.jsonl:2: not valid JSON" in skipped[tmp_path / "b.jsonl"]
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         list(iter_documents([str(tmp_path / "nope")]))
-    with pytest.raises(FileNotFoundError, match="matches"):
-        list(iter_documents([str(tmp_path)], glob="*.txt"))
+
+
+def test_a_directory_without_matches_names_the_glob_and_how_to_change_it(tmp_path):
+    (tmp_path / "a.md").write_text("x")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("x")
+    (tmp_path / "c.csv").write_text("x")
+    message = (
+        f"no file in {tmp_path} matches --glob '**/*.txt' (it holds 2 .md, 1 .csv); choose its "
+        "files with --glob, e.g. --glob '**/*.md'"
+    )
+    with pytest.raises(FileNotFoundError) as caught:
+        list(iter_documents([str(tmp_path)]))
+    assert str(caught.value) == message
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="matches --glob '\\*\\*/\\*.txt' \\(it holds no"):
+        list(iter_documents([str(tmp_path / "empty")]))
 
 
 def test_stdlib_corpus_is_python_source_without_site_packages():

@@ -71,7 +71,7 @@ def test_classification_truncates_to_max_seq_len(tmp_path, tok):
         (b'{"text": "ok", "label": 0}\n{"text": "x", "label": 5}\n', r"d.jsonl:2: label 5 is out"),
         (
             b'{"text": "ok", "label": 0}\n{"text": "x", "label": "yes"}\n',
-            r"d.jsonl:2: 'label' must",
+            r"d.jsonl:2: .label. must be an integer >= 0 like the label on line 1, got .yes.",
         ),
         (b'{"text": 3, "label": 0}\n', r"d.jsonl:1: 'text' must be a string"),
     ],
@@ -81,3 +81,94 @@ def test_malformed_classification_files_name_file_and_line(tmp_path, tok, conten
     path.write_bytes(content)
     with pytest.raises(ValueError, match=message):
         load_classification(path, tok, max_seq_len=16, num_labels=2)
+
+
+def test_label_names_map_to_ids_in_sorted_order_and_other_data_reuses_them(tmp_path, tok):
+    rows = [{"text": "a", "label": n} for n in ["pos", "neg", "neutral", "pos"]]
+    train = load_classification(write(tmp_path / "t.jsonl", rows), tok, max_seq_len=16)
+    assert train.label2id == {"neg": 0, "neutral": 1, "pos": 2}
+    assert train.labels == [2, 0, 1, 2]
+    assert train.label_config() == {"label2id": train.label2id, "id2label": None}
+    valid = write(tmp_path / "v.jsonl", [{"text": "b", "label": "neutral"}])
+    mapped = load_classification(valid, tok, max_seq_len=16, label2id=train.label2id)
+    assert mapped.labels == [1] and mapped.label2id == train.label2id
+
+
+@pytest.mark.parametrize(
+    ("labels", "label2id", "message"),
+    [
+        (
+            ["neg", "great"],
+            {"neg": 0, "pos": 1},
+            ":2: unknown label 'great'; known labels: neg, pos",
+        ),
+        (
+            ["neg", "pos"],
+            {},
+            ":1: unknown label 'neg'; known labels: none, the model was trained on integer ids",
+        ),
+        (
+            [0, 1],
+            {"neg": 0, "pos": 1},
+            ":1: label 0 is an id, but the model's labels are names: neg, pos",
+        ),
+        (
+            ["neg", 1],
+            None,
+            ":2: 'label' must be a string like the label on line 1, got 1 (a file's",
+        ),
+    ],
+)
+def test_labels_the_model_does_not_know_name_file_line_and_known_labels(
+    tmp_path, tok, labels, label2id, message
+):
+    path = write(tmp_path / "v.jsonl", [{"text": "a", "label": label} for label in labels])
+    with pytest.raises(ValueError) as caught:
+        load_classification(path, tok, max_seq_len=16, label2id=label2id)
+    assert str(caught.value).startswith(f"{path}{message}")
+
+
+def test_integer_labels_are_unchanged_and_carry_no_names(tmp_path, tok):
+    path = write(tmp_path / "d.jsonl", [{"text": "a", "label": 3}, {"text": "b", "label": 0}])
+    data = load_classification(path, tok, max_seq_len=16, label2id={})
+    assert data.labels == [3, 0] and data.label2id is None
+    assert data.label_config() == {"label2id": None, "id2label": None}
+
+
+def test_csv_with_a_header_reads_ids_or_names(tmp_path, tok):
+    ids = tmp_path / "ids.csv"
+    ids.write_text('label,text\n1,"the cat, again"\n\n0,the dog\n')
+    data = load_classification(ids, tok, max_seq_len=16)
+    assert data.labels == [1, 0] and data.lines == [2, 4] and data.label2id is None
+    names = tmp_path / "names.csv"
+    names.write_text("text,label\nthe cat,pos\nthe dog,neg\n")
+    data = load_classification(names, tok, max_seq_len=16)
+    assert data.labels == [1, 0] and data.label2id == {"neg": 0, "pos": 1}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("body,label\nx,1\n", r"d.csv:1: the header has no column 'text' \(columns: body, label\)"),
+        ("text,label\nx,1\ny\n", r"d.csv:3: 1 cells, the header has 2"),
+        ("text,label\n", r"d.csv: no examples"),
+        ("", r"d.csv: file is empty"),
+    ],
+)
+def test_malformed_csv_names_file_and_line(tmp_path, tok, content, message):
+    path = tmp_path / "d.csv"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_classification(path, tok, max_seq_len=16)
+
+
+def test_csv_content_in_a_jsonl_file_says_what_is_expected(tmp_path, tok):
+    path = tmp_path / "train.txt"
+    path.write_text("text,label\nthe cat,1\n")
+    expected = (
+        f"{path}:1: not valid JSON (Expecting value); expected JSONL, one object per line such "
+        'as {"text": "a fine film", "label": "positive"}, or a .csv file with a header'
+    )
+    with pytest.raises(ValueError) as caught:
+        load_classification(path, tok, max_seq_len=16)
+    assert str(caught.value) == expected

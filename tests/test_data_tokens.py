@@ -1,5 +1,6 @@
 """Tokenizer training and loading, the memory-mapped token cache, packing and the split."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -41,6 +42,15 @@ def test_existing_bert_tokenizer_json_is_usable():
     tok = load_tokenizer(files[0])
     vocab = tok.tokenizer
     assert (tok.pad_id, tok.mask_id) == (vocab.token_to_id("[PAD]"), vocab.token_to_id("[MASK]"))
+
+
+def test_a_missing_folder_is_not_reported_as_a_missing_tokenizer(tmp_path):
+    with pytest.raises(FileNotFoundError) as caught:
+        load_tokenizer(tmp_path / "runs" / "best")
+    expected = f"{tmp_path / 'runs' / 'best'} does not exist (expected a checkpoint folder or a "
+    assert str(caught.value) == expected + "tokenizer.json)"
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer at {tmp_path / 'tokenizer.json'}"):
+        load_tokenizer(tmp_path)
 
 
 def test_broken_tokenizer_file_is_a_clear_error(tmp_path):
@@ -100,3 +110,31 @@ def test_split_is_deterministic_disjoint_and_packs_full_blocks():
 def test_too_small_corpus_is_a_clear_error():
     with pytest.raises(ValueError, match="too few"):
         split_blocks(np.arange(15, dtype=np.uint16), 10, 0.5)
+
+
+def test_a_cache_built_while_skipping_bad_files_never_lets_a_strict_run_pass(tmp_path, caplog):
+    corpus = write_corpus(tmp_path / "corpus", files=2, sentences=60)
+    (corpus / "empty.txt").write_text("")
+    skipping = DataSettings(
+        data=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "c"), skip_bad_files=True
+    )
+    with caplog.at_level("INFO"):
+        cache = prepare_pretraining_data(skipping, 32).cache
+        prepare_pretraining_data(skipping, 32)
+    assert json.loads((cache / "meta.json").read_text())["skipped_files"] == 1
+    assert f"reusing the token cache {cache}; skipped 1 bad file" in caplog.messages
+    with pytest.raises(ValueError, match="empty.txt: file is empty"):
+        prepare_pretraining_data(dataclasses.replace(skipping, skip_bad_files=False), 32)
+
+
+def test_a_corpus_of_only_bad_files_says_how_many_were_skipped(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    train_tokenizer(["the cat eats red apples"] * 20, 300).save(tmp_path / "tok" / "tokenizer.json")
+    settings = DataSettings(
+        data=[str(tmp_path)],
+        tokenizer=str(tmp_path / "tok"),
+        cache_dir=str(tmp_path / "c"),
+        skip_bad_files=True,
+    )
+    with pytest.raises(ValueError, match=r"^the corpus holds no documents; skipped 1 bad file$"):
+        prepare_pretraining_data(settings, 32)

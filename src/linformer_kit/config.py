@@ -12,6 +12,7 @@ PROJECTIONS = ("linear", "conv", "pool", "random")
 ACTIVATIONS = ("gelu", "relu")
 POSITIONS = ("learned", "sinusoidal")
 CHECKPOINTINGS = ("none", "layer", "attention")
+LABEL_FIELDS = ("id2label", "label2id")  # set by fine-tuning from the data, never by a flag
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -57,6 +58,8 @@ class LinformerConfig:
     layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
     init_std: float = 0.02  # std of the normal init of embeddings and dense weights
     checkpointing: str = "none"  # activation checkpointing: none, layer or attention
+    id2label: dict[int, str] | None = None  # class names of a classifier trained on names
+    label2id: dict[str, int] | None = None  # their ids: the inverse of id2label (as in HF)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "dim", "depth", "num_heads"):
@@ -88,6 +91,7 @@ class LinformerConfig:
                 f"and {self.init_std!r}"
             )
         self._check_proj_dim()
+        self._check_label_names()
 
     def _check_proj_dim(self) -> None:
         if self.proj_dim is None:
@@ -115,6 +119,30 @@ class LinformerConfig:
                     f"projection={self.projection!r} uses kernel = stride = max_seq_len / "
                     f"proj_dim, so proj_dim ({k}) must divide max_seq_len ({self.max_seq_len})"
                 )
+
+    def _check_label_names(self) -> None:
+        if self.id2label is None and self.label2id is None:
+            return
+        names = self.id2label if self.id2label is not None else self.label2id
+        if not isinstance(names, dict) or not names:
+            raise ValueError(f"id2label and label2id must be non-empty dicts, got {names!r}")
+        if self.id2label is None:
+            self.id2label = {i: name for name, i in self.label2id.items()}
+        try:
+            # config.json stores the ids as strings: JSON object keys always are.
+            self.id2label = {int(i): str(name) for i, name in self.id2label.items()}
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"id2label keys must be integer ids, got {self.id2label!r}") from err
+        derived = {name: i for i, name in self.id2label.items()}
+        if sorted(self.id2label) != list(range(len(derived))):  # fewer names: duplicates
+            raise ValueError(
+                f"id2label must map the ids 0..n-1 to distinct names, got {self.id2label!r}"
+            )
+        if self.label2id is not None and self.label2id != derived:
+            raise ValueError(
+                f"label2id {self.label2id!r} is not the inverse of id2label {self.id2label!r}"
+            )
+        self.label2id = derived
 
     @property
     def head_dim(self) -> int:

@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Any
 
-from ..config import LinformerConfig
+from ..config import LABEL_FIELDS, LinformerConfig
 from ..data.pipeline import DataSettings
 from ..training.pretrain import pretrain
 from ..training.settings import RunConfig, TrainSettings
@@ -65,5 +65,5 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_override_arguments(parser, DataSettings, "data")
     add_override_arguments(parser, TrainSettings, "train")
-    add_override_arguments(parser, LinformerConfig, "model", exclude=FROM_TOKENIZER)
+    add_override_arguments(parser, LinformerConfig, "model", exclude=FROM_TOKENIZER + LABEL_FIELDS)
     parser.set_defaults(func=run)

@@ -10,7 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,10 +54,19 @@ def build_token_cache(
     directory: Path,
     *,
     chunk: int = 512,
+    skipped: Mapping[Path, str] | None = None,
 ) -> Path:
     """Tokenizes documents into `directory/tokens.bin` (separator token after each document),
     unless that cache already exists. Written in a temporary directory and renamed, so an
     interrupted build never leaves a partial cache.
+
+    Args:
+        documents: the corpus.
+        tokenizer: turns each text into ids.
+        directory: where the cache lives.
+        chunk: documents tokenized per batch.
+        skipped: the bad files `iter_documents` leaves out while `documents` is read; their
+            count goes into the summary and the cache's metadata.
 
     Returns:
         The cache directory.
@@ -66,7 +75,8 @@ def build_token_cache(
         ValueError: if the corpus holds no tokens.
     """
     if (directory / META_NAME).is_file():
-        logger.info("reusing the token cache %s", directory)
+        meta = json.loads((directory / META_NAME).read_text())
+        logger.info("reusing the token cache %s%s", directory, _skipped_note(meta))
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
@@ -87,15 +97,31 @@ def build_token_cache(
                     progress.update(len(batch))
                     batch = []
             progress.close()
+        meta = {
+            "dtype": dtype.name,
+            "num_tokens": count,
+            "num_documents": num_documents,
+            "skipped_files": len(skipped or {}),
+        }
         if count == 0:
-            raise ValueError("the corpus holds no documents")
-        meta = {"dtype": dtype.name, "num_tokens": count, "num_documents": num_documents}
+            raise ValueError(f"the corpus holds no documents{_skipped_note(meta)}")
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
         os.replace(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("cached %d tokens of %d documents in %s", count, num_documents, directory)
+    logger.info(
+        "cached %d tokens of %d documents in %s%s",
+        count,
+        num_documents,
+        directory,
+        _skipped_note(meta),
+    )
     return directory
+
+
+def _skipped_note(meta: dict) -> str:
+    count = meta.get("skipped_files", 0)
+    return f"; skipped {count} bad file{'s' * (count != 1)}" if count else ""
 
 
 def open_token_cache(directory: Path) -> np.memmap:

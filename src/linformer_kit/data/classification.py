@@ -1,35 +1,63 @@
-"""Sequence-classification data: JSONL files of {"text": ..., "label": int}."""
+"""Sequence-classification data: JSONL lines {"text": ..., "label": ...} or a CSV file with a
+header row naming the text and label columns.
+
+Labels are class ids (integers >= 0) or class names (strings). Names are mapped to ids in
+sorted order of the training set's distinct names; the mapping travels with the model as
+`id2label` / `label2id` in its config, and other data is mapped through it.
+"""
 
 from __future__ import annotations
 
+import csv
+import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .corpus import iter_jsonl, jsonl_field
+from .corpus import iter_jsonl, jsonl_field, read_text
 from .tokenizer import TextTokenizer
+
+CSV_SUFFIX = ".csv"
 
 
 @dataclass
 class ClassificationData:
-    """Tokenized examples: `ids[i]` starts with the start token and ends with the separator."""
+    """Tokenized examples: `ids[i]` starts with the start token and ends with the separator.
+
+    Attributes:
+        ids: token ids of each example.
+        labels: class id of each example.
+        lines: the file line of each example, for errors.
+        source: the file.
+        label2id: the ids of the class names, when the file's labels are names.
+    """
 
     ids: list[list[int]]
     labels: list[int]
     lines: list[int]
     source: str
+    label2id: dict[str, int] | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    def label_config(self) -> dict[str, Any]:
+        """The LinformerConfig fields that record the class names (None for integer labels,
+        which clears names a checkpoint may carry from an earlier fine-tuning)."""
+        return {"label2id": self.label2id, "id2label": None}
+
     def check_labels(self, num_labels: int) -> None:
         """Raises a ValueError naming the file and line of the first label >= num_labels."""
+        names = {i: name for name, i in (self.label2id or {}).items()}
         for label, number in zip(self.labels, self.lines):
             if label >= num_labels:
+                shown = f"{names[label]!r} (id {label})" if names else str(label)
                 raise ValueError(
-                    f"{self.source}:{number}: label {label} is out of range [0, {num_labels})"
+                    f"{self.source}:{number}: label {shown} is out of range [0, {num_labels})"
                 )
 
     def batch(self, rows: list[int], pad_id: int) -> dict[str, Tensor]:
@@ -44,32 +72,113 @@ class ClassificationData:
         return {"input_ids": input_ids, "key_padding_mask": mask, "labels": labels}
 
 
+def _csv_records(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    reader = csv.reader(io.StringIO(read_text(path), newline=""))
+    try:
+        header = next(reader)
+        for column in columns:
+            if column not in header:
+                raise ValueError(
+                    f"{path}:1: the header has no column {column!r} (columns: {', '.join(header)})"
+                )
+        for row in reader:
+            if not any(cell.strip() for cell in row):
+                continue
+            if len(row) != len(header):
+                raise ValueError(
+                    f"{path}:{reader.line_num}: {len(row)} cells, the header has {len(header)}"
+                )
+            yield reader.line_num, dict(zip(header, row))
+    except csv.Error as err:
+        raise ValueError(f"{path}:{reader.line_num}: not valid CSV ({err})") from err
+
+
 def read_labelled(
     path: str | Path, *, text_field: str = "text", label_field: str = "label"
-) -> tuple[list[str], list[int], list[int]]:
-    """Reads (texts, labels, line numbers) from a JSONL file.
+) -> tuple[list[str], list[int] | list[str], list[int]]:
+    """Reads (texts, labels, line numbers) from a JSONL or CSV file. Labels are all ids
+    (integers >= 0) or all names (strings); in a CSV file, a label column of whole numbers
+    holds ids.
 
     Raises:
-        ValueError: naming the file and line, for an empty file, bad UTF-8 or JSON, a missing
-            field, a text that is not a string or a label that is not an integer >= 0.
+        ValueError: naming the file and line, for an empty file, bad UTF-8, JSON or CSV, a
+            missing field, a text that is not a string, or a label that is neither an
+            integer >= 0 nor a string, or not of the same kind as the first label.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no data file {path}")
+    if path.suffix == CSV_SUFFIX:
+        records = _csv_records(path, (text_field, label_field))
+    else:
+        example = f'{{"{text_field}": "a fine film", "{label_field}": "positive"}}'
+        expected = f"JSONL, one object per line such as {example}, or a .csv file with a header"
+        records = iter_jsonl(path, expected=expected)
     texts, labels, lines = [], [], []
-    for number, record in iter_jsonl(path):
+    for number, record in records:
         text = jsonl_field(path, number, record, text_field)
-        label = jsonl_field(path, number, record, label_field)
         if not isinstance(text, str):
             raise ValueError(f"{path}:{number}: {text_field!r} must be a string, got {text!r}")
-        if not isinstance(label, int) or isinstance(label, bool) or label < 0:
-            raise ValueError(
-                f"{path}:{number}: {label_field!r} must be an integer >= 0, got {label!r}"
-            )
         texts.append(text)
-        labels.append(label)
+        labels.append(jsonl_field(path, number, record, label_field))
         lines.append(number)
+    if not labels:
+        raise ValueError(f"{path}: no examples")
+    if path.suffix == CSV_SUFFIX and all(label.isascii() and label.isdigit() for label in labels):
+        labels = [int(label) for label in labels]  # CSV has no types: whole numbers are ids
+    kinds = [_kind(label) for label in labels]
+    for label, kind, number in zip(labels, kinds, lines):
+        if kind is None:
+            raise ValueError(
+                f"{path}:{number}: {label_field!r} must be an integer >= 0 or a string, "
+                f"got {label!r}"
+            )
+        if kind != kinds[0]:
+            raise ValueError(
+                f"{path}:{number}: {label_field!r} must be {kinds[0]} like the label on line "
+                f"{lines[0]}, got {label!r} (a file's labels are all ids or all names)"
+            )
     return texts, labels, lines
+
+
+def _kind(label: object) -> str | None:
+    if isinstance(label, str):
+        return "a string"
+    if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
+        return "an integer >= 0"
+    return None
+
+
+def _label_ids(
+    path: Path, labels: list[int] | list[str], lines: list[int], label2id: dict[str, int] | None
+) -> tuple[list[int], dict[str, int] | None]:
+    """Class ids of `labels`, and the name mapping used (None for integer labels).
+
+    Args:
+        path: the file, for errors.
+        labels: ids or names, as `read_labelled` returns them.
+        lines: the line of each label.
+        label2id: the model's mapping of names to ids (empty for a model trained on ids);
+            None maps the names of this (training) file in sorted order.
+
+    Raises:
+        ValueError: naming the file, line and the known labels, for a name the mapping lacks,
+            or for ids given to a model whose labels are names.
+    """
+    if not isinstance(labels[0], str):
+        if label2id:
+            raise ValueError(
+                f"{path}:{lines[0]}: label {labels[0]} is an id, but the model's labels are "
+                f"names: {', '.join(label2id)}"
+            )
+        return list(labels), None
+    if label2id is None:
+        label2id = {name: i for i, name in enumerate(sorted(set(labels)))}
+    known = ", ".join(label2id) or "none, the model was trained on integer ids"
+    for label, number in zip(labels, lines):
+        if label not in label2id:
+            raise ValueError(f"{path}:{number}: unknown label {label!r}; known labels: {known}")
+    return [label2id[label] for label in labels], label2id
 
 
 def load_classification(
@@ -78,29 +187,34 @@ def load_classification(
     *,
     max_seq_len: int,
     num_labels: int | None = None,
+    label2id: dict[str, int] | None = None,
     text_field: str = "text",
     label_field: str = "label",
 ) -> ClassificationData:
-    """Reads and tokenizes a classification JSONL file, truncating texts to max_seq_len.
+    """Reads and tokenizes a classification JSONL or CSV file, truncating texts to max_seq_len.
 
     Args:
-        path: the JSONL file.
+        path: the JSONL or CSV file.
         tokenizer: the model's tokenizer.
         max_seq_len: longest token sequence (start and separator tokens included).
         num_labels: labels must lie in [0, num_labels); None accepts any label >= 0.
-        text_field, label_field: JSONL field names.
+        label2id: the model's class names (its config's `label2id`, or {} when it has none);
+            None for training data, whose names (if any) are mapped in sorted order.
+        text_field, label_field: field (JSONL) or column (CSV) names.
 
     Raises:
-        ValueError: naming the file and line, for malformed lines or a label out of range.
+        ValueError: naming the file and line, for malformed lines, a label out of range or a
+            label name the model does not know.
     """
     if max_seq_len < 3:
         raise ValueError(f"max_seq_len must be >= 3 to hold a token, got {max_seq_len}")
     texts, labels, lines = read_labelled(path, text_field=text_field, label_field=label_field)
-    ids = [
-        [tokenizer.cls_id, *tokens[: max_seq_len - 2], tokenizer.sep_id]
-        for tokens in tokenizer.encode_batch(texts)
+    ids, names = _label_ids(Path(path), labels, lines, label2id)
+    tokens = [
+        [tokenizer.cls_id, *row[: max_seq_len - 2], tokenizer.sep_id]
+        for row in tokenizer.encode_batch(texts)
     ]
-    data = ClassificationData(ids, labels, lines, str(path))
+    data = ClassificationData(tokens, ids, lines, str(path), names)
     if num_labels is not None:
         data.check_labels(num_labels)
     return data

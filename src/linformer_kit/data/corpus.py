@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 STDLIB = "stdlib"  # the data name that selects the running Python's standard library
 HF_PREFIX = "hf:"  # `hf:NAME[:CONFIG]` reads a Hugging Face `datasets` corpus
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+JSONL_EXAMPLE = 'JSONL, one object per line such as {"text": "a document"}'
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,13 @@ def read_text(path: Path) -> str:
         ) from err
 
 
-def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+def iter_jsonl(path: Path, *, expected: str = JSONL_EXAMPLE) -> Iterator[tuple[int, dict]]:
     """Yields (line number, object) for each non-blank line of a JSONL file.
+
+    Args:
+        path: the file.
+        expected: what the file should hold, told when a line is not JSON (a CSV or plain
+            text file given where JSONL is expected).
 
     Raises:
         ValueError: naming the file and line, if the file is empty, a line is not valid UTF-8
@@ -73,7 +80,9 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
         except UnicodeDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid UTF-8 ({err.reason})") from err
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+            raise ValueError(
+                f"{path}:{number}: not valid JSON ({err.msg}); expected {expected}"
+            ) from err
         if not isinstance(record, dict):
             raise ValueError(
                 f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
@@ -115,12 +124,25 @@ def _hf_documents(name: str, text_field: str) -> Iterator[Document]:
         )
 
 
+def _no_match(path: Path, glob: str) -> str:
+    """Why a directory gave no file, and how to pick its files with --glob."""
+    suffixes = Counter(p.suffix for p in path.rglob("*") if p.is_file() and p.suffix)
+    if not suffixes:
+        return f"no file in {path} matches --glob {glob!r} (it holds no file with a suffix)"
+    held = ", ".join(f"{n} {s}" for s, n in suffixes.most_common(5))
+    return (
+        f"no file in {path} matches --glob {glob!r} (it holds {held}); choose its files with "
+        f"--glob, e.g. --glob '**/*{suffixes.most_common(1)[0][0]}'"
+    )
+
+
 def list_files(spec: str, glob: str) -> list[Path]:
     """The files a data argument names: itself, or a directory's files matching `glob`
     (sorted, so the corpus order never depends on the file system).
 
     Raises:
-        FileNotFoundError: if the path does not exist or a directory has no matching file.
+        FileNotFoundError: if the path does not exist or a directory has no matching file
+            (the message names the glob, the suffixes the directory holds and --glob).
     """
     if spec == STDLIB:
         root = stdlib_root()
@@ -136,44 +158,64 @@ def list_files(spec: str, glob: str) -> list[Path]:
         raise FileNotFoundError(f"data path {path} does not exist")
     files = sorted(p for p in path.glob(glob) if p.is_file())
     if not files:
-        raise FileNotFoundError(f"no file in {path} matches {glob!r}")
+        raise FileNotFoundError(_no_match(path, glob))
     return files
 
 
+def _file_documents(path: Path, text_field: str) -> Iterator[Document]:
+    if path.suffix in JSONL_SUFFIXES:
+        return _jsonl_documents(path, text_field)
+    return iter([Document(str(path), read_text(path))])
+
+
 def iter_documents(
-    specs: Sequence[str], *, glob: str = "**/*.txt", text_field: str = "text"
+    specs: Sequence[str],
+    *,
+    glob: str = "**/*.txt",
+    text_field: str = "text",
+    skip_bad_files: bool = False,
+    skipped: dict[Path, str] | None = None,
 ) -> Iterator[Document]:
     """Yields every document of the given data arguments, in a fixed order.
 
-    A file named directly must be valid: empty or non-UTF-8 files raise. Files found by
-    scanning a directory (or the stdlib) are skipped with a warning when empty or not UTF-8,
-    since real source trees hold a few such files.
+    A bad file (empty, not UTF-8, malformed JSONL) raises, whether named directly or found
+    in a directory, unless `skip_bad_files`: then it is left out whole and logged at
+    WARNING with its reason. The stdlib's few empty or non-UTF-8 files are always left out
+    (logged at INFO): they belong to a known source tree, not to the user's data.
 
     Args:
         specs: file paths, directory paths, `stdlib`, or `hf:NAME[:CONFIG]`.
         glob: pattern for files inside directories (recursive with `**/`).
         text_field: the JSONL / dataset field that holds the text.
+        skip_bad_files: leave bad files out instead of raising.
+        skipped: collects each left-out file and its reason; a file already in it is passed
+            over quietly, so several passes over one corpus report each file once.
 
     Raises:
-        ValueError: naming file and line, for malformed files named directly or JSONL lines.
+        ValueError: naming file and line, for a bad file (unless skipped).
         FileNotFoundError: for missing paths.
     """
+    skipped = {} if skipped is None else skipped
     for spec in specs:
         if spec.startswith(HF_PREFIX):
             yield from _hf_documents(spec[len(HF_PREFIX) :], text_field)
             continue
-        files = list_files(spec, glob)
-        scanned = spec == STDLIB or Path(spec).is_dir()
-        for path in files:
-            if path.suffix in JSONL_SUFFIXES:
-                yield from _jsonl_documents(path, text_field)
+        skip = skip_bad_files or spec == STDLIB
+        level = logging.INFO if spec == STDLIB else logging.WARNING
+        for path in list_files(spec, glob):
+            if not skip:
+                yield from _file_documents(path, text_field)
+                continue
+            if path in skipped:
                 continue
             try:
-                yield Document(str(path), read_text(path))
+                # Read the whole file first: a file is kept or left out as a unit.
+                documents = list(_file_documents(path, text_field))
             except ValueError as err:
-                if not scanned:
-                    raise
-                logger.debug("skipping %s", err)
+                skipped[path] = str(err)
+                logger.log(level, "skipping bad file %s", err)
+                continue
+            yield from documents
 
 
 def fingerprint(specs: Sequence[str], glob: str, text_field: str) -> list[list]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from .cache import (
     open_token_cache,
     split_blocks,
 )
-from .corpus import STDLIB, fingerprint, iter_documents
+from .corpus import STDLIB, Document, fingerprint, iter_documents
 from .tokenizer import TOKENIZER_NAME, TextTokenizer, load_tokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,10 @@ class DataSettings:
         metadata={"help": "files, directories, JSONL files, 'stdlib' or hf:NAME[:CONFIG]"},
     )
     glob: str = field(default="**/*.txt", metadata={"help": "files to read inside directories"})
+    skip_bad_files: bool = field(
+        default=False,
+        metadata={"help": "leave out empty or non-UTF-8 files (each logged) instead of stopping"},
+    )
     text_field: str = field(default="text", metadata={"help": "JSONL field holding the text"})
     tokenizer: str = field(
         default="", metadata={"help": "an existing tokenizer.json; empty = train a BPE"}
@@ -56,20 +61,41 @@ class PretrainingData:
     cache: Path
 
 
-def _documents(settings: DataSettings, limit: int):
-    documents = iter_documents(settings.data, glob=settings.glob, text_field=settings.text_field)
+def _documents(
+    settings: DataSettings, limit: int, skipped: dict[Path, str] | None
+) -> Iterator[Document]:
+    documents = iter_documents(
+        settings.data,
+        glob=settings.glob,
+        text_field=settings.text_field,
+        skip_bad_files=settings.skip_bad_files,
+        skipped=skipped,
+    )
     return itertools.islice(documents, limit or None)
 
 
-def prepare_tokenizer(settings: DataSettings) -> TextTokenizer:
+def _corpus_id(settings: DataSettings) -> list:
+    # Skipping is part of the corpus: a cache built while skipping bad files must not let a
+    # later run without the flag pass over them.
+    return [fingerprint(settings.data, settings.glob, settings.text_field), settings.skip_bad_files]
+
+
+def prepare_tokenizer(
+    settings: DataSettings, skipped: dict[Path, str] | None = None
+) -> TextTokenizer:
     """Loads `settings.tokenizer`, or trains a byte-level BPE on the corpus (cached by a hash
-    of the corpus files and the vocabulary size, so the next run reuses it)."""
+    of the corpus files and the vocabulary size, so the next run reuses it).
+
+    Args:
+        settings: the data settings.
+        skipped: collects the bad files left out (see `iter_documents`).
+    """
     if settings.tokenizer:
         return load_tokenizer(settings.tokenizer)
     limit = settings.tokenizer_documents or settings.max_documents
     key = cache_key(
         "tokenizer",
-        fingerprint(settings.data, settings.glob, settings.text_field),
+        _corpus_id(settings),
         settings.vocab_size,
         limit,
     )
@@ -77,7 +103,8 @@ def prepare_tokenizer(settings: DataSettings) -> TextTokenizer:
     if path.is_file():
         logger.info("reusing the tokenizer %s", path)
         return load_tokenizer(path)
-    tokenizer = train_tokenizer((d.text for d in _documents(settings, limit)), settings.vocab_size)
+    documents = _documents(settings, limit, skipped)
+    tokenizer = train_tokenizer((d.text for d in documents), settings.vocab_size)
     tokenizer.save(path)
     return tokenizer
 
@@ -89,15 +116,17 @@ def prepare_pretraining_data(settings: DataSettings, max_seq_len: int) -> Pretra
     Raises:
         ValueError / FileNotFoundError: for missing or malformed data, naming file and line.
     """
-    tokenizer = prepare_tokenizer(settings)
+    skipped: dict[Path, str] = {}  # shared, so the tokenizer and the cache report each once
+    tokenizer = prepare_tokenizer(settings, skipped)
     key = cache_key(
         "tokens",
-        fingerprint(settings.data, settings.glob, settings.text_field),
+        _corpus_id(settings),
         tokenizer.tokenizer.to_str(),
         settings.max_documents,
     )
     directory = Path(settings.cache_dir or default_cache_dir()) / f"tokens-{key}"
-    build_token_cache(_documents(settings, settings.max_documents), tokenizer, directory)
+    documents = _documents(settings, settings.max_documents, skipped)
+    build_token_cache(documents, tokenizer, directory, skipped=skipped)
     tokens = open_token_cache(directory)
     train, val = split_blocks(tokens, max_seq_len, settings.val_fraction, settings.max_val_blocks)
     logger.info(

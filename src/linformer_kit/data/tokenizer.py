@@ -77,10 +77,15 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     """Loads a `tokenizer.json` file (or the one inside a directory).
 
     Raises:
-        FileNotFoundError: if there is none.
+        FileNotFoundError: if the path does not exist, or names a directory without one.
         ValueError: if it cannot be parsed or lacks the special tokens.
     """
     file = Path(path)
+    if not file.exists():
+        # Said apart from "no tokenizer in it": a mistyped checkpoint folder is the usual cause.
+        raise FileNotFoundError(
+            f"{file} does not exist (expected a checkpoint folder or a {TOKENIZER_NAME})"
+        )
     if file.is_dir():
         file = file / TOKENIZER_NAME
     if not file.is_file():

@@ -72,6 +72,7 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
                 tokenizer,
                 max_seq_len=config.max_seq_len,
                 num_labels=model.num_labels,
+                label2id=config.label2id or {},
                 text_field=settings.text_field,
                 label_field=settings.label_field,
             )

@@ -23,8 +23,8 @@ class FinetuneSettings:
     """What to fine-tune on; the optimisation recipe is a TrainSettings."""
 
     init: str = field(default="", metadata={"help": "pretrained checkpoint directory"})
-    data: str = field(default="", metadata={"help": "training JSONL (text + label)"})
-    eval: str = field(default="", metadata={"help": "validation JSONL (text + label)"})
+    data: str = field(default="", metadata={"help": "training JSONL or CSV (text + label)"})
+    eval: str = field(default="", metadata={"help": "validation JSONL or CSV (text + label)"})
     epochs: int = field(default=3, metadata={"help": "passes over the training set"})
     num_labels: int = field(default=0, metadata={"help": "classes (0 = max label + 1)"})
     pooling: str = field(default="cls", metadata={"help": "cls or mean"})
@@ -53,7 +53,12 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     num_labels = settings.num_labels or max(train_data.labels) + 1
     train_data.check_labels(num_labels)
     eval_data = load_classification(
-        settings.eval, tokenizer, max_seq_len=max_len, num_labels=num_labels, **fields
+        settings.eval,
+        tokenizer,
+        max_seq_len=max_len,
+        num_labels=num_labels,
+        label2id=train_data.label2id or {},
+        **fields,
     )
     dist = setup_distributed(train.device)
     try:
@@ -67,7 +72,10 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         )
         torch.manual_seed(train.seed)
         model = LinformerForSequenceClassification.from_pretrained(
-            settings.init, num_labels=num_labels, pooling=settings.pooling
+            settings.init,
+            num_labels=num_labels,
+            pooling=settings.pooling,
+            config_overrides=train_data.label_config(),
         )
         schedule = RowSchedule(
             len(train_data), train.batch_size, train.grad_accum_steps, dist.world_size, train.seed
