@@ -43,7 +43,7 @@ def test_truncated_checkpoint_is_rejected_and_the_previous_one_loads(run_dir):
     LinformerForMaskedLM.from_pretrained(previous.path)
 
 
-def test_altered_checkpoint_is_refused_by_every_loader_and_resume_falls_back(run_dir):
+def test_altered_checkpoint_is_refused_by_every_loader_and_resume_falls_back(run_dir, caplog):
     newest = run_dir / "checkpoints" / "step-00000008"
     flip_last_byte(newest / "model.safetensors")
     problem = "model.safetensors was altered (same size, but its SHA-256 differs)"
@@ -54,6 +54,7 @@ def test_altered_checkpoint_is_refused_by_every_loader_and_resume_falls_back(run
         load_checkpoint(newest)
     assert err.value.problems == [problem]
     assert latest_checkpoint(run_dir).state["step"] == 4
+    assert f"skipping a corrupt checkpoint in {run_dir}: step-00000008: {problem}" in caplog.text
     assert LinformerForMaskedLM.from_pretrained(run_dir / "last", verify=False).config.dim == 32
 
 
@@ -68,7 +69,7 @@ def test_no_intact_checkpoint_lists_each_and_the_ways_on(run_dir):
         "  step-00000008: model.safetensors was altered (same size, but its SHA-256 differs)\n"
         "  step-00000004: trainer_state.pt is missing\n"
         "To go on, either start a fresh run in another --output-dir, or remove the corrupt "
-        f"checkpoints (rm -r {checkpoints}) and run again here."
+        f"checkpoints (rm -r {checkpoints}) to start again from step 0 in {run_dir}."
     )
 
 

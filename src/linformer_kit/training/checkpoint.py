@@ -145,16 +145,19 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
     problems = []
     for path in candidates:
         try:
-            return load_checkpoint(path)
+            checkpoint = load_checkpoint(path)
         except hub.IntegrityError as err:
-            logger.warning("skipping a checkpoint: %s", err)
-            problems.append(f"  {path.name}: {'; '.join(err.problems)}")
+            problems.append(f"{path.name}: {'; '.join(err.problems)}")
+            continue
+        for problem in problems:
+            logger.warning("skipping a corrupt checkpoint in %s: %s", run_dir, problem)
+        return checkpoint
     if not candidates:
         return None
     raise ValueError(
         f"no intact checkpoint to resume from in {run_dir}: every one failed its integrity "
         f"check\n"
-        + "\n".join(problems)
-        + f"\nTo go on, either start a fresh run in another --output-dir, or remove the corrupt "
-        f"checkpoints (rm -r {run_dir / CHECKPOINTS_DIR}) and run again here."
+        + "".join(f"  {problem}\n" for problem in problems)
+        + f"To go on, either start a fresh run in another --output-dir, or remove the corrupt "
+        f"checkpoints (rm -r {run_dir / CHECKPOINTS_DIR}) to start again from step 0 in {run_dir}."
     )
