@@ -1,5 +1,6 @@
 """save_pretrained / from_pretrained: config.json + model.safetensors round trips and errors."""
 
+import hashlib
 import json
 import os
 import re
@@ -8,6 +9,7 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
+from train_helpers import flip_last_byte
 
 from linformer_kit import (
     LinformerForMaskedLM,
@@ -15,7 +17,14 @@ from linformer_kit import (
     LinformerModel,
     linformer_tiny,
 )
-from linformer_kit.hub import CONFIG_NAME, WEIGHTS_NAME
+from linformer_kit.hub import (
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    WEIGHTS_NAME,
+    IntegrityError,
+    verify_manifest,
+    write_manifest,
+)
 
 SHARINGS = ["none", "headwise", "kv", "layerwise"]
 KINDS = ["linear", "conv", "pool", "random"]
@@ -244,3 +253,80 @@ def test_classifier_kwargs_are_restored(tmp_path):
     assert (loaded.num_labels, loaded.pooling) == (5, "mean")
     ids, mask = batch()
     torch.testing.assert_close(loaded(ids, mask).logits, clf(ids, mask).logits, rtol=0, atol=0)
+
+
+def altered_message(path, name=WEIGHTS_NAME):
+    return (
+        f"{path} failed its integrity check: {name} was altered (same size, but its SHA-256 "
+        f"differs); refusing to load it. If the files were changed on purpose, load with "
+        f"verify=False (from_pretrained), or set LINFORMER_NO_VERIFY=1 in the environment "
+        f"(the linformer command)."
+    )
+
+
+@pytest.fixture
+def manifested(mlm_dir):
+    """A saved masked-LM directory with a manifest.json, as training checkpoints carry."""
+    model, path = mlm_dir
+    write_manifest(path, step=3)
+    return model, path
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(manifested):
+    _, path = manifested
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    assert manifest["step"] == 3
+    assert set(manifest["files"]) == {CONFIG_NAME, WEIGHTS_NAME}
+    weights = manifest["files"][WEIGHTS_NAME]
+    assert weights["bytes"] == (path / WEIGHTS_NAME).stat().st_size
+    assert weights["sha256"] == hashlib.sha256((path / WEIGHTS_NAME).read_bytes()).hexdigest()
+    assert verify_manifest(path) is True
+
+
+def test_altered_weights_are_refused_naming_file_and_opt_out(manifested):
+    _, path = manifested
+    flip_last_byte(path / WEIGHTS_NAME)
+    with pytest.raises(IntegrityError) as err:
+        LinformerForMaskedLM.from_pretrained(path)
+    assert str(err.value) == altered_message(path)
+    assert isinstance(err.value, ValueError)  # the CLI turns it into a one-line error
+
+
+@pytest.mark.parametrize("opt_out", ["keyword", "environment"])
+def test_opt_out_loads_altered_weights(manifested, monkeypatch, opt_out, caplog):
+    model, path = manifested
+    flip_last_byte(path / WEIGHTS_NAME)
+    if opt_out == "environment":
+        monkeypatch.setenv("LINFORMER_NO_VERIFY", "1")
+    loaded = LinformerForMaskedLM.from_pretrained(path, verify=opt_out != "keyword")
+    assert loaded.config == model.config
+    assert "not checked against its manifest.json" in caplog.text
+
+
+def test_no_verify_zero_still_verifies(manifested, monkeypatch):
+    _, path = manifested
+    flip_last_byte(path / WEIGHTS_NAME)
+    monkeypatch.setenv("LINFORMER_NO_VERIFY", "0")
+    with pytest.raises(IntegrityError):
+        LinformerForMaskedLM.from_pretrained(path)
+
+
+def test_resized_and_missing_files_are_each_named(manifested):
+    _, path = manifested
+    (path / CONFIG_NAME).write_text((path / CONFIG_NAME).read_text() + " ")
+    (path / WEIGHTS_NAME).unlink()
+    with pytest.raises(IntegrityError) as err:
+        verify_manifest(path)
+    size = (path / CONFIG_NAME).stat().st_size
+    assert err.value.problems == [
+        f"{CONFIG_NAME} has {size} bytes, expected {size - 1} (truncated or replaced)",
+        f"{WEIGHTS_NAME} is missing",
+    ]
+
+
+def test_directory_without_manifest_loads_and_only_a_required_one_fails(mlm_dir):
+    model, path = mlm_dir
+    assert verify_manifest(path) is False
+    state_equal(LinformerForMaskedLM.from_pretrained(path), model)
+    with pytest.raises(IntegrityError, match="no manifest.json: the checkpoint is incomplete"):
+        verify_manifest(path, required=True)

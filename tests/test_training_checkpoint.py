@@ -1,8 +1,10 @@
-"""Checkpoints: atomic writes, truncation detection, fallback to the previous checkpoint."""
+"""Checkpoints: atomic writes, truncation and alteration detection, fallback to the previous
+checkpoint, and a clear stop when none is intact."""
 
 import pytest
-from train_helpers import tiny_run
+from train_helpers import flip_last_byte, tiny_run
 
+from linformer_kit.hub import IntegrityError
 from linformer_kit.models import LinformerForMaskedLM
 from linformer_kit.training import checkpoint as checkpoint_module
 from linformer_kit.training import latest_checkpoint, load_checkpoint, pretrain
@@ -39,6 +41,40 @@ def test_truncated_checkpoint_is_rejected_and_the_previous_one_loads(run_dir):
     previous = latest_checkpoint(run_dir)
     assert previous.state["step"] == 4
     LinformerForMaskedLM.from_pretrained(previous.path)
+
+
+def test_altered_checkpoint_is_refused_by_every_loader_and_resume_falls_back(run_dir, caplog):
+    newest = run_dir / "checkpoints" / "step-00000008"
+    flip_last_byte(newest / "model.safetensors")
+    problem = "model.safetensors was altered (same size, but its SHA-256 differs)"
+    with pytest.raises(IntegrityError) as err:
+        LinformerForMaskedLM.from_pretrained(run_dir / "last")
+    assert str(err.value).startswith(f"{run_dir / 'last'} failed its integrity check: {problem}")
+    with pytest.raises(IntegrityError) as err:
+        load_checkpoint(newest)
+    assert err.value.problems == [problem]
+    assert latest_checkpoint(run_dir).state["step"] == 4
+    assert f"skipping a corrupt checkpoint in {run_dir}: step-00000008: {problem}" in caplog.text
+    assert LinformerForMaskedLM.from_pretrained(run_dir / "last", verify=False).config.dim == 32
+
+
+def test_no_intact_checkpoint_lists_each_and_the_ways_on(run_dir):
+    checkpoints = run_dir / "checkpoints"
+    flip_last_byte(checkpoints / "step-00000008" / "model.safetensors")
+    (checkpoints / "step-00000004" / "trainer_state.pt").unlink()
+    with pytest.raises(ValueError) as err:
+        latest_checkpoint(run_dir)
+    assert str(err.value) == (
+        f"no intact checkpoint to resume from in {run_dir}: every one failed its integrity check\n"
+        "  step-00000008: model.safetensors was altered (same size, but its SHA-256 differs)\n"
+        "  step-00000004: trainer_state.pt is missing\n"
+        "To go on, either start a fresh run in another --output-dir, or remove the corrupt "
+        f"checkpoints (rm -r {checkpoints}) to start again from step 0 in {run_dir}."
+    )
+
+
+def test_run_without_checkpoints_has_no_latest(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
 
 
 def test_checkpoint_without_manifest_is_incomplete(run_dir):

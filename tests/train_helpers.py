@@ -63,3 +63,10 @@ def tiny_run(tmp_path: Path, **train: object):
             data=[str(corpus)], vocab_size=300, val_fraction=0.1, cache_dir=str(tmp_path / "cache")
         ),
     )
+
+
+def flip_last_byte(file: Path) -> None:
+    """Alters a file without changing its size: the damage only a checksum can see."""
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0xFF
+    file.write_bytes(bytes(data))

@@ -155,9 +155,10 @@ class LinformerPreTrainedModel(nn.Module):
         path: str | os.PathLike,
         *,
         config_overrides: dict[str, Any] | None = None,
+        verify: bool = True,
         **model_kwargs: Any,
     ) -> ModelT:
-        """Loads a model saved by `save_pretrained`.
+        """Loads a model saved by `save_pretrained` (or a training checkpoint).
 
         Loading a different architecture keeps the backbone only (e.g. a classifier from a
         masked-LM checkpoint); the new head is freshly initialised.
@@ -165,12 +166,16 @@ class LinformerPreTrainedModel(nn.Module):
         Args:
             path: directory with config.json and model.safetensors.
             config_overrides: config fields to change (e.g. dropout, checkpointing).
+            verify: check the files against the directory's manifest.json, when it has one
+                (training checkpoints do); False loads files changed on purpose.
             **model_kwargs: constructor arguments (e.g. num_labels) overriding the saved ones.
 
         Raises:
             FileNotFoundError: if a file is missing.
-            ValueError: if a file is corrupt or the weights do not match the config.
+            ValueError: if a file is corrupt or the weights do not match the config;
+                hub.IntegrityError if a file does not match the manifest.
         """
+        hub.check_before_load(path, verify)
         meta = hub.read_config(path)
         config = meta["config"].replace(**(config_overrides or {}))
         same = meta["architecture"] == cls.__name__

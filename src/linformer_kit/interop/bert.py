@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
+from .. import hub
 from ..config import LinformerConfig
 from ..models import LinformerModel
 from .projection_init import init_projections
@@ -84,7 +85,8 @@ def read_hf_weights(path: str | os.PathLike) -> dict[str, Tensor]:
 
     Raises:
         FileNotFoundError: if there is no model.safetensors (pickled .bin files are refused).
-        ValueError: if the file is truncated or not a safetensors file.
+        ValueError: if the file is truncated or not a safetensors file, or the directory
+            has a manifest.json that its files do not match (`hub.check_before_load`).
     """
     file = Path(path) / WEIGHTS_NAME
     if not file.is_file():
@@ -92,6 +94,7 @@ def read_hf_weights(path: str | os.PathLike) -> dict[str, Tensor]:
             Path(path).glob("*.bin")
         )
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {Path(path)}{hint}")
+    hub.check_before_load(path)
     try:
         return load_file(file)
     except (SafetensorError, OSError) as err:

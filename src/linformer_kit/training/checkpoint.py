@@ -10,13 +10,13 @@ Layout of a run directory::
     best -> checkpoints/step-...
 
 A checkpoint is assembled in a temporary directory, its manifest (size and SHA-256 of every
-file) written last, then renamed into place; only then do the `last` / `best` links move.
+file, `hub.write_manifest`) written last, then renamed into place; only then do the `last` /
+`best` links move. So a checkpoint without a manifest is incomplete, and one whose files do
+not match it is corrupt: resume skips both.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .. import hub
 from ..data.tokenizer import TOKENIZER_NAME, TextTokenizer
 from ..models import LinformerPreTrainedModel
 from .settings import RUN_CONFIG_NAME, RunConfig
@@ -34,7 +35,6 @@ from .settings import RUN_CONFIG_NAME, RunConfig
 logger = logging.getLogger(__name__)
 
 STATE_NAME = "trainer_state.pt"
-MANIFEST_NAME = "manifest.json"
 CHECKPOINTS_DIR = "checkpoints"
 
 
@@ -44,14 +44,6 @@ class Checkpoint:
 
     path: Path
     state: dict[str, Any]
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _point(link: Path, target: Path) -> None:
@@ -99,8 +91,7 @@ def save_checkpoint(
             run_config.save(tmp / RUN_CONFIG_NAME)
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_NAME)
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in tmp.iterdir()}
-        (tmp / MANIFEST_NAME).write_text(json.dumps({"step": step, "files": files}, indent=2))
+        hub.write_manifest(tmp, step=step)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -124,45 +115,17 @@ def _prune(run_dir: Path, keep_last: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Checks every file of a checkpoint against its manifest.
-
-    Raises:
-        ValueError: naming the checkpoint and the missing, truncated or altered file.
-    """
-    path = Path(path)
-    manifest = path / MANIFEST_NAME
-    if not manifest.is_file():
-        raise ValueError(f"checkpoint {path} is incomplete: it has no {MANIFEST_NAME}")
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as err:
-        raise ValueError(f"checkpoint {path}: {MANIFEST_NAME} is corrupt ({err})") from err
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            raise ValueError(f"checkpoint {path} is incomplete: {name} is missing")
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            raise ValueError(
-                f"checkpoint {path} is corrupt: {name} has {size} bytes, expected "
-                f"{expected['bytes']} (truncated during a write?)"
-            )
-        if _sha256(file) != expected["sha256"]:
-            raise ValueError(f"checkpoint {path} is corrupt: {name} does not match its checksum")
-
-
 def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Verifies a checkpoint and reads its trainer state.
+    """Verifies a checkpoint against its manifest and reads its trainer state.
 
     Raises:
         FileNotFoundError: if the directory does not exist.
-        ValueError: if it is incomplete or corrupt.
+        hub.IntegrityError: if it is incomplete or corrupt (a ValueError).
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    verify_checkpoint(path)
+    hub.verify_manifest(path, required=True)
     state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
     return Checkpoint(path.resolve(), state)
 
@@ -171,13 +134,30 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
     """The newest checkpoint of a run that verifies; corrupt ones are skipped with a warning.
 
     Returns:
-        The checkpoint, or None when the run has none.
+        The checkpoint, or None when the run has no checkpoint at all.
+
+    Raises:
+        ValueError: when the run has checkpoints but none is intact, listing what is wrong
+            with each and the ways on.
     """
     run_dir = Path(run_dir)
     candidates = sorted((run_dir / CHECKPOINTS_DIR).glob("step-*"), reverse=True)
+    problems = []
     for path in candidates:
         try:
-            return load_checkpoint(path)
-        except ValueError as err:
-            logger.warning("skipping a checkpoint: %s", err)
-    return None
+            checkpoint = load_checkpoint(path)
+        except hub.IntegrityError as err:
+            problems.append(f"{path.name}: {'; '.join(err.problems)}")
+            continue
+        for problem in problems:
+            logger.warning("skipping a corrupt checkpoint in %s: %s", run_dir, problem)
+        return checkpoint
+    if not candidates:
+        return None
+    raise ValueError(
+        f"no intact checkpoint to resume from in {run_dir}: every one failed its integrity "
+        f"check\n"
+        + "".join(f"  {problem}\n" for problem in problems)
+        + f"To go on, either start a fresh run in another --output-dir, or remove the corrupt "
+        f"checkpoints (rm -r {run_dir / CHECKPOINTS_DIR}) to start again from step 0 in {run_dir}."
+    )
