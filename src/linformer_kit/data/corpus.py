@@ -181,7 +181,7 @@ def iter_documents(
     A bad file (empty, not UTF-8, malformed JSONL) raises, whether named directly or found
     in a directory, unless `skip_bad_files`: then it is left out whole and logged at
     WARNING with its reason. The stdlib's few empty or non-UTF-8 files are always left out
-    (logged at INFO): they belong to a known source tree, not to the user's data.
+    (logged at DEBUG, counted in the summary): a known source tree, not the user's data.
 
     Args:
         specs: file paths, directory paths, `stdlib`, or `hf:NAME[:CONFIG]`.
@@ -201,7 +201,7 @@ def iter_documents(
             yield from _hf_documents(spec[len(HF_PREFIX) :], text_field)
             continue
         skip = skip_bad_files or spec == STDLIB
-        level = logging.INFO if spec == STDLIB else logging.WARNING
+        level = logging.DEBUG if spec == STDLIB else logging.WARNING
         for path in list_files(spec, glob):
             if not skip:
                 yield from _file_documents(path, text_field)
