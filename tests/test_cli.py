@@ -20,6 +20,21 @@ def test_bad_flag_value_is_rejected(capsys):
     assert "invalid int value" in capsys.readouterr().err
 
 
+def test_a_user_error_ends_with_its_message_and_exit_status_2(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pretrain", "--data", str(missing), "--output-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    message = f"linformer pretrain: error: data path {missing} does not exist"
+    assert capsys.readouterr().err == message + "\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "--from", str(missing)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "linformer convert: error: --out DIR is required (or pass --report)\n"
+    )
+
+
 def test_importing_the_plotting_modules_keeps_the_users_matplotlib_backend():
     """Figures are built without pyplot: a notebook's backend must survive the import."""
     code = (

@@ -25,7 +25,7 @@ DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
 
 def _convert(args: argparse.Namespace, source: Path) -> None:
     if args.out is None:
-        raise SystemExit("linformer convert: --out DIR is required (or pass --report)")
+        raise ValueError("--out DIR is required (or pass --report)")
     data_driven = (
         not args.exact
         and args.projection == "linear"

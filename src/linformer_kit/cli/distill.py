@@ -22,7 +22,7 @@ from .overrides import exit_on_user_error
 
 def _distill(args: argparse.Namespace, teacher: Path) -> None:
     if args.student is None:
-        raise SystemExit("linformer distill: --student DIR is required (or pass --report)")
+        raise ValueError("--student DIR is required (or pass --report)")
     data = dataclass_from_args(DistillData, args)
     history = distill_checkpoint(
         teacher,

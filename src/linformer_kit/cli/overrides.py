@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
+USAGE_ERROR = 2  # argparse's exit status for bad command-line input
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 
 
@@ -81,6 +83,16 @@ def add_override_arguments(
         )
 
 
+def fail(command: str, message: str) -> NoReturn:
+    """Ends `linformer COMMAND` like argparse does on bad input: `linformer COMMAND: error:
+    MESSAGE` on stderr and exit status 2 (the SystemExit also carries the message)."""
+    text = f"linformer {command}: error: {message}"
+    print(text, file=sys.stderr)
+    error = SystemExit(text)
+    error.code = USAGE_ERROR
+    raise error
+
+
 def exit_on_user_error(run: Callable[[argparse.Namespace], None]) -> Callable:
     """Wraps a subcommand so bad input (ValueError, FileNotFoundError) ends with its message
     and exit status 2 instead of a traceback."""
@@ -90,7 +102,7 @@ def exit_on_user_error(run: Callable[[argparse.Namespace], None]) -> Callable:
         try:
             run(args)
         except (ValueError, FileNotFoundError) as err:
-            raise SystemExit(f"linformer {args.command}: error: {err}") from err
+            fail(args.command, str(err))
 
     return wrapper
 
