@@ -1,5 +1,5 @@
 """`linformer finetune`: sequence classification from a pretrained checkpoint, with accuracy
-and F1 on the validation set after every epoch."""
+and F1 on the validation set after every epoch (or every --eval-every steps)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from ..training.settings import TrainSettings
 from .common import format_table
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
-DERIVED = ("max_steps", "eval_every", "save_every", "resume")  # set from --epochs
+# Set from the finetune section (--epochs, --max-steps, --eval-every), or unused by it.
+DERIVED = ("max_steps", "eval_every", "save_every")
+UNUSED = ("mlm_probability", "eval_batches")
 # Fine-tuning's own defaults where they differ from pretraining's.
 TRAIN_DEFAULTS = {
     "output_dir": "runs/finetune",
@@ -32,11 +34,12 @@ def run(args: argparse.Namespace) -> None:
     train = TrainSettings(**{**TRAIN_DEFAULTS, **overrides.get("train", {})})
     result = finetune(settings, train)
     if main_process:
-        epochs = [
-            {"epoch": i + 1, "step": r["step"], **{k: r[k] for k in ("val_loss", "accuracy", "f1")}}
-            for i, r in enumerate(r for r in result.records if r["split"] == "val")
+        validations = [
+            {k: r[k] for k in ("step", "val_loss", "accuracy", "f1")}
+            for r in result.records
+            if r["split"] == "val"
         ]
-        print(format_table(epochs))
+        print(format_table(validations))
         print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
 
 
@@ -46,5 +49,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "finetune", help="fine-tune a pretrained checkpoint for sequence classification"
     )
     add_override_arguments(parser, FinetuneSettings, "finetune")
-    add_override_arguments(parser, TrainSettings, "train", exclude=DERIVED, defaults=TRAIN_DEFAULTS)
+    add_override_arguments(
+        parser, TrainSettings, "train", exclude=DERIVED + UNUSED, defaults=TRAIN_DEFAULTS
+    )
     parser.set_defaults(func=run)

@@ -61,7 +61,8 @@ def add_override_arguments(
 ) -> None:
     """Adds `--field-name` for every field of dataclass `cls` (bar `exclude`) in a group
     named `section`; given values are collected by `collect_overrides`. `defaults` names the
-    values a subcommand uses instead of the field's own default (shown in the help)."""
+    values a subcommand uses instead of the field's own default (shown in the help); a field
+    whose metadata says `"required": True` becomes a required flag."""
     group = parser.add_argument_group(section)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -72,14 +73,16 @@ def add_override_arguments(
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         default = (defaults or {}).get(f.name, default)
         note = f.metadata.get("help", "")
+        required = f.metadata.get("required", False)
         group.add_argument(
             f"--{f.name.replace('_', '-')}",
             dest=f"{section}.{f.name}",
             type=convert,
             **flag,
             default=argparse.SUPPRESS,
+            required=required,
             metavar=f.name.upper(),
-            help=f"{note} (default: {default})".strip(),
+            help=f"{note} ({'required' if required else f'default: {default}'})".strip(),
         )
 
 

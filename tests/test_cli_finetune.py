@@ -1,0 +1,129 @@
+"""`linformer finetune` as a user runs it: sizing flags, resume, and honest errors."""
+
+import json
+
+import pytest
+from train_helpers import write_classification, write_corpus
+
+from linformer_kit.cli import main
+
+MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "1", "--num-heads", "2"]
+TRAIN = ["--batch-size", "4", "--warmup-steps", "1", "--lr", "3e-3", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny pretrained checkpoint shared by the module's tests (4 steps)."""
+    root = tmp_path_factory.mktemp("pretrained")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LINFORMER_CACHE", str(root / "cache"))
+        main(
+            ["pretrain", "--data", str(write_corpus(root / "corpus", files=2))]
+            + ["--vocab-size", "300", "--proj-dim", "16", "--max-steps", "4"]
+            + ["--eval-every", "4", "--output-dir", str(root / "run")]
+            + MODEL
+            + TRAIN
+        )
+    return root / "run" / "best"
+
+
+@pytest.fixture
+def data(tmp_path):
+    """Training (24 rows) and validation (8 rows) JSONL files."""
+    return (
+        write_classification(tmp_path / "train.jsonl", 24, seed=0),
+        write_classification(tmp_path / "valid.jsonl", 8, seed=1),
+    )
+
+
+def finetune(pretrained, data, out, *flags):
+    train, valid = data
+    main(
+        ["finetune", "--init", str(pretrained), "--data", str(train), "--eval", str(valid)]
+        + ["--batch-size", "8", "--log-every", "1", "--output-dir", str(out), *flags]
+    )
+
+
+def records(run_dir, split):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if r["split"] == split]
+
+
+def user_error(capsys, run) -> str:
+    """Runs a command expected to fail with exit status 2; returns its stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_max_steps_overrides_epochs_and_eval_every_sets_validation(
+    pretrained, data, tmp_path, capsys
+):
+    out = tmp_path / "ft"
+    finetune(pretrained, data, out, "--epochs", "5", "--max-steps", "5", "--eval-every", "2")
+    assert records(out, "train") == [1, 2, 3, 4, 5]
+    assert records(out, "val") == [2, 4, 5]
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["step", "val_loss", "accuracy", "f1"]
+    assert [row.split()[0] for row in table[1:4]] == ["2", "4", "5"]
+
+
+def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
+    pretrained, data, tmp_path, capsys
+):
+    out = tmp_path / "ft"
+    finetune(pretrained, data, out, "--max-steps", "2")
+    err = user_error(capsys, lambda: finetune(pretrained, data, out, "--max-steps", "4"))
+    assert err == (
+        f"linformer finetune: error: {out} already holds checkpoints: pass --resume to "
+        "continue that run, or choose another --output-dir\n"
+    )
+    finetune(pretrained, data, out, "--max-steps", "4", "--resume")
+    assert records(out, "train") == [1, 2, 3, 4]
+
+
+def test_a_sequence_length_beyond_the_models_is_an_error_naming_both(
+    pretrained, data, tmp_path, capsys
+):
+    err = user_error(
+        capsys, lambda: finetune(pretrained, data, tmp_path / "ft", "--max-seq-len", "65")
+    )
+    assert err == (
+        "linformer finetune: error: --max-seq-len 65 is longer than the model's max_seq_len "
+        f"64 ({pretrained}); pass at most 64\n"
+    )
+    assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--epochs", "0"], "epochs must be an integer >= 1, got 0"),
+        (["--max-steps", "-1"], "max_steps must be an integer >= 0, got -1"),
+        (["--num-labels", "1"], "num_labels must be at least 2 (or 0: max label + 1), got 1"),
+    ],
+)
+def test_sizing_flags_that_cannot_be_honoured_are_errors(
+    pretrained, data, tmp_path, capsys, flags, message
+):
+    err = user_error(capsys, lambda: finetune(pretrained, data, tmp_path / "ft", *flags))
+    assert err == f"linformer finetune: error: {message}\n"
+
+
+def test_eval_is_a_required_flag_and_pretraining_only_flags_are_gone(capsys):
+    with pytest.raises(SystemExit):
+        main(["finetune", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--eval EVAL           validation JSONL (text + label) (required)" in help_text
+    assert "--mlm-probability" not in help_text and "--eval-batches" not in help_text
+    err = user_error(capsys, lambda: main(["finetune", "--init", "a", "--data", "b"]))
+    assert err.endswith("linformer finetune: error: the following arguments are required: --eval\n")
+    err = user_error(
+        capsys,
+        lambda: main(
+            ["finetune", "--init", "a", "--data", "b", "--eval", "c"] + ["--eval-batches", "2"]
+        ),
+    )
+    assert err.endswith("linformer: error: unrecognized arguments: --eval-batches 2\n")
