@@ -1,10 +1,12 @@
+import argparse
+import re
 import subprocess
 import sys
 
 import pytest
 
 from linformer_kit import __version__
-from linformer_kit.cli import main
+from linformer_kit.cli import build_parser, main
 
 
 def test_version_flag_prints_the_package_version(capsys):
@@ -33,6 +35,20 @@ def test_a_user_error_ends_with_its_message_and_exit_status_2(tmp_path, capsys):
     assert capsys.readouterr().err == (
         "linformer convert: error: --out DIR is required (or pass --report)\n"
     )
+
+
+def test_every_flag_of_every_subcommand_says_what_it_does():
+    """Beyond its default: `--proj-dim` must say that `none` means exact attention."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = []
+    for name, parser in commands.choices.items():
+        for action in parser._actions:
+            text = re.sub(r"\((default: .*|required)\)$", "", action.help or "").strip()
+            if not text:
+                silent.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert silent == []
+    pretrain_help = commands.choices["pretrain"].format_help()
+    assert "none = exact attention" in " ".join(pretrain_help.split())
 
 
 def test_importing_the_plotting_modules_keeps_the_users_matplotlib_backend():
