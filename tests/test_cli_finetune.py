@@ -65,9 +65,18 @@ def test_max_steps_overrides_epochs_and_eval_every_sets_validation(
     finetune(pretrained, data, out, "--epochs", "5", "--max-steps", "5", "--eval-every", "2")
     assert records(out, "train") == [1, 2, 3, 4, 5]
     assert records(out, "val") == [2, 4, 5]
-    table = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    table = captured.out.splitlines()
     assert table[0].split() == ["step", "val_loss", "accuracy", "f1"]
     assert [row.split()[0] for row in table[1:4]] == ["2", "4", "5"]
+    assert table[4].split() == ["steps", "params", "s_per_step", "tokens_per_s", "peak_mem_mb"]
+    assert table[5].split()[0] == "5" and float(table[5].split()[-1]) > 0
+    assert table[6] == f"checkpoints: {out}/last and {out}/best"
+    assert "validation: " in captured.err  # the progress bar
+    saved = json.loads((out / "run_config.json").read_text())
+    assert sorted(saved) == ["finetune", "model", "train"]
+    assert saved["train"]["max_steps"] == 5 and saved["train"]["eval_every"] == 2
+    assert saved["finetune"]["init"] == str(pretrained) and saved["model"]["dim"] == 32
 
 
 def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(

@@ -9,7 +9,7 @@ import os
 
 from ..training.finetune import FinetuneSettings, finetune
 from ..training.settings import TrainSettings
-from .common import format_table
+from .common import format_table, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 # Set from the finetune section (--epochs, --max-steps, --eval-every), or unused by it.
@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> None:
             if r["split"] == "val"
         ]
         print(format_table(validations))
+        print(format_table([run_summary(result)]))
         print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
 
 

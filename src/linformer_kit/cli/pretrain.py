@@ -14,7 +14,7 @@ from ..config import LinformerConfig
 from ..data.pipeline import DataSettings
 from ..training.pretrain import pretrain
 from ..training.settings import RunConfig, TrainSettings
-from .common import format_table
+from .common import format_table, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 FROM_TOKENIZER = ("vocab_size", "pad_token_id")  # model fields the tokenizer decides
@@ -36,19 +36,7 @@ def run(args: argparse.Namespace) -> None:
     config = build_run_config(args)
     result = pretrain(config)
     if main_process:
-        print(
-            format_table(
-                [
-                    {
-                        "steps": config.train.max_steps,
-                        "params": result.params,
-                        **result.final,
-                        "tokens_per_s": result.tokens_per_s,
-                        "peak_mem_mb": result.peak_mem_mb,
-                    }
-                ]
-            )
-        )
+        print(format_table([{**run_summary(result), **result.final}]))
         print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
 
 

@@ -12,6 +12,7 @@ from functools import lru_cache
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ..data.cache import PackedBlocks
 from ..data.classification import ClassificationData
@@ -95,6 +96,7 @@ class MaskedLMEvaluator:
     batches: MaskedLMBatches
     batch_size: int
     max_batches: int = 0  # 0 = every validation block
+    progress: bool = False  # a progress bar (rank 0 only, so DDP shows one)
     key: str = field(default="val_loss", init=False)
 
     @torch.no_grad()
@@ -104,7 +106,7 @@ class MaskedLMEvaluator:
         count = math.ceil(len(blocks) / self.batch_size)
         count = min(count, self.max_batches) if self.max_batches else count
         total = scored = 0.0
-        for index in range(count):
+        for index in tqdm(range(count), desc="validation", leave=False, disable=not self.progress):
             rows = list(
                 range(index * self.batch_size, min(len(blocks), (index + 1) * self.batch_size))
             )
@@ -139,13 +141,15 @@ class ClassificationEvaluator:
     pad_id: int
     batch_size: int
     num_labels: int
+    progress: bool = False  # a progress bar (rank 0 only, so DDP shows one)
     key: str = field(default="val_loss", init=False)
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Metrics over every example."""
         predictions, total = [], 0.0
-        for start in range(0, len(self.data), self.batch_size):
+        starts = range(0, len(self.data), self.batch_size)
+        for start in tqdm(starts, desc="validation", leave=False, disable=not self.progress):
             rows = list(range(start, min(len(self.data), start + self.batch_size)))
             batch = {k: v.to(device) for k, v in self.data.batch(rows, self.pad_id).items()}
             out = model(**batch)

@@ -76,12 +76,14 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
                 label_field=settings.label_field,
             )
             evaluator = ClassificationEvaluator(
-                labelled, tokenizer.pad_id, batch_size, model.num_labels
+                labelled, tokenizer.pad_id, batch_size, model.num_labels, progress=True
             )
             metrics[spec] = evaluator(model.to(target).eval(), target)
         return metrics
     model = LinformerForMaskedLM.from_pretrained(path)
     blocks = _text_blocks(data, tokenizer, config.max_seq_len, settings)
     schedule = RowSchedule(len(blocks), batch_size, 1, 1, 0)
-    evaluator = MaskedLMEvaluator(MaskedLMBatches(blocks, tokenizer, schedule), batch_size)
+    evaluator = MaskedLMEvaluator(
+        MaskedLMBatches(blocks, tokenizer, schedule), batch_size, progress=True
+    )
     return {"+".join(data): evaluator(model.to(target).eval(), target)}

@@ -6,17 +6,20 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from .. import hub
+from ..config import LinformerConfig
 from ..data.classification import load_classification
 from ..data.tokenizer import load_tokenizer
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
-from .settings import TrainSettings
+from .settings import TrainSettings, save_json
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,27 @@ class FinetuneSettings:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.num_labels == 1:
             raise ValueError("num_labels must be at least 2 (or 0: max label + 1), got 1")
+
+
+@dataclass(kw_only=True)
+class FinetuneRunConfig:
+    """A fine-tuning run's backbone, recipe (as sized) and data; saved as run_config.json."""
+
+    model: LinformerConfig
+    train: TrainSettings
+    finetune: FinetuneSettings
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return {
+            "model": self.model.to_dict(),
+            "train": dataclasses.asdict(self.train),
+            "finetune": dataclasses.asdict(self.finetune),
+        }
+
+    def save(self, path: Path) -> None:
+        """Writes the JSON form to `path`."""
+        save_json(self.to_dict(), path)
 
 
 def _sequence_length(settings: FinetuneSettings, model_len: int) -> int:
@@ -125,10 +149,11 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             model=model,
             batches=ClassificationBatches(train_data, tokenizer.pad_id, schedule),
             evaluator=ClassificationEvaluator(
-                eval_data, tokenizer.pad_id, train.batch_size, num_labels
+                eval_data, tokenizer.pad_id, train.batch_size, num_labels, dist.is_main
             ),
             settings=train,
             dist=dist,
+            run_config=FinetuneRunConfig(model=config, train=train, finetune=settings),
             tokenizer=tokenizer,
         )
         result = trainer.fit()

@@ -26,7 +26,7 @@ from .batches import mix_seed
 from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, save_checkpoint
 from .distributed import Distributed
 from .optim import build_optimizer, build_scheduler
-from .settings import RUN_CONFIG_NAME, RunConfig, TrainSettings
+from .settings import RUN_CONFIG_NAME, TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ class BatchSource(Protocol):
 
 
 Evaluator = Callable[[torch.nn.Module, torch.device], dict[str, float]]
+
+
+class SavedConfig(Protocol):
+    """A run's settings (RunConfig, FinetuneRunConfig) that write themselves as JSON."""
+
+    def save(self, path: Path) -> None: ...
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -107,6 +113,7 @@ class TrainResult:
 
     records: list[dict[str, Any]]
     final: dict[str, float]
+    steps: int
     params: int
     tokens_per_s: float
     sec_per_step: float
@@ -136,7 +143,7 @@ class Trainer:
         evaluator: Evaluator,
         settings: TrainSettings,
         dist: Distributed,
-        run_config: RunConfig | None = None,
+        run_config: SavedConfig | None = None,
         tokenizer: TextTokenizer | None = None,
     ) -> None:
         self.model = model.to(dist.device)
@@ -307,6 +314,7 @@ class Trainer:
         return TrainResult(
             records=records,
             final={k: v for k, v in final.items() if isinstance(v, float)},
+            steps=self.step,
             params=sum(p.numel() for p in self.model.parameters()),
             tokens_per_s=self.tokens / self.train_s if self.train_s else math.nan,
             sec_per_step=steady[len(steady) // 2],

@@ -103,8 +103,7 @@ class RunConfig:
 
     def save(self, path: Path) -> None:
         """Writes the JSON form to `path`."""
-        text = json.dumps(self.to_dict(), indent=2) + "\n"
-        atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
+        save_json(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
@@ -120,6 +119,12 @@ class RunConfig:
             return cls.from_dict(json.loads(file.read_text()))
         except json.JSONDecodeError as err:
             raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
+
+
+def save_json(data: dict[str, Any], path: str | Path) -> None:
+    """Writes `data` as indented JSON to `path`, atomically (a kill leaves the old file)."""
+    text = json.dumps(data, indent=2) + "\n"
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:
