@@ -136,3 +136,39 @@ def test_eval_is_a_required_flag_and_pretraining_only_flags_are_gone(capsys):
         ),
     )
     assert err.endswith("linformer: error: unrecognized arguments: --eval-batches 2\n")
+
+
+ONE_CLASS = (
+    "every prediction on {data} is class 0 (accuracy 0.750, F1 0.429): the classifier does "
+    "not tell the classes apart. Likely causes: a learning rate too high or too low (--lr), "
+    "too few steps (--epochs, --max-steps), or texts truncated before the words that decide "
+    "the label (--max-seq-len)"
+)
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_classifier_predicting_one_class_gets_a_warning_naming_likely_causes(
+    pretrained, data, tmp_path, caplog
+):
+    out = tmp_path / "ft"
+    finetune(pretrained, data, out, "--max-steps", "1", "--lr", "1e-6")
+    assert warnings(caplog) == [ONE_CLASS.format(data=data[1])]
+    caplog.clear()
+    main(["evaluate", str(out / "best"), "--data", str(data[1])])
+    assert warnings(caplog) == [ONE_CLASS.format(data=data[1])]
+
+
+def test_evaluating_a_base_model_on_labelled_data_says_it_is_not_a_classifier(
+    pretrained, data, caplog, capsys
+):
+    main(["evaluate", str(pretrained), "--data", str(data[1])])
+    assert warnings(caplog) == [
+        f"{pretrained} is not a classifier (LinformerForMaskedLM, no classification head): the "
+        f"labels in {data[1]} are ignored and its texts scored for masked-LM perplexity. For "
+        f"accuracy and F1, fine-tune it first: linformer finetune --init {pretrained} "
+        "--data ... --eval ..."
+    ]
+    assert "val_ppl" in capsys.readouterr().out

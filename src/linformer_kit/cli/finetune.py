@@ -7,6 +7,8 @@ import argparse
 import logging
 import os
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from ..training.finetune import FinetuneSettings, finetune
 from ..training.settings import TrainSettings
 from .common import format_table, run_summary
@@ -32,7 +34,8 @@ def run(args: argparse.Namespace) -> None:
     overrides = collect_overrides(args)
     settings = FinetuneSettings(**overrides.get("finetune", {}))
     train = TrainSettings(**{**TRAIN_DEFAULTS, **overrides.get("train", {})})
-    result = finetune(settings, train)
+    with logging_redirect_tqdm():  # warnings between progress bars, not inside them
+        result = finetune(settings, train)
     if main_process:
         validations = [
             {k: r[k] for k in ("step", "val_loss", "accuracy", "f1")}

@@ -10,6 +10,8 @@ import logging
 import os
 from typing import Any
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from ..config import LinformerConfig
 from ..data.pipeline import DataSettings
 from ..training.pretrain import pretrain
@@ -34,7 +36,8 @@ def run(args: argparse.Namespace) -> None:
     main_process = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     config = build_run_config(args)
-    result = pretrain(config)
+    with logging_redirect_tqdm():  # warnings between progress bars, not inside them
+        result = pretrain(config)
     if main_process:
         print(format_table([{**run_summary(result), **result.final}]))
         print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")

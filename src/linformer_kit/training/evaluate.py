@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForMaskedLM, LinformerForSequenceClassification
 from .batches import ClassificationEvaluator, MaskedLMBatches, MaskedLMEvaluator, RowSchedule
 from .distributed import resolve_device
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -44,6 +48,20 @@ def _text_blocks(
             f"{', '.join(specs)}: {len(stream)} tokens, fewer than one block of {block_len}"
         )
     return PackedBlocks(np.asarray(stream), block_len, np.arange(count))
+
+
+def _labelled(spec: str, label_field: str) -> bool:
+    """Whether `spec` is a JSONL file whose first record has a label."""
+    path = Path(spec)
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        first = next((line for line in lines if line.strip()), "")
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and label_field in record
 
 
 def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[str, Any]:
@@ -76,14 +94,25 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
                 label_field=settings.label_field,
             )
             evaluator = ClassificationEvaluator(
-                labelled, tokenizer.pad_id, batch_size, model.num_labels, progress=True
+                labelled, tokenizer.pad_id, batch_size, model.num_labels, verbose=True
             )
             metrics[spec] = evaluator(model.to(target).eval(), target)
         return metrics
+    for spec in data:
+        if _labelled(spec, settings.label_field):
+            logger.warning(
+                "%s is not a classifier (%s, no classification head): the labels in %s are "
+                "ignored and its texts scored for masked-LM perplexity. For accuracy and F1, "
+                "fine-tune it first: linformer finetune --init %s --data ... --eval ...",
+                path,
+                meta["architecture"],
+                spec,
+                path,
+            )
     model = LinformerForMaskedLM.from_pretrained(path)
     blocks = _text_blocks(data, tokenizer, config.max_seq_len, settings)
     schedule = RowSchedule(len(blocks), batch_size, 1, 1, 0)
     evaluator = MaskedLMEvaluator(
-        MaskedLMBatches(blocks, tokenizer, schedule), batch_size, progress=True
+        MaskedLMBatches(blocks, tokenizer, schedule), batch_size, verbose=True
     )
     return {"+".join(data): evaluator(model.to(target).eval(), target)}

@@ -149,7 +149,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             model=model,
             batches=ClassificationBatches(train_data, tokenizer.pad_id, schedule),
             evaluator=ClassificationEvaluator(
-                eval_data, tokenizer.pad_id, train.batch_size, num_labels, dist.is_main
+                eval_data, tokenizer.pad_id, train.batch_size, num_labels, verbose=dist.is_main
             ),
             settings=train,
             dist=dist,

@@ -46,7 +46,7 @@ def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> T
         model=model,
         batches=batches,
         evaluator=MaskedLMEvaluator(
-            val_batches, settings.batch_size, settings.eval_batches, progress=dist.is_main
+            val_batches, settings.batch_size, settings.eval_batches, verbose=dist.is_main
         ),
         settings=settings,
         dist=dist,
