@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from train_helpers import write_classification, write_corpus
+from train_helpers import interrupted_after, write_classification, write_corpus
 
 from linformer_kit.cli import main
 
@@ -172,3 +172,19 @@ def test_evaluating_a_base_model_on_labelled_data_says_it_is_not_a_classifier(
         "--data ... --eval ..."
     ]
     assert "val_ppl" in capsys.readouterr().out
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_to_start_again(pretrained, data, tmp_path, capsys):
+    out = tmp_path / "ft"
+    argv = ["finetune", "--init", str(pretrained), "--data", str(data[0]), "--eval", str(data[1])]
+    argv += ["--output-dir", str(out)]
+    capsys.readouterr()
+    with interrupted_after(1), pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "linformer finetune: interrupted at step 1, before the first checkpoint; start again "
+        f"with: linformer {' '.join(argv)}"
+    )
+    main(argv)  # the folder holds no checkpoint, so starting again needs no --resume
+    assert records(out, "val") == [2, 4, 6]

@@ -1,9 +1,10 @@
 """The pretrain / finetune / evaluate / demo subcommands end to end on tiny generated data."""
 
 import json
+import shlex
 
 import pytest
-from train_helpers import write_classification, write_corpus
+from train_helpers import interrupted_after, write_classification, write_corpus
 
 from linformer_kit.cli import build_parser, main
 from linformer_kit.cli.overrides import collect_overrides
@@ -40,6 +41,35 @@ def test_pretrain_writes_checkpoints_and_resumes_from_its_config(pretrained, cap
     main(["pretrain", "--config", str(pretrained), "--max-steps", "12", "--resume"])
     records = [json.loads(line) for line in (pretrained / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 13))
+
+
+def train_losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def test_ctrl_c_prints_one_line_to_resume_and_resuming_matches_an_uninterrupted_run(
+    tmp_path, capsys
+):
+    corpus = write_corpus(tmp_path / "corpus", files=2)
+    flags = ["pretrain", "--data", str(corpus), "--vocab-size", "300", "--proj-dim", "16"]
+    flags += MODEL + TRAIN + ["--max-steps", "6", "--eval-every", "2", "--save-every", "2"]
+    main(flags + ["--output-dir", str(tmp_path / "straight")])
+    run = tmp_path / "run"
+    argv = flags + ["--output-dir", str(run)]
+    capsys.readouterr()
+    with interrupted_after(3), pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err.splitlines()
+    command = shlex.join(["linformer", *argv, "--resume"])
+    assert err[-1] == (
+        f"linformer pretrain: interrupted at step 3; last checkpoint: "
+        f"{run}/checkpoints/step-00000002; continue with: {command}"
+    )
+    assert not any("Traceback" in line for line in err)
+    main(shlex.split(command)[1:])
+    assert train_losses(run) == train_losses(tmp_path / "straight")
 
 
 def test_finetune_reports_accuracy_per_epoch_and_evaluate_reads_it(tmp_path, pretrained, capsys):

@@ -107,6 +107,14 @@ class MetricsLog:
             self.writer.close()
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; `step` is the step reached, `run_dir` holds the checkpoints."""
+
+    def __init__(self, step: int, run_dir: Path) -> None:
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.run_dir = step, run_dir
+
+
 @dataclass
 class TrainResult:
     """What a run measured: every metrics record, the final validation and throughput."""
@@ -245,29 +253,11 @@ class Trainer:
         log.write({"step": self.step, "split": "val", "train_s": self.train_s, **metrics})
         return metrics, improved
 
-    def fit(self) -> TrainResult:
-        """Runs (or resumes) training to `max_steps`.
-
-        Returns:
-            The run's records, final validation metrics and measured throughput.
-        """
+    def _loop(
+        self, model: torch.nn.Module, log: MetricsLog, bar: tqdm
+    ) -> tuple[dict[str, float], list[float]]:
+        """Steps to `max_steps`; returns the last validation metrics and each step's time."""
         s = self.settings
-        resumed = self._resume() if s.resume else None
-        if resumed is None:
-            self._check_fresh()
-            torch.manual_seed(mix_seed(s.seed, self.dist.rank))  # dropout differs per rank
-        log = MetricsLog(self.run_dir, self.dist.is_main, keep_until=resumed)
-        if self.dist.is_main and self.run_config is not None:
-            self.run_config.save(self.run_dir / RUN_CONFIG_NAME)
-        model = self.dist.wrap(self.model)
-        model.train()
-        bar = tqdm(
-            total=s.max_steps,
-            initial=self.step,
-            disable=not self.dist.is_main,
-            desc=self.run_dir.name,
-            dynamic_ncols=True,
-        )
         interval_tokens, interval_s, step_times = 0, 0.0, []
         final: dict[str, float] = {}
         while self.step < s.max_steps:
@@ -301,8 +291,38 @@ class Trainer:
                 final, improved = self._evaluate(log)
             if improved or self.step % s.save_every == 0 or self.step == s.max_steps:
                 self._save(best=improved)
-        bar.close()
-        log.close()
+        return final, step_times
+
+    def fit(self) -> TrainResult:
+        """Runs (or resumes) training to `max_steps`.
+
+        Returns:
+            The run's records, final validation metrics and measured throughput.
+        """
+        s = self.settings
+        resumed = self._resume() if s.resume else None
+        if resumed is None:
+            self._check_fresh()
+            torch.manual_seed(mix_seed(s.seed, self.dist.rank))  # dropout differs per rank
+        log = MetricsLog(self.run_dir, self.dist.is_main, keep_until=resumed)
+        if self.dist.is_main and self.run_config is not None:
+            self.run_config.save(self.run_dir / RUN_CONFIG_NAME)
+        model = self.dist.wrap(self.model)
+        model.train()
+        bar = tqdm(
+            total=s.max_steps,
+            initial=self.step,
+            disable=not self.dist.is_main,
+            desc=self.run_dir.name,
+            dynamic_ncols=True,
+        )
+        try:
+            final, step_times = self._loop(model, log, bar)
+        except KeyboardInterrupt:
+            raise TrainingInterrupted(self.step, self.run_dir) from None
+        finally:
+            bar.close()
+            log.close()
         if not final:
             final = next((r for r in reversed(log.records) if r["split"] == "val"), {})
         return self._result(log.records, final, step_times)
