@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from train_helpers import interrupted_after, write_classification, write_corpus
 
 from linformer_kit.cli import main
@@ -188,3 +189,29 @@ def test_ctrl_c_before_the_first_checkpoint_says_to_start_again(pretrained, data
     )
     main(argv)  # the folder holds no checkpoint, so starting again needs no --resume
     assert records(out, "val") == [2, 4, 6]
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_threads_sets_torchs_cpu_threads_in_every_training_command(
+    pretrained, data, tmp_path, capsys, restore_threads
+):
+    for command in ("pretrain", "finetune", "evaluate", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--threads THREADS" in capsys.readouterr().out
+    wanted = restore_threads + 1
+    finetune(pretrained, data, tmp_path / "ft", "--max-steps", "1", "--threads", str(wanted))
+    assert torch.get_num_threads() == wanted
+    torch.set_num_threads(restore_threads)
+    main(["evaluate", str(pretrained), "--data", str(data[1]), "--threads", str(wanted)])
+    assert torch.get_num_threads() == wanted
+    err = user_error(capsys, lambda: finetune(pretrained, data, tmp_path / "x", "--threads", "-1"))
+    assert err == (
+        "linformer finetune: error: threads must be an integer >= 0 (0 = torch's default), got -1\n"
+    )

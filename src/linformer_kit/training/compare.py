@@ -55,6 +55,7 @@ class ComparisonSettings:
     eval_every: int = field(default=50, metadata={"help": "validate every N steps"})
     eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and masking"})
+    threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
 
     def run_configs(self) -> dict[str, RunConfig]:
         """One run config per model, identical except for proj_dim (None = exact)."""
@@ -88,6 +89,7 @@ class ComparisonSettings:
                 log_every=10,
                 seed=self.seed,
                 keep_last=1,
+                threads=self.threads,
             )
             runs[name] = RunConfig(model=model.replace(proj_dim=proj_dim), train=train, data=data)
         return runs

@@ -18,6 +18,7 @@ from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForMaskedLM, LinformerForSequenceClassification
 from .batches import ClassificationEvaluator, MaskedLMBatches, MaskedLMEvaluator, RowSchedule
 from .distributed import resolve_device
+from .settings import check_threads, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ class EvaluateSettings:
     text_field: str = field(default="text", metadata={"help": "JSONL text field"})
     label_field: str = field(default="label", metadata={"help": "JSONL label field"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
+
+    def __post_init__(self) -> None:
+        check_threads(self.threads)
 
 
 def _text_blocks(
@@ -76,6 +81,7 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
     """
     if not settings.data:
         raise ValueError("evaluate needs --data")
+    use_threads(settings.threads)
     data, batch_size = settings.data, settings.batch_size
     meta = hub.read_config(path)
     tokenizer = load_tokenizer(path)

@@ -26,7 +26,7 @@ from .batches import mix_seed
 from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, save_checkpoint
 from .distributed import Distributed
 from .optim import build_optimizer, build_scheduler
-from .settings import RUN_CONFIG_NAME, TrainSettings
+from .settings import RUN_CONFIG_NAME, TrainSettings, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +300,7 @@ class Trainer:
             The run's records, final validation metrics and measured throughput.
         """
         s = self.settings
+        use_threads(s.threads)
         resumed = self._resume() if s.resume else None
         if resumed is None:
             self._check_fresh()
