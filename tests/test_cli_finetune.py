@@ -41,7 +41,8 @@ def finetune(pretrained, data, out, *flags):
     train, valid = data
     main(
         ["finetune", "--init", str(pretrained), "--data", str(train), "--eval", str(valid)]
-        + ["--batch-size", "8", "--log-every", "1", "--output-dir", str(out), *flags]
+        + ["--batch-size", "8", "--log-every", "1", "--warmup-steps", "1"]
+        + ["--output-dir", str(out), *flags]
     )
 
 
@@ -215,3 +216,18 @@ def test_threads_sets_torchs_cpu_threads_in_every_training_command(
     assert err == (
         "linformer finetune: error: threads must be an integer >= 0 (0 = torch's default), got -1\n"
     )
+
+
+def test_a_warmup_longer_than_the_run_is_stated_and_evaluate_rejects_what_it_cannot_do(
+    pretrained, data, tmp_path, caplog, capsys
+):
+    finetune(pretrained, data, tmp_path / "ft", "--max-steps", "2", "--warmup-steps", "5")
+    assert (
+        "warmup_steps (5) > max_steps (2): the run ends during warm-up, with the learning rate "
+        "at 40% of --lr 0.0001"
+    ) in warnings(caplog)
+    err = user_error(capsys, lambda: main(["evaluate", str(pretrained)]))
+    assert err.endswith("linformer evaluate: error: the following arguments are required: --data\n")
+    evaluate = ["evaluate", str(pretrained), "--data", str(data[1]), "--batch-size", "0"]
+    err = user_error(capsys, lambda: main(evaluate))
+    assert err == "linformer evaluate: error: batch_size must be an integer >= 1, got 0\n"

@@ -28,7 +28,8 @@ class EvaluateSettings:
     """What to evaluate a checkpoint on."""
 
     data: list[str] = field(
-        default_factory=list, metadata={"help": "text files / directories, or labelled JSONL"}
+        default_factory=list,
+        metadata={"help": "text files / directories, or labelled JSONL", "required": True},
     )
     batch_size: int = field(default=8, metadata={"help": "sequences per batch"})
     glob: str = field(default="**/*.txt", metadata={"help": "files to read inside directories"})
@@ -39,6 +40,8 @@ class EvaluateSettings:
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
 
 
 def _text_blocks(

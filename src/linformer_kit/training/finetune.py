@@ -102,7 +102,7 @@ def _sized(
     per_step = train.batch_size * train.grad_accum_steps * ranks
     epoch_steps = math.ceil(examples / per_step)
     max_steps = settings.max_steps or epoch_steps * settings.epochs
-    every = min(settings.eval_every or epoch_steps, max_steps)
+    every = settings.eval_every or epoch_steps  # the last step validates and saves anyway
     logger.info(
         "fine-tuning for %d steps (%.3g epochs of %d steps), validating every %d steps",
         max_steps,

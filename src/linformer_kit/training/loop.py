@@ -305,6 +305,15 @@ class Trainer:
         if resumed is None:
             self._check_fresh()
             torch.manual_seed(mix_seed(s.seed, self.dist.rank))  # dropout differs per rank
+        if s.warmup_steps > s.max_steps:
+            logger.warning(
+                "warmup_steps (%d) > max_steps (%d): the run ends during warm-up, with the "
+                "learning rate at %.0f%% of --lr %g",
+                s.warmup_steps,
+                s.max_steps,
+                100 * s.max_steps / s.warmup_steps,
+                s.lr,
+            )
         log = MetricsLog(self.run_dir, self.dist.is_main, keep_until=resumed)
         if self.dist.is_main and self.run_config is not None:
             self.run_config.save(self.run_dir / RUN_CONFIG_NAME)
