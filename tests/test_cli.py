@@ -1,10 +1,12 @@
+import argparse
+import re
 import subprocess
 import sys
 
 import pytest
 
 from linformer_kit import __version__
-from linformer_kit.cli import main
+from linformer_kit.cli import build_parser, main
 
 
 def test_version_flag_prints_the_package_version(capsys):
@@ -18,6 +20,35 @@ def test_bad_flag_value_is_rejected(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--steps", "many"])
     assert "invalid int value" in capsys.readouterr().err
+
+
+def test_a_user_error_ends_with_its_message_and_exit_status_2(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pretrain", "--data", str(missing), "--output-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    message = f"linformer pretrain: error: data path {missing} does not exist"
+    assert capsys.readouterr().err == message + "\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "--from", str(missing)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "linformer convert: error: --out DIR is required (or pass --report)\n"
+    )
+
+
+def test_every_flag_of_every_subcommand_says_what_it_does():
+    """Beyond its default: `--proj-dim` must say that `none` means exact attention."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = []
+    for name, parser in commands.choices.items():
+        for action in parser._actions:
+            text = re.sub(r"\((default: .*|required)\)$", "", action.help or "").strip()
+            if not text:
+                silent.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert silent == []
+    pretrain_help = commands.choices["pretrain"].format_help()
+    assert "none = exact attention" in " ".join(pretrain_help.split())
 
 
 def test_importing_the_plotting_modules_keeps_the_users_matplotlib_backend():

@@ -71,7 +71,10 @@ def test_finetune_init_refuses_an_altered_checkpoint(run, tmp_path):
             ["finetune", "--init", str(run / "best"), "--data", str(train), "--eval", str(train)]
             + ["--epochs", "1", "--output-dir", str(tmp_path / "ft")]
         )
-    assert err.value.code == f"linformer finetune: error: {run / 'best'} {ALTERED}"
+    assert (err.value.code, str(err.value)) == (
+        2,
+        f"linformer finetune: error: {run / 'best'} {ALTERED}",
+    )
     assert not (tmp_path / "ft" / "checkpoints").exists()
 
 
@@ -83,7 +86,10 @@ def test_analysis_refuses_an_altered_checkpoint(run, tmp_path, command):
     }[command]
     with pytest.raises(SystemExit) as err:
         main([command, str(run / "last"), *extra])
-    assert err.value.code == f"linformer {command}: error: {run / 'last'} {ALTERED}"
+    assert (err.value.code, str(err.value)) == (
+        2,
+        f"linformer {command}: error: {run / 'last'} {ALTERED}",
+    )
 
 
 def test_no_verify_environment_loads_an_altered_checkpoint(run, pretrained, monkeypatch, capsys):
@@ -99,7 +105,8 @@ def test_resume_with_no_intact_checkpoint_lists_each_and_the_ways_on(run, caplog
     caplog.set_level(logging.INFO)
     with pytest.raises(SystemExit) as err:
         main(["pretrain", "--config", str(run), "--output-dir", str(run), "--resume"])
-    message = err.value.code
+    message = str(err.value)
+    assert err.value.code == 2
     assert message.startswith(
         f"linformer pretrain: error: no intact checkpoint to resume from in {run}:"
     )
@@ -119,4 +126,4 @@ def test_convert_refuses_a_source_that_does_not_match_its_manifest(tmp_path):
     flip_last_byte(source / "model.safetensors")
     with pytest.raises(SystemExit) as err:
         main(["convert", "--from", str(source), "--exact", "--out", str(tmp_path / "out")])
-    assert err.value.code == f"linformer convert: error: {source} {ALTERED}"
+    assert (err.value.code, str(err.value)) == (2, f"linformer convert: error: {source} {ALTERED}")

@@ -1,9 +1,10 @@
 """The pretrain / finetune / evaluate / demo subcommands end to end on tiny generated data."""
 
 import json
+import shlex
 
 import pytest
-from train_helpers import write_classification, write_corpus
+from train_helpers import interrupted_after, write_classification, write_corpus
 
 from linformer_kit.cli import build_parser, main
 from linformer_kit.cli.overrides import collect_overrides
@@ -42,6 +43,35 @@ def test_pretrain_writes_checkpoints_and_resumes_from_its_config(pretrained, cap
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 13))
 
 
+def train_losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def test_ctrl_c_prints_one_line_to_resume_and_resuming_matches_an_uninterrupted_run(
+    tmp_path, capsys
+):
+    corpus = write_corpus(tmp_path / "corpus", files=2)
+    flags = ["pretrain", "--data", str(corpus), "--vocab-size", "300", "--proj-dim", "16"]
+    flags += MODEL + TRAIN + ["--max-steps", "6", "--eval-every", "2", "--save-every", "2"]
+    main(flags + ["--output-dir", str(tmp_path / "straight")])
+    run = tmp_path / "run"
+    argv = flags + ["--output-dir", str(run)]
+    capsys.readouterr()
+    with interrupted_after(3), pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err.splitlines()
+    command = shlex.join(["linformer", *argv, "--resume"])
+    assert err[-1] == (
+        f"linformer pretrain: interrupted at step 3; last checkpoint: "
+        f"{run}/checkpoints/step-00000002; continue with: {command}"
+    )
+    assert not any("Traceback" in line for line in err)
+    main(shlex.split(command)[1:])
+    assert train_losses(run) == train_losses(tmp_path / "straight")
+
+
 def test_finetune_reports_accuracy_per_epoch_and_evaluate_reads_it(tmp_path, pretrained, capsys):
     train = write_classification(tmp_path / "train.jsonl", 48, seed=0)
     valid = write_classification(tmp_path / "valid.jsonl", 16, seed=1)
@@ -55,9 +85,11 @@ def test_finetune_reports_accuracy_per_epoch_and_evaluate_reads_it(tmp_path, pre
     assert "accuracy" in out and "f1" in out
     assert out.count("\n") >= 4  # header, two epochs, checkpoint line
     main(["evaluate", str(out_dir / "best"), "--data", str(valid)])
-    assert "accuracy" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "accuracy" in captured.out and "validation: " in captured.err  # a progress bar
     main(["evaluate", str(pretrained / "best"), "--data", str(tmp_path / "corpus")])
-    assert "val_ppl" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "val_ppl" in captured.out and "validation: " in captured.err
 
 
 def test_malformed_data_ends_with_a_message_naming_file_and_line(tmp_path, pretrained):

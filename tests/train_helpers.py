@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 WORDS = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "cat", "dog", "runs", "eats"]
 
@@ -36,6 +40,23 @@ def write_classification(path: Path, count: int = 64, seed: int = 0) -> Path:
         lines.append(json.dumps({"text": text, "label": int("cat" in text)}))
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@contextlib.contextmanager
+def interrupted_after(step: int) -> Iterator[None]:
+    """Training raises KeyboardInterrupt, as Ctrl-C would, once `step` steps are done."""
+    from linformer_kit.training.loop import Trainer
+
+    original = Trainer._train_step
+
+    def train_step(trainer: Trainer, model: object) -> object:
+        if trainer.step == step:
+            raise KeyboardInterrupt
+        return original(trainer, model)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "_train_step", train_step)
+        yield
 
 
 def tiny_run(tmp_path: Path, **train: object):

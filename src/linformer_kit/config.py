@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 SHARINGS = ("none", "headwise", "kv", "layerwise")
@@ -38,28 +38,73 @@ class LinformerConfig:
         ValueError: on construction, naming the bad field, its value and the allowed range.
     """
 
-    vocab_size: int = 30522  # token vocabulary size
-    max_seq_len: int = 512  # longest n the model accepts: the sequence projection's input size
-    dim: int = 256  # model width
-    depth: int = 4  # number of encoder layers
-    num_heads: int = 4  # attention heads per layer; must divide dim
-    ffn_dim: int | None = None  # feed-forward hidden width; None means 4 * dim
-    proj_dim: int | list[int] | None = 128  # the paper's k, or one k per layer; None = exact
-    projection: str = "linear"  # sequence projection kind: linear, conv, pool or random
-    sharing: str = "layerwise"  # projection sharing (paper sec. 4): none, headwise, kv, layerwise
-    activation: str = "gelu"  # feed-forward non-linearity: gelu or relu
-    norm_first: bool = True  # pre-LN (True) or post-LN as in BERT/RoBERTa (False)
-    position: str = "learned"  # position embeddings: learned or sinusoidal
-    type_vocab_size: int = 0  # token-type (segment) embeddings; 0 disables them
-    pooler: bool = False  # BERT pooler (dense + tanh on the first token) -> pooler_output
-    pad_token_id: int = 0  # id of the padding token, used when no key_padding_mask is given
-    dropout: float = 0.1  # dropout on embeddings and on each sub-layer's output
-    attention_dropout: float = 0.1  # dropout on the attention weights (inside SDPA)
-    layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
-    init_std: float = 0.02  # std of the normal init of embeddings and dense weights
-    checkpointing: str = "none"  # activation checkpointing: none, layer or attention
-    id2label: dict[int, str] | None = None  # class names of a classifier trained on names
-    label2id: dict[str, int] | None = None  # their ids: the inverse of id2label (as in HF)
+    vocab_size: int = field(default=30522, metadata={"help": "token vocabulary size"})
+    max_seq_len: int = field(
+        default=512,
+        metadata={"help": "longest n the model accepts: the sequence projection's input size"},
+    )
+    dim: int = field(default=256, metadata={"help": "model width"})
+    depth: int = field(default=4, metadata={"help": "number of encoder layers"})
+    num_heads: int = field(
+        default=4, metadata={"help": "attention heads per layer; must divide dim"}
+    )
+    ffn_dim: int | None = field(
+        default=None, metadata={"help": "feed-forward hidden width; none means 4 * dim"}
+    )
+    proj_dim: int | list[int] | None = field(
+        default=128,
+        metadata={
+            "help": "the paper's k (keys/values projected to k rows), or one k per layer "
+            "(K1,K2,...); none = exact attention, a plain Transformer"
+        },
+    )
+    projection: str = field(
+        default="linear",
+        metadata={"help": "sequence projection kind: linear, conv, pool or random"},
+    )
+    sharing: str = field(
+        default="layerwise",
+        metadata={"help": "projection sharing (paper sec. 4): none, headwise, kv, layerwise"},
+    )
+    activation: str = field(
+        default="gelu", metadata={"help": "feed-forward non-linearity: gelu or relu"}
+    )
+    norm_first: bool = field(
+        default=True, metadata={"help": "pre-LN (true) or post-LN as in BERT/RoBERTa (false)"}
+    )
+    position: str = field(
+        default="learned", metadata={"help": "position embeddings: learned or sinusoidal"}
+    )
+    type_vocab_size: int = field(
+        default=0, metadata={"help": "token-type (segment) embeddings; 0 disables them"}
+    )
+    pooler: bool = field(
+        default=False,
+        metadata={"help": "BERT pooler (dense + tanh on the first token) -> pooler_output"},
+    )
+    pad_token_id: int = field(
+        default=0,
+        metadata={"help": "id of the padding token, used when no key_padding_mask is given"},
+    )
+    dropout: float = field(
+        default=0.1, metadata={"help": "dropout on embeddings and on each sub-layer's output"}
+    )
+    attention_dropout: float = field(
+        default=0.1, metadata={"help": "dropout on the attention weights (inside SDPA)"}
+    )
+    layer_norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of every LayerNorm"})
+    init_std: float = field(
+        default=0.02, metadata={"help": "std of the normal init of embeddings and dense weights"}
+    )
+    checkpointing: str = field(
+        default="none", metadata={"help": "activation checkpointing: none, layer or attention"}
+    )
+    id2label: dict[int, str] | None = field(
+        default=None, metadata={"help": "class names of a classifier trained on names"}
+    )
+    label2id: dict[str, int] | None = field(
+        default=None, metadata={"help": "their ids: the inverse of id2label (as in HF)"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "dim", "depth", "num_heads"):

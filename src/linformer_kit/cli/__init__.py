@@ -6,11 +6,17 @@ Each subcommand lives in its own module with a `register(commands)` function.
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import sys
 from collections.abc import Sequence
 
 from .. import __version__
+from ..training.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
+from ..training.loop import TrainingInterrupted
 from . import analysis, bench, convert, demo, distill, evaluate, finetune, pretrain
 
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
 SUBCOMMANDS = (demo, pretrain, finetune, evaluate, convert, distill, analysis, bench)
 
 
@@ -24,7 +30,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted(args: argparse.Namespace, argv: list[str], err: KeyboardInterrupt) -> str:
+    """The one line that replaces a Ctrl-C traceback: where training stopped, its last
+    checkpoint and the command that continues it."""
+    if not isinstance(err, TrainingInterrupted):
+        return f"linformer {args.command}: interrupted"
+    checkpoint = latest_checkpoint(err.run_dir)
+    if checkpoint is None:
+        return (
+            f"linformer {args.command}: interrupted at step {err.step}, before the first "
+            f"checkpoint; start again with: {shlex.join(['linformer', *argv])}"
+        )
+    again = argv if getattr(args, "train.resume", False) is True else [*argv, "--resume"]
+    return (
+        f"linformer {args.command}: interrupted at step {err.step}; last checkpoint: "
+        f"{err.run_dir / CHECKPOINTS_DIR / checkpoint.path.name}; continue with: "
+        f"{shlex.join(['linformer', *again])}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the `linformer` command."""
+    """Entry point of the `linformer` command; Ctrl-C ends it with one line and status 130."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except KeyboardInterrupt as err:
+        if os.environ.get("RANK", "0") == "0":  # one line per job, not one per DDP process
+            print(interrupted(args, argv, err), file=sys.stderr)
+        raise SystemExit(INTERRUPTED) from None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hub import atomic_write
+from ..training.loop import TrainResult
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -33,6 +34,17 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
     """Builds a dataclass from the flags `add_dataclass_arguments` added."""
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def run_summary(result: TrainResult) -> dict[str, Any]:
+    """The size, speed and memory columns every training command reports."""
+    return {
+        "steps": result.steps,
+        "params": result.params,
+        "s_per_step": result.sec_per_step,
+        "tokens_per_s": result.tokens_per_s,
+        "peak_mem_mb": result.peak_mem_mb,
+    }
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -25,7 +25,7 @@ DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
 
 def _convert(args: argparse.Namespace, source: Path) -> None:
     if args.out is None:
-        raise SystemExit("linformer convert: --out DIR is required (or pass --report)")
+        raise ValueError("--out DIR is required (or pass --report)")
     data_driven = (
         not args.exact
         and args.projection == "linear"
@@ -80,8 +80,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--out", default=None, help="output model directory")
     parser.add_argument("--proj-dim", type=int, default=128, help="Linformer k (default: 128)")
-    parser.add_argument("--sharing", choices=SHARINGS, default="layerwise")
-    parser.add_argument("--projection", choices=PROJECTIONS, default="linear")
+    parser.add_argument(
+        "--sharing",
+        choices=SHARINGS,
+        default="layerwise",
+        help="projection sharing (paper sec. 4) (default: layerwise)",
+    )
+    parser.add_argument(
+        "--projection",
+        choices=PROJECTIONS,
+        default="linear",
+        help="sequence projection kind (default: linear)",
+    )
     parser.add_argument("--exact", action="store_true", help="keep exact attention (no k)")
     parser.add_argument(
         "--init",
@@ -101,6 +111,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="measure cosine / speed / memory per k and init instead of converting",
     )
-    parser.add_argument("--report-out", default="benchmarks/convert/minilm_l6.json")
+    parser.add_argument(
+        "--report-out",
+        default="benchmarks/convert/minilm_l6.json",
+        help="where --report writes its JSON (default: %(default)s)",
+    )
     add_dataclass_arguments(parser.add_argument_group("--report settings"), ConversionReport)
     parser.set_defaults(func=run)

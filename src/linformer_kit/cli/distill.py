@@ -22,7 +22,7 @@ from .overrides import exit_on_user_error
 
 def _distill(args: argparse.Namespace, teacher: Path) -> None:
     if args.student is None:
-        raise SystemExit("linformer distill: --student DIR is required (or pass --report)")
+        raise ValueError("--student DIR is required (or pass --report)")
     data = dataclass_from_args(DistillData, args)
     history = distill_checkpoint(
         teacher,
@@ -85,12 +85,21 @@ def register(commands: argparse._SubParsersAction) -> None:
         "disjoint from the scored held-out files)",
     )
     parser.add_argument("--proj-dim", type=int, default=128, help="k of a new student")
-    parser.add_argument("--sharing", choices=SHARINGS, default="layerwise")
+    parser.add_argument(
+        "--sharing",
+        choices=SHARINGS,
+        default="layerwise",
+        help="projection sharing (paper sec. 4) (default: layerwise)",
+    )
     parser.add_argument(
         "--report", action="store_true", help="before / after table for every --proj-dims"
     )
     parser.add_argument("--proj-dims", default="64,128,256", help="k values of --report")
-    parser.add_argument("--report-out", default="benchmarks/convert/distill_minilm_l6.json")
+    parser.add_argument(
+        "--report-out",
+        default="benchmarks/convert/distill_minilm_l6.json",
+        help="where --report writes its JSON (default: %(default)s)",
+    )
     add_dataclass_arguments(parser.add_argument_group("distillation"), DistillSettings)
     add_dataclass_arguments(parser.add_argument_group("text"), DistillData)
     parser.set_defaults(func=run)

@@ -4,6 +4,7 @@ accuracy and F1 on labelled JSONL."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
 from .common import format_table
@@ -12,6 +13,7 @@ from .overrides import add_override_arguments, collect_overrides, exit_on_user_e
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO)
     settings = EvaluateSettings(**collect_overrides(args).get("evaluate", {}))
     metrics = evaluate_checkpoint(args.checkpoint, settings)
     print(format_table([{"data": name, **values} for name, values in metrics.items()]))

@@ -1,5 +1,5 @@
 """`linformer finetune`: sequence classification from a pretrained checkpoint, with accuracy
-and F1 on the validation set after every epoch."""
+and F1 on the validation set after every epoch (or every --eval-every steps)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,16 @@ import argparse
 import logging
 import os
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from ..training.finetune import FinetuneSettings, finetune
 from ..training.settings import TrainSettings
-from .common import format_table
+from .common import format_table, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
-DERIVED = ("max_steps", "eval_every", "save_every", "resume")  # set from --epochs
+# Set from the finetune section (--epochs, --max-steps, --eval-every), or unused by it.
+DERIVED = ("max_steps", "eval_every", "save_every")
+UNUSED = ("mlm_probability", "eval_batches")
 # Fine-tuning's own defaults where they differ from pretraining's.
 TRAIN_DEFAULTS = {
     "output_dir": "runs/finetune",
@@ -30,13 +34,16 @@ def run(args: argparse.Namespace) -> None:
     overrides = collect_overrides(args)
     settings = FinetuneSettings(**overrides.get("finetune", {}))
     train = TrainSettings(**{**TRAIN_DEFAULTS, **overrides.get("train", {})})
-    result = finetune(settings, train)
+    with logging_redirect_tqdm():  # warnings between progress bars, not inside them
+        result = finetune(settings, train)
     if main_process:
-        epochs = [
-            {"epoch": i + 1, "step": r["step"], **{k: r[k] for k in ("val_loss", "accuracy", "f1")}}
-            for i, r in enumerate(r for r in result.records if r["split"] == "val")
+        validations = [
+            {k: r[k] for k in ("step", "val_loss", "accuracy", "f1")}
+            for r in result.records
+            if r["split"] == "val"
         ]
-        print(format_table(epochs))
+        print(format_table(validations))
+        print(format_table([run_summary(result)]))
         print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
 
 
@@ -46,5 +53,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "finetune", help="fine-tune a pretrained checkpoint for sequence classification"
     )
     add_override_arguments(parser, FinetuneSettings, "finetune")
-    add_override_arguments(parser, TrainSettings, "train", exclude=DERIVED, defaults=TRAIN_DEFAULTS)
+    add_override_arguments(
+        parser, TrainSettings, "train", exclude=DERIVED + UNUSED, defaults=TRAIN_DEFAULTS
+    )
     parser.set_defaults(func=run)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
+USAGE_ERROR = 2  # argparse's exit status for bad command-line input
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 
 
@@ -59,7 +61,8 @@ def add_override_arguments(
 ) -> None:
     """Adds `--field-name` for every field of dataclass `cls` (bar `exclude`) in a group
     named `section`; given values are collected by `collect_overrides`. `defaults` names the
-    values a subcommand uses instead of the field's own default (shown in the help)."""
+    values a subcommand uses instead of the field's own default (shown in the help); a field
+    whose metadata says `"required": True` becomes a required flag."""
     group = parser.add_argument_group(section)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -70,15 +73,27 @@ def add_override_arguments(
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         default = (defaults or {}).get(f.name, default)
         note = f.metadata.get("help", "")
+        required = f.metadata.get("required", False)
         group.add_argument(
             f"--{f.name.replace('_', '-')}",
             dest=f"{section}.{f.name}",
             type=convert,
             **flag,
             default=argparse.SUPPRESS,
+            required=required,
             metavar=f.name.upper(),
-            help=f"{note} (default: {default})".strip(),
+            help=f"{note} ({'required' if required else f'default: {default}'})".strip(),
         )
+
+
+def fail(command: str, message: str) -> NoReturn:
+    """Ends `linformer COMMAND` like argparse does on bad input: `linformer COMMAND: error:
+    MESSAGE` on stderr and exit status 2 (the SystemExit also carries the message)."""
+    text = f"linformer {command}: error: {message}"
+    print(text, file=sys.stderr)
+    error = SystemExit(text)
+    error.code = USAGE_ERROR
+    raise error
 
 
 def exit_on_user_error(run: Callable[[argparse.Namespace], None]) -> Callable:
@@ -90,7 +105,7 @@ def exit_on_user_error(run: Callable[[argparse.Namespace], None]) -> Callable:
         try:
             run(args)
         except (ValueError, FileNotFoundError) as err:
-            raise SystemExit(f"linformer {args.command}: error: {err}") from err
+            fail(args.command, str(err))
 
     return wrapper
 

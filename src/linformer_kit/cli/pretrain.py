@@ -10,11 +10,13 @@ import logging
 import os
 from typing import Any
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from ..config import LABEL_FIELDS, LinformerConfig
 from ..data.pipeline import DataSettings
 from ..training.pretrain import pretrain
 from ..training.settings import RunConfig, TrainSettings
-from .common import format_table
+from .common import format_table, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 FROM_TOKENIZER = ("vocab_size", "pad_token_id")  # model fields the tokenizer decides
@@ -34,21 +36,10 @@ def run(args: argparse.Namespace) -> None:
     main_process = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     config = build_run_config(args)
-    result = pretrain(config)
+    with logging_redirect_tqdm():  # warnings between progress bars, not inside them
+        result = pretrain(config)
     if main_process:
-        print(
-            format_table(
-                [
-                    {
-                        "steps": config.train.max_steps,
-                        "params": result.params,
-                        **result.final,
-                        "tokens_per_s": result.tokens_per_s,
-                        "peak_mem_mb": result.peak_mem_mb,
-                    }
-                ]
-            )
-        )
+        print(format_table([{**run_summary(result), **result.final}]))
         print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
 
 

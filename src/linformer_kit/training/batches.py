@@ -6,17 +6,21 @@ the data an uninterrupted run would have read, and each DDP rank reads its own s
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ..data.cache import PackedBlocks
 from ..data.classification import ClassificationData
 from ..data.masking import IGNORE_INDEX, mask_tokens
 from ..data.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
 
 EVAL_SEED = 1234  # validation masking is fixed, so every evaluation scores the same tokens
 
@@ -95,6 +99,7 @@ class MaskedLMEvaluator:
     batches: MaskedLMBatches
     batch_size: int
     max_batches: int = 0  # 0 = every validation block
+    verbose: bool = False  # progress bar and warnings (rank 0 only: DDP shows one)
     key: str = field(default="val_loss", init=False)
 
     @torch.no_grad()
@@ -104,7 +109,7 @@ class MaskedLMEvaluator:
         count = math.ceil(len(blocks) / self.batch_size)
         count = min(count, self.max_batches) if self.max_batches else count
         total = scored = 0.0
-        for index in range(count):
+        for index in tqdm(range(count), desc="validation", leave=False, disable=not self.verbose):
             rows = list(
                 range(index * self.batch_size, min(len(blocks), (index + 1) * self.batch_size))
             )
@@ -139,22 +144,33 @@ class ClassificationEvaluator:
     pad_id: int
     batch_size: int
     num_labels: int
+    verbose: bool = False  # progress bar and warnings (rank 0 only: DDP shows one)
     key: str = field(default="val_loss", init=False)
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Metrics over every example."""
         predictions, total = [], 0.0
-        for start in range(0, len(self.data), self.batch_size):
+        starts = range(0, len(self.data), self.batch_size)
+        for start in tqdm(starts, desc="validation", leave=False, disable=not self.verbose):
             rows = list(range(start, min(len(self.data), start + self.batch_size)))
             batch = {k: v.to(device) for k, v in self.data.batch(rows, self.pad_id).items()}
             out = model(**batch)
             total += float(out.loss) * len(rows)
             predictions += out.logits.argmax(-1).tolist()
-        return {
-            "val_loss": total / len(self.data),
-            **classification_metrics(predictions, self.data.labels, self.num_labels),
-        }
+        metrics = classification_metrics(predictions, self.data.labels, self.num_labels)
+        if self.verbose and len(set(predictions)) == 1 < len(set(self.data.labels)):
+            logger.warning(
+                "every prediction on %s is class %d (accuracy %.3f, F1 %.3f): the classifier "
+                "does not tell the classes apart. Likely causes: a learning rate too high or "
+                "too low (--lr), too few steps (--epochs, --max-steps), or texts truncated "
+                "before the words that decide the label (--max-seq-len)",
+                self.data.source,
+                predictions[0],
+                metrics["accuracy"],
+                metrics["f1"],
+            )
+        return {"val_loss": total / len(self.data), **metrics}
 
 
 def classification_metrics(

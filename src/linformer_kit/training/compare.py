@@ -66,6 +66,7 @@ class ComparisonSettings:
             "many minutes (both models); 0: always --steps"
         },
     )
+    threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
 
     def run_configs(self) -> dict[str, RunConfig]:
         """One run config per model, identical except for proj_dim (None = exact)."""
@@ -99,6 +100,7 @@ class ComparisonSettings:
                 log_every=10,
                 seed=self.seed,
                 keep_last=1,
+                threads=self.threads,
             )
             runs[name] = RunConfig(model=model.replace(proj_dim=proj_dim), train=train, data=data)
         return runs

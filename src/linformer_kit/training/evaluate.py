@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,9 @@ from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForMaskedLM, LinformerForSequenceClassification
 from .batches import ClassificationEvaluator, MaskedLMBatches, MaskedLMEvaluator, RowSchedule
 from .distributed import resolve_device
+from .settings import check_threads, use_threads
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -23,13 +28,20 @@ class EvaluateSettings:
     """What to evaluate a checkpoint on."""
 
     data: list[str] = field(
-        default_factory=list, metadata={"help": "text files / directories, or labelled JSONL"}
+        default_factory=list,
+        metadata={"help": "text files / directories, or labelled JSONL", "required": True},
     )
     batch_size: int = field(default=8, metadata={"help": "sequences per batch"})
     glob: str = field(default="**/*.txt", metadata={"help": "files to read inside directories"})
     text_field: str = field(default="text", metadata={"help": "JSONL text field"})
     label_field: str = field(default="label", metadata={"help": "JSONL label field"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
+
+    def __post_init__(self) -> None:
+        check_threads(self.threads)
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
 
 
 def _text_blocks(
@@ -46,6 +58,20 @@ def _text_blocks(
     return PackedBlocks(np.asarray(stream), block_len, np.arange(count))
 
 
+def _labelled(spec: str, label_field: str) -> bool:
+    """Whether `spec` is a JSONL file whose first record has a label."""
+    path = Path(spec)
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        first = next((line for line in lines if line.strip()), "")
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and label_field in record
+
+
 def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[str, Any]:
     """Evaluates a saved model: masked-LM loss / perplexity on text, or accuracy / F1 of a
     classifier on labelled JSONL.
@@ -58,6 +84,7 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
     """
     if not settings.data:
         raise ValueError("evaluate needs --data")
+    use_threads(settings.threads)
     data, batch_size = settings.data, settings.batch_size
     meta = hub.read_config(path)
     tokenizer = load_tokenizer(path)
@@ -77,12 +104,25 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
                 label_field=settings.label_field,
             )
             evaluator = ClassificationEvaluator(
-                labelled, tokenizer.pad_id, batch_size, model.num_labels
+                labelled, tokenizer.pad_id, batch_size, model.num_labels, verbose=True
             )
             metrics[spec] = evaluator(model.to(target).eval(), target)
         return metrics
+    for spec in data:
+        if _labelled(spec, settings.label_field):
+            logger.warning(
+                "%s is not a classifier (%s, no classification head): the labels in %s are "
+                "ignored and its texts scored for masked-LM perplexity. For accuracy and F1, "
+                "fine-tune it first: linformer finetune --init %s --data ... --eval ...",
+                path,
+                meta["architecture"],
+                spec,
+                path,
+            )
     model = LinformerForMaskedLM.from_pretrained(path)
     blocks = _text_blocks(data, tokenizer, config.max_seq_len, settings)
     schedule = RowSchedule(len(blocks), batch_size, 1, 1, 0)
-    evaluator = MaskedLMEvaluator(MaskedLMBatches(blocks, tokenizer, schedule), batch_size)
+    evaluator = MaskedLMEvaluator(
+        MaskedLMBatches(blocks, tokenizer, schedule), batch_size, verbose=True
+    )
     return {"+".join(data): evaluator(model.to(target).eval(), target)}

@@ -3,41 +3,121 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from .. import hub
+from ..config import LinformerConfig
 from ..data.classification import load_classification
 from ..data.tokenizer import load_tokenizer
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
-from .settings import TrainSettings
+from .settings import TrainSettings, save_json
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
 class FinetuneSettings:
-    """What to fine-tune on; the optimisation recipe is a TrainSettings."""
+    """What to fine-tune on and for how long; the optimisation recipe is a TrainSettings."""
 
-    init: str = field(default="", metadata={"help": "pretrained checkpoint directory"})
-    data: str = field(default="", metadata={"help": "training JSONL or CSV (text + label)"})
-    eval: str = field(default="", metadata={"help": "validation JSONL or CSV (text + label)"})
+    init: str = field(
+        default="", metadata={"help": "pretrained checkpoint directory", "required": True}
+    )
+    data: str = field(
+        default="", metadata={"help": "training JSONL or CSV (text + label)", "required": True}
+    )
+    eval: str = field(
+        default="", metadata={"help": "validation JSONL or CSV (text + label)", "required": True}
+    )
     epochs: int = field(default=3, metadata={"help": "passes over the training set"})
+    max_steps: int = field(
+        default=0, metadata={"help": "optimiser steps; overrides --epochs (0 = use --epochs)"}
+    )
+    eval_every: int = field(
+        default=0, metadata={"help": "validate and checkpoint every N steps (0 = every epoch)"}
+    )
     num_labels: int = field(default=0, metadata={"help": "classes (0 = max label + 1)"})
     pooling: str = field(default="cls", metadata={"help": "cls or mean"})
     text_field: str = field(default="text", metadata={"help": "JSONL text field"})
     label_field: str = field(default="label", metadata={"help": "JSONL label field"})
-    max_seq_len: int = field(default=0, metadata={"help": "truncate texts (0 = the model's)"})
+    max_seq_len: int = field(
+        default=0, metadata={"help": "truncate texts to N tokens (0 = the model's max_seq_len)"}
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1, got {self.epochs!r}")
+        for name in ("max_steps", "eval_every", "num_labels", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.num_labels == 1:
+            raise ValueError("num_labels must be at least 2 (or 0: max label + 1), got 1")
+
+
+@dataclass(kw_only=True)
+class FinetuneRunConfig:
+    """A fine-tuning run's backbone, recipe (as sized) and data; saved as run_config.json."""
+
+    model: LinformerConfig
+    train: TrainSettings
+    finetune: FinetuneSettings
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return {
+            "model": self.model.to_dict(),
+            "train": dataclasses.asdict(self.train),
+            "finetune": dataclasses.asdict(self.finetune),
+        }
+
+    def save(self, path: Path) -> None:
+        """Writes the JSON form to `path`."""
+        save_json(self.to_dict(), path)
+
+
+def _sequence_length(settings: FinetuneSettings, model_len: int) -> int:
+    """The truncation length; a longer one than the model accepts is an error, not a clamp,
+    because the positions and the sequence projection are sized to the model's."""
+    if settings.max_seq_len > model_len:
+        raise ValueError(
+            f"--max-seq-len {settings.max_seq_len} is longer than the model's max_seq_len "
+            f"{model_len} ({settings.init}); pass at most {model_len}"
+        )
+    return settings.max_seq_len or model_len
+
+
+def _sized(
+    settings: FinetuneSettings, train: TrainSettings, examples: int, ranks: int
+) -> TrainSettings:
+    """`train` with max_steps, eval_every and save_every from the epochs or the step flags."""
+    per_step = train.batch_size * train.grad_accum_steps * ranks
+    epoch_steps = math.ceil(examples / per_step)
+    max_steps = settings.max_steps or epoch_steps * settings.epochs
+    every = settings.eval_every or epoch_steps  # the last step validates and saves anyway
+    logger.info(
+        "fine-tuning for %d steps (%.3g epochs of %d steps), validating every %d steps",
+        max_steps,
+        max_steps / epoch_steps,
+        epoch_steps,
+        every,
+    )
+    return dataclasses.replace(train, max_steps=max_steps, eval_every=every, save_every=every)
 
 
 def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     """Fine-tunes a classifier initialised from `settings.init` (backbone kept, new head).
 
-    `train.max_steps`, `eval_every` and `save_every` are derived from the epochs: validation
-    and a checkpoint after every epoch.
+    `train.max_steps`, `eval_every` and `save_every` come from `settings`: by default
+    validation and a checkpoint after every epoch.
 
     Raises:
         ValueError / FileNotFoundError: for a missing checkpoint or malformed data files.
@@ -47,7 +127,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             raise ValueError(f"finetune needs --{name}")
     tokenizer = load_tokenizer(settings.init)
     config = hub.read_config(settings.init)["config"]
-    max_len = min(settings.max_seq_len or config.max_seq_len, config.max_seq_len)
+    max_len = _sequence_length(settings, config.max_seq_len)
     fields = {"text_field": settings.text_field, "label_field": settings.label_field}
     train_data = load_classification(settings.data, tokenizer, max_seq_len=max_len, **fields)
     num_labels = settings.num_labels or max(train_data.labels) + 1
@@ -62,14 +142,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     )
     dist = setup_distributed(train.device)
     try:
-        per_step = train.batch_size * train.grad_accum_steps * dist.world_size
-        epoch_steps = math.ceil(len(train_data) / per_step)
-        train = dataclasses.replace(
-            train,
-            max_steps=epoch_steps * settings.epochs,
-            eval_every=epoch_steps,
-            save_every=epoch_steps,
-        )
+        train = _sized(settings, train, len(train_data), dist.world_size)
         torch.manual_seed(train.seed)
         model = LinformerForSequenceClassification.from_pretrained(
             settings.init,
@@ -84,10 +157,11 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             model=model,
             batches=ClassificationBatches(train_data, tokenizer.pad_id, schedule),
             evaluator=ClassificationEvaluator(
-                eval_data, tokenizer.pad_id, train.batch_size, num_labels
+                eval_data, tokenizer.pad_id, train.batch_size, num_labels, verbose=dist.is_main
             ),
             settings=train,
             dist=dist,
+            run_config=FinetuneRunConfig(model=config, train=train, finetune=settings),
             tokenizer=tokenizer,
         )
         result = trainer.fit()

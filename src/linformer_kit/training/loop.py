@@ -27,7 +27,7 @@ from .batches import mix_seed
 from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, save_checkpoint
 from .distributed import Distributed
 from .optim import build_optimizer, build_scheduler
-from .settings import RUN_CONFIG_NAME, RunConfig, TrainSettings
+from .settings import RUN_CONFIG_NAME, TrainSettings, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,12 @@ class BatchSource(Protocol):
 
 
 Evaluator = Callable[[torch.nn.Module, torch.device], dict[str, float]]
+
+
+class SavedConfig(Protocol):
+    """A run's settings (RunConfig, FinetuneRunConfig) that write themselves as JSON."""
+
+    def save(self, path: Path) -> None: ...
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -102,12 +108,21 @@ class MetricsLog:
             self.writer.close()
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; `step` is the step reached, `run_dir` holds the checkpoints."""
+
+    def __init__(self, step: int, run_dir: Path) -> None:
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.run_dir = step, run_dir
+
+
 @dataclass
 class TrainResult:
     """What a run measured: every metrics record, the final validation and throughput."""
 
     records: list[dict[str, Any]]
     final: dict[str, float]
+    steps: int
     params: int
     tokens_per_s: float
     sec_per_step: float
@@ -137,7 +152,7 @@ class Trainer:
         evaluator: Evaluator,
         settings: TrainSettings,
         dist: Distributed,
-        run_config: RunConfig | None = None,
+        run_config: SavedConfig | None = None,
         tokenizer: TextTokenizer | None = None,
     ) -> None:
         self.model = model.to(dist.device)
@@ -239,29 +254,11 @@ class Trainer:
         log.write({"step": self.step, "split": "val", "train_s": self.train_s, **metrics})
         return metrics, improved
 
-    def fit(self) -> TrainResult:
-        """Runs (or resumes) training to `max_steps`.
-
-        Returns:
-            The run's records, final validation metrics and measured throughput.
-        """
+    def _loop(
+        self, model: torch.nn.Module, log: MetricsLog, bar: tqdm
+    ) -> tuple[dict[str, float], list[float]]:
+        """Steps to `max_steps`; returns the last validation metrics and each step's time."""
         s = self.settings
-        resumed = self._resume() if s.resume else None
-        if resumed is None:
-            self._check_fresh()
-            torch.manual_seed(mix_seed(s.seed, self.dist.rank))  # dropout differs per rank
-        log = MetricsLog(self.run_dir, self.dist.is_main, keep_until=resumed)
-        if self.dist.is_main and self.run_config is not None:
-            self.run_config.save(self.run_dir / RUN_CONFIG_NAME)
-        model = self.dist.wrap(self.model)
-        model.train()
-        bar = tqdm(
-            total=s.max_steps,
-            initial=self.step,
-            disable=not self.dist.is_main,
-            desc=self.run_dir.name,
-            dynamic_ncols=True,
-        )
         interval_tokens, interval_s, step_times = 0, 0.0, []
         final: dict[str, float] = {}
         while self.step < s.max_steps:
@@ -295,8 +292,48 @@ class Trainer:
                 final, improved = self._evaluate(log)
             if improved or self.step % s.save_every == 0 or self.step == s.max_steps:
                 self._save(best=improved)
-        bar.close()
-        log.close()
+        return final, step_times
+
+    def fit(self) -> TrainResult:
+        """Runs (or resumes) training to `max_steps`.
+
+        Returns:
+            The run's records, final validation metrics and measured throughput.
+        """
+        s = self.settings
+        use_threads(s.threads)
+        resumed = self._resume() if s.resume else None
+        if resumed is None:
+            self._check_fresh()
+            torch.manual_seed(mix_seed(s.seed, self.dist.rank))  # dropout differs per rank
+        if s.warmup_steps > s.max_steps:
+            logger.warning(
+                "warmup_steps (%d) > max_steps (%d): the run ends during warm-up, with the "
+                "learning rate at %.0f%% of --lr %g",
+                s.warmup_steps,
+                s.max_steps,
+                100 * s.max_steps / s.warmup_steps,
+                s.lr,
+            )
+        log = MetricsLog(self.run_dir, self.dist.is_main, keep_until=resumed)
+        if self.dist.is_main and self.run_config is not None:
+            self.run_config.save(self.run_dir / RUN_CONFIG_NAME)
+        model = self.dist.wrap(self.model)
+        model.train()
+        bar = tqdm(
+            total=s.max_steps,
+            initial=self.step,
+            disable=not self.dist.is_main,
+            desc=self.run_dir.name,
+            dynamic_ncols=True,
+        )
+        try:
+            final, step_times = self._loop(model, log, bar)
+        except KeyboardInterrupt:
+            raise TrainingInterrupted(self.step, self.run_dir) from None
+        finally:
+            bar.close()
+            log.close()
         if not final:
             final = next((r for r in reversed(log.records) if r["split"] == "val"), {})
         return self._result(log.records, final, step_times)
@@ -308,6 +345,7 @@ class Trainer:
         return TrainResult(
             records=records,
             final={k: v for k, v in final.items() if isinstance(v, float)},
+            steps=self.step,
             params=sum(p.numel() for p in self.model.parameters()),
             tokens_per_s=self.tokens / self.train_s if self.train_s else math.nan,
             sec_per_step=steady[len(steady) // 2],

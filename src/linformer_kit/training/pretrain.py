@@ -45,7 +45,9 @@ def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> T
     return Trainer(
         model=model,
         batches=batches,
-        evaluator=MaskedLMEvaluator(val_batches, settings.batch_size, settings.eval_batches),
+        evaluator=MaskedLMEvaluator(
+            val_batches, settings.batch_size, settings.eval_batches, verbose=dist.is_main
+        ),
         settings=settings,
         dist=dist,
         run_config=run,

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..config import LinformerConfig
 from ..data.pipeline import DataSettings
 from ..hub import atomic_write
@@ -41,8 +43,12 @@ class TrainSettings:
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and masking"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    threads: int = field(
+        default=0, metadata={"help": "CPU threads per process (0 = torch's default)"}
+    )
 
     def __post_init__(self) -> None:
+        check_threads(self.threads)
         for name in (
             "max_steps",
             "batch_size",
@@ -103,8 +109,7 @@ class RunConfig:
 
     def save(self, path: Path) -> None:
         """Writes the JSON form to `path`."""
-        text = json.dumps(self.to_dict(), indent=2) + "\n"
-        atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
+        save_json(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
@@ -120,6 +125,25 @@ class RunConfig:
             return cls.from_dict(json.loads(file.read_text()))
         except json.JSONDecodeError as err:
             raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
+
+
+def check_threads(threads: int) -> None:
+    """Raises a ValueError unless `threads` is an integer >= 0 (0 = torch's default)."""
+    if not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be an integer >= 0 (0 = torch's default), got {threads!r}")
+
+
+def use_threads(threads: int) -> None:
+    """Sets torch's intra-op CPU threads; 0 leaves torch's default (one per core). On a
+    shared machine fewer threads per process can be faster: they stop competing for cores."""
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def save_json(data: dict[str, Any], path: str | Path) -> None:
+    """Writes `data` as indented JSON to `path`, atomically (a kill leaves the old file)."""
+    text = json.dumps(data, indent=2) + "\n"
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:

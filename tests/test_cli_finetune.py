@@ -1,0 +1,233 @@
+"""`linformer finetune` as a user runs it: sizing flags, resume, and honest errors."""
+
+import json
+
+import pytest
+import torch
+from train_helpers import interrupted_after, write_classification, write_corpus
+
+from linformer_kit.cli import main
+
+MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "1", "--num-heads", "2"]
+TRAIN = ["--batch-size", "4", "--warmup-steps", "1", "--lr", "3e-3", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny pretrained checkpoint shared by the module's tests (4 steps)."""
+    root = tmp_path_factory.mktemp("pretrained")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LINFORMER_CACHE", str(root / "cache"))
+        main(
+            ["pretrain", "--data", str(write_corpus(root / "corpus", files=2))]
+            + ["--vocab-size", "300", "--proj-dim", "16", "--max-steps", "4"]
+            + ["--eval-every", "4", "--output-dir", str(root / "run")]
+            + MODEL
+            + TRAIN
+        )
+    return root / "run" / "best"
+
+
+@pytest.fixture
+def data(tmp_path):
+    """Training (24 rows) and validation (8 rows) JSONL files."""
+    return (
+        write_classification(tmp_path / "train.jsonl", 24, seed=0),
+        write_classification(tmp_path / "valid.jsonl", 8, seed=1),
+    )
+
+
+def finetune(pretrained, data, out, *flags):
+    train, valid = data
+    main(
+        ["finetune", "--init", str(pretrained), "--data", str(train), "--eval", str(valid)]
+        + ["--batch-size", "8", "--log-every", "1", "--warmup-steps", "1"]
+        + ["--output-dir", str(out), *flags]
+    )
+
+
+def records(run_dir, split):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if r["split"] == split]
+
+
+def user_error(capsys, run) -> str:
+    """Runs a command expected to fail with exit status 2; returns its stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_max_steps_overrides_epochs_and_eval_every_sets_validation(
+    pretrained, data, tmp_path, capsys
+):
+    out = tmp_path / "ft"
+    finetune(pretrained, data, out, "--epochs", "5", "--max-steps", "5", "--eval-every", "2")
+    assert records(out, "train") == [1, 2, 3, 4, 5]
+    assert records(out, "val") == [2, 4, 5]
+    captured = capsys.readouterr()
+    table = captured.out.splitlines()
+    assert table[0].split() == ["step", "val_loss", "accuracy", "f1"]
+    assert [row.split()[0] for row in table[1:4]] == ["2", "4", "5"]
+    assert table[4].split() == ["steps", "params", "s_per_step", "tokens_per_s", "peak_mem_mb"]
+    assert table[5].split()[0] == "5" and float(table[5].split()[-1]) > 0
+    assert table[6] == f"checkpoints: {out}/last and {out}/best"
+    assert "validation: " in captured.err  # the progress bar
+    saved = json.loads((out / "run_config.json").read_text())
+    assert sorted(saved) == ["finetune", "model", "train"]
+    assert saved["train"]["max_steps"] == 5 and saved["train"]["eval_every"] == 2
+    assert saved["finetune"]["init"] == str(pretrained) and saved["model"]["dim"] == 32
+
+
+def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
+    pretrained, data, tmp_path, capsys
+):
+    out = tmp_path / "ft"
+    finetune(pretrained, data, out, "--max-steps", "2")
+    err = user_error(capsys, lambda: finetune(pretrained, data, out, "--max-steps", "4"))
+    assert err == (
+        f"linformer finetune: error: {out} already holds checkpoints: pass --resume to "
+        "continue that run, or choose another --output-dir\n"
+    )
+    finetune(pretrained, data, out, "--max-steps", "4", "--resume")
+    assert records(out, "train") == [1, 2, 3, 4]
+
+
+def test_a_sequence_length_beyond_the_models_is_an_error_naming_both(
+    pretrained, data, tmp_path, capsys
+):
+    err = user_error(
+        capsys, lambda: finetune(pretrained, data, tmp_path / "ft", "--max-seq-len", "65")
+    )
+    assert err == (
+        "linformer finetune: error: --max-seq-len 65 is longer than the model's max_seq_len "
+        f"64 ({pretrained}); pass at most 64\n"
+    )
+    assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--epochs", "0"], "epochs must be an integer >= 1, got 0"),
+        (["--max-steps", "-1"], "max_steps must be an integer >= 0, got -1"),
+        (["--num-labels", "1"], "num_labels must be at least 2 (or 0: max label + 1), got 1"),
+    ],
+)
+def test_sizing_flags_that_cannot_be_honoured_are_errors(
+    pretrained, data, tmp_path, capsys, flags, message
+):
+    err = user_error(capsys, lambda: finetune(pretrained, data, tmp_path / "ft", *flags))
+    assert err == f"linformer finetune: error: {message}\n"
+
+
+def test_eval_is_a_required_flag_and_pretraining_only_flags_are_gone(capsys):
+    with pytest.raises(SystemExit):
+        main(["finetune", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--eval EVAL           validation JSONL or CSV (text + label) (required)" in help_text
+    assert "--mlm-probability" not in help_text and "--eval-batches" not in help_text
+    err = user_error(capsys, lambda: main(["finetune", "--init", "a", "--data", "b"]))
+    assert err.endswith("linformer finetune: error: the following arguments are required: --eval\n")
+    err = user_error(
+        capsys,
+        lambda: main(
+            ["finetune", "--init", "a", "--data", "b", "--eval", "c"] + ["--eval-batches", "2"]
+        ),
+    )
+    assert err.endswith("linformer: error: unrecognized arguments: --eval-batches 2\n")
+
+
+ONE_CLASS = (
+    "every prediction on {data} is class 0 (accuracy 0.750, F1 0.429): the classifier does "
+    "not tell the classes apart. Likely causes: a learning rate too high or too low (--lr), "
+    "too few steps (--epochs, --max-steps), or texts truncated before the words that decide "
+    "the label (--max-seq-len)"
+)
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_classifier_predicting_one_class_gets_a_warning_naming_likely_causes(
+    pretrained, data, tmp_path, caplog
+):
+    out = tmp_path / "ft"
+    finetune(pretrained, data, out, "--max-steps", "1", "--lr", "1e-6")
+    assert warnings(caplog) == [ONE_CLASS.format(data=data[1])]
+    caplog.clear()
+    main(["evaluate", str(out / "best"), "--data", str(data[1])])
+    assert warnings(caplog) == [ONE_CLASS.format(data=data[1])]
+
+
+def test_evaluating_a_base_model_on_labelled_data_says_it_is_not_a_classifier(
+    pretrained, data, caplog, capsys
+):
+    main(["evaluate", str(pretrained), "--data", str(data[1])])
+    assert warnings(caplog) == [
+        f"{pretrained} is not a classifier (LinformerForMaskedLM, no classification head): the "
+        f"labels in {data[1]} are ignored and its texts scored for masked-LM perplexity. For "
+        f"accuracy and F1, fine-tune it first: linformer finetune --init {pretrained} "
+        "--data ... --eval ..."
+    ]
+    assert "val_ppl" in capsys.readouterr().out
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_to_start_again(pretrained, data, tmp_path, capsys):
+    out = tmp_path / "ft"
+    argv = ["finetune", "--init", str(pretrained), "--data", str(data[0]), "--eval", str(data[1])]
+    argv += ["--output-dir", str(out)]
+    capsys.readouterr()
+    with interrupted_after(1), pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "linformer finetune: interrupted at step 1, before the first checkpoint; start again "
+        f"with: linformer {' '.join(argv)}"
+    )
+    main(argv)  # the folder holds no checkpoint, so starting again needs no --resume
+    assert records(out, "val") == [2, 4, 6]
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_threads_sets_torchs_cpu_threads_in_every_training_command(
+    pretrained, data, tmp_path, capsys, restore_threads
+):
+    for command in ("pretrain", "finetune", "evaluate", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--threads THREADS" in capsys.readouterr().out
+    wanted = restore_threads + 1
+    finetune(pretrained, data, tmp_path / "ft", "--max-steps", "1", "--threads", str(wanted))
+    assert torch.get_num_threads() == wanted
+    torch.set_num_threads(restore_threads)
+    main(["evaluate", str(pretrained), "--data", str(data[1]), "--threads", str(wanted)])
+    assert torch.get_num_threads() == wanted
+    err = user_error(capsys, lambda: finetune(pretrained, data, tmp_path / "x", "--threads", "-1"))
+    assert err == (
+        "linformer finetune: error: threads must be an integer >= 0 (0 = torch's default), got -1\n"
+    )
+
+
+def test_a_warmup_longer_than_the_run_is_stated_and_evaluate_rejects_what_it_cannot_do(
+    pretrained, data, tmp_path, caplog, capsys
+):
+    finetune(pretrained, data, tmp_path / "ft", "--max-steps", "2", "--warmup-steps", "5")
+    assert (
+        "warmup_steps (5) > max_steps (2): the run ends during warm-up, with the learning rate "
+        "at 40% of --lr 0.0001"
+    ) in warnings(caplog)
+    err = user_error(capsys, lambda: main(["evaluate", str(pretrained)]))
+    assert err.endswith("linformer evaluate: error: the following arguments are required: --data\n")
+    evaluate = ["evaluate", str(pretrained), "--data", str(data[1]), "--batch-size", "0"]
+    err = user_error(capsys, lambda: main(evaluate))
+    assert err == "linformer evaluate: error: batch_size must be an integer >= 1, got 0\n"
