@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from train_helpers import interrupted_after, write_classification, write_corpus
+from train_helpers import interrupted_after, pretrain_cli, write_classification
 
 from linformer_kit.cli import main
 
@@ -16,16 +16,8 @@ TRAIN = ["--batch-size", "4", "--warmup-steps", "1", "--lr", "3e-3", "--log-ever
 def pretrained(tmp_path_factory):
     """A tiny pretrained checkpoint shared by the module's tests (4 steps)."""
     root = tmp_path_factory.mktemp("pretrained")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LINFORMER_CACHE", str(root / "cache"))
-        main(
-            ["pretrain", "--data", str(write_corpus(root / "corpus", files=2))]
-            + ["--vocab-size", "300", "--proj-dim", "16", "--max-steps", "4"]
-            + ["--eval-every", "4", "--output-dir", str(root / "run")]
-            + MODEL
-            + TRAIN
-        )
-    return root / "run" / "best"
+    run = pretrain_cli(root, "--max-steps", "4", "--eval-every", "4", *MODEL, *TRAIN, files=2)
+    return run / "best"
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from test_cli_train import MODEL, TRAIN
-from train_helpers import flip_last_byte, write_classification, write_corpus
+from train_helpers import flip_last_byte, pretrain_cli, write_classification
 
 from linformer_kit.cli import main
 from linformer_kit.hub import write_manifest
@@ -28,13 +28,7 @@ ALTERED = (
 def pretrained(tmp_path_factory):
     """One tiny pretraining run (checkpoints at steps 4 and 8), shared: tests alter copies."""
     root = tmp_path_factory.mktemp("pretrained")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LINFORMER_CACHE", str(root / "cache"))
-        main(
-            ["pretrain", "--data", str(write_corpus(root / "corpus")), "--vocab-size", "300"]
-            + ["--proj-dim", "16", *MODEL, *TRAIN, "--max-steps", "8", "--eval-every", "4"]
-            + ["--output-dir", str(root / "run")]
-        )
+    pretrain_cli(root, *MODEL, *TRAIN, "--max-steps", "8", "--eval-every", "4")
     return root
 
 

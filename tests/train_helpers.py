@@ -91,3 +91,18 @@ def flip_last_byte(file: Path) -> None:
     data = bytearray(file.read_bytes())
     data[-1] ^= 0xFF
     file.write_bytes(bytes(data))
+
+
+def pretrain_cli(root: Path, *flags: str, files: int = 6) -> Path:
+    """`linformer pretrain` on a generated corpus under `root`, with its own token cache
+    (vocabulary 300, k = 16); returns the run directory."""
+    from linformer_kit.cli import main
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LINFORMER_CACHE", str(root / "cache"))
+        main(
+            ["pretrain", "--data", str(write_corpus(root / "corpus", files=files))]
+            + ["--vocab-size", "300", "--proj-dim", "16", "--output-dir", str(root / "run")]
+            + list(flags)
+        )
+    return root / "run"
