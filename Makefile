@@ -3,6 +3,8 @@
 # Each creates .venv on first use: the pinned CPU torch wheel first, then the package.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=  # e.g. https://download.pytorch.org/whl/cpu for the CPU build on any Linux
+ARGS ?=  # flags for `linformer demo`, e.g. make demo ARGS="--steps 100"
 VENV := .venv
 BIN := $(VENV)/bin
 
@@ -13,7 +15,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q "$(TORCH)" $(if $(strip $(TORCH_INDEX)),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
@@ -24,7 +26,7 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m ""
 
 demo: setup
-	$(BIN)/linformer demo
+	$(BIN)/linformer demo $(ARGS)
 
 bench: setup
 	$(BIN)/linformer bench --peers --out benchmarks/bench
