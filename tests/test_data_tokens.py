@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 from train_helpers import write_corpus
 
 from linformer_kit.data import (
@@ -18,6 +19,8 @@ from linformer_kit.data import (
 )
 from linformer_kit.data import tokenizer as tokenizer_module
 from linformer_kit.data.cache import open_token_cache
+from linformer_kit.data.classification import load_classification
+from linformer_kit.interop.report import minilm_path
 
 
 def test_trained_bpe_has_roberta_special_ids_and_round_trips(tmp_path):
@@ -42,6 +45,23 @@ def test_existing_bert_tokenizer_json_is_usable():
     tok = load_tokenizer(files[0])
     vocab = tok.tokenizer
     assert (tok.pad_id, tok.mask_id) == (vocab.token_to_id("[PAD]"), vocab.token_to_id("[MASK]"))
+
+
+def test_a_tokenizer_json_never_truncates_or_pads_behind_the_models_back(tmp_path):
+    # MiniLM's tokenizer.json truncates to 128 and pads to 128: as shipped, a long document
+    # would be cut to 128 tokens whatever --max-seq-len said, and a short one padded.
+    shipped = Tokenizer.from_file(str(minilm_path() / "tokenizer.json"))
+    assert shipped.truncation["max_length"] == 128 and shipped.padding["length"] == 128
+    assert len(shipped.encode("word " * 300, add_special_tokens=False).ids) == 128
+    tok = load_tokenizer(minilm_path())
+    long, short = tok.encode_batch(["word " * 300, "word"])
+    assert len(long) == 300 and len(short) == 1
+    tok.save(tmp_path / "tokenizer.json")  # and checkpoints keep it that way
+    assert len(load_tokenizer(tmp_path).encode_batch(["word " * 300])[0]) == 300
+    labelled = tmp_path / "long.jsonl"
+    labelled.write_text(json.dumps({"text": "word " * 300, "label": 1}) + "\n")
+    data = load_classification(labelled, tok, max_seq_len=512)
+    assert len(data.ids[0]) == 302  # [CLS] + 300 + [SEP]
 
 
 def test_a_missing_folder_is_not_reported_as_a_missing_tokenizer(tmp_path):

@@ -27,17 +27,11 @@ def load_backbone(path: str | os.PathLike) -> LinformerModel:
 
 
 def checkpoint_tokenizer(path: str | os.PathLike) -> TextTokenizer | None:
-    """The `tokenizer.json` saved beside a checkpoint, or None when there is none.
-
-    Padding and truncation baked into a tokenizer.json (BERT's pads to 128) are switched off:
-    the tools cut sequences themselves.
-    """
+    """The `tokenizer.json` saved beside a checkpoint (its own truncation and padding off, as
+    for every loaded tokenizer), or None when there is none."""
     if not (Path(path) / TOKENIZER_NAME).is_file():
         return None
-    tokenizer = load_tokenizer(path)
-    tokenizer.tokenizer.no_padding()
-    tokenizer.tokenizer.no_truncation()
-    return tokenizer
+    return load_tokenizer(path)
 
 
 def token_windows(

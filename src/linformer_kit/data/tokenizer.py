@@ -59,11 +59,16 @@ class TextTokenizer:
 
 
 def from_tokenizer(tokenizer: Tokenizer, source: str) -> TextTokenizer:
-    """Finds the special tokens of a tokenizer.
+    """Finds the special tokens of a tokenizer, and switches off the truncation and padding a
+    tokenizer.json may carry: this library cuts and pads sequences itself, to the model's
+    `--max-seq-len` (MiniLM's tokenizer.json truncates every text to 128 tokens and pads it
+    to 128, which would silently cut long documents whatever the model accepts).
 
     Raises:
         ValueError: if it lacks a padding, mask or separator token.
     """
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     ids = {}
     for role, names in ROLES.items():
         found = [tokenizer.token_to_id(n) for n in names if tokenizer.token_to_id(n) is not None]
