@@ -9,7 +9,7 @@ from .config import (
     proj_dim_schedule,
 )
 from .encoder import FeedForward, LinformerEncoder, LinformerEncoderLayer
-from .functional import exact_attention, linformer_attention
+from .functional import causal_attention, exact_attention, linformer_attention
 from .models import (
     LinformerForMaskedLM,
     LinformerForSequenceClassification,
@@ -52,6 +52,7 @@ __all__ = [
     "__version__",
     "bf16_support",
     "build_projection",
+    "causal_attention",
     "count_projection_matrices",
     "exact_attention",
     "linformer_attention",
