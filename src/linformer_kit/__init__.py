@@ -1,6 +1,7 @@
 """linformer-kit: Linformer self-attention with linear complexity, for PyTorch."""
 
-from .attention import LinformerSelfAttention
+from .attention import CausalState, LinformerSelfAttention
+from .causal_lm import CausalLMOutput, LinformerForCausalLM
 from .config import (
     LinformerConfig,
     linformer_base,
@@ -34,11 +35,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Bf16Support",
     "BlockProjection",
+    "CausalLMOutput",
+    "CausalState",
     "ExactProjection",
     "FeedForward",
     "LinformerConfig",
     "LinformerEncoder",
     "LinformerEncoderLayer",
+    "LinformerForCausalLM",
     "LinformerForMaskedLM",
     "LinformerForSequenceClassification",
     "LinformerModel",
