@@ -58,7 +58,7 @@ def test_jacobian_of_earlier_outputs_wrt_later_inputs_is_zero(sharing, kind):
     def encode(x):
         return model.encoder(x, MASK)[0]
 
-    jac = torch.autograd.functional.jacobian(encode, x, vectorize=True)  # (B, N, C, B, N, C)
+    jac = torch.autograd.functional.jacobian(encode, x)  # (B, N, C, B, N, C)
     for i in range(11):
         for b in range(2):
             later = jac[b, i, :, b, i + 1 :]

@@ -244,9 +244,10 @@ def exact_attention(
 def summary_scale(prefix_len: Tensor) -> Tensor:
     """The factor on a causal prefix summary E[:L]^T X[:L] as a function of L.
 
-    1 / sqrt(L) keeps the summary rows' magnitude constant as the prefix grows (a sum of L
-    roughly independent terms grows as sqrt(L)); measured against no scaling and 1 / L by
-    `benchmarks/causal_scaling.py` (README, "Causal language models").
+    1 / sqrt(L) keeps the summary rows' magnitude level as the prefix grows (a sum of L
+    roughly independent terms grows as sqrt(L)). Measured by `benchmarks/causal_scaling.py`
+    (README, "Causal language models"): unscaled trains worst; 1 / sqrt(L) beats 1 / L for
+    the learned projection and trails it by at most 0.03 nats for the fixed random one.
     """
     return prefix_len.clamp(min=1).to(torch.float64).rsqrt()
 
