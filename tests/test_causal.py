@@ -231,3 +231,15 @@ def test_misuse_is_refused_with_a_clear_error():
     bidirectional = LinformerModel(tiny(causal=False))
     with pytest.raises(ValueError, match="a generation state needs causal attention"):
         bidirectional(torch.zeros(1, 5, dtype=torch.long), states=[CausalState(), CausalState()])
+
+
+@pytest.mark.parametrize("checkpointing", ["layer", "attention"])
+def test_activation_checkpointing_gives_the_same_gradients(checkpointing):
+    ids = torch.randint(0, 50, (2, 11))
+    grads = []
+    for mode in ("none", checkpointing):
+        torch.manual_seed(0)
+        model = LinformerForCausalLM(tiny(checkpointing=mode)).double()
+        model(ids, MASK, labels=ids).loss.backward()
+        grads.append(model.linformer.embeddings.tokens.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-12, rtol=0)

@@ -126,11 +126,13 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
                 f"exceeds max_seq_len {self.config.max_seq_len}"
             )
         states = self.init_states()
-        tokens, new = input_ids, input_ids
-        for _ in range(max_new_tokens):
+        tokens = input_ids.new_empty(input_ids.shape[0], total)  # filled in place: no regrowth
+        tokens[:, : input_ids.shape[1]] = input_ids
+        new = input_ids
+        for position in range(input_ids.shape[1], total):
             logits = self(new, states=states).logits[:, -1].float()  # (B, vocab_size)
             new = self.sample(logits, temperature, top_k, generator)[:, None]  # (B, 1)
-            tokens = torch.cat([tokens, new], 1)
+            tokens[:, position : position + 1] = new
         return tokens
 
     @staticmethod

@@ -96,11 +96,14 @@ class LinformerEncoderLayer(nn.Module):
         return_attention: bool,
         state: CausalState | None,
     ) -> tuple[Tensor, Tensor | None]:
+        # `state` only when given: drop-in attention modules (the bench's baselines) keep the
+        # (x, key_padding_mask, return_attention) signature.
+        extra = {} if state is None else {"state": state}
         if self.checkpoint_attention and self.training and torch.is_grad_enabled():
             return checkpoint(
-                self.attn, x, key_padding_mask, return_attention, state, use_reentrant=False
+                self.attn, x, key_padding_mask, return_attention, use_reentrant=False, **extra
             )
-        return self.attn(x, key_padding_mask, return_attention, state)
+        return self.attn(x, key_padding_mask, return_attention, **extra)
 
     def forward(
         self,
