@@ -9,9 +9,9 @@ import argparse
 from collections.abc import Sequence
 
 from .. import __version__
-from . import analysis, bench, convert, demo, distill, evaluate, finetune, pretrain
+from . import analysis, bench, convert, demo, distill, evaluate, finetune, generate, pretrain
 
-SUBCOMMANDS = (demo, pretrain, finetune, evaluate, convert, distill, analysis, bench)
+SUBCOMMANDS = (demo, pretrain, finetune, evaluate, generate, convert, distill, analysis, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
