@@ -243,3 +243,15 @@ def test_activation_checkpointing_gives_the_same_gradients(checkpointing):
         model(ids, MASK, labels=ids).loss.backward()
         grads.append(model.linformer.embeddings.tokens.weight.grad)
     torch.testing.assert_close(grads[1], grads[0], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("projected", [True, False])
+def test_a_fully_padded_row_gives_zeros_not_nan(dtype, projected):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 7, 4, dtype=dtype) for _ in range(3))
+    proj = torch.randn(8, 3, dtype=dtype) if projected else None
+    mask = torch.tensor([[True] * 7, [False] * 7])
+    out = causal_attention(q, k, v, proj, proj, block_size=3, key_padding_mask=mask)
+    assert torch.isfinite(out).all()
+    assert torch.count_nonzero(out[1]) == 0
