@@ -26,3 +26,29 @@ def projected_attention(q, k, v, proj_k, proj_v, key_padding_mask=None):
         f = (proj_v[h] if proj_v.dim() == 3 else proj_v)[:n].T
         heads.append(softmax_attention(q[:, h : h + 1], e @ k[:, h : h + 1], f @ v[:, h : h + 1]))
     return torch.cat(heads, dim=1)
+
+
+def causal_block_attention(q, k, v, proj_k=None, proj_v=None, block_size=1, key_padding_mask=None):
+    """Causal (block) attention built position by position: the real token i, the r-th real
+    one, attends to the real tokens of its own block (real indices b*bs .. r) and, from the
+    second block on, to the summaries E[:L]^T K[:L] / sqrt(L) of the L = b*bs real tokens
+    before, E's row j projecting the j-th real token. No projection: every real key <= i.
+    Padded positions output 0."""
+    batch, heads, n, d = q.shape
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        real = [j for j in range(n) if key_padding_mask is None or key_padding_mask[b, j]]
+        for h in range(heads):
+            e = None if proj_k is None else (proj_k[h] if proj_k.dim() == 3 else proj_k)
+            f = None if proj_v is None else (proj_v[h] if proj_v.dim() == 3 else proj_v)
+            for r, i in enumerate(real):
+                first = 0 if e is None else r // block_size * block_size
+                keys = [k[b, h, real[j]] for j in range(first, r + 1)]
+                values = [v[b, h, real[j]] for j in range(first, r + 1)]
+                if first:
+                    seen = real[:first]
+                    keys = list(e[:first].T @ k[b, h, seen] / math.sqrt(first)) + keys
+                    values = list(f[:first].T @ v[b, h, seen] / math.sqrt(first)) + values
+                scores = torch.stack(keys) @ q[b, h, i] / math.sqrt(d)
+                out[b, h, i] = scores.softmax(0) @ torch.stack(values)
+    return out

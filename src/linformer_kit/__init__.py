@@ -1,6 +1,7 @@
 """linformer-kit: Linformer self-attention with linear complexity, for PyTorch."""
 
-from .attention import LinformerSelfAttention
+from .attention import CausalState, LinformerSelfAttention
+from .causal_lm import CausalLMOutput, LinformerForCausalLM
 from .config import (
     LinformerConfig,
     linformer_base,
@@ -9,7 +10,7 @@ from .config import (
     proj_dim_schedule,
 )
 from .encoder import FeedForward, LinformerEncoder, LinformerEncoderLayer
-from .functional import exact_attention, linformer_attention
+from .functional import causal_attention, exact_attention, linformer_attention
 from .models import (
     LinformerForMaskedLM,
     LinformerForSequenceClassification,
@@ -34,11 +35,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Bf16Support",
     "BlockProjection",
+    "CausalLMOutput",
+    "CausalState",
     "ExactProjection",
     "FeedForward",
     "LinformerConfig",
     "LinformerEncoder",
     "LinformerEncoderLayer",
+    "LinformerForCausalLM",
     "LinformerForMaskedLM",
     "LinformerForSequenceClassification",
     "LinformerModel",
@@ -52,6 +56,7 @@ __all__ = [
     "__version__",
     "bf16_support",
     "build_projection",
+    "causal_attention",
     "count_projection_matrices",
     "exact_attention",
     "linformer_attention",

@@ -2,10 +2,42 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from torch import Tensor, nn
 
-from .functional import attend, attention_weights, check_key_padding_mask, check_seq_len
-from .projection import ExactProjection, SequenceProjection
+from .functional import (
+    attend,
+    attention_weights,
+    block_projections,
+    causal_attention,
+    check_key_padding_mask,
+    check_seq_len,
+    summary_scale,
+)
+from .projection import ExactProjection, MatrixProjection, SequenceProjection
+
+
+@dataclass
+class CausalState:
+    """What one causal attention layer keeps between generation steps.
+
+    Its size is O((k + block_size) D) per head for causal Linformer, whatever the length
+    generated; exact attention keeps every key and value (a plain KV cache).
+
+    Attributes:
+        length: positions consumed so far.
+        key_sums, value_sums: (B, H, K, D) unscaled E[:L]^T K[:L] and F[:L]^T V[:L] of the L
+            positions of the completed blocks; None until the first block completes.
+        keys, values: (B, H, T, D) the open block's keys and values (exact: all of them).
+    """
+
+    length: int = 0
+    key_sums: Tensor | None = None
+    value_sums: Tensor | None = None
+    keys: Tensor | None = None
+    values: Tensor | None = None
 
 
 class LinformerSelfAttention(nn.Module):
@@ -23,6 +55,11 @@ class LinformerSelfAttention(nn.Module):
         proj_v: the value projection (F); pass `proj_k` again to share them.
         dropout: dropout on the attention weights (training only).
         bias: whether the q/k/v/out linear layers have biases.
+        causal: position i attends to positions <= i only (see `causal_attention`).
+        block_size: causal Linformer's block of exactly attended positions.
+
+    Raises:
+        ValueError: if causal is asked of a projection that is not a matrix (conv, pool).
     """
 
     def __init__(
@@ -35,6 +72,8 @@ class LinformerSelfAttention(nn.Module):
         proj_v: SequenceProjection | None = None,
         dropout: float = 0.0,
         bias: bool = True,
+        causal: bool = False,
+        block_size: int = 64,
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -48,6 +87,15 @@ class LinformerSelfAttention(nn.Module):
         self.to_out = nn.Linear(dim, dim, bias=bias)
         self.proj_k = proj_k if proj_k is not None else ExactProjection()
         self.proj_v = proj_v if proj_v is not None else self.proj_k
+        self.causal, self.block_size = causal, block_size
+        self.projected = not isinstance(self.proj_k, ExactProjection)
+        if causal and self.projected:
+            for proj in (self.proj_k, self.proj_v):
+                if not isinstance(proj, MatrixProjection):
+                    raise ValueError(
+                        f"causal attention needs a matrix projection (linear or random), got "
+                        f"{type(proj).__name__}: its windows would mix in later positions"
+                    )
 
     def projects_input_first(self, seq_len: int) -> bool:
         """Whether projecting the input before the key/value layers costs fewer multiply-adds."""
@@ -60,28 +108,46 @@ class LinformerSelfAttention(nn.Module):
         return first < after
 
     def forward(
-        self, x: Tensor, key_padding_mask: Tensor | None = None, return_attention: bool = False
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        return_attention: bool = False,
+        state: CausalState | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attends every position to the projected keys and values.
 
         Args:
-            x: (B, N, dim) with N <= max_seq_len.
+            x: (B, N, dim) with N <= max_seq_len; with `state`, the N positions that follow
+                the state's.
             key_padding_mask: optional bool (B, N), True at real tokens.
             return_attention: also return the context-mapping matrix P (materialised
                 separately; the output itself always comes from SDPA).
+            state: causal only: the generation state to continue, updated in place.
 
         Returns:
             The output (B, N, dim), and P of shape (B, H, N, M) when asked for, else None
             (M = k for Linformer, N for exact attention).
 
         Raises:
-            ValueError: if N exceeds max_seq_len or the mask is malformed.
+            ValueError: if N exceeds max_seq_len or the mask is malformed; for
+                `return_attention` or a padded `state` in causal mode, and for a `state`
+                without it.
         """
         batch, seq_len, _ = x.shape
         check_seq_len(seq_len, self.max_seq_len)
         check_key_padding_mask(key_padding_mask, batch, seq_len)
         heads, head_dim = self.num_heads, self.head_dim
         q = self.to_q(x).view(batch, seq_len, heads, head_dim).transpose(1, 2)  # (B, H, N, D)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.causal:
+            if return_attention:
+                raise ValueError(
+                    "return_attention is not available with causal attention: its weights "
+                    "are per block (own keys and prefix summaries), not one N x M matrix"
+                )
+            return self._merge(self._causal(x, q, key_padding_mask, state, dropout_p)), None
+        if state is not None:
+            raise ValueError("a generation state needs causal attention (causal=True)")
         if self.projects_input_first(seq_len):
             k, v, kv_mask = self._project_then_map(x, key_padding_mask)
         else:
@@ -90,10 +156,91 @@ class LinformerSelfAttention(nn.Module):
             k, kv_mask = self.proj_k(k, key_padding_mask)  # (B, M, H, D)
             v, _ = self.proj_v(v, key_padding_mask)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, H, M, D)
-        dropout_p = self.dropout if self.training else 0.0
         out = attend(q, k, v, kv_mask, dropout_p)  # (B, H, N, D)
-        out = self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.dim))
-        return out, (attention_weights(q, k, kv_mask) if return_attention else None)
+        return self._merge(out), (attention_weights(q, k, kv_mask) if return_attention else None)
+
+    def _merge(self, out: Tensor) -> Tensor:
+        """Joins the heads and applies the output layer: (B, H, N, D) -> (B, N, dim)."""
+        batch, _, seq_len, _ = out.shape
+        return self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.dim))
+
+    def _causal(
+        self,
+        x: Tensor,
+        q: Tensor,
+        key_padding_mask: Tensor | None,
+        state: CausalState | None,
+        dropout_p: float,
+    ) -> Tensor:
+        """Causal attention of a whole sequence, or of the positions continuing `state`."""
+        batch, seq_len, _ = x.shape
+        shape = (batch, seq_len, self.num_heads, self.head_dim)
+        k = self.to_k(x).view(shape).transpose(1, 2)  # (B, H, N, D)
+        v = self.to_v(x).view(shape).transpose(1, 2)
+        weights = (self.proj_k.weight, self.proj_v.weight) if self.projected else (None, None)
+        if state is not None and key_padding_mask is not None:
+            raise ValueError("generation with a state takes unpadded input_ids (no mask)")
+        if state is None or state.length == 0:
+            out = causal_attention(
+                q,
+                k,
+                v,
+                *weights,
+                block_size=self.block_size,
+                key_padding_mask=key_padding_mask,
+                dropout_p=dropout_p,
+            )
+            if state is not None:
+                self._start(state, k, v)
+            return out
+        check_seq_len(state.length + seq_len, self.max_seq_len)
+        steps = [
+            self._step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], dropout_p)
+            for t in range(seq_len)
+        ]
+        return torch.cat(steps, 2)  # (B, H, N, D)
+
+    def _start(self, state: CausalState, k: Tensor, v: Tensor) -> None:
+        """Fills an empty state from a first chunk's keys and values, (B, H, N, D)."""
+        seq_len = k.shape[2]
+        done = seq_len // self.block_size * self.block_size if self.projected else 0
+        if done:
+            # cumsum, not sum: the same additions in the same order as the full pass.
+            state.key_sums = block_projections(
+                k[:, :, :done], self.proj_k.weight[..., :done, :], self.block_size
+            ).cumsum(2)[:, :, -1]  # (B, H, K, D)
+            state.value_sums = block_projections(
+                v[:, :, :done], self.proj_v.weight[..., :done, :], self.block_size
+            ).cumsum(2)[:, :, -1]
+        state.keys, state.values = k[:, :, done:], v[:, :, done:]
+        state.length = seq_len
+
+    def _step(
+        self, state: CausalState, q: Tensor, k: Tensor, v: Tensor, dropout_p: float
+    ) -> Tensor:
+        """Attends one new position (B, H, 1, D) to the prefix summaries and the open block,
+        then folds the block into the summaries once it is complete."""
+        state.keys = torch.cat([state.keys, k], 2)  # (B, H, T, D)
+        state.values = torch.cat([state.values, v], 2)
+        keys, values = state.keys, state.values
+        if state.key_sums is not None:
+            prefix_len = torch.tensor(state.length - keys.shape[2] + 1, device=k.device)
+            scale = summary_scale(prefix_len).to(k.dtype)
+            keys = torch.cat([state.key_sums * scale, keys], 2)  # (B, H, K + T, D)
+            values = torch.cat([state.value_sums * scale, values], 2)
+        out = attend(q, keys, values, None, dropout_p)  # (B, H, 1, D)
+        state.length += 1
+        if self.projected and state.length % self.block_size == 0:
+            rows = slice(state.length - self.block_size, state.length)
+            new_k = block_projections(state.keys, self.proj_k.weight[..., rows, :], self.block_size)
+            new_v = block_projections(
+                state.values, self.proj_v.weight[..., rows, :], self.block_size
+            )
+            first = state.key_sums is None
+            state.key_sums = new_k[:, :, 0] if first else state.key_sums + new_k[:, :, 0]
+            state.value_sums = new_v[:, :, 0] if first else state.value_sums + new_v[:, :, 0]
+            state.keys, state.values = k[:, :, :0], v[:, :, :0]
+        return out
 
     def _project_then_map(
         self, x: Tensor, key_padding_mask: Tensor | None

@@ -9,10 +9,12 @@ from typing import Any
 
 SHARINGS = ("none", "headwise", "kv", "layerwise")
 PROJECTIONS = ("linear", "conv", "pool", "random")
+CAUSAL_PROJECTIONS = ("linear", "random")  # row j of E touches position j only
 ACTIVATIONS = ("gelu", "relu")
 POSITIONS = ("learned", "sinusoidal")
 CHECKPOINTINGS = ("none", "layer", "attention")
 LABEL_FIELDS = ("id2label", "label2id")  # set by fine-tuning from the data, never by a flag
+CAUSAL_FIELDS = ("causal", "block_size")  # LinformerForCausalLM's; masked-LM pretraining has none
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -105,6 +107,14 @@ class LinformerConfig:
     label2id: dict[str, int] | None = field(
         default=None, metadata={"help": "their ids: the inverse of id2label (as in HF)"}
     )
+    causal: bool = field(
+        default=False,
+        metadata={"help": "autoregressive attention: position i sees positions <= i only"},
+    )
+    block_size: int = field(
+        default=64,
+        metadata={"help": "causal Linformer: window attended exactly; earlier blocks via k rows"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "dim", "depth", "num_heads"):
@@ -137,6 +147,7 @@ class LinformerConfig:
             )
         self._check_proj_dim()
         self._check_label_names()
+        self._check_causal()
 
     def _check_proj_dim(self) -> None:
         if self.proj_dim is None:
@@ -164,6 +175,18 @@ class LinformerConfig:
                     f"projection={self.projection!r} uses kernel = stride = max_seq_len / "
                     f"proj_dim, so proj_dim ({k}) must divide max_seq_len ({self.max_seq_len})"
                 )
+
+    def _check_causal(self) -> None:
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        _check_positive("block_size", self.block_size)
+        if self.causal and self.proj_dim is not None and self.projection not in CAUSAL_PROJECTIONS:
+            raise ValueError(
+                f"causal=True cannot use projection={self.projection!r}: it summarises fixed "
+                f"windows of max_seq_len / proj_dim positions, and a window still open at a "
+                f"query's block would mix in positions after the query; use one of "
+                f"{', '.join(CAUSAL_PROJECTIONS)} (row j of E touches position j only)"
+            )
 
     def _check_label_names(self) -> None:
         if self.id2label is None and self.label2id is None:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import LinformerSelfAttention
+from .attention import CausalState, LinformerSelfAttention
 from .config import LinformerConfig
 from .projection import SequenceProjection, build_sharing_plan
 
@@ -50,6 +50,7 @@ class LinformerEncoderLayer(nn.Module):
         attention_dropout: dropout on the attention weights.
         layer_norm_eps: LayerNorm epsilon.
         checkpoint_attention: recompute the attention sub-layer in backward to save memory.
+        causal, block_size: causal attention (see `LinformerSelfAttention`).
     """
 
     def __init__(
@@ -67,6 +68,8 @@ class LinformerEncoderLayer(nn.Module):
         attention_dropout: float = 0.0,
         layer_norm_eps: float = 1e-5,
         checkpoint_attention: bool = False,
+        causal: bool = False,
+        block_size: int = 64,
     ) -> None:
         super().__init__()
         self.attn = LinformerSelfAttention(
@@ -76,6 +79,8 @@ class LinformerEncoderLayer(nn.Module):
             proj_k=proj_k,
             proj_v=proj_v,
             dropout=attention_dropout,
+            causal=causal,
+            block_size=block_size,
         )
         self.ffn = FeedForward(dim=dim, hidden_dim=ffn_dim, activation=activation)
         self.attn_norm = nn.LayerNorm(dim, eps=layer_norm_eps)
@@ -85,23 +90,37 @@ class LinformerEncoderLayer(nn.Module):
         self.checkpoint_attention = checkpoint_attention
 
     def _attention(
-        self, x: Tensor, key_padding_mask: Tensor | None, return_attention: bool
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None,
+        return_attention: bool,
+        state: CausalState | None,
     ) -> tuple[Tensor, Tensor | None]:
+        # `state` only when given: drop-in attention modules (the bench's baselines) keep the
+        # (x, key_padding_mask, return_attention) signature.
+        extra = {} if state is None else {"state": state}
         if self.checkpoint_attention and self.training and torch.is_grad_enabled():
-            return checkpoint(self.attn, x, key_padding_mask, return_attention, use_reentrant=False)
-        return self.attn(x, key_padding_mask, return_attention)
+            return checkpoint(
+                self.attn, x, key_padding_mask, return_attention, use_reentrant=False, **extra
+            )
+        return self.attn(x, key_padding_mask, return_attention, **extra)
 
     def forward(
-        self, x: Tensor, key_padding_mask: Tensor | None = None, return_attention: bool = False
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        return_attention: bool = False,
+        state: CausalState | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """(B, N, dim) -> (B, N, dim), and the attention matrix when asked for."""
+        """(B, N, dim) -> (B, N, dim), and the attention matrix when asked for; `state`
+        continues causal generation (updated in place)."""
         if self.norm_first:
             attended, weights = self._attention(
-                self.attn_norm(x), key_padding_mask, return_attention
+                self.attn_norm(x), key_padding_mask, return_attention, state
             )
             x = x + self.dropout(attended)
             return x + self.dropout(self.ffn(self.ffn_norm(x))), weights
-        attended, weights = self._attention(x, key_padding_mask, return_attention)
+        attended, weights = self._attention(x, key_padding_mask, return_attention, state)
         x = self.attn_norm(x + self.dropout(attended))
         return self.ffn_norm(x + self.dropout(self.ffn(x))), weights
 
@@ -132,6 +151,8 @@ class LinformerEncoder(nn.Module):
                 attention_dropout=config.attention_dropout,
                 layer_norm_eps=config.layer_norm_eps,
                 checkpoint_attention=config.checkpointing == "attention",
+                causal=config.causal,
+                block_size=config.block_size,
             )
             for proj_k, proj_v in build_sharing_plan(config)
         )
@@ -145,6 +166,7 @@ class LinformerEncoder(nn.Module):
         key_padding_mask: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        states: list[CausalState] | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
         """Runs every layer.
 
@@ -153,6 +175,7 @@ class LinformerEncoder(nn.Module):
             key_padding_mask: optional bool (B, N), True at real tokens.
             output_hidden_states: also return the input and every layer's output.
             output_attentions: also return every layer's attention matrix (B, H, N, M).
+            states: causal generation: one state per layer to continue (updated in place).
 
         Returns:
             The last hidden state (B, N, dim) (after the final norm for pre-LN); the depth + 1
@@ -163,13 +186,14 @@ class LinformerEncoder(nn.Module):
         recompute = (
             self.config.checkpointing == "layer" and self.training and torch.is_grad_enabled()
         )
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            state = states[i] if states is not None else None
             if recompute:
                 x, weights = checkpoint(
-                    layer, x, key_padding_mask, output_attentions, use_reentrant=False
+                    layer, x, key_padding_mask, output_attentions, state, use_reentrant=False
                 )
             else:
-                x, weights = layer(x, key_padding_mask, output_attentions)
+                x, weights = layer(x, key_padding_mask, output_attentions, state)
             if hidden is not None:
                 hidden.append(x)
             if attentions is not None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import hub
+from .attention import CausalState
 from .config import LinformerConfig
 from .encoder import LinformerEncoder
 from .functional import check_seq_len
@@ -100,11 +101,17 @@ class LinformerEmbeddings(nn.Module):
         )
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
-        """(B, N) token ids -> (B, N, dim)."""
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """(B, N) token ids -> (B, N, dim); positions 0..N-1 unless `position_ids` (B, N)."""
         seq_len = input_ids.shape[1]
         positions = self.positions.weight if self.positions is not None else self.sinusoid
-        x = self.tokens(input_ids) + positions[:seq_len]
+        positions = positions[:seq_len] if position_ids is None else positions[position_ids]
+        x = self.tokens(input_ids) + positions
         if token_type_ids is not None:
             if self.token_types is None:
                 raise ValueError("token_type_ids given but the config has type_vocab_size=0")
@@ -222,8 +229,12 @@ class LinformerModel(LinformerPreTrainedModel):
         token_type_ids: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        states: list[CausalState] | None = None,
     ) -> LinformerOutput:
         """Encodes a batch of token ids of any length up to max_seq_len.
+
+        A causal model numbers the real tokens 0, 1, ... whatever padding comes before
+        them, so left padding changes no real output.
 
         Args:
             input_ids: (B, N) int64.
@@ -231,6 +242,8 @@ class LinformerModel(LinformerPreTrainedModel):
             token_type_ids: optional (B, N) segment ids (needs type_vocab_size > 0).
             output_hidden_states: also return the embeddings and every layer's output.
             output_attentions: also return every layer's attention matrix.
+            states: causal generation: one `CausalState` per layer; `input_ids` are the
+                positions that follow them (the states are updated in place).
 
         Raises:
             ValueError: if N exceeds max_seq_len or the inputs are malformed.
@@ -239,10 +252,17 @@ class LinformerModel(LinformerPreTrainedModel):
             raise ValueError(
                 f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}"
             )
-        check_seq_len(input_ids.shape[1], self.config.max_seq_len)
-        x = self.embeddings(input_ids, token_type_ids)
+        seq_len = input_ids.shape[1]
+        start = states[0].length if states else 0
+        check_seq_len(start + seq_len, self.config.max_seq_len)
+        position_ids = None
+        if start:
+            position_ids = torch.arange(start, start + seq_len, device=input_ids.device)[None]
+        elif self.config.causal and key_padding_mask is not None:
+            position_ids = (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, N)
+        x = self.embeddings(input_ids, token_type_ids, position_ids)
         last, hidden, attentions = self.encoder(
-            x, key_padding_mask, output_hidden_states, output_attentions
+            x, key_padding_mask, output_hidden_states, output_attentions, states
         )
         pooled = self.pooler(last) if self.pooler is not None else None
         return LinformerOutput(last, hidden, attentions, pooled)

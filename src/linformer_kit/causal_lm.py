@@ -1,0 +1,152 @@
+"""LinformerForCausalLM: a causal backbone with a tied LM head, its loss and `generate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .attention import CausalState
+from .config import LinformerConfig
+from .models import LinformerModel, LinformerPreTrainedModel
+
+
+@dataclass
+class CausalLMOutput:
+    """Causal-LM output: `loss` (when labels were given), `logits` (B, N, vocab_size); the
+    logits at position i predict the token at i + 1."""
+
+    loss: Tensor | None
+    logits: Tensor
+    last_hidden_state: Tensor
+    hidden_states: tuple[Tensor, ...] | None = None
+
+
+torch.export.register_dataclass(CausalLMOutput)
+
+
+class LinformerForCausalLM(LinformerPreTrainedModel):
+    """Causal backbone + LM head tied to the token embeddings (logits = h E_tok^T).
+
+    Args:
+        config: the architecture; must have `causal=True` (`proj_dim=None` gives the exact
+            causal Transformer).
+
+    Raises:
+        ValueError: if the config is not causal.
+    """
+
+    def __init__(self, config: LinformerConfig) -> None:
+        if not config.causal:
+            raise ValueError("LinformerForCausalLM needs a config with causal=True")
+        super().__init__(config)
+        self.linformer = LinformerModel(config)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        key_padding_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        output_hidden_states: bool = False,
+        states: list[CausalState] | None = None,
+    ) -> CausalLMOutput:
+        """Next-token logits and, given labels, the shifted loss.
+
+        Args:
+            input_ids: (B, N) int64.
+            key_padding_mask: optional bool (B, N), True at real tokens; padding may be on
+                either side.
+            labels: optional (B, N), usually `input_ids`: position i is scored on labels
+                at i + 1, skipping label -100 and pairs where either position is padding.
+            output_hidden_states: also return the embeddings and every layer's output.
+            states: generation states to continue (see `init_states`), updated in place.
+
+        Returns:
+            A `CausalLMOutput`.
+        """
+        out = self.linformer(
+            input_ids, key_padding_mask, output_hidden_states=output_hidden_states, states=states
+        )
+        logits = F.linear(out.last_hidden_state, self.linformer.embeddings.tokens.weight)
+        loss = None
+        if labels is not None:
+            targets = labels[:, 1:]  # (B, N - 1): the token after each position
+            if key_padding_mask is not None:
+                real = key_padding_mask[:, 1:] & key_padding_mask[:, :-1]
+                targets = targets.masked_fill(~real, -100)
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100
+            )
+        return CausalLMOutput(loss, logits, out.last_hidden_state, out.hidden_states)
+
+    def init_states(self) -> list[CausalState]:
+        """Empty generation states, one per layer, for `forward(..., states=...)`."""
+        return [CausalState() for _ in range(self.config.depth)]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continues each prompt token by token, carrying the layers' states.
+
+        The prompt is encoded in one pass; each new token then costs O((k + block_size) D)
+        attention per head and layer, whatever the length generated. Call `eval()` first
+        to turn dropout off.
+
+        Args:
+            input_ids: (B, N) prompts of equal length, N >= 1, no padding.
+            max_new_tokens: tokens to add; N + max_new_tokens must not exceed max_seq_len.
+            temperature: softmax temperature; 0 picks the most likely token (greedy).
+            top_k: sample from the k most likely tokens only (None: all).
+            generator: random generator for reproducible sampling.
+
+        Returns:
+            (B, N + max_new_tokens): the prompts followed by the new tokens.
+
+        Raises:
+            ValueError: for an empty prompt, a negative count or temperature, or a total
+                length over max_seq_len.
+        """
+        total = input_ids.shape[1] + max_new_tokens
+        if input_ids.shape[1] < 1 or max_new_tokens < 0 or temperature < 0:
+            raise ValueError(
+                f"need a prompt of >= 1 token, max_new_tokens >= 0 and temperature >= 0; got "
+                f"{input_ids.shape[1]} tokens, {max_new_tokens} and {temperature}"
+            )
+        if total > self.config.max_seq_len:
+            raise ValueError(
+                f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = {total} "
+                f"exceeds max_seq_len {self.config.max_seq_len}"
+            )
+        states = self.init_states()
+        tokens = input_ids.new_empty(input_ids.shape[0], total)  # filled in place: no regrowth
+        tokens[:, : input_ids.shape[1]] = input_ids
+        new = input_ids
+        for position in range(input_ids.shape[1], total):
+            logits = self(new, states=states).logits[:, -1].float()  # (B, vocab_size)
+            new = self.sample(logits, temperature, top_k, generator)[:, None]  # (B, 1)
+            tokens[:, position : position + 1] = new
+        return tokens
+
+    @staticmethod
+    def sample(
+        logits: Tensor,
+        temperature: float,
+        top_k: int | None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Picks one token per row from (B, vocab_size) logits: argmax at temperature 0."""
+        if temperature == 0:
+            return logits.argmax(-1)
+        if top_k is not None:
+            kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = (logits / temperature).softmax(-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -1,0 +1,257 @@
+"""Causal Linformer: no future leak, equality with written-out references, refused kinds,
+incremental generation and save/load of LinformerForCausalLM."""
+
+import pytest
+import torch
+from reference import causal_block_attention
+
+from linformer_kit import (
+    CausalState,
+    LinformerConfig,
+    LinformerForCausalLM,
+    LinformerModel,
+    LinformerSelfAttention,
+    causal_attention,
+)
+from linformer_kit.projection import build_projection
+
+SHARINGS = ["none", "headwise", "kv", "layerwise"]
+CAUSAL_KINDS = [("linear", 6), ("random", 6), ("exact", None)]
+BLOCK = 4
+
+
+def tiny(**changes):
+    base = dict(
+        vocab_size=50,
+        max_seq_len=32,
+        dim=16,
+        depth=2,
+        num_heads=2,
+        proj_dim=6,
+        causal=True,
+        block_size=BLOCK,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return LinformerConfig(**{**base, **changes})
+
+
+def model_for(sharing, kind, seed=0):
+    torch.manual_seed(seed)
+    projection, proj_dim = kind
+    cfg = tiny(sharing=sharing, projection="linear" if proj_dim is None else projection)
+    return LinformerModel(cfg.replace(proj_dim=proj_dim)).double().eval()
+
+
+# Left padding, a hole and right padding; n = 11 is not a multiple of the block size.
+MASK = torch.tensor(
+    [[True] * 11, [False, False] + [True] * 6 + [False, True, False]], dtype=torch.bool
+)
+
+
+@pytest.mark.parametrize("kind", CAUSAL_KINDS, ids=lambda k: k[0])
+@pytest.mark.parametrize("sharing", SHARINGS)
+def test_jacobian_of_earlier_outputs_wrt_later_inputs_is_zero(sharing, kind):
+    model = model_for(sharing, kind)
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+
+    def encode(x):
+        return model.encoder(x, MASK)[0]
+
+    jac = torch.autograd.functional.jacobian(encode, x)  # (B, N, C, B, N, C)
+    for i in range(11):
+        for b in range(2):
+            later = jac[b, i, :, b, i + 1 :]
+            assert torch.count_nonzero(later) == 0, f"output {i} of row {b} sees the future"
+    assert torch.count_nonzero(jac[0, 10, :, 0, :10]) > 0  # the test can see a dependency
+
+
+@pytest.mark.parametrize("kind", CAUSAL_KINDS, ids=lambda k: k[0])
+@pytest.mark.parametrize("sharing", SHARINGS)
+def test_changing_the_future_leaves_earlier_outputs_bitwise_equal(sharing, kind):
+    model = model_for(sharing, kind)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (2, 11), generator=gen)
+    before = model(ids, MASK).last_hidden_state
+    for cut in range(1, 11):
+        changed, mask = ids.clone(), MASK.clone()
+        changed[:, cut:] = torch.randint(0, 50, (2, 11 - cut), generator=gen)
+        mask[:, cut:] = torch.rand(2, 11 - cut, generator=gen) < 0.7  # padding moves too
+        after = model(changed, mask).last_hidden_state
+        assert torch.equal(after[:, :cut], before[:, :cut]), f"change at {cut} leaked back"
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+def test_causal_linformer_matches_a_position_by_position_reference(per_head, masked, block_size):
+    torch.manual_seed(block_size)
+    q, k, v = (torch.randn(2, 2, 11, 4, dtype=torch.float64) for _ in range(3))
+    shape = (2, 20, 5) if per_head else (20, 5)
+    proj_k, proj_v = (
+        torch.randn(shape, dtype=torch.float64),
+        torch.randn(shape, dtype=torch.float64),
+    )
+    mask = MASK if masked else None
+    got = causal_attention(q, k, v, proj_k, proj_v, block_size=block_size, key_padding_mask=mask)
+    want = causal_block_attention(q, k, v, proj_k, proj_v, block_size, mask)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_exact_causal_path_equals_a_masked_softmax(masked):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 9, 4, dtype=torch.float64) for _ in range(3))
+    mask = MASK[:, :9] if masked else torch.ones(2, 9, dtype=torch.bool)
+    got = causal_attention(q, k, v, key_padding_mask=mask if masked else None)
+    allowed = torch.ones(9, 9, dtype=torch.bool).tril() & mask[:, None, None, :]  # (B, 1, N, N)
+    scores = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~allowed, float("-inf"))
+    want = (scores.softmax(-1).nan_to_num() @ v) * mask[:, None, :, None]  # padded rows: 0
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got, causal_block_attention(q, k, v, key_padding_mask=mask))
+
+
+def test_left_and_right_padding_never_change_real_outputs():
+    torch.manual_seed(0)
+    model = LinformerForCausalLM(tiny()).double().eval()
+    ids = torch.randint(1, 50, (1, 9))
+    alone = model(ids).logits[0]
+    pad = torch.zeros(1, 5, dtype=torch.long)
+    for padded, mask, real in [
+        (torch.cat([pad, ids], 1), torch.arange(14) >= 5, slice(5, 14)),
+        (torch.cat([ids, pad], 1), torch.arange(14) < 9, slice(0, 9)),
+    ]:
+        out = model(padded, mask[None]).logits[0, real]
+        torch.testing.assert_close(out, alone, atol=1e-12, rtol=0)
+        loss = model(padded, mask[None], labels=padded).loss
+        torch.testing.assert_close(loss, model(ids, labels=ids).loss)  # the loss is float32
+
+
+def test_shifted_loss_scores_the_next_token_and_skips_minus_100():
+    torch.manual_seed(0)
+    model = LinformerForCausalLM(tiny())
+    ids = torch.randint(0, 50, (2, 10))
+    labels = ids.clone()
+    labels[0, 4] = -100
+    out = model(ids, labels=labels)
+    logits = out.logits[:, :-1].reshape(-1, 50)
+    keep = labels[:, 1:].reshape(-1) != -100
+    want = torch.nn.functional.cross_entropy(logits[keep], labels[:, 1:].reshape(-1)[keep])
+    torch.testing.assert_close(out.loss, want)
+    assert model.linformer.embeddings.tokens.weight.grad is None
+    out.loss.backward()
+    assert model.linformer.embeddings.tokens.weight.grad is not None  # tied head trains them
+
+
+@pytest.mark.parametrize("kind", CAUSAL_KINDS, ids=lambda k: k[0])
+@pytest.mark.parametrize("sharing", ["none", "layerwise"])
+@pytest.mark.parametrize("prompt", [1, BLOCK, 2 * BLOCK + 3])
+def test_incremental_generation_equals_the_full_pass_at_every_step(sharing, kind, prompt):
+    torch.manual_seed(prompt)
+    projection, proj_dim = kind
+    cfg = tiny(sharing=sharing, projection=projection if proj_dim else "linear")
+    model = LinformerForCausalLM(cfg.replace(proj_dim=proj_dim)).double().eval()
+    ids = torch.randint(0, 50, (2, prompt))
+    steps = 3 * BLOCK + 2  # crosses several block boundaries
+    tokens = model.generate(ids, steps, temperature=0)
+    rerun = ids
+    for _ in range(steps):
+        rerun = torch.cat([rerun, model(rerun).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(tokens, rerun)
+    states = model.init_states()
+    parts = [model(tokens[:, :prompt], states=states).logits]
+    parts += [
+        model(tokens[:, i : i + 1], states=states).logits for i in range(prompt, tokens.shape[1])
+    ]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(parts, 1), model(tokens).logits, atol=1e-12, rtol=0)
+    if proj_dim is not None:  # the state stays k summary rows plus an open block
+        assert all(s.keys.shape[2] < BLOCK and s.key_sums.shape[2] == 6 for s in states)
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy():
+    torch.manual_seed(0)
+    model = LinformerForCausalLM(tiny()).eval()
+    ids = torch.randint(0, 50, (2, 3))
+    greedy = model.generate(ids, 6, temperature=0)
+    assert torch.equal(model.generate(ids, 6, temperature=0.7, top_k=1), greedy)
+    draws = [
+        model.generate(ids, 6, temperature=1.5, generator=torch.Generator().manual_seed(3))
+        for _ in range(2)
+    ]
+    assert torch.equal(draws[0], draws[1])
+    assert torch.equal(draws[0][:, :3], ids)
+
+
+def test_generation_refuses_more_than_max_seq_len():
+    model = LinformerForCausalLM(tiny())
+    with pytest.raises(
+        ValueError, match=r"prompt \(30\) \+ max_new_tokens \(3\) = 33 exceeds max_seq_len 32"
+    ):
+        model.generate(torch.zeros(1, 30, dtype=torch.long), 3)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = LinformerForCausalLM(tiny(sharing="kv")).eval()
+    model.save_pretrained(tmp_path)
+    loaded = LinformerForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 50, (2, 13))
+    assert loaded.config == model.config
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert torch.equal(
+        loaded.generate(ids, 5, temperature=0), model.generate(ids, 5, temperature=0)
+    )
+
+
+def test_config_refuses_kinds_that_cannot_be_causal_and_bad_values():
+    base = dict(max_seq_len=32, proj_dim=8, causal=True)
+    for projection in ("conv", "pool"):
+        with pytest.raises(ValueError, match=f"causal=True cannot use projection='{projection}'"):
+            LinformerConfig(**base, projection=projection)
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1, got 0"):
+        LinformerConfig(**base, block_size=0)
+    with pytest.raises(ValueError, match="causal must be True or False"):
+        LinformerConfig(**base | {"causal": 1})
+
+
+@pytest.mark.parametrize("projection", ["conv", "pool"])
+def test_attention_refuses_kinds_that_cannot_be_causal(projection):
+    proj = build_projection(projection=projection, max_seq_len=32, proj_dim=8)
+    with pytest.raises(ValueError, match="causal attention needs a matrix projection"):
+        LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=32, proj_k=proj, causal=True)
+
+
+def test_misuse_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="needs a config with causal=True"):
+        LinformerForCausalLM(tiny(causal=False))
+    model = LinformerModel(tiny())
+    with pytest.raises(ValueError, match="return_attention is not available"):
+        model(torch.zeros(1, 5, dtype=torch.long), output_attentions=True)
+    bidirectional = LinformerModel(tiny(causal=False))
+    with pytest.raises(ValueError, match="a generation state needs causal attention"):
+        bidirectional(torch.zeros(1, 5, dtype=torch.long), states=[CausalState(), CausalState()])
+
+
+@pytest.mark.parametrize("checkpointing", ["layer", "attention"])
+def test_activation_checkpointing_gives_the_same_gradients(checkpointing):
+    ids = torch.randint(0, 50, (2, 11))
+    grads = []
+    for mode in ("none", checkpointing):
+        torch.manual_seed(0)
+        model = LinformerForCausalLM(tiny(checkpointing=mode)).double()
+        model(ids, MASK, labels=ids).loss.backward()
+        grads.append(model.linformer.embeddings.tokens.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("projected", [True, False])
+def test_a_fully_padded_row_gives_zeros_not_nan(dtype, projected):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 7, 4, dtype=dtype) for _ in range(3))
+    proj = torch.randn(8, 3, dtype=dtype) if projected else None
+    mask = torch.tensor([[True] * 7, [False] * 7])
+    out = causal_attention(q, k, v, proj, proj, block_size=3, key_padding_mask=mask)
+    assert torch.isfinite(out).all()
+    assert torch.count_nonzero(out[1]) == 0

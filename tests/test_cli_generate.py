@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM
+from linformer_kit.cli import main
+from linformer_kit.data.tokenizer import TOKENIZER_NAME, train_tokenizer
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int\n    y: int\n"] * 20
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    tokenizer = train_tokenizer(TEXTS, 300)
+    torch.manual_seed(0)
+    cfg = LinformerConfig(
+        vocab_size=tokenizer.vocab_size, max_seq_len=64, dim=16, depth=1, num_heads=2,
+        proj_dim=4, causal=True, block_size=8,
+    )  # fmt: skip
+    model = LinformerForCausalLM(cfg)
+    model.save_pretrained(tmp_path)
+    tokenizer.save(tmp_path / TOKENIZER_NAME)
+    return tmp_path, model.eval(), tokenizer
+
+
+def test_generate_prints_the_prompt_and_the_greedy_continuation(checkpoint, capsys):
+    path, model, tokenizer = checkpoint
+    main(["generate", str(path), "--prompt", "def add", "--max-new-tokens", "12",
+          "--temperature", "0"])  # fmt: skip
+    ids = tokenizer.encode_batch(["def add"])[0]
+    want = model.generate(torch.tensor([ids]), 12, temperature=0)[0].tolist()
+    out = capsys.readouterr().out
+    assert out == tokenizer.tokenizer.decode(want) + "\n"
+    assert out.startswith("def add")
+
+
+def test_generate_refuses_a_masked_lm_checkpoint(checkpoint):
+    path, model, _ = checkpoint
+    LinformerForMaskedLM(model.config.replace(causal=False)).save_pretrained(path)
+    with pytest.raises(SystemExit, match="linformer generate: error: .*causal=True"):
+        main(["generate", str(path), "--prompt", "def"])
