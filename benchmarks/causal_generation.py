@@ -11,7 +11,6 @@ depend on them). Writes benchmarks/causal_generation/results.json.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from linformer_kit import LinformerConfig, LinformerForCausalLM
+from linformer_kit.training.compare import machine
 
 POSITIONS = (1024, 2048, 4096, 8192, 16384)
 STEPS, REPEATS = 16, 5
@@ -65,7 +65,7 @@ def main() -> None:
         print(name, results[name], results[name + " last/first"], flush=True)
     meta = {
         "command": "PYTHONPATH=src python benchmarks/causal_generation.py",
-        "machine": f"{platform.machine()}, torch {torch.__version__}, 1 thread",
+        "machine": machine(),  # CPU model, torch capability, ISA flags, load
         "model": base,
         "steps": STEPS,
         "repeats": REPEATS,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sysconfig
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from linformer_kit import LinformerConfig, LinformerForCausalLM, attention, functional
+from linformer_kit.training.compare import machine
 
 SCALES = {
     "none": lambda n: torch.ones_like(n, dtype=torch.float64),
@@ -98,7 +98,7 @@ def main() -> None:
     out.mkdir(exist_ok=True)
     meta = {
         "command": f"PYTHONPATH=src python benchmarks/causal_scaling.py --seed {seed}",
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+        "machine": machine(),  # CPU model, torch capability, ISA flags, load
         "settings": {"seq_len": SEQ_LEN, "block_size": BLOCK, "proj_dim": PROJ_DIM},
         "model": {"dim": 64, "depth": 2, "num_heads": 4, "vocab": "bytes"},
         "training": {"batch": BATCH, "steps": STEPS, "lr": 3e-3, "optimizer": "AdamW"},

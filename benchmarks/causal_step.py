@@ -10,7 +10,6 @@ Writes benchmarks/causal_step/results.json.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from linformer_kit import LinformerConfig, LinformerForCausalLM
+from linformer_kit.training.compare import machine
 
 SEQ_LENS = (512, 1024, 2048, 4096)
 BATCH, WARMUP, REPEATS = 2, 1, 3
@@ -58,8 +58,7 @@ def main() -> None:
         rows.append(row)
     meta = {
         "command": "PYTHONPATH=src python benchmarks/causal_step.py",
-        "machine": f"{platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads",
+        "machine": machine(),  # CPU model, torch capability, ISA flags, load
         "model": {"dim": 128, "depth": 4, "num_heads": 4, "proj_dim": 128, "block_size": 64},
         "batch": BATCH,
         "rows": rows,
