@@ -18,7 +18,8 @@ def test_recipes_scale_width_and_steps():
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("scale", 0.0), ("scale", 1.5), ("steps", -1), ("lr", -1.0)]
+    ("field", "value"),
+    [("scale", 0.0), ("scale", 1.5), ("steps", -1), ("lr", -1.0), ("proj_dim", 0), ("sharing", "")],
 )
 def test_settings_out_of_range_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

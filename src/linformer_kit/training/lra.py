@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..config import LinformerConfig
+from ..config import SHARINGS, LinformerConfig
 from ..data.lra import TASKS, LRASplit, LRATask, load_listops, load_pathfinder, load_text
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
@@ -109,7 +109,7 @@ class LRASettings:
     max_depth: int = field(default=10, metadata={"help": "listops: operator nesting"})
     contour_length: int = field(default=14, metadata={"help": "pathfinder: dashes (hard: 14)"})
     data: str = field(default="", metadata={"help": "text: class folders or a label,text CSV"})
-    eval_every: int = field(default=0, metadata={"help": "validate every N steps (0 = 10x)"})
+    eval_every: int = field(default=0, metadata={"help": "validate every N steps (0 = 10 per run)"})
     seed: int = field(default=0, metadata={"help": "seed of the data, weights and order"})
     threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
@@ -127,6 +127,10 @@ class LRASettings:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.lr < 0:
             raise ValueError(f"lr must be >= 0 (0 = LRA's), got {self.lr!r}")
+        if not isinstance(self.proj_dim, int) or self.proj_dim < 1:
+            raise ValueError(f"proj_dim must be an integer >= 1, got {self.proj_dim!r}")
+        if self.sharing not in SHARINGS:  # checked here, not after the data is generated
+            raise ValueError(f"sharing must be one of {', '.join(SHARINGS)}; got {self.sharing!r}")
         check_threads(self.threads)
 
     def recipe(self, task: str) -> Recipe:
@@ -344,6 +348,7 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
             "sizes": [len(data.train), len(data.val), len(data.test)],
         },
         "machine": before,
+        "load_avg_after": machine()["load_avg_1_5_15min"],  # other jobs skew the timings
         "majority_baseline": data.majority_baseline(),
         "rows": rows,
     }
