@@ -1,6 +1,8 @@
 """`linformer lra`: LRA's recipes scaled, both models trained on a tiny task, the reports."""
 
 import json
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
@@ -88,3 +90,39 @@ def test_cli_text_without_data_exits_with_status_2(tmp_path, capsys):
         main(["lra", "text", "--output-dir", str(tmp_path)])
     assert exit_.value.code == 2
     assert "--data" in capsys.readouterr().err
+
+
+class KilledPool:
+    """A process pool whose worker dies (as when the kernel kills it for memory)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, *args):
+        future = Future()
+        future.set_exception(BrokenProcessPool("terminated abruptly"))
+        return future
+
+
+def test_a_killed_model_run_is_reported_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setattr("linformer_kit.training.lra.ProcessPoolExecutor", KilledPool)
+    settings = LRASettings(
+        output_dir=str(tmp_path / "runs"),
+        cache_dir=str(tmp_path / "cache"),
+        num_train=8,
+        num_eval=4,
+        min_length=4,
+        max_length=12,
+        max_depth=1,
+    )
+    report = run_lra("listops", settings)
+    assert [row["model"] for row in report["rows"]] == ["Linformer k=12", "Transformer (exact)"]
+    assert all("out of memory" in row["error"] for row in report["rows"])
+    assert (tmp_path / "runs" / "listops.json").is_file()
+    assert (tmp_path / "runs" / "listops.png").is_file()

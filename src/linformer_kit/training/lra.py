@@ -10,6 +10,7 @@ import math
 import multiprocessing
 import shutil
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,9 +255,8 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
         test = evaluate["test"](model, dist.device)
     finally:
         teardown_distributed()
-    label = "Transformer (exact)" if config.is_exact else f"Linformer k={config.proj_dim}"
     return {
-        "model": label,
+        "model": _label(name, config.proj_dim),
         "test_acc": 100 * float(test["accuracy"]),
         "published": recipe.published[name],
         "val_acc": 100 * float(result.final.get("accuracy", math.nan)),
@@ -268,10 +268,41 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
     }
 
 
+def _label(name: str, proj_dim: int | None) -> str:
+    return "Transformer (exact)" if name == "transformer" else f"Linformer k={proj_dim}"
+
+
 def _train_in_fresh_process(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
-    """`train_model` in a new process, so each model's peak memory is its own."""
+    """`train_model` in a new process, so each model's peak memory is its own.
+
+    Raises:
+        RuntimeError: if that process dies without a result (killed, mostly out of memory).
+    """
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(train_model, task, settings, name).result()
+        try:
+            return pool.submit(train_model, task, settings, name).result()
+        except BrokenProcessPool as err:
+            raise RuntimeError(
+                f"the {name} run on {task} died without a result (killed; most likely out of "
+                f"memory: exact attention grows as n^2); lower --batch-size or --max-length"
+            ) from err
+
+
+def _failed_row(name: str, recipe: Recipe, proj_dim: int, error: str) -> dict[str, Any]:
+    """The report row of a model whose run died: no figures, the reason."""
+    nan = math.nan
+    return {
+        "model": _label(name, proj_dim),
+        "test_acc": nan,
+        "published": recipe.published[name],
+        "val_acc": nan,
+        "s_per_step": nan,
+        "peak_mem_mb": nan,
+        "params": 0,
+        "steps": 0,
+        "records": [],
+        "error": error,
+    }
 
 
 def plot_lra(report: dict[str, Any], path: Path) -> None:
@@ -336,8 +367,15 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     rows = []
     for name in MODELS:
         shutil.rmtree(Path(settings.output_dir) / task / name, ignore_errors=True)
-        train = _train_in_fresh_process if settings.isolate else train_model
-        rows.append(train(task, settings, name))
+        if not settings.isolate:
+            rows.append(train_model(task, settings, name))
+            continue
+        try:
+            rows.append(_train_in_fresh_process(task, settings, name))
+        except RuntimeError as err:  # a model that runs out of memory is a finding, not a crash
+            logger.error("%s", err)
+            proj_dim = min(settings.proj_dim, data.max_seq_len)
+            rows.append(_failed_row(name, settings.recipe(task), proj_dim, str(err)))
     report = {
         "task": task,
         "settings": dataclasses.asdict(settings),
