@@ -14,10 +14,21 @@ from collections.abc import Sequence
 from .. import __version__
 from ..training.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
 from ..training.loop import TrainingInterrupted
-from . import analysis, bench, convert, demo, distill, evaluate, finetune, generate, pretrain
+from . import analysis, bench, convert, demo, distill, evaluate, finetune, generate, lra, pretrain
 
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
-SUBCOMMANDS = (demo, pretrain, finetune, evaluate, generate, convert, distill, analysis, bench)
+SUBCOMMANDS = (
+    demo,
+    pretrain,
+    finetune,
+    evaluate,
+    generate,
+    convert,
+    distill,
+    analysis,
+    bench,
+    lra,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..data.cache import PackedBlocks
-from ..data.classification import ClassificationData
 from ..data.masking import IGNORE_INDEX, mask_tokens
 from ..data.tokenizer import TextTokenizer
 
@@ -123,11 +124,23 @@ class MaskedLMEvaluator:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 
+class LabelledRows(Protocol):
+    """Labelled examples that pad their own batches: ClassificationData (tokenized files) or
+    an LRA split (generated arrays)."""
+
+    labels: Sequence[int]
+    source: str
+
+    def __len__(self) -> int: ...
+
+    def batch(self, rows: list[int], pad_id: int) -> dict[str, Tensor]: ...
+
+
 @dataclass
 class ClassificationBatches:
     """Shuffled, padded classification batches."""
 
-    data: ClassificationData
+    data: LabelledRows
     pad_id: int
     schedule: RowSchedule
 
@@ -140,7 +153,7 @@ class ClassificationBatches:
 class ClassificationEvaluator:
     """Loss, accuracy and macro F1 on a labelled set."""
 
-    data: ClassificationData
+    data: LabelledRows
     pad_id: int
     batch_size: int
     num_labels: int

@@ -1,0 +1,55 @@
+"""`linformer lra TASK`: Long Range Arena, generated offline. Trains Linformer and the exact
+Transformer of the same size on one task and prints their accuracy beside LRA's."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from ..data.lra import TASKS
+from ..training.lra import LRASettings, run_lra
+from .common import add_dataclass_arguments, dataclass_from_args, format_table
+from .overrides import exit_on_user_error
+
+
+@exit_on_user_error
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    settings = dataclass_from_args(LRASettings, args)
+    recipe = settings.recipe(args.task)
+    print(
+        f"LRA {args.task} at scale {settings.scale}: width {recipe.dim}, {recipe.depth} layers, "
+        f"{recipe.num_heads} heads, {recipe.steps} steps of {recipe.batch_size} sequences"
+    )
+    with logging_redirect_tqdm():  # log lines between progress bars, not inside them
+        report = run_lra(args.task, settings)
+    majority = 100 * report["majority_baseline"]
+    table = [
+        {
+            "model": row["model"],
+            "test acc %": row["test_acc"],
+            "LRA %": row["published"],
+            "majority %": majority,
+            "s/step": row["s_per_step"],
+            "peak MB": row["peak_mem_mb"],
+            "params": row["params"],
+        }
+        for row in report["rows"]
+    ]
+    print(format_table(table))
+    output = Path(settings.output_dir)
+    print(f"wrote {output / f'{args.task}.json'} and {output / f'{args.task}.png'}")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Adds the `lra` subcommand."""
+    parser = commands.add_parser(
+        "lra",
+        help="Long Range Arena (generated offline): Linformer vs exact Transformer on one task",
+    )
+    parser.add_argument("task", choices=TASKS, help="listops, text or pathfinder")
+    add_dataclass_arguments(parser, LRASettings)
+    parser.set_defaults(func=run)

