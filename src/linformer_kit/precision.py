@@ -56,8 +56,8 @@ def cpu_features() -> dict[str, Any]:
     matmul speed (from /proc/cpuinfo where there is one): what a published figure ran on.
 
     Returns:
-        {"model": ..., "capability": ..., "flags": [...]}; model and flags are empty where
-        /proc/cpuinfo is absent.
+        {"model": ..., "capability": ..., "flags": [...]}; where /proc/cpuinfo is absent
+        the model is `platform.processor()` and the flags are empty.
     """
     info = {}
     cpuinfo = Path("/proc/cpuinfo")
