@@ -14,7 +14,6 @@ ACTIVATIONS = ("gelu", "relu")
 POSITIONS = ("learned", "sinusoidal")
 CHECKPOINTINGS = ("none", "layer", "attention")
 LABEL_FIELDS = ("id2label", "label2id")  # set by fine-tuning from the data, never by a flag
-CAUSAL_FIELDS = ("causal", "block_size")  # LinformerForCausalLM's; masked-LM pretraining has none
 
 
 def _check_positive(name: str, value: Any) -> None:

@@ -1,5 +1,5 @@
-"""`linformer evaluate CKPT --data ...`: masked-LM perplexity on text, or a classifier's
-accuracy and F1 on labelled JSONL."""
+"""`linformer evaluate CKPT --data ...`: masked-LM (or, for a causal LM, next-token)
+perplexity on text, or a classifier's accuracy and F1 on labelled JSONL."""
 
 from __future__ import annotations
 

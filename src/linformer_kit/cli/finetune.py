@@ -16,7 +16,7 @@ from .overrides import add_override_arguments, collect_overrides, exit_on_user_e
 
 # Set from the finetune section (--epochs, --max-steps, --eval-every), or unused by it.
 DERIVED = ("max_steps", "eval_every", "save_every")
-UNUSED = ("mlm_probability", "eval_batches")
+UNUSED = ("objective", "mlm_probability", "eval_batches")
 # Fine-tuning's own defaults where they differ from pretraining's.
 TRAIN_DEFAULTS = {
     "output_dir": "runs/finetune",

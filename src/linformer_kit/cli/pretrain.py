@@ -1,4 +1,5 @@
-"""`linformer pretrain`: masked-LM pretraining on your text (files, directories, JSONL, stdlib).
+"""`linformer pretrain`: masked-LM pretraining on your text (files, directories, JSONL, stdlib);
+`--objective clm` trains a causal LM instead (for `linformer generate`).
 
 Multi-process: `torchrun --nproc_per_node N --no-python linformer pretrain ...`.
 """
@@ -12,7 +13,7 @@ from typing import Any
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..config import CAUSAL_FIELDS, LABEL_FIELDS, LinformerConfig
+from ..config import LABEL_FIELDS, LinformerConfig
 from ..data.pipeline import DataSettings
 from ..training.pretrain import pretrain
 from ..training.settings import RunConfig, TrainSettings
@@ -20,6 +21,7 @@ from .common import format_table, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 FROM_TOKENIZER = ("vocab_size", "pad_token_id")  # model fields the tokenizer decides
+FROM_OBJECTIVE = ("causal",)  # set by --objective, so the two cannot disagree
 
 
 def build_run_config(args: argparse.Namespace) -> RunConfig:
@@ -47,7 +49,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     """Adds the `pretrain` subcommand."""
     parser = commands.add_parser(
         "pretrain",
-        help="masked-LM pretraining on text files, directories, JSONL or the stdlib",
+        help="masked- or causal-LM pretraining on text files, directories, JSONL or the stdlib",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -57,6 +59,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_override_arguments(parser, DataSettings, "data")
     add_override_arguments(parser, TrainSettings, "train")
     add_override_arguments(
-        parser, LinformerConfig, "model", exclude=FROM_TOKENIZER + LABEL_FIELDS + CAUSAL_FIELDS
+        parser, LinformerConfig, "model", exclude=FROM_TOKENIZER + LABEL_FIELDS + FROM_OBJECTIVE
     )
     parser.set_defaults(func=run)

@@ -1,7 +1,7 @@
 """Training: settings, the loop (accumulation, clipping, bf16, DDP), checkpoints and resume,
 pretraining, fine-tuning, evaluation and the Linformer-vs-Transformer comparison."""
 
-from .batches import MaskedLMBatches, MaskedLMEvaluator, RowSchedule, classification_metrics
+from .batches import LMBatches, LMEvaluator, RowSchedule, classification_metrics
 from .checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .evaluate import EvaluateSettings, evaluate_checkpoint
@@ -16,8 +16,8 @@ __all__ = [
     "Distributed",
     "EvaluateSettings",
     "FinetuneSettings",
-    "MaskedLMBatches",
-    "MaskedLMEvaluator",
+    "LMBatches",
+    "LMEvaluator",
     "RowSchedule",
     "RunConfig",
     "TrainResult",

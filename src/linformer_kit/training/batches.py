@@ -67,21 +67,27 @@ class RowSchedule:
 
 
 @dataclass
-class MaskedLMBatches:
-    """Packed blocks with fresh RoBERTa masking per step (dynamic masking)."""
+class LMBatches:
+    """Packed blocks for language modelling: fresh RoBERTa masking per step (dynamic masking),
+    or, with `causal`, the blocks unmasked for next-token prediction."""
 
     blocks: PackedBlocks
     tokenizer: TextTokenizer
     schedule: RowSchedule
     mlm_probability: float = 0.15
+    causal: bool = False
 
     def micro_batch(self, step: int, micro: int, rank: int) -> dict[str, Tensor]:
         """input_ids and labels (B, N) of one micro-batch."""
         ids = self.blocks.batch(self.schedule.rows(step, micro, rank))  # (B, N)
         generator = torch.Generator().manual_seed(mix_seed(self.schedule.seed, step, micro, rank))
-        return self._mask(ids, generator)
+        return self.label(ids, generator)
 
-    def _mask(self, ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+    def label(self, ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+        """input_ids and labels of blocks `ids` (B, N): causal labels are the inputs (the
+        model shifts them), masked ones the tokens at the masked positions."""
+        if self.causal:
+            return {"input_ids": ids, "labels": ids}
         inputs, labels = mask_tokens(
             ids,
             mask_id=self.tokenizer.mask_id,
@@ -92,12 +98,19 @@ class MaskedLMBatches:
         )
         return {"input_ids": inputs, "labels": labels}
 
+    def scored(self, labels: Tensor) -> int:
+        """How many tokens the loss on `labels` averages over (a causal model has no target
+        for the first position: it predicts each position's successor)."""
+        targets = labels[:, 1:] if self.causal else labels
+        return int((targets != IGNORE_INDEX).sum())
+
 
 @dataclass
-class MaskedLMEvaluator:
-    """Validation loss and perplexity on fixed-masked validation blocks."""
+class LMEvaluator:
+    """Validation loss and perplexity on fixed-masked validation blocks, or next-token ones
+    when the batches are causal."""
 
-    batches: MaskedLMBatches
+    batches: LMBatches
     batch_size: int
     max_batches: int = 0  # 0 = every validation block
     verbose: bool = False  # progress bar and warnings (rank 0 only: DDP shows one)
@@ -105,7 +118,7 @@ class MaskedLMEvaluator:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, device: torch.device) -> dict[str, float]:
-        """Mean masked-token loss (weighted by scored tokens) and its exponential."""
+        """Mean loss over the scored tokens (weighted by their count) and its exponential."""
         blocks = self.batches.blocks
         count = math.ceil(len(blocks) / self.batch_size)
         count = min(count, self.max_batches) if self.max_batches else count
@@ -115,8 +128,8 @@ class MaskedLMEvaluator:
                 range(index * self.batch_size, min(len(blocks), (index + 1) * self.batch_size))
             )
             generator = torch.Generator().manual_seed(mix_seed(EVAL_SEED, index))
-            batch = self.batches._mask(blocks.batch(rows), generator)
-            n = int((batch["labels"] != IGNORE_INDEX).sum())
+            batch = self.batches.label(blocks.batch(rows), generator)
+            n = self.batches.scored(batch["labels"])
             loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
             total += float(loss) * n
             scored += n

@@ -1,4 +1,5 @@
-"""Evaluate a saved model: masked-LM perplexity on text, or a classifier's accuracy / F1."""
+"""Evaluate a saved model: masked- or next-token perplexity on text, or a classifier's
+accuracy / F1."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from typing import Any
 import numpy as np
 
 from .. import hub
+from ..causal_lm import LinformerForCausalLM
 from ..data.cache import PackedBlocks
 from ..data.classification import load_classification
 from ..data.corpus import iter_documents
 from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForMaskedLM, LinformerForSequenceClassification
-from .batches import ClassificationEvaluator, MaskedLMBatches, MaskedLMEvaluator, RowSchedule
+from .batches import ClassificationEvaluator, LMBatches, LMEvaluator, RowSchedule
 from .distributed import resolve_device
 from .settings import check_threads, use_threads
 
@@ -73,8 +75,8 @@ def _labelled(spec: str, label_field: str) -> bool:
 
 
 def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[str, Any]:
-    """Evaluates a saved model: masked-LM loss / perplexity on text, or accuracy / F1 of a
-    classifier on labelled JSONL.
+    """Evaluates a saved model: loss / perplexity on text (masked tokens, or next tokens for a
+    causal LM), or accuracy / F1 of a classifier on labelled JSONL.
 
     Returns:
         {data name: {metric: value}}.
@@ -108,21 +110,23 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
             )
             metrics[spec] = evaluator(model.to(target).eval(), target)
         return metrics
+    causal = meta["architecture"] == LinformerForCausalLM.__name__
     for spec in data:
         if _labelled(spec, settings.label_field):
             logger.warning(
                 "%s is not a classifier (%s, no classification head): the labels in %s are "
-                "ignored and its texts scored for masked-LM perplexity. For accuracy and F1, "
+                "ignored and its texts scored for %s perplexity. For accuracy and F1, "
                 "fine-tune it first: linformer finetune --init %s --data ... --eval ...",
                 path,
                 meta["architecture"],
                 spec,
+                "next-token" if causal else "masked-LM",
                 path,
             )
-    model = LinformerForMaskedLM.from_pretrained(path)
+    model = (LinformerForCausalLM if causal else LinformerForMaskedLM).from_pretrained(path)
     blocks = _text_blocks(data, tokenizer, config.max_seq_len, settings)
     schedule = RowSchedule(len(blocks), batch_size, 1, 1, 0)
-    evaluator = MaskedLMEvaluator(
-        MaskedLMBatches(blocks, tokenizer, schedule), batch_size, verbose=True
+    evaluator = LMEvaluator(
+        LMBatches(blocks, tokenizer, schedule, causal=causal), batch_size, verbose=True
     )
     return {"+".join(data): evaluator(model.to(target).eval(), target)}

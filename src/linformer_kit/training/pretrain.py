@@ -1,4 +1,5 @@
-"""Masked-LM pretraining of a run config: data, tokenizer, model, trainer (one or N processes)."""
+"""Masked- or causal-LM pretraining of a run config: data, tokenizer, model, trainer (one or N
+processes)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import logging
 
 import torch
 
+from ..causal_lm import LinformerForCausalLM
 from ..data.pipeline import PretrainingData, prepare_pretraining_data
 from ..models import LinformerForMaskedLM
-from .batches import MaskedLMBatches, MaskedLMEvaluator, RowSchedule
+from .batches import LMBatches, LMEvaluator, RowSchedule
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .settings import RunConfig
@@ -24,15 +26,17 @@ def prepare_data(run: RunConfig, dist: Distributed) -> PretrainingData:
 
 
 def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> Trainer:
-    """The masked-LM model (vocab_size and pad_token_id from the tokenizer; seeded so every
-    rank starts from the same weights), its batches, evaluator and trainer."""
+    """The masked or causal LM, per the objective (vocab_size and pad_token_id from the
+    tokenizer; seeded so every rank starts from the same weights), its batches, evaluator and
+    trainer."""
+    causal = run.train.objective == "clm"
     model_config = run.model.replace(
-        vocab_size=data.tokenizer.vocab_size, pad_token_id=data.tokenizer.pad_id
+        vocab_size=data.tokenizer.vocab_size, pad_token_id=data.tokenizer.pad_id, causal=causal
     )
     run = RunConfig(model=model_config, train=run.train, data=run.data)
     settings = run.train
     torch.manual_seed(settings.seed)
-    model = LinformerForMaskedLM(model_config)
+    model = (LinformerForCausalLM if causal else LinformerForMaskedLM)(model_config)
     schedule = RowSchedule(
         len(data.train),
         settings.batch_size,
@@ -40,12 +44,14 @@ def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> T
         dist.world_size,
         settings.seed,
     )
-    batches = MaskedLMBatches(data.train, data.tokenizer, schedule, settings.mlm_probability)
-    val_batches = MaskedLMBatches(data.val, data.tokenizer, schedule, settings.mlm_probability)
+    batches, val_batches = (
+        LMBatches(blocks, data.tokenizer, schedule, settings.mlm_probability, causal=causal)
+        for blocks in (data.train, data.val)
+    )
     return Trainer(
         model=model,
         batches=batches,
-        evaluator=MaskedLMEvaluator(
+        evaluator=LMEvaluator(
             val_batches, settings.batch_size, settings.eval_batches, verbose=dist.is_main
         ),
         settings=settings,
@@ -56,11 +62,11 @@ def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> T
 
 
 def pretrain(run: RunConfig, data: PretrainingData | None = None) -> TrainResult:
-    """Pretrains a masked LM per `run` (under torchrun: one process of a DDP job).
+    """Pretrains a masked or causal LM per `run` (under torchrun: one process of a DDP job).
 
     Args:
         run: model, training and data settings; the model's vocab_size and pad_token_id are
-            taken from the tokenizer.
+            taken from the tokenizer, and `causal` from the objective.
         data: prepared data, to share one corpus between several runs (else prepared here).
 
     Returns:

@@ -16,6 +16,7 @@ from ..hub import atomic_write
 
 SCHEDULES = ("linear", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
+OBJECTIVES = ("mlm", "clm")
 RUN_CONFIG_NAME = "run_config.json"
 
 
@@ -34,7 +35,10 @@ class TrainSettings:
     schedule: str = field(default="linear", metadata={"help": "decay: linear, cosine, constant"})
     clip_grad_norm: float = field(default=1.0, metadata={"help": "max gradient norm (0 = off)"})
     precision: str = field(default="fp32", metadata={"help": "fp32, or bf16 autocast"})
-    mlm_probability: float = field(default=0.15, metadata={"help": "share of tokens to predict"})
+    objective: str = field(
+        default="mlm", metadata={"help": "mlm (masked LM) or clm (causal LM: next token)"}
+    )
+    mlm_probability: float = field(default=0.15, metadata={"help": "share of tokens to mask (mlm)"})
     eval_every: int = field(default=100, metadata={"help": "validate every N steps"})
     eval_batches: int = field(default=8, metadata={"help": "validation batches (0 = all)"})
     save_every: int = field(default=500, metadata={"help": "checkpoint every N steps"})
@@ -64,6 +68,10 @@ class TrainSettings:
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}"
+            )
+        if self.objective not in OBJECTIVES:
+            raise ValueError(
+                f"objective must be one of {', '.join(OBJECTIVES)}; got {self.objective!r}"
             )
         if self.precision not in PRECISIONS:
             raise ValueError(
