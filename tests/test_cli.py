@@ -62,3 +62,13 @@ def test_importing_the_plotting_modules_keeps_the_users_matplotlib_backend():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "svg"
+
+
+def test_the_command_also_runs_as_a_module():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "linformer_kit.cli", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "pretrain" in out.stdout

@@ -47,6 +47,23 @@ def test_an_unknown_objective_is_a_usage_error(tmp_path, capsys):
     assert "linformer pretrain: error: objective must be one of mlm, clm; got 'foo'" in err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--block-size", "8"], "--block-size applies to --objective clm only"),
+        (
+            ["--objective", "clm", "--mlm-probability", "0.3"],
+            "--mlm-probability applies to --objective mlm only",
+        ),
+    ],
+)
+def test_a_flag_of_the_other_objective_is_a_usage_error(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_cli(tmp_path, *flags, files=1)
+    assert exit_info.value.code == 2
+    assert f"linformer pretrain: error: {message}" in capsys.readouterr().err
+
+
 def test_clm_resume_continues_as_an_uninterrupted_run(tmp_path):
     flags = [*CLM, "--schedule", "constant", "--eval-every", "2", "--save-every", "2"]
     straight = pretrain_cli(tmp_path / "straight", *flags, "--max-steps", "6", files=1)

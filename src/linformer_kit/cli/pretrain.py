@@ -27,10 +27,26 @@ FROM_OBJECTIVE = ("causal",)  # set by --objective, so the two cannot disagree
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     """Defaults, then `--config FILE` (a run_config.json or a run directory), then flags."""
     base = RunConfig.load(args.config).to_dict() if args.config else {}
+    overrides = collect_overrides(args)
     merged: dict[str, Any] = {}
-    for section, values in collect_overrides(args).items():
+    for section, values in overrides.items():
         merged[section] = {**base.get(section, {}), **values}
-    return RunConfig.from_dict({**base, **merged})
+    config = RunConfig.from_dict({**base, **merged})
+    _check_objective_flags(overrides, config.train.objective)
+    return config
+
+
+def _check_objective_flags(overrides: dict[str, dict[str, Any]], objective: str) -> None:
+    """A flag of the other objective is an error: it would do nothing."""
+    if objective != "clm" and "block_size" in overrides.get("model", {}):
+        raise ValueError(
+            "--block-size applies to --objective clm only (a masked LM attends to the whole "
+            "sequence at once)"
+        )
+    if objective == "clm" and "mlm_probability" in overrides.get("train", {}):
+        raise ValueError(
+            "--mlm-probability applies to --objective mlm only (a causal LM masks nothing)"
+        )
 
 
 @exit_on_user_error
