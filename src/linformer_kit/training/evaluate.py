@@ -3,7 +3,6 @@ accuracy / F1."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +14,7 @@ from .. import hub
 from ..causal_lm import LinformerForCausalLM
 from ..data.cache import PackedBlocks
 from ..data.classification import load_classification
-from ..data.corpus import iter_documents
+from ..data.corpus import JSONL_SUFFIXES, iter_documents, iter_jsonl
 from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForMaskedLM, LinformerForSequenceClassification
 from .batches import ClassificationEvaluator, LMBatches, LMEvaluator, RowSchedule
@@ -63,15 +62,13 @@ def _text_blocks(
 def _labelled(spec: str, label_field: str) -> bool:
     """Whether `spec` is a JSONL file whose first record has a label."""
     path = Path(spec)
-    if path.suffix != ".jsonl" or not path.is_file():
+    if path.suffix not in JSONL_SUFFIXES or not path.is_file():
         return False
-    with open(path, encoding="utf-8", errors="replace") as lines:
-        first = next((line for line in lines if line.strip()), "")
     try:
-        record = json.loads(first)
-    except json.JSONDecodeError:
+        _, record = next(iter_jsonl(path))
+    except (ValueError, StopIteration):  # malformed: the text reader will say where
         return False
-    return isinstance(record, dict) and label_field in record
+    return label_field in record
 
 
 def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[str, Any]:
