@@ -1,7 +1,7 @@
 """Training-step time of a causal LM: causal Linformer vs the exact causal Transformer.
 
 Forward + backward + AdamW step of the same model shape on random tokens, for several
-sequence lengths; warm-up, then the median of repeats, both models timed in the same run.
+sequence lengths; warm-up, then the median of repeats, the two models' steps interleaved in the same run.
 Writes benchmarks/causal_step/results.json.
 
     PYTHONPATH=src python benchmarks/causal_step.py
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,10 +21,11 @@ from linformer_kit import LinformerConfig, LinformerForCausalLM
 from linformer_kit.training.compare import machine
 
 SEQ_LENS = (512, 1024, 2048, 4096)
-BATCH, WARMUP, REPEATS = 2, 1, 3
+BATCH, WARMUP, REPEATS = 2, 1, 5
 
 
-def step_seconds(proj_dim: int | None, seq_len: int) -> float:
+def make_step(proj_dim: int | None, seq_len: int) -> Callable[[], float]:
+    """One training step of a fresh model as a closure returning its seconds."""
     torch.manual_seed(0)
     cfg = LinformerConfig(
         vocab_size=4096, max_seq_len=seq_len, dim=128, depth=4, num_heads=4, proj_dim=proj_dim,
@@ -32,22 +34,35 @@ def step_seconds(proj_dim: int | None, seq_len: int) -> float:
     model = LinformerForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 4096, (BATCH, seq_len))
-    times = []
-    for i in range(WARMUP + REPEATS):
+
+    def step() -> float:
         start = time.perf_counter()
         model(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    return step
+
+
+def step_seconds(seq_len: int) -> tuple[float, float]:
+    """Median step seconds of (Linformer, exact), their steps interleaved so that load
+    from other processes falls on both alike."""
+    steps = make_step(128, seq_len), make_step(None, seq_len)
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(WARMUP + REPEATS):
+        for step, record in zip(steps, times):
+            seconds = step()
+            if i >= WARMUP:
+                record.append(seconds)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def main() -> None:
     torch.set_num_threads(1)  # steady timings on a shared machine
     rows = []
     for seq_len in SEQ_LENS:
-        linformer, exact = step_seconds(128, seq_len), step_seconds(None, seq_len)
+        linformer, exact = step_seconds(seq_len)
         row = {
             "seq_len": seq_len,
             "linformer_s": round(linformer, 4),

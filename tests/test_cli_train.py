@@ -6,6 +6,7 @@ import shlex
 import pytest
 from train_helpers import interrupted_after, write_classification, write_corpus
 
+from linformer_kit import LinformerForCausalLM
 from linformer_kit.cli import build_parser, main
 from linformer_kit.cli.overrides import collect_overrides
 
@@ -116,20 +117,32 @@ def test_override_flags_parse_their_field_types():
     assert collect_overrides(args)["model"] == {"proj_dim": None, "ffn_dim": 64}
 
 
-def test_demo_compares_both_models_and_publishes_table_and_plot(tmp_path, capsys):
+def test_demo_compares_both_models_per_objective_and_publishes_table_and_plot(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus")
     publish = tmp_path / "benchmarks"
     main(
         ["demo", "--data", str(corpus), "--output-dir", str(tmp_path / "demo")]
         + ["--publish-dir", str(publish), "--vocab-size", "300", "--seq-len", "64", "--dim", "32"]
         + ["--depth", "1", "--proj-dim", "16", "--steps", "4", "--eval-every", "2"]
-        + ["--eval-batches", "1", "--warmup-steps", "1"]
+        + ["--eval-batches", "1", "--warmup-steps", "1", "--block-size", "16"]
     )
     out = capsys.readouterr().out
-    assert "Linformer k=16" in out and "Transformer (exact)" in out and "speed per" in out
+    assert "Linformer k=16" in out and "Transformer (exact)" in out
+    assert "masked LM: Linformer / Transformer" in out and "causal LM: Linformer" in out
     result = json.loads((publish / "comparison.json").read_text())
-    assert [r["run"] for r in result["rows"]] == ["linformer", "transformer"]
+    names = ["mlm/linformer", "mlm/transformer", "clm/linformer", "clm/transformer"]
+    assert [r["run"] for r in result["rows"]] == names
+    assert [r["objective"] for r in result["rows"]] == ["masked LM"] * 2 + ["causal LM"] * 2
     assert result["rows"][0]["params"] > result["rows"][1]["params"]
+    for objective in ("mlm", "clm"):
+        rows = [r for r in result["rows"] if r["run"].startswith(objective)]
+        pair = result["pairs"][objective]
+        assert pair["ppl_ratio"] == pytest.approx(rows[0]["val_ppl"] / rows[1]["val_ppl"])
+        assert pair["speedup_per_step"] == pytest.approx(
+            rows[1]["sec_per_step"] / rows[0]["sec_per_step"]
+        )
     assert (publish / "comparison.png").stat().st_size > 1000
-    for name in ("linformer", "transformer"):
+    for name in names:
         assert (tmp_path / "demo" / name / "last" / "model.safetensors").is_file()
+    causal = LinformerForCausalLM.from_pretrained(tmp_path / "demo" / "clm" / "linformer" / "last")
+    assert causal.config.causal and causal.config.block_size == 16

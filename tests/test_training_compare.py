@@ -10,13 +10,31 @@ from linformer_kit.training.compare import ComparisonSettings, fit_to_budget, se
 TINY = ComparisonSettings(vocab_size=300, seq_len=64, dim=32, depth=1, proj_dim=16, batch_size=2)
 
 
-def test_probe_times_a_step_of_both_models():
+def test_probe_times_a_step_of_every_model():
     assert 0 < seconds_per_step(TINY) < 60
+
+
+def test_each_objective_pairs_linformer_with_the_exact_transformer(tmp_path):
+    runs = dataclasses.replace(TINY, output_dir=str(tmp_path)).run_configs()
+    assert list(runs) == ["mlm/linformer", "mlm/transformer", "clm/linformer", "clm/transformer"]
+    for name, run in runs.items():
+        objective, model = name.split("/")
+        assert run.train.objective == objective and run.model.causal == (objective == "clm")
+        assert run.model.proj_dim == (16 if model == "linformer" else None)
+        assert run.train.output_dir == str(tmp_path / objective / model)
+    causal = dataclasses.replace(TINY, objectives="clm").run_configs()
+    assert list(causal) == ["clm/linformer", "clm/transformer"]
+
+
+@pytest.mark.parametrize("objectives", ["", "mlm,mlm", "mlm,seq2seq"])
+def test_unknown_or_repeated_objectives_are_refused(objectives):
+    with pytest.raises(ValueError, match="objectives must be .* mlm and clm; got"):
+        ComparisonSettings(objectives=objectives)
 
 
 def test_a_run_that_fits_the_budget_is_unchanged():
     settings = ComparisonSettings()
-    # 500 steps x 1 s (+10% validation) = 9.2 min < 12 min
+    # 500 steps x 1 s (+10% validation) = 9.2 min < 20 min
     assert fit_to_budget(settings, 1.0) is settings
     unlimited = dataclasses.replace(settings, budget_min=0)
     assert fit_to_budget(unlimited, 100.0) is unlimited
@@ -26,11 +44,11 @@ def test_a_slow_machine_runs_fewer_steps_and_says_how_many(caplog):
     settings = ComparisonSettings()
     with caplog.at_level(logging.WARNING):
         fitted = fit_to_budget(settings, 10.0)
-    # 12 min / (10 s x 1.1) = 65 steps; warm-up and validation interval shrink to fit.
-    assert (fitted.steps, fitted.warmup_steps, fitted.eval_every) == (65, 6, 50)
+    # 20 min / (10 s x 1.1) = 109 steps; warm-up and validation interval shrink to fit.
+    assert (fitted.steps, fitted.warmup_steps, fitted.eval_every) == (109, 10, 50)
     assert caplog.messages == [
-        "this machine takes 10.00 s per training step of both models (probe), so 500 steps "
-        "would take about 92 min, over the 12-min budget: running 65 steps instead "
+        "this machine takes 10.00 s per training step of all 4 models (probe), so 500 steps "
+        "would take about 92 min, over the 20-min budget: running 109 steps instead "
         "(--budget-min 0 runs all 500)"
     ]
 

@@ -205,15 +205,22 @@ class LinformerSelfAttention(nn.Module):
         seq_len = k.shape[2]
         done = seq_len // self.block_size * self.block_size if self.projected else 0
         if done:
-            # cumsum, not sum: the same additions in the same order as the full pass.
-            state.key_sums = block_projections(
-                k[:, :, :done], self.proj_k.weight[..., :done, :], self.block_size
-            ).cumsum(2)[:, :, -1]  # (B, H, K, D)
-            state.value_sums = block_projections(
-                v[:, :, :done], self.proj_v.weight[..., :done, :], self.block_size
-            ).cumsum(2)[:, :, -1]
+            self._fold(state, k[:, :, :done], v[:, :, :done], 0)
         state.keys, state.values = k[:, :, done:], v[:, :, done:]
         state.length = seq_len
+
+    def _fold(self, state: CausalState, keys: Tensor, values: Tensor, start: int) -> None:
+        """Adds the projections of complete blocks, keys and values (B, H, T, D) at
+        positions start .. start + T - 1, to the state's prefix sums."""
+        rows = slice(start, start + keys.shape[2])
+        new_k, new_v = (
+            block_projections(x, proj.weight[..., rows, :], self.block_size).sum(2)  # (B, H, K, D)
+            for x, proj in ((keys, self.proj_k), (values, self.proj_v))
+        )
+        if state.key_sums is None:
+            state.key_sums, state.value_sums = new_k, new_v
+        else:
+            state.key_sums, state.value_sums = state.key_sums + new_k, state.value_sums + new_v
 
     def _step(
         self, state: CausalState, q: Tensor, k: Tensor, v: Tensor, dropout_p: float
@@ -231,14 +238,7 @@ class LinformerSelfAttention(nn.Module):
         out = attend(q, keys, values, None, dropout_p)  # (B, H, 1, D)
         state.length += 1
         if self.projected and state.length % self.block_size == 0:
-            rows = slice(state.length - self.block_size, state.length)
-            new_k = block_projections(state.keys, self.proj_k.weight[..., rows, :], self.block_size)
-            new_v = block_projections(
-                state.values, self.proj_v.weight[..., rows, :], self.block_size
-            )
-            first = state.key_sums is None
-            state.key_sums = new_k[:, :, 0] if first else state.key_sums + new_k[:, :, 0]
-            state.value_sums = new_v[:, :, 0] if first else state.value_sums + new_v[:, :, 0]
+            self._fold(state, state.keys, state.values, state.length - self.block_size)
             state.keys, state.values = k[:, :, :0], v[:, :, :0]
         return out
 

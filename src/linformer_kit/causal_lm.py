@@ -72,12 +72,14 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         logits = F.linear(out.last_hidden_state, self.linformer.embeddings.tokens.weight)
         loss = None
         if labels is not None:
-            targets = labels[:, 1:]  # (B, N - 1): the token after each position
+            # Labels shifted left instead of logits shifted right: slicing the (B, N, V)
+            # logits would copy them (and zero-fill a gradient as large) every step.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, N): the token after each
             if key_padding_mask is not None:
-                real = key_padding_mask[:, 1:] & key_padding_mask[:, :-1]
+                real = F.pad(key_padding_mask[:, 1:] & key_padding_mask[:, :-1], (0, 1))
                 targets = targets.masked_fill(~real, -100)
             loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
             )
         return CausalLMOutput(loss, logits, out.last_hidden_state, out.hidden_states)
 

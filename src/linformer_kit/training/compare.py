@@ -1,6 +1,6 @@
 """The main job: pretrain Linformer and an exact-attention Transformer of identical size on
-the same data, order, seed and step budget, then compare validation perplexity, speed and
-memory (table, JSON and a plot)."""
+the same data, order, seed and step budget, as masked LMs and as causal LMs, then compare
+validation perplexity, speed and memory (table, JSON and a plot)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
@@ -26,13 +27,15 @@ from ..models import LinformerForMaskedLM
 from ..precision import cpu_features
 from .loop import TrainResult
 from .pretrain import pretrain
-from .settings import RunConfig, TrainSettings
+from .settings import OBJECTIVES, RunConfig, TrainSettings
 
 logger = logging.getLogger(__name__)
 
 RESULT_NAME = "comparison.json"
 VALIDATION_OVERHEAD = 1.1
 PLOT_NAME = "comparison.png"
+OBJECTIVE_NAMES = {"mlm": "masked LM", "clm": "causal LM"}
+MODELS = ("linformer", "transformer")
 
 
 @dataclass(kw_only=True)
@@ -52,6 +55,11 @@ class ComparisonSettings:
     num_heads: int = field(default=4, metadata={"help": "attention heads"})
     proj_dim: int = field(default=128, metadata={"help": "Linformer's k"})
     sharing: str = field(default="layerwise", metadata={"help": "none, headwise, kv, layerwise"})
+    objectives: str = field(
+        default="mlm,clm",
+        metadata={"help": "model pairs to train: mlm (masked LM), clm (causal LM), or both"},
+    )
+    block_size: int = field(default=64, metadata={"help": "causal Linformer's block (clm)"})
     steps: int = field(default=500, metadata={"help": "optimiser steps per model"})
     batch_size: int = field(default=4, metadata={"help": "sequences per step"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
@@ -60,16 +68,30 @@ class ComparisonSettings:
     eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
     seed: int = field(default=0, metadata={"help": "seed of weights, data order and masking"})
     budget_min: float = field(
-        default=12.0,
+        default=20.0,
         metadata={
             "help": "fewer steps where a probe says --steps would train longer than this "
-            "many minutes (both models); 0: always --steps"
+            "many minutes (all models); 0: always --steps"
         },
     )
     threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
 
+    def __post_init__(self) -> None:
+        chosen = self.objective_list
+        if not chosen or any(o not in OBJECTIVES for o in chosen) or len(set(chosen)) < len(chosen):
+            raise ValueError(
+                "objectives must be a comma-separated list of distinct "
+                f"{' and '.join(OBJECTIVES)}; got {self.objectives!r}"
+            )
+
+    @property
+    def objective_list(self) -> list[str]:
+        """The objectives of `objectives`, in order."""
+        return [o.strip() for o in self.objectives.split(",") if o.strip()]
+
     def run_configs(self) -> dict[str, RunConfig]:
-        """One run config per model, identical except for proj_dim (None = exact)."""
+        """One run config per objective and model, named "mlm/linformer" and so on: the two
+        models of a pair identical except for proj_dim (None = exact)."""
         model = LinformerConfig(
             max_seq_len=self.seq_len,
             dim=self.dim,
@@ -79,6 +101,7 @@ class ComparisonSettings:
             sharing=self.sharing,
             dropout=0.0,
             attention_dropout=0.0,
+            block_size=self.block_size,
         )
         data = DataSettings(
             data=[self.data],
@@ -87,9 +110,11 @@ class ComparisonSettings:
             max_val_blocks=self.eval_batches * self.batch_size,
         )
         runs = {}
-        for name, proj_dim in (("linformer", self.proj_dim), ("transformer", None)):
+        pairs = [(o, m) for o in self.objective_list for m in MODELS]
+        for objective, name in pairs:
             train = TrainSettings(
-                output_dir=str(Path(self.output_dir) / name),
+                output_dir=str(Path(self.output_dir) / objective / name),
+                objective=objective,
                 max_steps=self.steps,
                 batch_size=self.batch_size,
                 lr=self.lr,
@@ -102,20 +127,27 @@ class ComparisonSettings:
                 keep_last=1,
                 threads=self.threads,
             )
-            runs[name] = RunConfig(model=model.replace(proj_dim=proj_dim), train=train, data=data)
+            proj_dim = self.proj_dim if name == "linformer" else None
+            runs[f"{objective}/{name}"] = RunConfig(
+                model=model.replace(proj_dim=proj_dim, causal=objective == "clm"),
+                train=train,
+                data=data,
+            )
         return runs
 
 
 def seconds_per_step(settings: ComparisonSettings) -> float:
-    """Seconds one optimiser step of both models takes together on this machine, timed on
+    """Seconds one optimiser step of every model takes together on this machine, timed on
     random tokens (the best of two steps after a warm-up step): the probe that sizes the
-    demo. It costs about six steps' time (a few seconds at the default sizes)."""
+    demo. It costs about three steps' time per model (a few seconds at the default sizes)."""
     total = 0.0
     ids = torch.randint(settings.vocab_size, (settings.batch_size, settings.seq_len))
-    labels = torch.where(torch.rand(ids.shape) < 0.15, ids, -100)  # as masked-LM batches
+    masked = torch.where(torch.rand(ids.shape) < 0.15, ids, -100)  # as masked-LM batches
     for run in settings.run_configs().values():
         torch.manual_seed(settings.seed)
-        model = LinformerForMaskedLM(run.model.replace(vocab_size=settings.vocab_size))
+        model_class = LinformerForCausalLM if run.model.causal else LinformerForMaskedLM
+        model = model_class(run.model.replace(vocab_size=settings.vocab_size))
+        labels = ids if run.model.causal else masked
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
         times = []
         for _ in range(3):
@@ -134,7 +166,7 @@ def fit_to_budget(settings: ComparisonSettings, step_s: float) -> ComparisonSett
 
     Args:
         settings: the requested comparison.
-        step_s: seconds per step of both models, from `seconds_per_step`.
+        step_s: seconds per step of all models together, from `seconds_per_step`.
 
     Returns:
         `settings` unchanged when it fits (or the budget is 0), else a shortened copy.
@@ -145,10 +177,11 @@ def fit_to_budget(settings: ComparisonSettings, step_s: float) -> ComparisonSett
     if not settings.budget_min or steps >= settings.steps:
         return settings
     logger.warning(
-        "this machine takes %.2f s per training step of both models (probe), so %d steps "
+        "this machine takes %.2f s per training step of all %d models (probe), so %d steps "
         "would take about %.0f min, over the %g-min budget: running %d steps instead "
         "(--budget-min 0 runs all %d)",
         step_s,
+        2 * len(settings.objective_list),
         settings.steps,
         settings.steps * cost / 60,
         settings.budget_min,
@@ -172,6 +205,7 @@ def _pretrain_in_fresh_process(run: RunConfig) -> TrainResult:
 def _row(name: str, run: RunConfig, result: TrainResult) -> dict[str, Any]:
     label = "Transformer (exact)" if run.model.is_exact else f"Linformer k={run.model.proj_dim}"
     return {
+        "objective": OBJECTIVE_NAMES[run.train.objective],
         "model": label,
         "params": result.params,
         "val_ppl": result.final["val_ppl"],
@@ -183,24 +217,31 @@ def _row(name: str, run: RunConfig, result: TrainResult) -> dict[str, Any]:
     }
 
 
-def plot_comparison(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """Validation perplexity vs step and vs training time, one line per model."""
+def plot_comparison(
+    rows: list[dict[str, Any]], records: dict[str, list[dict[str, Any]]], path: Path
+) -> None:
+    """Validation perplexity vs step and vs training time, one line per model and one row of
+    panels per objective."""
     from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
-    fig = Figure(figsize=(11, 4.2))
-    axes = fig.subplots(1, 2, sharey=True)
-    for label, records in results.items():
-        val = [r for r in records if r["split"] == "val"]
-        axes[0].plot([r["step"] for r in val], [r["val_ppl"] for r in val], marker="o", label=label)
-        axes[1].plot(
-            [r["train_s"] for r in val], [r["val_ppl"] for r in val], marker="o", label=label
-        )
-    axes[0].set(xlabel="optimiser step", ylabel="validation perplexity", yscale="log")
-    axes[1].set(xlabel="training time (s)")
-    for axis in axes:
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend()
-    fig.suptitle("Masked-LM pretraining: Linformer vs exact attention")
+    objectives = list(dict.fromkeys(row["objective"] for row in rows))
+    fig = Figure(figsize=(11, 4.2 * len(objectives)))
+    axes = fig.subplots(len(objectives), 2, sharey="row", squeeze=False)
+    for row in rows:
+        panels = axes[objectives.index(row["objective"])]
+        val = [r for r in records[row["run"]] if r["split"] == "val"]
+        for axis, x in zip(panels, ("step", "train_s")):
+            axis.plot(
+                [r[x] for r in val], [r["val_ppl"] for r in val], marker="o", label=row["model"]
+            )
+    for objective, (by_step, by_time) in zip(objectives, axes):
+        by_step.set(xlabel="optimiser step", ylabel=f"{objective}: validation perplexity")
+        by_time.set(xlabel="training time (s)")
+        for axis in (by_step, by_time):
+            axis.set_yscale("log")
+            axis.grid(True, which="both", alpha=0.3)
+            axis.legend()
+    fig.suptitle("Pretraining: Linformer vs exact attention, same data, steps and seed")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -220,13 +261,14 @@ def machine() -> dict[str, Any]:
 
 
 def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
-    """Prepares the corpus once, pretrains both models one after the other, writes
+    """Prepares the corpus once, pretrains every model one after the other, writes
     comparison.json and comparison.png into `output_dir` (and `publish_dir` when set).
 
-    Existing runs under `output_dir/linformer` and `output_dir/transformer` are replaced.
+    Existing runs under `output_dir/{mlm,clm}/{linformer,transformer}` are replaced.
 
     Returns:
-        The comparison: settings, machine, one row per model and both runs' records.
+        The comparison: settings, machine, one row per model, per objective the Linformer /
+        Transformer perplexity ratio and speed-up, and every run's records.
     """
     before = machine()
     requested = settings.steps
@@ -242,22 +284,27 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     for name, run in runs.items():
         shutil.rmtree(run.train.output_dir, ignore_errors=True)
         result = _pretrain_in_fresh_process(run)
-        row = _row(name, run, result)
-        rows.append(row)
-        records[row["model"]] = result.records
+        rows.append(_row(name, run, result))
+        records[name] = result.records
+    pairs = {}
+    for objective in settings.objective_list:
+        linformer, exact = (next(r for r in rows if r["run"] == f"{objective}/{m}") for m in MODELS)
+        pairs[objective] = {
+            "ppl_ratio": linformer["val_ppl"] / exact["val_ppl"],
+            "speedup_per_step": exact["sec_per_step"] / linformer["sec_per_step"],
+        }
     comparison = {
         "settings": dataclasses.asdict(settings),
         "machine": before,
         "probe": {"sec_per_step_both_models": step_s, "steps_requested": requested},
         "load_avg_after": machine()["load_avg_1_5_15min"],
         "rows": rows,
-        "ppl_ratio": rows[0]["val_ppl"] / rows[1]["val_ppl"],
-        "speedup_per_step": rows[1]["sec_per_step"] / rows[0]["sec_per_step"],
+        "pairs": pairs,
         "records": records,
     }
     output.mkdir(parents=True, exist_ok=True)
     (output / RESULT_NAME).write_text(json.dumps(comparison, indent=2) + "\n")
-    plot_comparison(records, output / PLOT_NAME)
+    plot_comparison(rows, records, output / PLOT_NAME)
     if settings.publish_dir:
         publish = Path(settings.publish_dir)
         publish.mkdir(parents=True, exist_ok=True)
