@@ -42,7 +42,7 @@ MODELS = ("linformer", "transformer")
 class ComparisonSettings:
     """Settings of the Linformer-vs-Transformer pretraining comparison (`linformer demo`)."""
 
-    output_dir: str = field(default="runs/demo", metadata={"help": "where both runs are written"})
+    output_dir: str = field(default="runs/demo", metadata={"help": "where every run is written"})
     publish_dir: str = field(
         default="", metadata={"help": "also copy the table and plot here (e.g. benchmarks/demo)"}
     )
