@@ -25,9 +25,8 @@ from .overrides import exit_on_user_error
 def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = dataclass_from_args(ComparisonSettings, args)
-    print(
-        f"linformer-kit {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-    )
+    threads = settings.threads or torch.get_num_threads()
+    print(f"linformer-kit {__version__}, torch {torch.__version__}, {threads} threads")
     objectives = " and ".join(OBJECTIVE_NAMES[o] for o in settings.objective_list)
     print(
         f"{objectives} pretraining on {settings.data}: {settings.steps} steps of "

@@ -271,6 +271,7 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
         Transformer perplexity ratio and speed-up, and every run's records.
     """
     before = machine()
+    before["threads"] = settings.threads or before["threads"]  # what each run is given
     requested = settings.steps
     step_s = seconds_per_step(settings) if settings.budget_min else None
     if step_s is not None:
