@@ -18,7 +18,7 @@ from linformer_kit.functional import (
     causal_attention,
     linformer_attention,
 )
-from linformer_kit.kernels import choose_kernel, dot_product_attention, explicit_attention
+from linformer_kit.kernels import choose_kernel, dot_product_attention
 
 B, H, N, M, D = 2, 3, 7, 5, 4
 CPU = torch.device("cpu")
@@ -84,7 +84,7 @@ def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p):
     k = torch.randn(1, 2, m, m, dtype=torch.float64)
     eye = torch.eye(m, dtype=torch.float64).expand(1, 2, m, m)
     weights = attention_weights(q, k)
-    out = explicit_attention(q, k, eye, dropout_p=p)
+    out = dot_product_attention(q, k, eye, dropout_p=p, kernel="explicit")
     dropped = out == 0
     rounded = round(p * 2**16) / 2**16  # the kernel's documented rounding of p
     torch.testing.assert_close(out[~dropped], weights[~dropped] / (1 - rounded), atol=1e-12, rtol=0)
@@ -106,6 +106,10 @@ def test_explicit_dropout_expectation_is_the_undropped_output():
     assert (error < 6 * samples.std(0) / 4000**0.5).all()
 
 
+def explicit(*args, **kwargs):
+    return dot_product_attention(*args, **kwargs, kernel="explicit")
+
+
 def seeded(seed, fn, *args, **kwargs):
     torch.manual_seed(seed)
     return fn(*args, **kwargs)
@@ -113,9 +117,9 @@ def seeded(seed, fn, *args, **kwargs):
 
 def test_dropout_is_repeatable_under_a_seed_and_different_without():
     q, k, v = qkv()
-    first = seeded(3, explicit_attention, q, k, v, dropout_p=0.2)
-    again = seeded(3, explicit_attention, q, k, v, dropout_p=0.2)
-    other = explicit_attention(q, k, v, dropout_p=0.2)
+    first = seeded(3, explicit, q, k, v, dropout_p=0.2)
+    again = seeded(3, explicit, q, k, v, dropout_p=0.2)
+    other = explicit(q, k, v, dropout_p=0.2)
     assert torch.equal(first, again) and not torch.equal(first, other)
 
 
@@ -139,7 +143,7 @@ def test_explicit_kernel_gradcheck(dropout_p):
 
     def fn(q, k, v):
         torch.manual_seed(0)  # the same dropout mask at every evaluation
-        return explicit_attention(q, k, v, mask, dropout_p, 0.7)
+        return explicit(q, k, v, mask, dropout_p, 0.7)
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
@@ -191,10 +195,10 @@ def test_the_rule_keeps_sdpa_off_the_measured_cases():
         assert choose_kernel(device=CPU, dtype=torch.float32, dropout=True) == "sdpa"
 
 
-def test_attend_follows_the_rule(monkeypatch):
-    calls = []
-    monkeypatch.setattr(kernels, "explicit_attention", lambda *a: calls.append(a) or a[0])
+def test_attend_follows_the_rule():
+    # Under one seed the two kernels draw different dropout masks: attend's output tells
+    # which one ran. Without dropout the rule's SDPA gives SDPA's output bit for bit.
     q, k, v = qkv(torch.float32)
-    attend(q, k, v, dropout_p=0.1)
-    attend(q, k, v)
-    assert len(calls) == 1 and calls[0][3] is None and calls[0][4] == 0.1
+    picked = seeded(5, attend, q, k, v, dropout_p=0.1)
+    assert torch.equal(picked, seeded(5, explicit, q, k, v, dropout_p=0.1))
+    assert torch.equal(attend(q, k, v), dot_product_attention(q, k, v, kernel="sdpa"))

@@ -95,10 +95,10 @@ def dropout_weights(weights: Tensor, dropout_p: float) -> tuple[Tensor, float]:
     """
     dropped = round(dropout_p * _LEVELS)
     width = weights.shape[-1]
-    pairs = torch.empty(
-        *weights.shape[:-1], (width + 1) // 2, dtype=torch.int32, device=weights.device
-    )
-    bits = pairs.random_(-(2**31), 2**31).view(torch.int16)[..., :width]  # uniform int16
+    shape = (*weights.shape[:-1], (width + 1) // 2)
+    # Out of place (randint, not random_): torch.compile traces it without a graph break.
+    pairs = torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, device=weights.device)
+    bits = pairs.view(torch.int16)[..., :width]  # uniform int16
     kept = torch.ge(bits, dropped - _LEVELS // 2, out=torch.empty_like(weights))  # 1 - p
     factor = 0.0 if dropped == _LEVELS else _LEVELS / (_LEVELS - dropped)
     return kept.mul_(weights), factor
@@ -136,33 +136,6 @@ class _ExplicitAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None
 
 
-def explicit_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-) -> Tensor:
-    """softmax(Q K^T * scale) V with dropout on the weights, through explicit GEMMs.
-
-    Same contract as `F.scaled_dot_product_attention` with a bool mask; every row must have
-    at least one allowed key (`functional.attendable` guarantees it).
-
-    Args:
-        q: (..., N, D).
-        k, v: (..., M, D) and (..., M, Dv), the same leading dimensions as q.
-        attn_mask: optional bool, broadcastable to (..., N, M), True where allowed.
-        dropout_p: dropout on the attention weights, in [0, 1).
-        scale: softmax scale; default 1 / sqrt(D).
-
-    Returns:
-        (..., N, Dv).
-    """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale)
-
-
 def dot_product_attention(
     q: Tensor,
     k: Tensor,
@@ -172,10 +145,18 @@ def dot_product_attention(
     scale: float | None = None,
     kernel: str | None = None,
 ) -> Tensor:
-    """Softmax attention through the kernel `choose_kernel` picks (or `kernel`, if given).
+    """softmax(Q K^T * scale) V with dropout on the weights, through the kernel
+    `choose_kernel` picks (or `kernel`, if given).
+
+    The contract of `F.scaled_dot_product_attention` with a bool mask; for the explicit
+    kernel every row must have at least one allowed key (`functional.attendable` sees to it).
 
     Args:
-        q, k, v, attn_mask, dropout_p, scale: as in `explicit_attention`.
+        q: (..., N, D).
+        k, v: (..., M, D) and (..., M, Dv), the same leading dimensions as q.
+        attn_mask: optional bool, broadcastable to (..., N, M), True where allowed.
+        dropout_p: dropout on the attention weights, in [0, 1).
+        scale: softmax scale; default 1 / sqrt(D).
         kernel: "sdpa" or "explicit" to override the rule; None to follow it.
 
     Returns:
@@ -187,7 +168,8 @@ def dot_product_attention(
     if kernel is None:
         kernel = choose_kernel(device=q.device, dtype=q.dtype, dropout=dropout_p > 0.0)
     if kernel == "explicit":
-        return explicit_attention(q, k, v, attn_mask, dropout_p, scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale)
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
