@@ -174,9 +174,11 @@ def test_budgets_skip_with_a_stated_reason(tmp_path):
 
 
 def test_summary_reads_the_targets_off_the_rows():
-    def row(kind, variant, n, ms, mem, k=8):
+    def row(kind, variant, n, ms, mem, k=8, dropout=0.0):
         return dict(
             min_ms=ms / 2,
+            sharing="kv" if kind == "ours" else None,
+            attention_dropout=dropout,
             scope="attention",
             dtype="float32",
             kind=kind,
@@ -196,6 +198,8 @@ def test_summary_reads_the_targets_off_the_rows():
         row("lucidrains", "lucidrains", 64, 3.0, 30.0),
         row("linformer-pytorch", "linformer-pytorch", 64, 5.0, 40.0),
         row("sdpa", "exact sdpa", 64, 8.0, 20.0, k=None),
+        row("ours", "linformer kv attn-dropout 0.1", 64, 2.2, 21.0, dropout=0.1),
+        row("sdpa", "exact sdpa attn-dropout 0.1", 64, 22.0, 40.0, k=None, dropout=0.1),
     ]
     entry = summarise(rows)["attention"]["float32"]["linformer kv k=8"][64]
     assert entry["speedup_vs_faster_peer"] == pytest.approx(1.5)
@@ -203,6 +207,10 @@ def test_summary_reads_the_targets_off_the_rows():
     assert entry["time_growth_from_half_n"] == pytest.approx(2.0)
     assert entry["memory_growth_from_half_n"] == pytest.approx(1.9)
     assert entry["memory_vs_sdpa"] == pytest.approx(0.95)
+    assert "time_vs_no_attention_dropout" not in entry
+    dropped = summarise(rows)["attention"]["float32"]["linformer kv attn-dropout 0.1 k=8"][64]
+    assert dropped["time_vs_no_attention_dropout"] == pytest.approx(1.1)
+    assert dropped["memory_vs_sdpa"] == pytest.approx(21.0 / 40.0)  # against SDPA with dropout
 
 
 def test_settings_reject_unknown_choices(tmp_path):
@@ -212,6 +220,8 @@ def test_settings_reject_unknown_choices(tmp_path):
         tiny_settings(tmp_path, sharing="kv,everything")
     with pytest.raises(ValueError, match="dtype"):
         tiny_settings(tmp_path, dtype="float16")
+    with pytest.raises(ValueError, match="attention_dropout"):
+        tiny_settings(tmp_path, attention_dropout="0,1.5")
 
 
 def test_ceiling_matmul_grows_to_the_time_budget_or_stops_at_the_limit():
@@ -220,3 +230,18 @@ def test_ceiling_matmul_grows_to_the_time_budget_or_stops_at_the_limit():
     # An unreachable target: the growth stops at the limit.
     size, seconds = size_ceiling_matmul("float32", "cpu", target_s=60.0, start=64, limit=256)
     assert size == 256 and 0 < seconds < 60.0
+
+
+@pytest.mark.parametrize("scope", ["attention", "layer"])
+def test_attention_dropout_variants_drop_attention_weights_in_training(scope):
+    names = [v.name for v in default_variants(sharings=("kv",), peers=False,
+                                              attention_dropouts=(0.0, 0.1))]  # fmt: skip
+    assert names == [
+        "linformer kv", "exact sdpa", "linformer kv attn-dropout 0.1",
+        "exact sdpa attn-dropout 0.1", "exact naive",
+    ]  # fmt: skip
+    variant = Variant(name="kv", kind="ours", sharing="kv", attention_dropout=0.5)
+    module = build_variant(variant, SHAPE, scope).train()
+    x = torch.randn(SHAPE.batch_size, SHAPE.seq_len, SHAPE.dim)
+    assert not torch.equal(module(x), module(x))  # fresh masks: the weights are dropped
+    assert torch.equal(module.eval()(x), module(x))

@@ -121,7 +121,7 @@ class LinformerSelfAttention(nn.Module):
                 the state's.
             key_padding_mask: optional bool (B, N), True at real tokens.
             return_attention: also return the context-mapping matrix P (materialised
-                separately; the output itself always comes from SDPA).
+                separately; the output itself comes from `attend`'s kernel).
             state: causal only: the generation state to continue, updated in place.
 
         Returns:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .kernels import dot_product_attention, masked_scores
+
 
 def check_seq_len(seq_len: int, max_seq_len: int) -> None:
     """Raises ValueError if a sequence is longer than the model accepts."""
@@ -141,8 +143,10 @@ def attend(
     kv_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    kernel: str | None = None,
 ) -> Tensor:
-    """Softmax attention through `F.scaled_dot_product_attention`, safe for empty rows.
+    """Softmax attention, safe for empty rows, through the cheaper of SDPA and explicit GEMMs
+    (`kernels.choose_kernel`).
 
     Args:
         q: (B, H, N, D).
@@ -150,14 +154,13 @@ def attend(
         kv_mask: optional bool (B, M), True at keys that may be attended to.
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
         scale: softmax scale; default 1 / sqrt(D).
+        kernel: "sdpa" or "explicit" to override the rule; None to follow it.
 
     Returns:
         (B, H, N, D). A row with no key to attend to gives zeros, never NaN.
     """
     attn_mask = None if kv_mask is None else attendable(kv_mask)[:, None, None, :]  # (B, 1, 1, M)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
-    )
+    return dot_product_attention(q, k, v, attn_mask, dropout_p, scale, kernel)
 
 
 def attention_weights(
@@ -165,7 +168,8 @@ def attention_weights(
 ) -> Tensor:
     """The context-mapping matrix softmax(Q K^T * scale) that `attend` applies, materialised.
 
-    For analysis (the paper's Figure 1 spectrum, attention maps); `attend` never builds it.
+    For analysis (the paper's Figure 1 spectrum, attention maps); the same scores as the
+    explicit kernel's, before dropout.
 
     Args:
         q: (B, H, N, D).
@@ -177,10 +181,8 @@ def attention_weights(
         (B, H, N, M), rows summing to 1 (0 for a row with no key).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, N, M)
-    if kv_mask is not None:
-        scores = scores.masked_fill(~attendable(kv_mask)[:, None, None, :], float("-inf"))
-    return scores.softmax(-1)
+    attn_mask = None if kv_mask is None else attendable(kv_mask)[:, None, None, :]  # (B, 1, 1, M)
+    return masked_scores(q, k, attn_mask, scale).softmax(-1)
 
 
 def linformer_attention(
@@ -323,13 +325,13 @@ def _block_causal_attention(
         ],
         -1,
     )  # (M, S, K + S): block 0 has no prefix, and own-block keys are seen up to the query
-    out = F.scaled_dot_product_attention(
+    out = dot_product_attention(
         q.flatten(0, 1),
         keys.flatten(0, 1),
         values.flatten(0, 1),
-        attn_mask=mask[None],  # 4-D: CPU SDPA takes its flash kernel (a 3-D mask: math, 1.6x)
-        dropout_p=dropout_p,
-        scale=scale,
+        mask[None],  # 4-D: CPU SDPA takes its flash kernel (a 3-D mask: math, 1.6x slower)
+        dropout_p,
+        scale,
     )  # (B * H, M, S, D)
     return out.view(batch, heads, blocks * block_size, width)[:, :, :seq_len]
 

@@ -11,7 +11,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """For each of our variants: speed-up over the faster peer (by median and by best-of
     rounds times), fraction of the matmul
     ceiling, growth of time and peak memory from n/2 to n, speed-up and memory ratio over
-    exact SDPA, and (for bfloat16) speed-up over float32 with the output's relative error.
+    exact SDPA (at the same attention dropout), time over the same variant without
+    attention dropout, and (for bfloat16) speed-up over float32 with the output's relative error.
 
     Returns:
         {scope: {dtype: {"variant k=K": {n: {metric: value}}}}}; a metric is absent where
@@ -28,7 +29,15 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         same = [r for key, r in index.items() if (key[0], key[1], key[4]) == (scope, dtype, n)]
         peers = [r["median_ms"] for r in same if r["kind"] in PEER_KINDS and r["k"] == k]
-        sdpa = next((r for r in same if r["kind"] == "sdpa"), None)
+        dropout = row["attention_dropout"]
+        sdpa = next(
+            (r for r in same if r["kind"] == "sdpa" and r["attention_dropout"] == dropout), None
+        )
+        undropped = next(
+            (r for r in same if (r["kind"], r["sharing"], r["k"], r["attention_dropout"])
+             == ("ours", row["sharing"], k, 0.0)),
+            None,
+        )  # fmt: skip
         half = index.get((scope, dtype, variant, k, n // 2))
         fp32 = index.get((scope, "float32", variant, k, n)) if dtype != "float32" else None
         entry: dict[str, Any] = {
@@ -44,6 +53,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             entry["speedup_vs_faster_peer_by_min"] = min(best) / row["min_ms"]
         if sdpa and sdpa["peak_mem_mb"] and row["peak_mem_mb"]:
             entry["memory_vs_sdpa"] = row["peak_mem_mb"] / sdpa["peak_mem_mb"]
+        if dropout and undropped:
+            entry["time_vs_no_attention_dropout"] = row["median_ms"] / undropped["median_ms"]
         if half:
             entry["time_growth_from_half_n"] = row["median_ms"] / half["median_ms"]
             if half["peak_mem_mb"] and row["peak_mem_mb"]:

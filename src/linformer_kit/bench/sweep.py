@@ -50,6 +50,10 @@ def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
+def _floats(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -70,6 +74,10 @@ class BenchSettings:
     scope: str = field(default="attention,layer", metadata={"help": "attention and/or layer"})
     sharing: str = field(default=",".join(SHARINGS), metadata={"help": "our sharing modes to time"})
     exact: str = field(default="sdpa,naive", metadata={"help": "exact baselines to time"})
+    attention_dropout: str = field(
+        default="0",
+        metadata={"help": "attention dropout values for ours and exact SDPA, e.g. 0,0.1"},
+    )
     peers: bool = field(default=False, metadata={"help": "also time the published packages"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     threads: int = field(default=0, metadata={"help": "CPU threads (0: torch's default)"})
@@ -102,13 +110,20 @@ class BenchSettings:
                 raise ValueError(f"sharing must be among {', '.join(SHARINGS)}; got {sharing!r}")
         if not set(_names(self.exact)) <= {"sdpa", "naive"}:
             raise ValueError(f"exact must be among sdpa, naive; got {self.exact!r}")
+        for p in _floats(self.attention_dropout):
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"attention_dropout values must be in [0, 1); got {p}")
         if not _ints(self.n) or not _ints(self.proj_dim) or self.repeats < 1:
             raise ValueError("n, proj_dim and repeats need at least one value each")
 
     def variants(self) -> list[Variant]:
         """The variants to time, in table order."""
         exact = _names(self.exact)
-        chosen = default_variants(sharings=tuple(_names(self.sharing)), peers=self.peers)
+        chosen = default_variants(
+            sharings=tuple(_names(self.sharing)),
+            peers=self.peers,
+            attention_dropouts=tuple(_floats(self.attention_dropout)),
+        )
         return [v for v in chosen if not v.exact or v.kind in exact]
 
 
@@ -171,6 +186,8 @@ def _row(call: Call, ceiling: float | None, seconds: list[float] | None) -> dict
         "dtype": call.dtype,
         "variant": call.variant.name,
         "kind": call.variant.kind,
+        "sharing": call.variant.sharing,
+        "attention_dropout": call.variant.attention_dropout,
         "n": call.shape.seq_len,
         "k": call.shape.proj_dim,
         "status": "ok",
@@ -198,15 +215,15 @@ def _row(call: Call, ceiling: float | None, seconds: list[float] | None) -> dict
 
 def _compare_to_exact(rows: list[dict[str, Any]]) -> None:
     """Adds each row's speed-up and memory saving over exact SDPA (today's baseline) and over
-    naive exact attention (the paper's), at the same scope and n."""
+    naive exact attention (the paper's), at the same scope, n and attention dropout."""
     for kind in ("sdpa", "naive"):
         base = {
-            (r["scope"], r["dtype"], r["n"]): r
+            (r["scope"], r["dtype"], r["n"], r["attention_dropout"]): r
             for r in rows
             if r["kind"] == kind and r["status"] == "ok"
         }
         for row in rows:
-            ref = base.get((row["scope"], row["dtype"], row["n"]))
+            ref = base.get((row["scope"], row["dtype"], row["n"], row["attention_dropout"]))
             if ref is None or row["status"] != "ok":
                 continue
             row[f"speedup_vs_{kind}"] = ref["median_ms"] / row["median_ms"]

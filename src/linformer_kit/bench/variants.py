@@ -35,11 +35,14 @@ class Variant:
         kind: ours, sdpa, naive, or a key of PEERS.
         sharing: projection sharing for ours; the peers run `headwise` (their default: E and
             F shared by the heads of a layer, E != F).
+        attention_dropout: dropout on the attention weights in training (ours and exact
+            SDPA; the peers run their default, none).
     """
 
     name: str
     kind: str
     sharing: str | None = None
+    attention_dropout: float = 0.0
 
     @property
     def exact(self) -> bool:
@@ -47,10 +50,20 @@ class Variant:
         return self.kind in ("sdpa", "naive")
 
 
-def default_variants(*, sharings: tuple[str, ...], peers: bool) -> list[Variant]:
-    """Ours in each sharing mode, exact SDPA, naive exact and (optionally) the peers."""
-    variants = [Variant(name=f"linformer {s}", kind="ours", sharing=s) for s in sharings]
-    variants += [Variant(name="exact sdpa", kind="sdpa"), Variant(name="exact naive", kind="naive")]
+def default_variants(
+    *, sharings: tuple[str, ...], peers: bool, attention_dropouts: tuple[float, ...] = (0.0,)
+) -> list[Variant]:
+    """Ours in each sharing mode and exact SDPA (each at every attention dropout), naive
+    exact and (optionally) the peers."""
+    variants = []
+    for p in attention_dropouts:
+        suffix = f" attn-dropout {p:g}" if p else ""
+        variants += [
+            Variant(name=f"linformer {s}{suffix}", kind="ours", sharing=s, attention_dropout=p)
+            for s in sharings
+        ]
+        variants.append(Variant(name=f"exact sdpa{suffix}", kind="sdpa", attention_dropout=p))
+    variants.append(Variant(name="exact naive", kind="naive"))
     if peers:
         variants += [Variant(name=name, kind=name, sharing="headwise") for name in PEERS]
     return variants
@@ -121,6 +134,7 @@ def _ours(variant: Variant, shape: Shape, scope: str) -> nn.Module:
             max_seq_len=shape.seq_len,
             proj_k=proj_k,
             proj_v=proj_v,
+            dropout=variant.attention_dropout,
         )
         if variant.kind == "naive":
             attention = NaiveAttention(dim=shape.dim, num_heads=shape.num_heads)
@@ -132,6 +146,7 @@ def _ours(variant: Variant, shape: Shape, scope: str) -> nn.Module:
         proj_k=proj_k,
         proj_v=proj_v,
         ffn_dim=shape.ffn_dim,
+        attention_dropout=variant.attention_dropout,
     )
     if variant.kind == "naive":
         layer.attn = NaiveAttention(dim=shape.dim, num_heads=shape.num_heads)

@@ -1,0 +1,204 @@
+"""The attention kernels: SDPA and the explicit path agree with a float64 reference and with
+each other, dropout is applied exactly once, gradients pass gradcheck, and the dispatch rule
+picks what the measured table says."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from reference import causal_block_attention, softmax_attention
+
+from linformer_kit import kernels
+from linformer_kit.functional import (
+    attend,
+    attendable,
+    attention_weights,
+    causal_attention,
+    linformer_attention,
+)
+from linformer_kit.kernels import choose_kernel, dot_product_attention
+
+B, H, N, M, D = 2, 3, 7, 5, 4
+CPU = torch.device("cpu")
+
+
+def qkv(dtype=torch.float64, seed=0, n=N, m=M):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, n, D, generator=g, dtype=dtype)
+    return (
+        q,
+        torch.randn(B, H, m, D, generator=g, dtype=dtype),
+        torch.randn(B, H, m, D, generator=g, dtype=dtype),
+    )
+
+
+def kv_mask(empty_row: bool) -> torch.Tensor:
+    mask = torch.ones(B, M, dtype=torch.bool)
+    mask[0, 3:] = False
+    if empty_row:
+        mask[1] = False  # batch row 1 has no key at all: its output must be 0, not NaN
+    return mask
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "explicit"])
+@pytest.mark.parametrize("masked", [None, "partial", "empty"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_both_kernels_equal_the_float64_reference(kernel, masked, dtype):
+    q, k, v = qkv()
+    mask = None if masked is None else kv_mask(masked == "empty")
+    if mask is not None:  # attend's contract: masked-out keys already hold zero values
+        k, v = k * mask[:, None, :, None], v * mask[:, None, :, None]
+    out = attend(q.to(dtype), k.to(dtype), v.to(dtype), mask, kernel=kernel)
+    reference = softmax_attention(q, k, v, None if mask is None else attendable(mask))
+    if masked == "empty":
+        reference[1] = 0.0
+    assert not out.isnan().any()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out.double(), reference, atol=tol, rtol=tol)
+
+
+def test_explicit_equals_sdpa_with_a_general_mask_and_float32():
+    q, k, v = qkv(torch.float32, n=8, m=8)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()  # causal, broadcast over (B, H)
+    sdpa = dot_product_attention(q, k, v, mask, scale=0.3, kernel="sdpa")
+    explicit = dot_product_attention(q, k, v, mask, scale=0.3, kernel="explicit")
+    torch.testing.assert_close(explicit, sdpa, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_weights_are_what_the_explicit_kernel_applies():
+    q, k, v = qkv()
+    mask = kv_mask(empty_row=False)
+    out = attend(q, k, v, mask, kernel="explicit")
+    torch.testing.assert_close(out, attention_weights(q, k, mask) @ v, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p):
+    # With V = I the output is the dropped weight matrix itself: every entry must be either
+    # 0 or the undropped weight / (1 - p), and the dropped fraction must be p. Dropout
+    # applied twice would give weight / (1 - p)^2 and a fraction 1 - (1 - p)^2.
+    n, m = 512, 64
+    q = torch.randn(1, 2, n, m, dtype=torch.float64)
+    k = torch.randn(1, 2, m, m, dtype=torch.float64)
+    eye = torch.eye(m, dtype=torch.float64).expand(1, 2, m, m)
+    weights = attention_weights(q, k)
+    out = dot_product_attention(q, k, eye, dropout_p=p, kernel="explicit")
+    dropped = out == 0
+    rounded = round(p * 2**16) / 2**16  # the kernel's documented rounding of p
+    torch.testing.assert_close(out[~dropped], weights[~dropped] / (1 - rounded), atol=1e-12, rtol=0)
+    count = dropped.numel()
+    sd = (p * (1 - p) / count) ** 0.5
+    assert abs(dropped.double().mean().item() - p) < 5 * sd  # 5 sd ~ 0.007 at p = 0.5
+
+
+def test_explicit_dropout_expectation_is_the_undropped_output():
+    # E[out] over independent masks equals the output without dropout; the tolerance (6
+    # standard errors of the mean) is far below the >= 10 % bias a missing or doubled
+    # rescale gives. The samples are 4000 copies along the batch: one call, fresh masks.
+    q, k, v = (t[:1] for t in qkv(seed=1))
+    v = v.abs() + 1.0  # positive values: a rescaling error cannot cancel out
+    exact = attend(q, k, v, kernel="explicit")
+    copies = [t.expand(4000, -1, -1, -1) for t in (q, k, v)]
+    samples = attend(*copies, dropout_p=0.1, kernel="explicit")
+    error = (samples.mean(0) - exact[0]).abs()
+    assert (error < 6 * samples.std(0) / 4000**0.5).all()
+
+
+def explicit(*args, **kwargs):
+    return dot_product_attention(*args, **kwargs, kernel="explicit")
+
+
+def seeded(seed, fn, *args, **kwargs):
+    torch.manual_seed(seed)
+    return fn(*args, **kwargs)
+
+
+def test_dropout_is_repeatable_under_a_seed_and_different_without():
+    q, k, v = qkv()
+    first = seeded(3, explicit, q, k, v, dropout_p=0.2)
+    again = seeded(3, explicit, q, k, v, dropout_p=0.2)
+    other = explicit(q, k, v, dropout_p=0.2)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_padding_invariance_with_dropout_on():
+    # One head, one sequence: the mask is drawn row by row, so under one seed the real
+    # queries of the padded call get the same mask rows as the unpadded call.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 10, D) for _ in range(3))
+    proj = torch.randn(16, 3)
+    padded = [torch.cat([t, torch.randn(1, 1, 4, D)], 2) for t in (q, k, v)]
+    mask = torch.tensor([[True] * 10 + [False] * 4])
+    out = seeded(1, linformer_attention, q, k, v, proj, proj, dropout_p=0.3)
+    out_padded = seeded(1, linformer_attention, *padded, proj, proj, mask, dropout_p=0.3)
+    torch.testing.assert_close(out_padded[:, :, :10], out, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_explicit_kernel_gradcheck(dropout_p):
+    q, k, v = (t[:, :1, :4, :3].clone().requires_grad_() for t in qkv())  # (2, 1, 4, 3)
+    mask = attendable(kv_mask(empty_row=True)[:, :4])[:, None, None, :]
+
+    def fn(q, k, v):
+        torch.manual_seed(0)  # the same dropout mask at every evaluation
+        return explicit(q, k, v, mask, dropout_p, 0.7)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_explicit_gradients_equal_sdpa_gradients():
+    q, k, v = (t.float().requires_grad_() for t in qkv())
+    mask = attendable(kv_mask(empty_row=True))[:, None, None, :]
+    grads = []
+    for kernel in ("sdpa", "explicit"):
+        out = dot_product_attention(q, k, v, mask, kernel=kernel)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for explicit, sdpa in zip(*grads[::-1]):
+        torch.testing.assert_close(explicit, sdpa, atol=1e-5, rtol=1e-4)
+
+
+def test_causal_linformer_through_the_explicit_kernel_equals_the_reference(monkeypatch):
+    monkeypatch.setattr(kernels, "choose_kernel", lambda **_: "explicit")
+    q, k, v = qkv(n=11, m=11)
+    proj = torch.randn(12, 3, dtype=torch.float64)
+    mask = torch.ones(B, 11, dtype=torch.bool)
+    mask[0, :3] = False  # left padding
+    out = causal_attention(q, k, v, proj, proj, block_size=4, key_padding_mask=mask)
+    reference = causal_block_attention(q, k, v, proj, proj, 4, mask)
+    torch.testing.assert_close(out, reference, atol=1e-10, rtol=0)
+
+
+def test_unknown_kernel_is_a_clear_error():
+    with pytest.raises(ValueError, match="kernel must be one of sdpa, explicit"):
+        dot_product_attention(*qkv(), kernel="flash")
+
+
+TABLE = Path(__file__).parent.parent / "benchmarks" / "kernels" / "table.json"
+
+
+@pytest.mark.parametrize(("mode", "dropout"), [("train dropout 0.1", True), ("train", False)])
+def test_the_rule_picks_the_kernel_the_table_measured_faster(mode, dropout):
+    # The committed table (benchmarks/kernels.py): the geometric mean over its shapes of
+    # SDPA time / explicit time decides each mode; the rule must pick that winner.
+    rows = [r for r in json.loads(TABLE.read_text())["rows"] if r["mode"] == mode]
+    geomean = math.exp(sum(math.log(r["explicit_speedup"]) for r in rows) / len(rows))
+    picked = choose_kernel(device=CPU, dtype=torch.float32, dropout=dropout)
+    assert picked == ("explicit" if geomean > 1 else "sdpa")
+
+
+def test_the_rule_keeps_sdpa_off_the_measured_cases():
+    assert choose_kernel(device=torch.device("cuda"), dtype=torch.float32, dropout=True) == "sdpa"
+    assert choose_kernel(device=CPU, dtype=torch.bfloat16, dropout=True) == "sdpa"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert choose_kernel(device=CPU, dtype=torch.float32, dropout=True) == "sdpa"
+
+
+def test_attend_follows_the_rule():
+    # Under one seed the two kernels draw different dropout masks: attend's output tells
+    # which one ran. Without dropout the rule's SDPA gives SDPA's output bit for bit.
+    q, k, v = qkv(torch.float32)
+    picked = seeded(5, attend, q, k, v, dropout_p=0.1)
+    assert torch.equal(picked, seeded(5, explicit, q, k, v, dropout_p=0.1))
+    assert torch.equal(attend(q, k, v), dot_product_attention(q, k, v, kernel="sdpa"))
