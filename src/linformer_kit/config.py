@@ -91,7 +91,7 @@ class LinformerConfig:
         default=0.1, metadata={"help": "dropout on embeddings and on each sub-layer's output"}
     )
     attention_dropout: float = field(
-        default=0.1, metadata={"help": "dropout on the attention weights (applied once, in the attention kernel)"}
+        default=0.1, metadata={"help": "dropout on the attention weights (once, in the kernel)"}
     )
     layer_norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of every LayerNorm"})
     init_std: float = field(
