@@ -308,12 +308,14 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        stop_at_eos: bool = True,
     ) -> Tensor:
         """Decodes a target for each source token by token: the encoder runs once, every
         layer projects the memory once, and each new token continues the decoder's states.
 
-        A row that has produced `eos_token_id` is filled with the decoder's pad token after
-        it; generation stops early once every row has. Call `eval()` first.
+        With `stop_at_eos`, a row that has produced `eos_token_id` is filled with the
+        decoder's pad token after it, and generation stops once every row has. Call `eval()`
+        first.
 
         Args:
             input_ids: (B, N) source ids (padded where `key_padding_mask` is False).
@@ -323,6 +325,7 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
             temperature: softmax temperature; 0 picks the most likely token (greedy).
             top_k: sample from the k most likely tokens only (None: all).
             generator: random generator for reproducible sampling.
+            stop_at_eos: end rows at the end token (False: always max_new_tokens tokens).
 
         Returns:
             (B, 1 + T), T <= max_new_tokens: the start token, then the generated tokens.
@@ -347,7 +350,7 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
             new = LinformerForCausalLM.sample(logits[:, -1].float(), temperature, top_k, generator)
             new = new.masked_fill(done, self.config.decoder.pad_token_id)[:, None]  # (B, 1)
             tokens = torch.cat([tokens, new], 1)
-            done |= new[:, 0] == self.config.eos_token_id
+            done |= stop_at_eos & (new[:, 0] == self.config.eos_token_id)
             if done.all():
                 break
         return tokens
