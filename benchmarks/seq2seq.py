@@ -160,9 +160,9 @@ def task(steps: int, runs: Path) -> None:
     from linformer_kit.training.seq2seq import evaluate_seq2seq
 
     flags = {
-        "--task": "docstrings", "--max-source-len": "1024", "--max-target-len": "48",
+        "--task": "docstrings", "--max-source-len": "512", "--max-target-len": "48",
         "--dim": "128", "--depth": "2", "--decoder-depth": "2", "--num-heads": "4",
-        "--max-steps": str(steps), "--batch-size": "16", "--lr": "1e-3", "--warmup-steps": "50",
+        "--max-steps": str(steps), "--batch-size": "8", "--lr": "1e-3", "--warmup-steps": "30",
         "--eval-every": str(max(1, steps // 4)), "--eval-batches": "8", "--threads": "1",
         "--save-every": str(steps),
     }  # fmt: skip

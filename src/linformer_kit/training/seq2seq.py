@@ -5,7 +5,6 @@ the train / evaluate entry points over the shared Trainer (checkpoints, resume, 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from .batches import RowSchedule
 from .distributed import resolve_device, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .rouge import rouge_l, words
-from .settings import RUN_CONFIG_NAME, TrainSettings, _build, save_json, use_threads
+from .settings import RunConfig, TrainSettings, _build, use_threads
 
 DEFAULT_OUTPUT = "runs/seq2seq"
 SPLITS = ("val", "test")
@@ -88,8 +87,9 @@ class Seq2SeqModelSettings:
 
 
 @dataclass(kw_only=True)
-class Seq2SeqRunConfig:
-    """Everything a seq2seq run needs; saved as run_config.json beside its checkpoints."""
+class Seq2SeqRunConfig(RunConfig):
+    """Everything a seq2seq run needs; saved as run_config.json beside its checkpoints
+    (`save` and `load` as for pretraining runs)."""
 
     model: Seq2SeqModelSettings
     train: TrainSettings
@@ -115,25 +115,6 @@ class Seq2SeqRunConfig:
             train=_build(TrainSettings, {"output_dir": DEFAULT_OUTPUT, **data.get("train", {})}),
             data=_build(Seq2SeqDataSettings, data.get("data", {})),
         )
-
-    def save(self, path: Path) -> None:
-        """Writes the JSON form to `path`."""
-        save_json(self.to_dict(), path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> Seq2SeqRunConfig:
-        """Reads a run_config.json (or the one in a run or checkpoint directory).
-
-        Raises:
-            FileNotFoundError / ValueError: if it is missing or malformed.
-        """
-        file = Path(path) / RUN_CONFIG_NAME if Path(path).is_dir() else Path(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"no {RUN_CONFIG_NAME} at {file}: not a seq2seq run")
-        try:
-            return cls.from_dict(json.loads(file.read_text()))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
 
 
 @dataclass
