@@ -73,7 +73,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    actions = parser.add_subparsers(dest="action", required=True)
+    actions = parser.add_subparsers(
+        dest="action", required=True, help="train: a model; evaluate: a checkpoint"
+    )
     train = actions.add_parser("train", help="train (or --resume) an encoder-decoder")
     train.add_argument(
         "--config", default="", help="a run_config.json (or run directory) to start from"
