@@ -9,6 +9,7 @@ from .config import (
     linformer_tiny,
     proj_dim_schedule,
 )
+from .cross_attention import LinformerCrossAttention, MemoryCache, cross_attention
 from .encoder import FeedForward, LinformerEncoder, LinformerEncoderLayer
 from .functional import causal_attention, exact_attention, linformer_attention
 from .models import (
@@ -29,6 +30,14 @@ from .projection import (
     build_projection,
     count_projection_matrices,
 )
+from .seq2seq import (
+    DecoderLayerState,
+    LinformerDecoder,
+    LinformerDecoderLayer,
+    LinformerForSeq2SeqLM,
+    Seq2SeqLMOutput,
+)
+from .seq2seq_config import Seq2SeqConfig
 
 __version__ = "0.1.0"
 
@@ -37,13 +46,18 @@ __all__ = [
     "BlockProjection",
     "CausalLMOutput",
     "CausalState",
+    "DecoderLayerState",
     "ExactProjection",
     "FeedForward",
     "LinformerConfig",
+    "LinformerCrossAttention",
+    "LinformerDecoder",
+    "LinformerDecoderLayer",
     "LinformerEncoder",
     "LinformerEncoderLayer",
     "LinformerForCausalLM",
     "LinformerForMaskedLM",
+    "LinformerForSeq2SeqLM",
     "LinformerForSequenceClassification",
     "LinformerModel",
     "LinformerOutput",
@@ -51,6 +65,9 @@ __all__ = [
     "LinformerSelfAttention",
     "MaskedLMOutput",
     "MatrixProjection",
+    "MemoryCache",
+    "Seq2SeqConfig",
+    "Seq2SeqLMOutput",
     "SequenceClassifierOutput",
     "SequenceProjection",
     "__version__",
@@ -58,6 +75,7 @@ __all__ = [
     "build_projection",
     "causal_attention",
     "count_projection_matrices",
+    "cross_attention",
     "exact_attention",
     "linformer_attention",
     "linformer_base",

@@ -148,16 +148,25 @@ class LinformerSelfAttention(nn.Module):
             return self._merge(self._causal(x, q, key_padding_mask, state, dropout_p)), None
         if state is not None:
             raise ValueError("a generation state needs causal attention (causal=True)")
+        k, v, kv_mask = self.keys_values(x, key_padding_mask)
+        out = attend(q, k, v, kv_mask, dropout_p)  # (B, H, N, D)
+        return self._merge(out), (attention_weights(q, k, kv_mask) if return_attention else None)
+
+    def keys_values(
+        self, x: Tensor, key_padding_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The projected keys and values of `x` (B, N, dim), each (B, H, M, D), and the mask
+        of the M rows that may be attended to (None when all may)."""
+        batch, seq_len, _ = x.shape
         if self.projects_input_first(seq_len):
             k, v, kv_mask = self._project_then_map(x, key_padding_mask)
         else:
-            k = self.to_k(x).view(batch, seq_len, heads, head_dim)  # (B, N, H, D)
-            v = self.to_v(x).view(batch, seq_len, heads, head_dim)
+            shape = (batch, seq_len, self.num_heads, self.head_dim)
+            k = self.to_k(x).view(shape)  # (B, N, H, D)
+            v = self.to_v(x).view(shape)
             k, kv_mask = self.proj_k(k, key_padding_mask)  # (B, M, H, D)
             v, _ = self.proj_v(v, key_padding_mask)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, H, M, D)
-        out = attend(q, k, v, kv_mask, dropout_p)  # (B, H, N, D)
-        return self._merge(out), (attention_weights(q, k, kv_mask) if return_attention else None)
+        return k.transpose(1, 2), v.transpose(1, 2), kv_mask  # (B, H, M, D)
 
     def _merge(self, out: Tensor) -> Tensor:
         """Joins the heads and applies the output layer: (B, H, N, D) -> (B, N, dim)."""

@@ -27,6 +27,27 @@ class CausalLMOutput:
 torch.export.register_dataclass(CausalLMOutput)
 
 
+def next_token_loss(logits: Tensor, labels: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """Cross-entropy of the logits at position i against the label at i + 1.
+
+    Args:
+        logits: (B, N, vocab_size).
+        labels: (B, N), usually the input ids; label -100 is skipped.
+        key_padding_mask: optional bool (B, N); a pair where either position is padding is
+            skipped.
+
+    Returns:
+        The mean over the scored pairs, in float32.
+    """
+    # Labels shifted left instead of logits shifted right: slicing the (B, N, V) logits
+    # would copy them (and zero-fill a gradient as large) every step.
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, N): the token after each position
+    if key_padding_mask is not None:
+        real = F.pad(key_padding_mask[:, 1:] & key_padding_mask[:, :-1], (0, 1))
+        targets = targets.masked_fill(~real, -100)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
 class LinformerForCausalLM(LinformerPreTrainedModel):
     """Causal backbone + LM head tied to the token embeddings (logits = h E_tok^T).
 
@@ -70,17 +91,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
             input_ids, key_padding_mask, output_hidden_states=output_hidden_states, states=states
         )
         logits = F.linear(out.last_hidden_state, self.linformer.embeddings.tokens.weight)
-        loss = None
-        if labels is not None:
-            # Labels shifted left instead of logits shifted right: slicing the (B, N, V)
-            # logits would copy them (and zero-fill a gradient as large) every step.
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, N): the token after each
-            if key_padding_mask is not None:
-                real = F.pad(key_padding_mask[:, 1:] & key_padding_mask[:, :-1], (0, 1))
-                targets = targets.masked_fill(~real, -100)
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100
-            )
+        loss = None if labels is None else next_token_loss(logits, labels, key_padding_mask)
         return CausalLMOutput(loss, logits, out.last_hidden_state, out.hidden_states)
 
     def init_states(self) -> list[CausalState]:

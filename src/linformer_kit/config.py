@@ -248,11 +248,16 @@ class LinformerConfig:
         Raises:
             ValueError: if the dict holds a key that is not a config field.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown LinformerConfig fields {unknown}; known: {sorted(known)}")
+        check_fields(cls, data)
         return cls(**data)
+
+
+def check_fields(cls: type, data: dict[str, Any]) -> None:
+    """Raises a ValueError if `data` holds a key that is not a field of dataclass `cls`."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}; known: {sorted(known)}")
 
 
 def proj_dim_schedule(first: int, last: int, depth: int, multiple_of: int = 1) -> list[int]:

@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import LinformerConfig
+from .seq2seq_config import config_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,8 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """Reads a saved model's `config.json`.
 
     Returns:
-        A dict with `architecture`, `config` (a LinformerConfig) and `model_kwargs`.
+        A dict with `architecture`, `config` (a LinformerConfig, or a Seq2SeqConfig) and
+        `model_kwargs`.
 
     Raises:
         FileNotFoundError: if the directory or its config.json is missing.
@@ -213,7 +214,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         )
     try:
         meta = json.loads(file.read_text())
-        config = LinformerConfig.from_dict(meta["config"])
+        config = config_from_dict(meta["config"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{file} is corrupt or not a linformer-kit config: {err}") from err
     return {

@@ -123,6 +123,24 @@ class LinformerEmbeddings(nn.Module):
         return self.dropout(x)
 
 
+def causal_position_ids(
+    input_ids: Tensor, key_padding_mask: Tensor | None, start: int = 0
+) -> Tensor | None:
+    """The positions of a causal model's tokens, when not simply 0..N-1: `start` onwards
+    after `start` generated positions, or numbered over the real tokens only (so left
+    padding changes no real output).
+
+    Returns:
+        (1, N) or (B, N) position ids, or None for 0..N-1.
+    """
+    seq_len = input_ids.shape[1]
+    if start:
+        return torch.arange(start, start + seq_len, device=input_ids.device)[None]
+    if key_padding_mask is not None:
+        return (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, N)
+    return None
+
+
 class LinformerPooler(nn.Module):
     """BERT's pooler: dense + tanh on the first token, (B, N, dim) -> (B, dim)."""
 
@@ -252,14 +270,11 @@ class LinformerModel(LinformerPreTrainedModel):
             raise ValueError(
                 f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}"
             )
-        seq_len = input_ids.shape[1]
         start = states[0].length if states else 0
-        check_seq_len(start + seq_len, self.config.max_seq_len)
-        position_ids = None
-        if start:
-            position_ids = torch.arange(start, start + seq_len, device=input_ids.device)[None]
-        elif self.config.causal and key_padding_mask is not None:
-            position_ids = (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, N)
+        check_seq_len(start + input_ids.shape[1], self.config.max_seq_len)
+        position_ids = (
+            causal_position_ids(input_ids, key_padding_mask, start) if self.config.causal else None
+        )
         x = self.embeddings(input_ids, token_type_ids, position_ids)
         last, hidden, attentions = self.encoder(
             x, key_padding_mask, output_hidden_states, output_attentions, states

@@ -1,4 +1,5 @@
-"""`linformer generate CKPT --prompt TEXT`: continue a text with a causal-LM checkpoint."""
+"""`linformer generate CKPT --prompt TEXT`: continue a text with a causal-LM checkpoint, or
+decode a target for it (the source) with a seq2seq checkpoint."""
 
 from __future__ import annotations
 
@@ -6,33 +7,52 @@ import argparse
 
 import torch
 
+from .. import hub
 from ..causal_lm import LinformerForCausalLM
 from ..data.tokenizer import load_tokenizer
+from ..seq2seq import LinformerForSeq2SeqLM
 from .overrides import exit_on_user_error
 
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
-    model = LinformerForCausalLM.from_pretrained(args.checkpoint).eval()
+    seq2seq = hub.read_config(args.checkpoint)["architecture"] == LinformerForSeq2SeqLM.__name__
+    model = (LinformerForSeq2SeqLM if seq2seq else LinformerForCausalLM).from_pretrained(
+        args.checkpoint
+    )
     tokenizer = load_tokenizer(args.checkpoint)
     ids = tokenizer.encode_batch([args.prompt])[0]
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give some text")
-    tokens = model.generate(
-        torch.tensor([ids]),
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        generator=torch.Generator().manual_seed(args.seed),
+    tokens = (
+        model.eval()
+        .generate(
+            torch.tensor([ids]),
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            generator=torch.Generator().manual_seed(args.seed),
+        )[0]
+        .tolist()
     )
-    print(tokenizer.tokenizer.decode(tokens[0].tolist()))
+    if seq2seq:  # the target alone: after the start token, up to the end token
+        tokens = tokens[1:]
+        eos = model.config.eos_token_id
+        tokens = tokens[: tokens.index(eos)] if eos in tokens else tokens
+    print(tokenizer.tokenizer.decode(tokens))
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Adds the `generate` subcommand."""
-    parser = commands.add_parser("generate", help="continue a prompt with a causal-LM checkpoint")
-    parser.add_argument("checkpoint", help="a LinformerForCausalLM directory with tokenizer.json")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser = commands.add_parser(
+        "generate", help="continue a prompt (causal LM) or decode a target for it (seq2seq)"
+    )
+    parser.add_argument(
+        "checkpoint", help="a causal-LM or seq2seq checkpoint directory with tokenizer.json"
+    )
+    parser.add_argument(
+        "--prompt", required=True, help="the text to continue, or the seq2seq source"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add")
     parser.add_argument(
         "--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy"

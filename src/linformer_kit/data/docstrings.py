@@ -1,0 +1,123 @@
+"""A real offline seq2seq task: Python function bodies -> their docstring summaries, extracted
+with `ast` from the running Python's standard library (present on every machine).
+
+Every function or method with a docstring gives one pair: the source is its code with the
+docstring removed (signature and body, dedented), the target the docstring's first
+paragraph on one line. The split is by file (a module's functions all land in one split,
+so near-duplicate neighbours never straddle train and test), shuffled by a seed.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..hub import atomic_write
+from .cache import cache_key, default_cache_dir
+from .corpus import STDLIB, fingerprint, list_files, read_text, stdlib_root
+
+logger = logging.getLogger(__name__)
+
+MIN_SUMMARY_WORDS = 3  # "Return x." and shorter say too little to score
+
+
+@dataclass(frozen=True)
+class CodeDoc:
+    """One function: where it is (`path:line`), its code without the docstring, the summary."""
+
+    where: str
+    code: str
+    summary: str
+
+
+def summary_of(docstring: str) -> str:
+    """The first paragraph of a (cleaned) docstring, its lines joined by single spaces."""
+    return " ".join(docstring.strip().split("\n\n")[0].split())
+
+
+def function_pairs(text: str, where: str) -> list[CodeDoc]:
+    """The (code, summary) pairs of every documented function in one module's source.
+
+    Functions whose body is only the docstring (and `pass` / `...`) are left out: there is
+    nothing to describe. A file that does not parse gives none.
+    """
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    pairs = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        docstring = ast.get_docstring(node)
+        rest = node.body[1:]
+        if docstring is None or all(
+            isinstance(s, ast.Pass)
+            or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+            for s in rest
+        ):
+            continue
+        summary = summary_of(docstring)
+        if len(summary.split()) < MIN_SUMMARY_WORDS:
+            continue
+        doc = node.body[0]
+        kept = lines[node.lineno - 1 : doc.lineno - 1] + lines[doc.end_lineno : node.end_lineno]
+        code = textwrap.dedent("\n".join(kept)).strip()
+        pairs.append(CodeDoc(f"{where}:{node.lineno}", code, summary))
+    return pairs
+
+
+def extract_stdlib_pairs(cache_dir: str | Path | None = None) -> list[CodeDoc]:
+    """Every documented function of the standard library, in file and line order; cached as
+    JSONL (keyed by the stdlib files' paths, sizes and times), so later runs skip parsing."""
+    key = cache_key("docstrings", fingerprint([STDLIB], "", ""), MIN_SUMMARY_WORDS)
+    path = Path(cache_dir or default_cache_dir()) / f"docstrings-{key}.jsonl"
+    if path.is_file():
+        return [CodeDoc(**json.loads(line)) for line in path.read_text().splitlines()]
+    root = stdlib_root()
+    pairs = []
+    for file in tqdm(list_files(STDLIB, ""), desc="parsing the stdlib", leave=False):
+        try:
+            text = read_text(file)
+        except ValueError:  # the stdlib's few empty or non-UTF-8 files
+            continue
+        pairs += function_pairs(text, str(file.relative_to(root)))
+    text = "".join(json.dumps(vars(p)) + "\n" for p in pairs)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    logger.info("extracted %d documented functions from %s", len(pairs), root)
+    return pairs
+
+
+def split_by_file(
+    pairs: list[CodeDoc], seed: int, val_fraction: float, test_fraction: float
+) -> dict[str, list[CodeDoc]]:
+    """Train / val / test: the files shuffled by `seed`, then cut by the share of files.
+
+    Raises:
+        ValueError: if the fractions leave no file for training.
+    """
+    if not (0 < val_fraction and 0 < test_fraction and val_fraction + test_fraction < 1):
+        raise ValueError(
+            f"need val_fraction > 0, test_fraction > 0 and their sum < 1; got {val_fraction} "
+            f"and {test_fraction}"
+        )
+    files = sorted({p.where.rsplit(":", 1)[0] for p in pairs})
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
+    num_val, num_test = round(len(files) * val_fraction), round(len(files) * test_fraction)
+    split_of = {}
+    for rank, index in enumerate(order):
+        split_of[files[index]] = (
+            "val" if rank < num_val else "test" if rank < num_val + num_test else "train"
+        )
+    splits: dict[str, list[CodeDoc]] = {"train": [], "val": [], "test": []}
+    for pair in pairs:
+        splits[split_of[pair.where.rsplit(":", 1)[0]]].append(pair)
+    return splits

@@ -1,0 +1,180 @@
+"""Seq2seq tasks and commands: ROUGE-L against hand-computed values, docstring extraction and its
+split, exact resume of a seq2seq run, and `linformer seq2seq` / `linformer generate`."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from linformer_kit import hub
+from linformer_kit.cli import main
+from linformer_kit.data.docstrings import CodeDoc, function_pairs, split_by_file
+from linformer_kit.data.seq2seq import Seq2SeqDataSettings, load_seq2seq_data
+from linformer_kit.data.tokenizer import train_tokenizer
+from linformer_kit.training.rouge import lcs_length, rouge_l, words
+from linformer_kit.training.seq2seq import (
+    Seq2SeqModelSettings,
+    Seq2SeqRunConfig,
+    train_seq2seq,
+)
+from linformer_kit.training.settings import TrainSettings
+
+
+def test_rouge_l_matches_hand_computed_values():
+    # LCS "the cat on the mat": 5 of 6 words on each side, so P = R = F = 5/6.
+    cand, ref = words("The cat sat on the mat."), words("the cat was on the mat")
+    assert lcs_length(cand, ref) == 5
+    assert rouge_l(cand, ref) == pytest.approx(5 / 6)
+    # LCS "a c e": P = 3/5, R = 3/3, F = 2 * 0.6 * 1 / 1.6 = 0.75.
+    assert rouge_l(list("abcde"), list("ace")) == pytest.approx(0.75)
+    assert rouge_l(list("ace"), list("abcde")) == pytest.approx(0.75)  # symmetric F1
+    assert rouge_l([], list("abc")) == 0.0 and rouge_l(list("xyz"), list("abc")) == 0.0
+    assert words("Return the N-th item.") == ["return", "the", "n", "th", "item"]
+
+
+SOURCE = textwrap.dedent(
+    '''
+    def area(width, height):
+        """Return the area of a rectangle.
+
+        More words that the summary leaves out.
+        """
+        return width * height
+
+    class Shelf:
+        def add(self, book):
+            """Put a book
+            on the shelf."""
+            self.books.append(book)
+
+        async def fetch(self):
+            """Fetch every book remotely."""
+            return await load()
+
+    def stub():
+        """Nothing to see here at all."""
+        pass
+
+    def terse(x):
+        """Return x."""
+        return x
+    '''
+)
+
+
+def test_function_pairs_drop_the_docstring_and_keep_the_summary():
+    pairs = function_pairs(SOURCE, "shelf.py")
+    assert [p.where for p in pairs] == ["shelf.py:2", "shelf.py:10", "shelf.py:15"]
+    assert pairs[0].code == "def area(width, height):\n    return width * height"
+    assert pairs[0].summary == "Return the area of a rectangle."
+    assert pairs[1].code == "def add(self, book):\n    self.books.append(book)"  # dedented
+    assert pairs[1].summary == "Put a book on the shelf."
+    assert pairs[2].code.startswith("async def fetch(self):\n    return await")
+    assert function_pairs("def broken(:\n", "x.py") == []
+
+
+def test_the_split_is_by_file_and_fixed_by_the_seed():
+    pairs = [
+        CodeDoc(f"m{f}.py:{line}", "code", "a summary here") for f in range(40) for line in (1, 9)
+    ]
+    splits = split_by_file(pairs, seed=3, val_fraction=0.1, test_fraction=0.1)
+    assert [len(splits[s]) for s in ("train", "val", "test")] == [64, 8, 8]
+    files = {s: {p.where.split(":")[0] for p in splits[s]} for s in splits}
+    assert not (files["train"] & files["val"] or files["train"] & files["test"])
+    assert split_by_file(pairs, 3, 0.1, 0.1) == splits
+    assert split_by_file(pairs, 4, 0.1, 0.1) != splits
+    with pytest.raises(ValueError, match="val_fraction > 0, test_fraction > 0 and their sum < 1"):
+        split_by_file(pairs, 3, 0.5, 0.5)
+
+
+def tiny_run(output_dir, steps, resume=False):
+    return Seq2SeqRunConfig(
+        model=Seq2SeqModelSettings(
+            dim=16, depth=1, decoder_depth=1, num_heads=2, proj_dim=4, decoder_proj_dim=3,
+            block_size=2, dropout=0.1,
+        ),
+        train=TrainSettings(
+            output_dir=str(output_dir), max_steps=steps, batch_size=4, eval_every=3,
+            eval_batches=1, save_every=3, warmup_steps=0, schedule="constant", resume=resume,
+            threads=1,
+        ),
+        data=Seq2SeqDataSettings(
+            task="reverse", max_source_len=8, max_target_len=10, num_train=64, num_eval=8,
+            min_len=2, max_len=6, num_symbols=5,
+        ),
+    )  # fmt: skip
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+    # A constant learning rate: a 3-step run and a 6-step run share it up to step 3.
+    train_seq2seq(tiny_run(tmp_path / "straight", 6))
+    train_seq2seq(tiny_run(tmp_path / "resumed", 3))
+    result = train_seq2seq(tiny_run(tmp_path / "resumed", 6, resume=True))
+    assert result.steps == 6 and 0 <= result.final["token_accuracy"] <= 1
+    weights = [hub.read_weights(tmp_path / run / "last") for run in ("straight", "resumed")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_the_commands_train_evaluate_and_refuse_bad_input(tmp_path, capsys):
+    run = tmp_path / "run"
+    main(["seq2seq", "train", "--task", "copy", "--max-source-len", "8", "--max-target-len",
+          "10", "--max-len", "6", "--num-train", "64", "--num-eval", "8", "--dim", "16",
+          "--depth", "1", "--decoder-depth", "1", "--num-heads", "2", "--proj-dim", "4",
+          "--max-steps", "2", "--batch-size", "4", "--eval-every", "2", "--threads", "1",
+          "--output-dir", str(run)])  # fmt: skip
+    assert "token_accuracy" in capsys.readouterr().out
+    saved = json.loads((run / "last" / "run_config.json").read_text())
+    assert saved["data"]["task"] == "copy" and saved["model"]["proj_dim"] == 4
+    main(["seq2seq", "evaluate", str(run / "last"), "--split", "val", "--threads", "1"])
+    table = capsys.readouterr().out
+    assert "rouge_l" in table and "exact_match" in table
+    with pytest.raises(SystemExit) as exit_info:
+        main(["seq2seq", "train", "--task", "poems", "--output-dir", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    assert "task must be one of docstrings, copy, reverse; got 'poems'" in capsys.readouterr().err
+
+
+def test_generate_decodes_a_target_with_a_seq2seq_checkpoint(tmp_path, capsys):
+    from linformer_kit import LinformerConfig, LinformerForSeq2SeqLM, Seq2SeqConfig
+
+    tokenizer = train_tokenizer(["def add(a, b): return a + b", "Add two numbers."] * 20, 300)
+    common = dict(vocab_size=tokenizer.vocab_size, dim=16, num_heads=2, depth=1)
+    config = Seq2SeqConfig(
+        encoder=LinformerConfig(**common, max_seq_len=32, proj_dim=8),
+        decoder=LinformerConfig(**common, max_seq_len=12, proj_dim=None, causal=True),
+        share_embeddings=True,
+        decoder_start_token_id=tokenizer.cls_id,
+        eos_token_id=tokenizer.sep_id,
+    )
+    torch.manual_seed(0)
+    model = LinformerForSeq2SeqLM(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save(tmp_path / "tokenizer.json")
+    prompt = "def add(a, b): return a + b"
+    main(
+        [
+            "generate",
+            str(tmp_path),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ]
+    )
+    tokens = model.generate(torch.tensor([tokenizer.encode_batch([prompt])[0]]), 8, temperature=0)
+    ids = tokens[0, 1:].tolist()
+    ids = ids[: ids.index(tokenizer.sep_id)] if tokenizer.sep_id in ids else ids
+    assert capsys.readouterr().out == tokenizer.tokenizer.decode(ids) + "\n"
+
+
+def test_synthetic_data_settings_check_the_lengths():
+    with pytest.raises(ValueError, match=r"max_len \(40\) must fit both sides"):
+        Seq2SeqDataSettings(task="copy", max_len=40, max_source_len=64, max_target_len=32)
+    data = load_seq2seq_data(Seq2SeqDataSettings(task="reverse", num_train=10, num_eval=4))
+    assert data.vocab_size == 16 + 3 and data.tokenizer is None
+    assert all(t == s[::-1] for s, t in zip(data.train.sources, data.train.targets))
+    assert data.train.sources != data.val.sources != data.test.sources
