@@ -14,7 +14,19 @@ from collections.abc import Sequence
 from .. import __version__
 from ..training.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
 from ..training.loop import TrainingInterrupted
-from . import analysis, bench, convert, demo, distill, evaluate, finetune, generate, lra, pretrain
+from . import (
+    analysis,
+    bench,
+    bench_task,
+    convert,
+    demo,
+    distill,
+    evaluate,
+    finetune,
+    generate,
+    lra,
+    pretrain,
+)
 
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
 SUBCOMMANDS = (
@@ -27,6 +39,7 @@ SUBCOMMANDS = (
     distill,
     analysis,
     bench,
+    bench_task,
     lra,
 )
 
