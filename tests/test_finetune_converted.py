@@ -3,6 +3,7 @@ converted BERT learns a tiny labelled set above chance with the default recipe, 
 truncation is reported in finetune's and evaluate's logs."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -93,12 +94,13 @@ def test_truncation_counts_cut_documents_and_tokens_lost(tmp_path):
 
 
 def test_finetune_and_evaluate_log_the_truncation(converted, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     train = write_lengths(tmp_path / "train.jsonl", [100, 3, 70, 5])
     valid = write_lengths(tmp_path / "valid.jsonl", [80, 4])
     out = tmp_path / "ft"
     main(
         ["finetune", "--init", str(converted), "--data", str(train), "--eval", str(valid)]
-        + ["--max-steps", "1", "--batch-size", "4", "--output-dir", str(out)]
+        + ["--max-steps", "1", "--warmup-steps", "1", "--batch-size", "4", "--output-dir", str(out)]
     )
     # 102, 5, 72 and 7 tokens with [CLS] and [SEP], cut to 64: 38 and 8 lost; 82: 18 lost.
     assert (

@@ -10,6 +10,8 @@ its own (the calibration of a data-driven projection init runs the exact model).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 import multiprocessing
 import re
@@ -127,7 +129,11 @@ def _finetune_and_test(model_dir: Path, run_dir: Path, s: TaskBenchSettings) -> 
 
 
 def _in_fresh_process(function: Any, *args: Any) -> Any:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    """`function(*args)` in a new process, logging at this process's level."""
+    level = logging.getLogger().getEffectiveLevel()
+    context = multiprocessing.get_context("spawn")
+    setup = functools.partial(logging.basicConfig, level=level)
+    with ProcessPoolExecutor(1, context, setup) as pool:
         return pool.submit(function, *args).result()
 
 
