@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import multiprocessing
@@ -30,6 +31,8 @@ from ..training.finetune import FinetuneSettings, finetune, finetune_train_setti
 from ..training.settings import save_json
 from .convert import convert_to_dir
 from .report import minilm_path
+
+logger = logging.getLogger(__name__)
 
 _VARIANT = re.compile(r"(exact|k(\d+))@(\d+)")
 
@@ -185,16 +188,31 @@ def _variant_row(
         **row,
         "convert_s": convert_s,
         "wall_s": time.perf_counter() - start,
+        "load_avg_after": machine()["load_avg_1_5_15min"],  # other jobs skew the timings
     }
+
+
+def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:
+    """Rows of an earlier OUT.json with the same settings bar the variants, by variant."""
+    path = Path(s.out).with_suffix(".json")
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    same = {k: v for k, v in earlier["settings"].items() if k != "variants"}
+    if same != {k: v for k, v in dataclasses.asdict(s).items() if k != "variants"}:
+        return {}
+    return {row["variant"]: row for row in earlier["rows"]}
 
 
 def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
     """Runs every variant and the TF-IDF baseline; writes OUT.json, OUT.md and OUT.png after
-    each (a run cut short keeps what it measured).
+    each. Variants already in an OUT.json of the same settings are kept, not run again (a run
+    cut short, or a variant added later, continues).
 
     Returns:
         The report: settings, machine, one row per variant plus the baseline.
     """
+    earlier = _earlier_rows(s)
     report: dict[str, Any] = {
         "settings": dataclasses.asdict(s),
         "machine": machine(),
@@ -202,9 +220,14 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
     }
     write_task_report(report, Path(s.out))
     for name, proj_dim, max_seq_len in parse_variants(s.variants):
+        if name in earlier:
+            logger.info("%s: kept from the earlier %s.json", name, s.out)
+            report["rows"].append(earlier[name])
+            continue
         report["rows"].append(_variant_row(name, proj_dim, max_seq_len, s))
         report["machine_after"] = machine()
         write_task_report(report, Path(s.out))
+    write_task_report(report, Path(s.out))
     return report
 
 
