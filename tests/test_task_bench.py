@@ -1,6 +1,7 @@
 """`linformer bench-task`: variant names, the Markdown table, bad settings as usage errors,
 and (slow) a whole run on a tiny converted BERT."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,12 @@ from hf_helpers import write_tiny_bert
 from train_helpers import write_classification
 
 from linformer_kit.cli import main
-from linformer_kit.interop.task_bench import TaskBenchSettings, markdown_table, parse_variants
+from linformer_kit.interop.task_bench import (
+    TaskBenchSettings,
+    markdown_table,
+    parse_variants,
+    run_task_bench,
+)
 
 
 def test_variants_parse_and_malformed_ones_are_named():
@@ -61,3 +67,24 @@ def test_a_tiny_run_writes_json_table_and_plot(tmp_path, capsys):
         assert 0 <= row["test_acc"] <= 1 and row["peak_mem_mb"] > 0 and row["steps"] == 3
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| exact, n=64 |" in out.with_suffix(".md").read_text()
+
+
+def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
+    pytest.importorskip("sklearn")
+    files = {
+        name: str(write_classification(tmp_path / f"{name}.jsonl", 12, seed=seed))
+        for name, seed in (("train", 0), ("val", 1), ("test", 2))
+    }
+    out = tmp_path / "report"
+    settings = TaskBenchSettings(**files, variants="exact@64", out=str(out))
+    earlier = {"variant": "exact@64", "model": "exact, n=64", "test_acc": 0.25}
+    earlier |= {"s_per_step": 0.1, "peak_mem_mb": 300.0, "train_s": 1.0, "wall_s": 9.0}
+    out.with_suffix(".json").write_text(
+        json.dumps({"settings": dataclasses.asdict(settings), "rows": [earlier]})
+    )
+    report = run_task_bench(settings)  # nothing to convert or train: the row is kept
+    assert [row["variant"] for row in report["rows"]] == ["tfidf", "exact@64"]
+    assert report["rows"][1] == earlier
+    changed = dataclasses.replace(settings, batch_size=3)
+    with pytest.raises(FileNotFoundError):  # other settings: run again (no such model dir)
+        run_task_bench(dataclasses.replace(changed, source=str(tmp_path / "missing")))
