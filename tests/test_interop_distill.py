@@ -1,18 +1,16 @@
 """`linformer distill`: distillation recovers the exact teacher's outputs, trains only what it
 is asked to, saves a loadable student, and refuses bad inputs clearly. Runs on a tiny
-BERT-shaped Hugging Face directory written here (with MiniLM's tokenizer)."""
+BERT-shaped Hugging Face directory (hf_helpers.py, with MiniLM's tokenizer)."""
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from hf_helpers import N, write_tiny_bert
 
 from linformer_kit import LinformerModel
 from linformer_kit.cli import main
-from linformer_kit.interop import convert_hf_model, linformer_config_from_hf
-from linformer_kit.interop.bert import EMBEDDING_NAMES, LAYER_NAMES
+from linformer_kit.interop import convert_hf_model
 from linformer_kit.interop.distill import (
     DistillData,
     DistillSettings,
@@ -22,45 +20,10 @@ from linformer_kit.interop.distill import (
     distillation_files,
 )
 from linformer_kit.interop.distill_report import distillation_report, plot_curves
-from linformer_kit.interop.report import minilm_path, stdlib_files, text_windows
+from linformer_kit.interop.report import stdlib_files, text_windows
 
-N, K = 64, 8
+K = 8
 SMALL = DistillData(texts=8, per_file=2, heldout_texts=4, calibration_texts=2)
-
-
-def write_tiny_bert(path, *, hidden_size=32, seed=0):
-    """A random 2-layer BERT directory (config.json, model.safetensors, tokenizer.json) whose
-    attention weights are scaled up: peaked attention that moves the outputs, as in a trained
-    model (at the default init scale a Linformer of it is already almost exact)."""
-    hf = {
-        "model_type": "bert",
-        "vocab_size": 30522,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "intermediate_size": 2 * hidden_size,
-        "max_position_embeddings": N,
-        "type_vocab_size": 2,
-    }
-    torch.manual_seed(seed)
-    model = LinformerModel(linformer_config_from_hf(hf, proj_dim=None))
-    to_hf = {mine: theirs for theirs, mine in EMBEDDING_NAMES.items() if "pooler" not in theirs}
-    to_hf |= {mine: theirs for theirs, mine in LAYER_NAMES.items()}
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        module, _, param = name.rpartition(".")
-        if module.startswith("encoder.layers."):
-            _, _, index, inner = module.split(".", 3)
-            scale = 20.0 if inner.startswith("attn.to_") else 1.0
-            key = f"bert.encoder.layer.{index}.{to_hf[inner]}.{param}"
-            tensors[key] = (tensor * scale).contiguous()
-        else:
-            tensors[f"bert.{to_hf[module]}.{param}"] = tensor.contiguous()
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf))
-    save_file(tensors, str(path / "model.safetensors"))
-    shutil.copy(minilm_path() / "tokenizer.json", path / "tokenizer.json")
-    return path
 
 
 @pytest.fixture(scope="module")

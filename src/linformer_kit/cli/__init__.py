@@ -17,6 +17,7 @@ from ..training.loop import TrainingInterrupted
 from . import (
     analysis,
     bench,
+    bench_task,
     convert,
     demo,
     distill,
@@ -39,6 +40,7 @@ SUBCOMMANDS = (
     distill,
     analysis,
     bench,
+    bench_task,
     lra,
     seq2seq,
 )

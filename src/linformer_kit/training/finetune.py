@@ -17,11 +17,25 @@ from ..data.classification import load_classification
 from ..data.tokenizer import load_tokenizer
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
+from .checkpoint import latest_checkpoint
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
+from .probe import init_head_from_probe
 from .settings import TrainSettings, save_json
 
 logger = logging.getLogger(__name__)
+
+HEAD_INITS = ("probe", "random")
+# Fine-tuning's own recipe where it differs from pretraining's: a pretrained backbone takes
+# BERT's fine-tuning learning rate (Devlin et al.: 2e-5 to 5e-5), not a from-scratch one;
+# max_steps is sized from the epochs.
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "output_dir": "runs/finetune",
+    "lr": 5e-5,
+    "warmup_steps": 10,
+    "batch_size": 16,
+    "max_steps": 1,
+}
 
 
 @dataclass(kw_only=True)
@@ -45,7 +59,20 @@ class FinetuneSettings:
         default=0, metadata={"help": "validate and checkpoint every N steps (0 = every epoch)"}
     )
     num_labels: int = field(default=0, metadata={"help": "classes (0 = max label + 1)"})
-    pooling: str = field(default="cls", metadata={"help": "cls or mean"})
+    pooling: str = field(
+        default="mean",
+        metadata={
+            "help": "mean (over real tokens; a masked-LM or sentence-embedding backbone never "
+            "trained its first token for classification) or cls"
+        },
+    )
+    head_init: str = field(
+        default="probe",
+        metadata={
+            "help": "probe (the output layer fitted on the frozen backbone's features first, "
+            "LP-FT) or random"
+        },
+    )
     text_field: str = field(default="text", metadata={"help": "JSONL text field"})
     label_field: str = field(default="label", metadata={"help": "JSONL label field"})
     max_seq_len: int = field(
@@ -61,6 +88,10 @@ class FinetuneSettings:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.num_labels == 1:
             raise ValueError("num_labels must be at least 2 (or 0: max label + 1), got 1")
+        if self.head_init not in HEAD_INITS:
+            raise ValueError(
+                f"head_init must be one of {', '.join(HEAD_INITS)}; got {self.head_init!r}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -82,6 +113,11 @@ class FinetuneRunConfig:
     def save(self, path: Path) -> None:
         """Writes the JSON form to `path`."""
         save_json(self.to_dict(), path)
+
+
+def finetune_train_settings(**overrides: Any) -> TrainSettings:
+    """Fine-tuning's TrainSettings: TRAIN_DEFAULTS, then `overrides`."""
+    return TrainSettings(**{**TRAIN_DEFAULTS, **overrides})
 
 
 def _sequence_length(settings: FinetuneSettings, model_len: int) -> int:
@@ -140,6 +176,8 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         label2id=train_data.label2id or {},
         **fields,
     )
+    for data in (train_data, eval_data):
+        logger.info(data.describe_truncation(max_len))
     dist = setup_distributed(train.device)
     try:
         train = _sized(settings, train, len(train_data), dist.world_size)
@@ -149,7 +187,11 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             num_labels=num_labels,
             pooling=settings.pooling,
             config_overrides=train_data.label_config(),
-        )
+        ).to(dist.device)
+        # A folder with checkpoints is resumed (its head loaded) or refused by the Trainer.
+        fresh = latest_checkpoint(Path(train.output_dir)) is None
+        if settings.head_init == "probe" and fresh:
+            init_head_from_probe(model, train_data, tokenizer.pad_id, train.batch_size, dist.device)
         schedule = RowSchedule(
             len(train_data), train.batch_size, train.grad_accum_steps, dist.world_size, train.seed
         )

@@ -1,0 +1,291 @@
+"""Downstream accuracy of a converted model on a labelled long-document corpus: variants of one
+pretrained Hugging Face model (exact truncated to its positions, Linformer at a longer length,
+exact extended to it), each converted, fine-tuned with the same budget and scored on the test
+file, beside a TF-IDF (1-2-grams) + logistic-regression baseline on the same split.
+
+Each variant converts in one fresh process and fine-tunes in another, so its peak memory is
+its own (the calibration of a data-driven projection init runs the exact model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import multiprocessing
+import re
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import hub
+from ..data.classification import load_classification, read_labelled
+from ..data.tokenizer import load_tokenizer
+from ..training.compare import machine
+from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
+from ..training.finetune import FinetuneSettings, finetune, finetune_train_settings
+from ..training.settings import save_json
+from .convert import convert_to_dir
+from .report import minilm_path
+
+logger = logging.getLogger(__name__)
+
+_VARIANT = re.compile(r"(exact|k(\d+))@(\d+)")
+
+
+@dataclass(kw_only=True)
+class TaskBenchSettings:
+    """The corpus, the variants and the fine-tuning budget every variant gets."""
+
+    train: str = field(default="", metadata={"help": "training JSONL or CSV", "required": True})
+    val: str = field(default="", metadata={"help": "validation JSONL or CSV", "required": True})
+    test: str = field(default="", metadata={"help": "test JSONL or CSV", "required": True})
+    source: str = field(
+        default="", metadata={"help": "Hugging Face model dir (default: all-MiniLM-L6-v2)"}
+    )
+    variants: str = field(
+        default="exact@512,k256@2048,k128@2048,exact@2048",
+        metadata={"help": "comma-separated exact@N or kK@N (N: max_seq_len, K: proj_dim)"},
+    )
+    epochs: int = field(default=1, metadata={"help": "passes over the training set"})
+    batch_size: int = field(default=8, metadata={"help": "sequences per step"})
+    lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = finetune's)"})
+    calibration_texts: int = field(
+        default=8, metadata={"help": "stdlib windows for the projection init"}
+    )
+    threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
+    seed: int = field(default=0, metadata={"help": "seed of conversion and fine-tuning"})
+    work_dir: str = field(default="runs/bench_task", metadata={"help": "models and runs"})
+    out: str = field(
+        default="benchmarks/longdoc/report", metadata={"help": "writes OUT.json, .md, .png"}
+    )
+
+    def __post_init__(self) -> None:
+        parse_variants(self.variants)
+        for name in ("epochs", "batch_size", "calibration_texts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def parse_variants(spec: str) -> list[tuple[str, int | None, int]]:
+    """`exact@512,k256@2048` -> [(name, proj_dim or None, max_seq_len), ...].
+
+    Raises:
+        ValueError: naming the first malformed variant.
+    """
+    variants = []
+    for name in (part.strip() for part in spec.split(",")):
+        match = _VARIANT.fullmatch(name)
+        if match is None:
+            raise ValueError(f"variant {name!r} is not exact@N or kK@N (e.g. exact@512, k256@2048)")
+        proj_dim = int(match.group(2)) if match.group(2) else None
+        variants.append((name, proj_dim, int(match.group(3))))
+    return variants
+
+
+def _convert(
+    source: str, out: Path, proj_dim: int | None, max_seq_len: int, s: TaskBenchSettings
+) -> None:
+    convert_to_dir(
+        source,
+        out,
+        proj_dim=proj_dim,
+        max_seq_len=max_seq_len,
+        calibration_texts=s.calibration_texts,
+        seed=s.seed,
+    )
+
+
+def _finetune_and_test(model_dir: Path, run_dir: Path, s: TaskBenchSettings) -> dict[str, Any]:
+    """Fine-tunes the converted model (finetune's defaults, the bench's budget), then scores
+    its best checkpoint on the test file."""
+    steps = math.ceil(len(read_labelled(s.train)[0]) / s.batch_size) * s.epochs
+    overrides: dict[str, Any] = {"output_dir": str(run_dir), "batch_size": s.batch_size}
+    overrides["warmup_steps"] = max(1, steps // 10)  # 10% of the run, however short
+    overrides |= {"threads": s.threads, "seed": s.seed} | ({"lr": s.lr} if s.lr else {})
+    train = finetune_train_settings(**overrides)
+    settings = FinetuneSettings(init=str(model_dir), data=s.train, eval=s.val, epochs=s.epochs)
+    result = finetune(settings, train)
+    peak = result.peak_mem_mb  # training's peak, before the test pass
+    test = evaluate_checkpoint(
+        run_dir / "best",
+        EvaluateSettings(data=[s.test], batch_size=s.batch_size, threads=s.threads),
+    )[s.test]
+    max_len = hub.read_config(model_dir)["config"].max_seq_len
+    cut = load_classification(s.test, load_tokenizer(model_dir), max_seq_len=max_len).truncation()
+    return {
+        "test_acc": test["accuracy"],
+        "test_f1": test["f1"],
+        "val_acc": result.final.get("accuracy"),
+        "steps": result.steps,
+        "s_per_step": result.sec_per_step,
+        "peak_mem_mb": peak,
+        "train_s": max(r["train_s"] for r in result.records),
+        "test_docs_cut": cut["cut"],
+        "test_tokens_lost_mean": cut["tokens_lost_mean"],
+    }
+
+
+def _in_fresh_process(function: Any, *args: Any) -> Any:
+    """`function(*args)` in a new process, logging at this process's level."""
+    level = logging.getLogger().getEffectiveLevel()
+    context = multiprocessing.get_context("spawn")
+    setup = functools.partial(logging.basicConfig, level=level)
+    with ProcessPoolExecutor(1, context, setup) as pool:
+        return pool.submit(function, *args).result()
+
+
+def tfidf_baseline(s: TaskBenchSettings) -> dict[str, Any]:
+    """TF-IDF (1-2-grams, sublinear tf) + logistic regression (scikit-learn defaults) fitted
+    on the training file, scored on the test file.
+
+    Raises:
+        ImportError: naming the package when scikit-learn is not installed.
+    """
+    try:
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import LogisticRegression
+    except ImportError as err:
+        raise ImportError(
+            "the TF-IDF baseline needs scikit-learn: pip install 'linformer-kit[task]'"
+        ) from err
+    start = time.perf_counter()
+    train_texts, train_labels, _ = read_labelled(s.train)
+    test_texts, test_labels, _ = read_labelled(s.test)
+    vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2)
+    classifier = LogisticRegression(max_iter=2000)
+    classifier.fit(vectorizer.fit_transform(train_texts), [str(y) for y in train_labels])
+    predicted = classifier.predict(vectorizer.transform(test_texts))
+    correct = sum(p == str(y) for p, y in zip(predicted, test_labels))
+    return {
+        "variant": "tfidf",
+        "model": "TF-IDF 1-2-grams + logistic regression",
+        "test_acc": correct / len(test_labels),
+        "train_s": time.perf_counter() - start,
+    }
+
+
+def _variant_row(
+    name: str, proj_dim: int | None, max_seq_len: int, s: TaskBenchSettings
+) -> dict[str, Any]:
+    """Converts and fine-tunes one variant, each in a fresh process; its report row."""
+    source = s.source or str(minilm_path())
+    folder = Path(s.work_dir) / name
+    start = time.perf_counter()
+    _in_fresh_process(_convert, source, folder / "model", proj_dim, max_seq_len, s)
+    convert_s = time.perf_counter() - start
+    start = time.perf_counter()
+    row = _in_fresh_process(_finetune_and_test, folder / "model", folder / "run", s)
+    kind = "exact" if proj_dim is None else f"Linformer k={proj_dim}"
+    return {
+        "variant": name,
+        "model": f"{kind}, n={max_seq_len}",
+        **row,
+        "convert_s": convert_s,
+        "wall_s": time.perf_counter() - start,
+        "load_avg_after": machine()["load_avg_1_5_15min"],  # other jobs skew the timings
+    }
+
+
+def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:
+    """Rows of an earlier OUT.json with the same settings bar the variants, by variant."""
+    path = Path(s.out).with_suffix(".json")
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    same = {k: v for k, v in earlier["settings"].items() if k != "variants"}
+    if same != {k: v for k, v in dataclasses.asdict(s).items() if k != "variants"}:
+        return {}
+    return {row["variant"]: row for row in earlier["rows"]}
+
+
+def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
+    """Runs every variant and the TF-IDF baseline; writes OUT.json, OUT.md and OUT.png after
+    each. Variants already in an OUT.json of the same settings are kept, not run again (a run
+    cut short, or a variant added later, continues).
+
+    Returns:
+        The report: settings, machine, one row per variant plus the baseline.
+    """
+    earlier = _earlier_rows(s)
+    report: dict[str, Any] = {
+        "settings": dataclasses.asdict(s),
+        "machine": machine(),
+        "rows": [tfidf_baseline(s)],
+    }
+    write_task_report(report, Path(s.out))
+    for name, proj_dim, max_seq_len in parse_variants(s.variants):
+        if name in earlier:
+            logger.info("%s: kept from the earlier %s.json", name, s.out)
+            report["rows"].append(earlier[name])
+            continue
+        report["rows"].append(_variant_row(name, proj_dim, max_seq_len, s))
+        report["machine_after"] = machine()
+        write_task_report(report, Path(s.out))
+    write_task_report(report, Path(s.out))
+    return report
+
+
+COLUMNS = {
+    "model": "model",
+    "test_acc": "test accuracy",
+    "s_per_step": "s / step",
+    "peak_mem_mb": "peak memory (MB)",
+    "train_s": "training (s)",
+    "wall_s": "wall (s)",
+    "test_docs_cut": "test docs cut",
+}
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The report rows as a Markdown table (missing figures as a dash)."""
+
+    def cell(key: str, value: Any) -> str:
+        if value is None:
+            return "-"
+        if key in ("test_acc", "s_per_step"):
+            return f"{value:.3f}"
+        return f"{value:.0f}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(k, row.get(k)) for k in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_task_report(report: dict[str, Any], path: Path) -> None:
+    """Test accuracy, time per step and peak memory of every variant (baseline as a line)."""
+    from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
+
+    rows = [r for r in report["rows"] if r["variant"] != "tfidf"]
+    baseline = next(r["test_acc"] for r in report["rows"] if r["variant"] == "tfidf")
+    fig = Figure(figsize=(12, 4))
+    axes = fig.subplots(1, 3)
+    names = [r["variant"] for r in rows]
+    for axis, key, label in zip(
+        axes,
+        ("test_acc", "s_per_step", "peak_mem_mb"),
+        ("test accuracy", "seconds per step", "peak memory (MB)"),
+    ):
+        axis.bar(names, [r[key] for r in rows], color="tab:blue")
+        axis.set(ylabel=label)
+        axis.grid(True, axis="y", alpha=0.3)
+        axis.tick_params(axis="x", rotation=20)
+    axes[0].axhline(baseline, color="tab:red", linestyle="--", label="TF-IDF + log. regression")
+    axes[0].legend(loc="lower right")
+    fig.suptitle(f"Fine-tuned on {Path(report['settings']['train']).parent.name or 'the corpus'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_task_report(report: dict[str, Any], out: Path) -> None:
+    """OUT.json (everything), OUT.md (the table) and OUT.png (once a variant has run)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_json(report, out.with_suffix(".json"))
+    out.with_suffix(".md").write_text(markdown_table(report["rows"]))
+    if len(report["rows"]) > 1:
+        plot_task_report(report, out.with_suffix(".png"))

@@ -1,0 +1,90 @@
+"""`linformer bench-task`: variant names, the Markdown table, bad settings as usage errors,
+and (slow) a whole run on a tiny converted BERT."""
+
+import dataclasses
+import json
+
+import pytest
+from hf_helpers import write_tiny_bert
+from train_helpers import write_classification
+
+from linformer_kit.cli import main
+from linformer_kit.interop.task_bench import (
+    TaskBenchSettings,
+    markdown_table,
+    parse_variants,
+    run_task_bench,
+)
+
+
+def test_variants_parse_and_malformed_ones_are_named():
+    assert parse_variants("exact@512, k256@2048") == [
+        ("exact@512", None, 512),
+        ("k256@2048", 256, 2048),
+    ]
+    with pytest.raises(ValueError, match="variant 'k256' is not exact@N or kK@N"):
+        parse_variants("exact@512,k256")
+
+
+def test_bad_settings_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench-task", "--train", "a", "--val", "b", "--test", "c", "--variants", "k@1"])
+    assert exit_info.value.code == 2
+    assert "variant 'k@1' is not exact@N or kK@N" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+        TaskBenchSettings(train="a", val="b", test="c", batch_size=0)
+
+
+def test_markdown_table_has_a_row_per_model_and_dashes_for_missing_figures():
+    rows = [
+        {"variant": "tfidf", "model": "TF-IDF", "test_acc": 0.8, "train_s": 1.26},
+        {"variant": "exact@64", "model": "exact, n=64", "test_acc": 0.75, "s_per_step": 0.1234}
+        | {"peak_mem_mb": 350.4, "train_s": 12.0, "wall_s": 30.6, "test_docs_cut": 3},
+    ]
+    lines = markdown_table(rows).splitlines()
+    assert lines[0].startswith("| model | test accuracy | s / step | peak memory (MB) |")
+    assert lines[2] == "| TF-IDF | 0.800 | - | - | 1 | - | - |"
+    assert lines[3] == "| exact, n=64 | 0.750 | 0.123 | 350 | 12 | 31 | 3 |"
+
+
+@pytest.mark.slow
+def test_a_tiny_run_writes_json_table_and_plot(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    tiny = write_tiny_bert(tmp_path / "hf")
+    files = {
+        name: write_classification(tmp_path / f"{name}.jsonl", count, seed=seed)
+        for name, count, seed in (("train", 24, 0), ("val", 8, 1), ("test", 8, 2))
+    }
+    out = tmp_path / "report"
+    main(
+        ["bench-task", "--source", str(tiny), "--variants", "exact@64,k8@96"]
+        + [f"--{name}={path}" for name, path in files.items()]
+        + ["--calibration-texts", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    )
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [row["variant"] for row in report["rows"]] == ["tfidf", "exact@64", "k8@96"]
+    for row in report["rows"][1:]:
+        assert 0 <= row["test_acc"] <= 1 and row["peak_mem_mb"] > 0 and row["steps"] == 3
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| exact, n=64 |" in out.with_suffix(".md").read_text()
+
+
+def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
+    pytest.importorskip("sklearn")
+    files = {
+        name: str(write_classification(tmp_path / f"{name}.jsonl", 12, seed=seed))
+        for name, seed in (("train", 0), ("val", 1), ("test", 2))
+    }
+    out = tmp_path / "report"
+    settings = TaskBenchSettings(**files, variants="exact@64", out=str(out))
+    earlier = {"variant": "exact@64", "model": "exact, n=64", "test_acc": 0.25}
+    earlier |= {"s_per_step": 0.1, "peak_mem_mb": 300.0, "train_s": 1.0, "wall_s": 9.0}
+    out.with_suffix(".json").write_text(
+        json.dumps({"settings": dataclasses.asdict(settings), "rows": [earlier]})
+    )
+    report = run_task_bench(settings)  # nothing to convert or train: the row is kept
+    assert [row["variant"] for row in report["rows"]] == ["tfidf", "exact@64"]
+    assert report["rows"][1] == earlier
+    changed = dataclasses.replace(settings, batch_size=3)
+    with pytest.raises(FileNotFoundError):  # other settings: run again (no such model dir)
+        run_task_bench(dataclasses.replace(changed, source=str(tmp_path / "missing")))
