@@ -3,6 +3,8 @@ activation checkpointing)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -125,6 +127,24 @@ class LinformerEncoderLayer(nn.Module):
         return self.ffn_norm(x + self.dropout(self.ffn(x))), weights
 
 
+def layer_arguments(config: LinformerConfig) -> dict[str, Any]:
+    """The constructor arguments every layer of a stack takes from its config (all but the
+    projections, which the sharing plan hands out)."""
+    return {
+        "dim": config.dim,
+        "num_heads": config.num_heads,
+        "max_seq_len": config.max_seq_len,
+        "ffn_dim": config.hidden_ffn_dim,
+        "activation": config.activation,
+        "norm_first": config.norm_first,
+        "dropout": config.dropout,
+        "attention_dropout": config.attention_dropout,
+        "layer_norm_eps": config.layer_norm_eps,
+        "block_size": config.block_size,
+        "checkpoint_attention": config.checkpointing == "attention",
+    }
+
+
 class LinformerEncoder(nn.Module):
     """A stack of encoder layers whose projections follow the config's sharing plan.
 
@@ -139,20 +159,7 @@ class LinformerEncoder(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(
             LinformerEncoderLayer(
-                dim=config.dim,
-                num_heads=config.num_heads,
-                max_seq_len=config.max_seq_len,
-                proj_k=proj_k,
-                proj_v=proj_v,
-                ffn_dim=config.hidden_ffn_dim,
-                activation=config.activation,
-                norm_first=config.norm_first,
-                dropout=config.dropout,
-                attention_dropout=config.attention_dropout,
-                layer_norm_eps=config.layer_norm_eps,
-                checkpoint_attention=config.checkpointing == "attention",
-                causal=config.causal,
-                block_size=config.block_size,
+                **layer_arguments(config), proj_k=proj_k, proj_v=proj_v, causal=config.causal
             )
             for proj_k, proj_v in build_sharing_plan(config)
         )

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import CausalState, LinformerSelfAttention
 from .causal_lm import LinformerForCausalLM, next_token_loss
 from .cross_attention import LinformerCrossAttention, MemoryCache
-from .encoder import FeedForward
+from .encoder import FeedForward, layer_arguments
 from .functional import check_seq_len
 from .models import (
     LinformerEmbeddings,
@@ -176,22 +176,12 @@ class LinformerDecoder(nn.Module):
         plans = zip(build_sharing_plan(decoder), build_sharing_plan(config.cross_attention))
         self.layers = nn.ModuleList(
             LinformerDecoderLayer(
-                dim=decoder.dim,
-                num_heads=decoder.num_heads,
-                max_seq_len=decoder.max_seq_len,
+                **layer_arguments(decoder),
                 memory_len=config.encoder.max_seq_len,
                 proj_k=proj_k,
                 proj_v=proj_v,
                 cross_proj_k=cross_k,
                 cross_proj_v=cross_v,
-                ffn_dim=decoder.hidden_ffn_dim,
-                activation=decoder.activation,
-                norm_first=decoder.norm_first,
-                dropout=decoder.dropout,
-                attention_dropout=decoder.attention_dropout,
-                layer_norm_eps=decoder.layer_norm_eps,
-                block_size=decoder.block_size,
-                checkpoint_attention=decoder.checkpointing == "attention",
             )
             for (proj_k, proj_v), (cross_k, cross_v) in plans
         )

@@ -100,20 +100,19 @@ class Seq2SeqRunConfig(RunConfig):
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Seq2SeqRunConfig:
-        """Builds a run config from `to_dict` output; missing sections and fields take their
-        defaults (the run directory: runs/seq2seq).
+    def from_sections(
+        cls, model: dict[str, Any], train: dict[str, Any], data: dict[str, Any]
+    ) -> Seq2SeqRunConfig:
+        """Builds a run config from its sections; missing fields take their defaults (the
+        run directory: runs/seq2seq).
 
         Raises:
-            ValueError: on an unknown section or field.
+            ValueError: on an unknown field.
         """
-        unknown = sorted(set(data) - {"model", "train", "data"})
-        if unknown:
-            raise ValueError(f"unknown run config sections {unknown}; known: model, train, data")
         return cls(
-            model=_build(Seq2SeqModelSettings, data.get("model", {})),
-            train=_build(TrainSettings, {"output_dir": DEFAULT_OUTPUT, **data.get("train", {})}),
-            data=_build(Seq2SeqDataSettings, data.get("data", {})),
+            model=_build(Seq2SeqModelSettings, model),
+            train=_build(TrainSettings, {"output_dir": DEFAULT_OUTPUT, **train}),
+            data=_build(Seq2SeqDataSettings, data),
         )
 
 

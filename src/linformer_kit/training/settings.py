@@ -109,10 +109,22 @@ class RunConfig:
         unknown = sorted(set(data) - {"model", "train", "data"})
         if unknown:
             raise ValueError(f"unknown run config sections {unknown}; known: model, train, data")
+        return cls.from_sections(data.get("model", {}), data.get("train", {}), data.get("data", {}))
+
+    @classmethod
+    def from_sections(
+        cls, model: dict[str, Any], train: dict[str, Any], data: dict[str, Any]
+    ) -> RunConfig:
+        """Builds a run config from its three sections' plain-JSON forms (subclasses with
+        other sections override this, not `from_dict`).
+
+        Raises:
+            ValueError: on an unknown field.
+        """
         return cls(
-            model=LinformerConfig.from_dict(data.get("model", {})),
-            train=_build(TrainSettings, data.get("train", {})),
-            data=_build(DataSettings, data.get("data", {})),
+            model=LinformerConfig.from_dict(model),
+            train=_build(TrainSettings, train),
+            data=_build(DataSettings, data),
         )
 
     def save(self, path: Path) -> None:
