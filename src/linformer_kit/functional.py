@@ -329,7 +329,7 @@ def _block_causal_attention(
         q.flatten(0, 1),
         keys.flatten(0, 1),
         values.flatten(0, 1),
-        mask[None],  # 4-D: CPU SDPA takes its flash kernel (a 3-D mask: math, 1.6x slower)
+        mask[None],  # 4-D: CPU SDPA takes its flash kernel (a 3-D mask: math, 1.5x slower)
         dropout_p,
         scale,
     )  # (B * H, M, S, D)
