@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ..data.cache import PackedBlocks
 from ..data.masking import IGNORE_INDEX, mask_tokens
 from ..data.tokenizer import TextTokenizer
+from .settings import TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,11 @@ class RowSchedule:
     grad_accum_steps: int
     world_size: int
     seed: int
+
+    @classmethod
+    def for_run(cls, size: int, train: TrainSettings, world_size: int) -> RowSchedule:
+        """The schedule of a training run over `size` rows on `world_size` processes."""
+        return cls(size, train.batch_size, train.grad_accum_steps, world_size, train.seed)
 
     def rows(self, step: int, micro: int, rank: int) -> list[int]:
         """Dataset rows of one micro-batch."""

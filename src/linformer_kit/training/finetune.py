@@ -192,9 +192,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         fresh = latest_checkpoint(Path(train.output_dir)) is None
         if settings.head_init == "probe" and fresh:
             init_head_from_probe(model, train_data, tokenizer.pad_id, train.batch_size, dist.device)
-        schedule = RowSchedule(
-            len(train_data), train.batch_size, train.grad_accum_steps, dist.world_size, train.seed
-        )
+        schedule = RowSchedule.for_run(len(train_data), train, dist.world_size)
         trainer = Trainer(
             model=model,
             batches=ClassificationBatches(train_data, tokenizer.pad_id, schedule),

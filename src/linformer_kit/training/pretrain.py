@@ -37,13 +37,7 @@ def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> T
     settings = run.train
     torch.manual_seed(settings.seed)
     model = (LinformerForCausalLM if causal else LinformerForMaskedLM)(model_config)
-    schedule = RowSchedule(
-        len(data.train),
-        settings.batch_size,
-        settings.grad_accum_steps,
-        dist.world_size,
-        settings.seed,
-    )
+    schedule = RowSchedule.for_run(len(data.train), settings, dist.world_size)
     batches, val_batches = (
         LMBatches(blocks, data.tokenizer, schedule, settings.mlm_probability, causal=causal)
         for blocks in (data.train, data.val)

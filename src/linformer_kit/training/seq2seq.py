@@ -206,13 +206,7 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
     try:
         torch.manual_seed(settings.seed)  # every rank starts from the same weights
         model = LinformerForSeq2SeqLM(config)
-        schedule = RowSchedule(
-            len(data.train),
-            settings.batch_size,
-            settings.grad_accum_steps,
-            dist.world_size,
-            settings.seed,
-        )
+        schedule = RowSchedule.for_run(len(data.train), settings, dist.world_size)
         evaluator = Seq2SeqEvaluator(
             data.val, settings.batch_size, settings.eval_batches, verbose=dist.is_main
         )
