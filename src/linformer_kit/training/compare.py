@@ -275,7 +275,7 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     requested = settings.steps
     step_s = seconds_per_step(settings) if settings.budget_min else None
     if step_s is not None:
-        logger.info("probe: %.2f s per training step of both models", step_s)
+        logger.info("probe: %.2f s per training step of all models together", step_s)
         settings = fit_to_budget(settings, step_s)
     runs = settings.run_configs()
     output = Path(settings.output_dir)
