@@ -37,7 +37,7 @@ def next_token_loss(logits: Tensor, labels: Tensor, key_padding_mask: Tensor | N
             skipped.
 
     Returns:
-        The mean over the scored pairs, in float32.
+        The mean over the scored pairs, in float32 (float64 for float64 logits).
     """
     # Labels shifted left instead of logits shifted right: slicing the (B, N, V) logits
     # would copy them (and zero-fill a gradient as large) every step.
@@ -45,7 +45,9 @@ def next_token_loss(logits: Tensor, labels: Tensor, key_padding_mask: Tensor | N
     if key_padding_mask is not None:
         real = F.pad(key_padding_mask[:, 1:] & key_padding_mask[:, :-1], (0, 1))
         targets = targets.masked_fill(~real, -100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    logits = logits.flatten(0, 1)  # bf16 / fp16 up to float32; float64 stays float64
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=-100)
 
 
 class LinformerForCausalLM(LinformerPreTrainedModel):
