@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import CausalState, LinformerSelfAttention
+from .attention import CausalState
 from .causal_lm import LinformerForCausalLM, next_token_loss
 from .cross_attention import LinformerCrossAttention, MemoryCache
-from .encoder import FeedForward, layer_arguments
+from .encoder import LinformerEncoderLayer, layer_arguments
 from .functional import check_seq_len
 from .models import (
     LinformerEmbeddings,
@@ -54,7 +54,7 @@ class Seq2SeqLMOutput:
 torch.export.register_dataclass(Seq2SeqLMOutput)
 
 
-class LinformerDecoderLayer(nn.Module):
+class LinformerDecoderLayer(LinformerEncoderLayer):
     """Causal self-attention, cross-attention and feed-forward sub-layers with residuals,
     pre-LN or post-LN; dropout once per sub-layer output.
 
@@ -94,17 +94,22 @@ class LinformerDecoderLayer(nn.Module):
         block_size: int = 64,
         checkpoint_attention: bool = False,
     ) -> None:
-        super().__init__()
-        self.attn = LinformerSelfAttention(
+        super().__init__(
             dim=dim,
             num_heads=num_heads,
             max_seq_len=max_seq_len,
             proj_k=proj_k,
             proj_v=proj_v,
-            dropout=attention_dropout,
+            ffn_dim=ffn_dim,
+            activation=activation,
+            norm_first=norm_first,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            layer_norm_eps=layer_norm_eps,
+            checkpoint_attention=checkpoint_attention,
             causal=True,
             block_size=block_size,
-        )
+        )  # the causal self-attention and feed-forward sub-layers, their norms and dropout
         self.cross_attn = LinformerCrossAttention(
             dim=dim,
             num_heads=num_heads,
@@ -113,13 +118,7 @@ class LinformerDecoderLayer(nn.Module):
             proj_v=cross_proj_v,
             dropout=attention_dropout,
         )
-        self.ffn = FeedForward(dim=dim, hidden_dim=ffn_dim, activation=activation)
-        self.attn_norm, self.cross_norm, self.ffn_norm = (
-            nn.LayerNorm(dim, eps=layer_norm_eps) for _ in range(3)
-        )
-        self.dropout = nn.Dropout(dropout)
-        self.norm_first = norm_first
-        self.checkpoint_attention = checkpoint_attention
+        self.cross_norm = nn.LayerNorm(dim, eps=layer_norm_eps)
 
     def _run(self, module: nn.Module, *args: object) -> Tensor:
         if self.checkpoint_attention and self.training and torch.is_grad_enabled():
