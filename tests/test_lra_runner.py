@@ -12,10 +12,10 @@ from linformer_kit.training.lra import RECIPES, LRASettings, run_lra
 
 def test_recipes_scale_width_and_steps():
     listops = LRASettings(scale=0.125).recipe("listops")
-    assert (listops.dim, listops.num_heads, listops.depth, listops.ffn_dim) == (64, 8, 6, 256)
+    assert (listops.dim, listops.num_heads, listops.depth, listops.ffn_dim) == (64, 1, 6, 256)
     assert (listops.steps, listops.warmup_steps, listops.batch_size) == (625, 125, 32)
     tiny = LRASettings(scale=0.0625, steps=7, batch_size=3).recipe("pathfinder")
-    assert (tiny.dim, tiny.num_heads, tiny.steps, tiny.batch_size) == (8, 2, 7, 3)
+    assert (tiny.dim, tiny.num_heads, tiny.steps, tiny.batch_size) == (8, 1, 7, 3)
     assert RECIPES["pathfinder"].published == {"linformer": 76.34, "transformer": 71.40}
 
 
