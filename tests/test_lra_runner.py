@@ -63,6 +63,14 @@ def test_both_models_learn_short_listops_above_the_majority_class(tmp_path):
     assert saved["rows"][1]["model"] == "Transformer (exact)"
     assert saved["data"]["sizes"] == [2000, 300, 300]
     assert (tmp_path / "runs" / "listops.png").stat().st_size > 10_000
+    summary = (tmp_path / "runs" / "summary.md").read_text().splitlines()
+    rows = [line.split(" | ") for line in summary if line.startswith("| listops")]
+    exact, linformer = report["rows"][1], report["rows"][0]
+    assert [row[2] for row in rows] == ["Linformer k=8", "Transformer (exact)"]
+    assert rows[0][3] == f"{linformer['test_acc']:.1f}" and rows[0][5] == f"{majority:.1f}"
+    speedup = exact["s_per_step"] / linformer["s_per_step"]
+    assert rows[0][7] == f"{speedup:.2f}" and rows[1][7] == "1.00"
+    assert any(line.startswith("- listops: scale 0.0625") for line in summary)
 
 
 def test_cli_text_end_to_end_writes_json_and_png(tmp_path, capsys):
@@ -126,3 +134,5 @@ def test_a_killed_model_run_is_reported_not_a_crash(tmp_path, monkeypatch):
     assert all("out of memory" in row["error"] for row in report["rows"])
     assert (tmp_path / "runs" / "listops.json").is_file()
     assert (tmp_path / "runs" / "listops.png").is_file()
+    table = (tmp_path / "runs" / "summary.md").read_text()
+    assert "| listops | 12 | Transformer (exact) | - | 36.37 |" in table

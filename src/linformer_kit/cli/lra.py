@@ -11,6 +11,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..data.lra import TASKS
 from ..training.lra import LRASettings, run_lra
+from ..training.lra_report import COLUMNS, summary_rows
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
 from .overrides import exit_on_user_error
 
@@ -26,22 +27,12 @@ def run(args: argparse.Namespace) -> None:
     )
     with logging_redirect_tqdm():  # log lines between progress bars, not inside them
         report = run_lra(args.task, settings)
-    majority = 100 * report["majority_baseline"]
-    table = [
-        {
-            "model": row["model"],
-            "test acc %": row["test_acc"],
-            "LRA %": row["published"],
-            "majority %": majority,
-            "s/step": row["s_per_step"],
-            "peak MB": row["peak_mem_mb"],
-            "params": row["params"],
-        }
-        for row in report["rows"]
-    ]
-    print(format_table(table))
+    print(format_table([{COLUMNS[k]: v for k, v in row.items()} for row in summary_rows(report)]))
     output = Path(settings.output_dir)
-    print(f"wrote {output / f'{args.task}.json'} and {output / f'{args.task}.png'}")
+    print(
+        f"wrote {output / f'{args.task}.json'}, {output / f'{args.task}.png'} and "
+        f"{output / 'summary.md'} (every task in {output})"
+    )
 
 
 def register(commands: argparse._SubParsersAction) -> None:

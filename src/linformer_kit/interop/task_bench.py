@@ -28,6 +28,7 @@ from ..data.tokenizer import load_tokenizer
 from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
 from ..training.finetune import FinetuneSettings, finetune, finetune_train_settings
+from ..training.settings import markdown_table as table
 from ..training.settings import save_json
 from .convert import convert_to_dir
 from .report import minilm_path
@@ -244,17 +245,7 @@ COLUMNS = {
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The report rows as a Markdown table (missing figures as a dash)."""
-
-    def cell(key: str, value: Any) -> str:
-        if value is None:
-            return "-"
-        if key in ("test_acc", "s_per_step"):
-            return f"{value:.3f}"
-        return f"{value:.0f}" if isinstance(value, float) else str(value)
-
-    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(k, row.get(k)) for k in COLUMNS) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    return table(rows, COLUMNS, {"test_acc": 3, "s_per_step": 3})
 
 
 def plot_task_report(report: dict[str, Any], path: Path) -> None:

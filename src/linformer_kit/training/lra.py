@@ -24,6 +24,7 @@ from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .compare import machine
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer
+from .lra_report import plot_lra, write_summary
 from .settings import TrainSettings, check_threads, save_json
 
 logger = logging.getLogger(__name__)
@@ -308,51 +309,10 @@ def _failed_row(name: str, recipe: Recipe, proj_dim: int, error: str) -> dict[st
     }
 
 
-def plot_lra(report: dict[str, Any], path: Path) -> None:
-    """Validation accuracy vs step for both models, and test accuracy beside LRA's."""
-    from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
-
-    fig = Figure(figsize=(11, 4.2))
-    curves, bars = fig.subplots(1, 2)
-    for row in report["rows"]:
-        val = [r for r in row["records"] if r["split"] == "val"]
-        curves.plot(
-            [r["step"] for r in val],
-            [100 * r["accuracy"] for r in val],
-            marker="o",
-            label=row["model"],
-        )
-    majority = 100 * report["majority_baseline"]
-    for axis in (curves, bars):
-        axis.axhline(majority, color="grey", linestyle="--", label="majority class")
-        axis.grid(True, alpha=0.3)
-    curves.set(xlabel="optimiser step", ylabel="validation accuracy (%)")
-    names = [row["model"] for row in report["rows"]]
-    x = range(len(names))
-    bars.bar(
-        [i - 0.2 for i in x],
-        [row["test_acc"] for row in report["rows"]],
-        0.4,
-        label="this run (test)",
-    )
-    bars.bar(
-        [i + 0.2 for i in x],
-        [row["published"] for row in report["rows"]],
-        0.4,
-        label="LRA, Table 1",
-    )
-    bars.set_xticks(list(x), names)
-    bars.set(ylabel="test accuracy (%)")
-    curves.legend()
-    bars.legend()
-    fig.suptitle(f"Long Range Arena: {report['task']} (scale {report['settings']['scale']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     """Prepares the task's data once, trains both models one after the other and writes
-    `<output_dir>/<task>.json` and `<task>.png`. Earlier runs of the task are replaced.
+    `<output_dir>/<task>.json` and `<task>.png`, then `summary.md` over every task reported in
+    `output_dir`. Earlier runs of the task are replaced.
 
     Args:
         task: listops, text or pathfinder.
@@ -397,4 +357,5 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     output.mkdir(parents=True, exist_ok=True)
     save_json(report, output / f"{task}.json")
     plot_lra(report, output / f"{task}.png")
+    write_summary(output)
     return report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,24 @@ def save_json(data: dict[str, Any], path: str | Path) -> None:
     """Writes `data` as indented JSON to `path`, atomically (a kill leaves the old file)."""
     text = json.dumps(data, indent=2) + "\n"
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
+
+
+def markdown_table(
+    rows: list[dict[str, Any]], columns: dict[str, str], decimals: dict[str, int] | None = None
+) -> str:
+    """`rows` as a Markdown table of the keys in `columns` (key -> header). A float gets
+    `decimals[key]` decimals (0 where not named); a missing or NaN figure is a dash."""
+
+    def cell(key: str, value: Any) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.{(decimals or {}).get(key, 0)}f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(k, row.get(k)) for k in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:

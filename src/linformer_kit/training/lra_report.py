@@ -1,0 +1,124 @@
+"""Long Range Arena reports: one task's plot, and the table of every task run into one output
+directory beside LRA's published accuracies and the majority-class baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..data.lra import TASKS
+from .settings import markdown_table
+
+COLUMNS = {
+    "task": "task",
+    "length": "n",
+    "model": "model",
+    "test_acc": "test acc %",
+    "published": "LRA %",
+    "majority": "majority %",
+    "s_per_step": "s / step",
+    "speedup": "step time: exact / this",
+    "peak_mem_mb": "peak MB",
+    "steps": "steps",
+}
+
+
+def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One table row per model of a task's report: accuracies in %, the exact model's time
+    per step over this model's (a model that died has NaN figures)."""
+    exact = next(row for row in report["rows"] if row["model"] == "Transformer (exact)")
+    return [
+        {
+            "task": report["task"],
+            "length": report["data"]["max_seq_len"],
+            "model": row["model"],
+            "test_acc": row["test_acc"],
+            "published": row["published"],
+            "majority": 100 * report["majority_baseline"],
+            "s_per_step": row["s_per_step"],
+            "speedup": exact["s_per_step"] / row["s_per_step"],
+            "peak_mem_mb": row["peak_mem_mb"],
+            "steps": row["steps"],
+        }
+        for row in report["rows"]
+    ]
+
+
+def write_summary(output_dir: str | Path) -> Path:
+    """Writes `output_dir/summary.md`: the table of every task whose report (`TASK.json`) is
+    in `output_dir`, in LRA's order, with each run's machine. Returns its path."""
+    output = Path(output_dir)
+    reports = [
+        json.loads((output / f"{task}.json").read_text())
+        for task in TASKS
+        if (output / f"{task}.json").is_file()
+    ]
+    rows = [row for report in reports for row in summary_rows(report)]
+    lines = ["# Long Range Arena, this library's Linformer and exact Transformer", ""]
+    lines.append(
+        markdown_table(
+            rows,
+            COLUMNS,
+            {"test_acc": 1, "published": 2, "majority": 1, "s_per_step": 2, "speedup": 2},
+        )
+    )
+    for report in reports:
+        lines.append(f"- {report['task']}: scale {report['settings']['scale']}, {_where(report)}")
+    path = output / "summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _where(report: dict[str, Any]) -> str:
+    """The device and load a report's timings come from."""
+    found = report["machine"]
+    cpu = found.get("cpu") or {}
+    device = found.get("cuda") or (
+        f"{cpu.get('model', 'CPU')} ({', '.join(cpu.get('flags', [])) or 'no ISA flags read'}), "
+        f"{report['settings']['threads'] or found.get('threads')} threads"
+    )
+    load = found.get("load_avg_1_5_15min")
+    return device + (f", load average {load[0]:.1f} at the start" if load else "")
+
+
+def plot_lra(report: dict[str, Any], path: Path) -> None:
+    """Validation accuracy vs step for both models, and test accuracy beside LRA's."""
+    from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
+
+    fig = Figure(figsize=(11, 4.2))
+    curves, bars = fig.subplots(1, 2)
+    for row in report["rows"]:
+        val = [r for r in row["records"] if r["split"] == "val"]
+        curves.plot(
+            [r["step"] for r in val],
+            [100 * r["accuracy"] for r in val],
+            marker="o",
+            label=row["model"],
+        )
+    majority = 100 * report["majority_baseline"]
+    for axis in (curves, bars):
+        axis.axhline(majority, color="grey", linestyle="--", label="majority class")
+        axis.grid(True, alpha=0.3)
+    curves.set(xlabel="optimiser step", ylabel="validation accuracy (%)")
+    names = [row["model"] for row in report["rows"]]
+    x = range(len(names))
+    bars.bar(
+        [i - 0.2 for i in x],
+        [row["test_acc"] for row in report["rows"]],
+        0.4,
+        label="this run (test)",
+    )
+    bars.bar(
+        [i + 0.2 for i in x],
+        [row["published"] for row in report["rows"]],
+        0.4,
+        label="LRA, Table 1",
+    )
+    bars.set_xticks(list(x), names)
+    bars.set(ylabel="test accuracy (%)")
+    curves.legend()
+    bars.legend()
+    fig.suptitle(f"Long Range Arena: {report['task']} (scale {report['settings']['scale']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
