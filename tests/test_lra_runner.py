@@ -17,6 +17,12 @@ def test_recipes_scale_width_and_steps():
     tiny = LRASettings(scale=0.0625, steps=7, batch_size=3).recipe("pathfinder")
     assert (tiny.dim, tiny.num_heads, tiny.steps, tiny.batch_size) == (8, 1, 7, 3)
     assert RECIPES["pathfinder"].published == {"linformer": 76.34, "transformer": 71.40}
+    # LRA's pooling: the first position for ListOps and text, the mean for Pathfinder.
+    assert [RECIPES[task].pooling for task in ("listops", "text", "pathfinder")] == [
+        "cls",
+        "cls",
+        "mean",
+    ]
 
 
 @pytest.mark.parametrize(
