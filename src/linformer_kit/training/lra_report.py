@@ -64,10 +64,21 @@ def write_summary(output_dir: str | Path) -> Path:
         )
     )
     for report in reports:
-        lines.append(f"- {report['task']}: scale {report['settings']['scale']}, {_where(report)}")
+        lines.append(f"- {report['task']}: {_recipe(report)}; {_where(report)}")
     path = output / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _recipe(report: dict[str, Any]) -> str:
+    """The model and data a report's rows were trained with."""
+    recipe, sizes = report["recipe"], report["data"]["sizes"]
+    return (
+        f"scale {report['settings']['scale']}: width {recipe['dim']}, {recipe['depth']} "
+        f"layers, {recipe['num_heads']} heads, {recipe.get('pooling', 'mean')} pooling, "
+        f"{recipe['steps']} steps of {recipe['batch_size']}; {sizes[0]} / {sizes[1]} / "
+        f"{sizes[2]} examples"
+    )
 
 
 def _where(report: dict[str, Any]) -> str:
