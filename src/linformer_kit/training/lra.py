@@ -56,10 +56,9 @@ class Recipe:
         not their size, and at width 64 LRA's 8 heads of 8 made a CPU step 4x slower (2.9 vs
         11.6 s, ListOps n = 1000, batch 32) for heads too narrow to score much."""
         heads = max(1, round(self.num_heads * scale))
-        head_dim = self.dim // self.num_heads
         return dataclasses.replace(
             self,
-            dim=heads * max(1, round(head_dim * self.num_heads * scale / heads)),
+            dim=heads * max(1, round(self.dim * scale / heads)),
             num_heads=heads,
             ffn_dim=max(1, round(self.ffn_dim * scale)),
             steps=max(1, round(self.steps * scale)),
