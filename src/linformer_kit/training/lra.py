@@ -24,7 +24,7 @@ from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .compare import machine
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer
-from .lra_report import plot_lra, write_summary
+from .lra_report import model_label, plot_lra, write_summary
 from .settings import TrainSettings, check_threads, save_json
 
 logger = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
     finally:
         teardown_distributed()
     return {
-        "model": _label(name, config.proj_dim),
+        "model": model_label(name, config.proj_dim),
         "test_acc": 100 * float(test["accuracy"]),
         "published": recipe.published[name],
         "val_acc": 100 * float(result.final.get("accuracy", math.nan)),
@@ -271,10 +271,6 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
         "steps": result.steps,
         "records": result.records,
     }
-
-
-def _label(name: str, proj_dim: int | None) -> str:
-    return "Transformer (exact)" if name == "transformer" else f"Linformer k={proj_dim}"
 
 
 def _train_in_fresh_process(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
@@ -297,7 +293,7 @@ def _failed_row(name: str, recipe: Recipe, proj_dim: int, error: str) -> dict[st
     """The report row of a model whose run died: no figures, the reason."""
     nan = math.nan
     return {
-        "model": _label(name, proj_dim),
+        "model": model_label(name, proj_dim),
         "test_acc": nan,
         "published": recipe.published[name],
         "val_acc": nan,

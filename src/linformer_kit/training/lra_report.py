@@ -24,10 +24,15 @@ COLUMNS = {
 }
 
 
+def model_label(name: str, proj_dim: int | None) -> str:
+    """A report row's model name: `linformer` with its k, or `transformer` (exact)."""
+    return "Transformer (exact)" if name == "transformer" else f"Linformer k={proj_dim}"
+
+
 def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One table row per model of a task's report: accuracies in %, the exact model's time
     per step over this model's (a model that died has NaN figures)."""
-    exact = next(row for row in report["rows"] if row["model"] == "Transformer (exact)")
+    exact = next(row for row in report["rows"] if row["model"] == model_label("transformer", None))
     return [
         {
             "task": report["task"],
