@@ -79,8 +79,9 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
     settings = TaskBenchSettings(**files, variants="exact@64", out=str(out))
     earlier = {"variant": "exact@64", "model": "exact, n=64", "test_acc": 0.25}
     earlier |= {"s_per_step": 0.1, "peak_mem_mb": 300.0, "train_s": 1.0, "wall_s": 9.0}
-    out.with_suffix(".json").write_text(
-        json.dumps({"settings": dataclasses.asdict(settings), "rows": [earlier]})
+    elsewhere = dataclasses.replace(settings, work_dir="/elsewhere", out="/moved/report")
+    out.with_suffix(".json").write_text(  # an earlier run that wrote elsewhere, then was moved
+        json.dumps({"settings": dataclasses.asdict(elsewhere), "rows": [earlier]})
     )
     report = run_task_bench(settings)  # nothing to convert or train: the row is kept
     assert [row["variant"] for row in report["rows"]] == ["tfidf", "exact@64"]

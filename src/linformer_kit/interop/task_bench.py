@@ -193,14 +193,21 @@ def _variant_row(
     }
 
 
+# Settings that do not change a variant's figures: what runs, and where files are written.
+_NOT_COMPARED = ("variants", "work_dir", "out")
+
+
 def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:
-    """Rows of an earlier OUT.json with the same settings bar the variants, by variant."""
+    """Rows of an earlier OUT.json with the same settings (bar `_NOT_COMPARED`), by variant."""
     path = Path(s.out).with_suffix(".json")
     if not path.is_file():
         return {}
     earlier = json.loads(path.read_text())
-    same = {k: v for k, v in earlier["settings"].items() if k != "variants"}
-    if same != {k: v for k, v in dataclasses.asdict(s).items() if k != "variants"}:
+
+    def compared(settings: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in settings.items() if k not in _NOT_COMPARED}
+
+    if compared(earlier["settings"]) != compared(dataclasses.asdict(s)):
         return {}
     return {row["variant"]: row for row in earlier["rows"]}
 
