@@ -16,6 +16,11 @@ def test_recipes_scale_width_and_steps():
     assert (listops.steps, listops.warmup_steps, listops.batch_size) == (625, 125, 32)
     tiny = LRASettings(scale=0.0625, steps=7, batch_size=3).recipe("pathfinder")
     assert (tiny.dim, tiny.num_heads, tiny.steps, tiny.batch_size) == (8, 1, 7, 3)
+    # Fewer steps keep LRA's warm-up share (text: 8K of 20K), unless the warm-up is given.
+    assert LRASettings(scale=0.125, steps=300).recipe("text").warmup_steps == 120
+    assert LRASettings(scale=0.125, steps=300).recipe("listops").warmup_steps == 60
+    given = LRASettings(scale=0.125, steps=300, warmup_steps=125).recipe("listops")
+    assert given.warmup_steps == 125
     assert RECIPES["pathfinder"].published == {"linformer": 76.34, "transformer": 71.40}
     # LRA's pooling: the first position for ListOps and text, the mean for Pathfinder.
     assert [RECIPES[task].pooling for task in ("listops", "text", "pathfinder")] == [
@@ -27,7 +32,15 @@ def test_recipes_scale_width_and_steps():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("scale", 0.0), ("scale", 1.5), ("steps", -1), ("lr", -1.0), ("proj_dim", 0), ("sharing", "")],
+    [
+        ("scale", 0.0),
+        ("scale", 1.5),
+        ("steps", -1),
+        ("warmup_steps", -2),
+        ("lr", -1.0),
+        ("proj_dim", 0),
+        ("sharing", ""),
+    ],
 )
 def test_settings_out_of_range_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -100,6 +100,9 @@ class LRASettings:
         default=1.0, metadata={"help": "multiplies LRA's model width and steps (0, 1]"}
     )
     steps: int = field(default=0, metadata={"help": "optimiser steps (0 = LRA's x scale)"})
+    warmup_steps: int = field(
+        default=-1, metadata={"help": "learning-rate warm-up (-1 = LRA's share of the steps)"}
+    )
     batch_size: int = field(default=0, metadata={"help": "sequences per step (0 = LRA's)"})
     lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = LRA's)"})
     proj_dim: int = field(default=256, metadata={"help": "Linformer's k (at most the length)"})
@@ -131,6 +134,11 @@ class LRASettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < -1:
+            raise ValueError(
+                f"warmup_steps must be an integer >= 0, or -1 for LRA's share of the steps; "
+                f"got {self.warmup_steps!r}"
+            )
         if self.lr < 0:
             raise ValueError(f"lr must be >= 0 (0 = LRA's), got {self.lr!r}")
         if not isinstance(self.proj_dim, int) or self.proj_dim < 1:
@@ -140,11 +148,15 @@ class LRASettings:
         check_threads(self.threads)
 
     def recipe(self, task: str) -> Recipe:
-        """The task's recipe, scaled, with this run's overrides."""
+        """The task's recipe, scaled, with this run's overrides. Fewer or more `steps` keep
+        LRA's warm-up share of them (text: 8K of 20K), so the peak learning rate is reached."""
         recipe = RECIPES[check_task(task)].scaled(self.scale)
+        steps = self.steps or recipe.steps
+        warmup = round(recipe.warmup_steps * steps / recipe.steps)
         return dataclasses.replace(
             recipe,
-            steps=self.steps or recipe.steps,
+            steps=steps,
+            warmup_steps=warmup if self.warmup_steps < 0 else self.warmup_steps,
             batch_size=self.batch_size or recipe.batch_size,
             lr=self.lr or recipe.lr,
         )
