@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from linformer_kit.data.lra import (
+    LRASplit,
+    LRATask,
     cache_path,
     connected,
     evaluate_listops,
@@ -186,3 +188,15 @@ def test_text_rejects_a_single_class(tmp_path):
         load_text(tmp_path / "only", cache_dir=tmp_path / "cache")
     with pytest.raises(FileNotFoundError):
         load_text(tmp_path / "missing", cache_dir=tmp_path / "cache")
+
+
+def test_baselines_majority_of_training_and_best_constant_of_test():
+    def split(labels: list[int]) -> LRASplit:
+        count = len(labels)
+        inputs, lengths = np.ones((count, 2), np.uint16), np.full(count, 2, np.int32)
+        return LRASplit(inputs, lengths, np.asarray(labels), "hand-made")
+
+    # Training leans to class 0, the test set to class 1: answering 0 scores 1/4, 1 scores 3/4.
+    task = LRATask("text", split([0, 0, 0, 1]), split([0, 1]), split([1, 1, 0, 1]), 3, 2, 0)
+    assert task.majority_baseline() == 0.25
+    assert task.best_constant_baseline() == 0.75

@@ -328,8 +328,8 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
         settings: the run.
 
     Returns:
-        The report: task, settings, scaled recipe, data, machine, majority baseline (a
-        fraction), one row per model (accuracies in %) with its records.
+        The report: task, settings, scaled recipe, data, machine, majority and best-constant
+        baselines (fractions), one row per model (accuracies in %) with its records.
 
     Raises:
         ValueError: for an unknown task or bad settings.
@@ -360,6 +360,7 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
         "machine": before,
         "load_avg_after": machine()["load_avg_1_5_15min"],  # other jobs skew the timings
         "majority_baseline": data.majority_baseline(),
+        "best_constant_baseline": data.best_constant_baseline(),
         "rows": rows,
     }
     output = Path(settings.output_dir)

@@ -1,9 +1,10 @@
 """Long Range Arena reports: one task's plot, and the table of every task run into one output
-directory beside LRA's published accuracies and the majority-class baseline."""
+directory beside LRA's published accuracies, the majority class and the best constant answer."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ COLUMNS = {
     "test_acc": "test acc %",
     "published": "LRA %",
     "majority": "majority %",
+    "constant": "best constant %",
     "s_per_step": "s / step",
     "speedup": "step time: exact / this",
     "peak_mem_mb": "peak MB",
@@ -41,6 +43,7 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             "test_acc": row["test_acc"],
             "published": row["published"],
             "majority": 100 * report["majority_baseline"],
+            "constant": 100 * report.get("best_constant_baseline", math.nan),  # older reports
             "s_per_step": row["s_per_step"],
             "speedup": exact["s_per_step"] / row["s_per_step"],
             "peak_mem_mb": row["peak_mem_mb"],
@@ -65,7 +68,14 @@ def write_summary(output_dir: str | Path) -> Path:
         markdown_table(
             rows,
             COLUMNS,
-            {"test_acc": 1, "published": 2, "majority": 1, "s_per_step": 2, "speedup": 2},
+            {
+                "test_acc": 1,
+                "published": 2,
+                "majority": 1,
+                "constant": 1,
+                "s_per_step": 2,
+                "speedup": 2,
+            },
         )
     )
     for report in reports:
@@ -116,6 +126,9 @@ def plot_lra(report: dict[str, Any], path: Path) -> None:
     for axis in (curves, bars):
         axis.axhline(majority, color="grey", linestyle="--", label="majority class")
         axis.grid(True, alpha=0.3)
+    if "best_constant_baseline" in report:  # older reports lack it
+        constant = 100 * report["best_constant_baseline"]
+        bars.axhline(constant, color="black", linestyle=":", label="best constant (test)")
     curves.set(xlabel="optimiser step", ylabel="validation accuracy (%)")
     names = [row["model"] for row in report["rows"]]
     x = range(len(names))
