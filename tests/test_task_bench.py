@@ -9,6 +9,7 @@ from hf_helpers import write_tiny_bert
 from train_helpers import write_classification
 
 from linformer_kit.cli import main
+from linformer_kit.interop import task_bench
 from linformer_kit.interop.task_bench import (
     TaskBenchSettings,
     markdown_table,
@@ -80,12 +81,34 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
     earlier = {"variant": "exact@64", "model": "exact, n=64", "test_acc": 0.25}
     earlier |= {"s_per_step": 0.1, "peak_mem_mb": 300.0, "train_s": 1.0, "wall_s": 9.0}
     elsewhere = dataclasses.replace(settings, work_dir="/elsewhere", out="/moved/report")
+    old = dataclasses.asdict(elsewhere)
+    del old["grad_accum_steps"]  # written before the bench had the setting: its default holds
     out.with_suffix(".json").write_text(  # an earlier run that wrote elsewhere, then was moved
-        json.dumps({"settings": dataclasses.asdict(elsewhere), "rows": [earlier]})
+        json.dumps({"settings": old, "rows": [earlier]})
     )
     report = run_task_bench(settings)  # nothing to convert or train: the row is kept
     assert [row["variant"] for row in report["rows"]] == ["tfidf", "exact@64"]
     assert report["rows"][1] == earlier
-    changed = dataclasses.replace(settings, batch_size=3)
-    with pytest.raises(FileNotFoundError):  # other settings: run again (no such model dir)
-        run_task_bench(dataclasses.replace(changed, source=str(tmp_path / "missing")))
+    for changed in (dict(batch_size=3), dict(grad_accum_steps=2)):
+        with pytest.raises(FileNotFoundError):  # other settings: run again (no such model dir)
+            run_task_bench(dataclasses.replace(settings, **changed, source=str(tmp_path / "no")))
+
+
+def test_gradient_accumulation_reaches_finetune_and_sizes_the_warm_up(tmp_path, monkeypatch):
+    seen = {}
+
+    def recording_finetune(settings, train):
+        seen.update(settings=settings, train=train)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(task_bench, "finetune", recording_finetune)
+    train = write_classification(tmp_path / "train.jsonl", 48, seed=0)
+    settings = TaskBenchSettings(train=str(train), val="v", test="t", epochs=2)
+    settings = dataclasses.replace(settings, batch_size=2, grad_accum_steps=3)
+    with pytest.raises(RuntimeError, match="recorded"):
+        task_bench._finetune_and_test(tmp_path / "model", tmp_path / "run", settings)
+    assert seen["train"].batch_size == 2 and seen["train"].grad_accum_steps == 3
+    assert seen["train"].warmup_steps == 1  # 10% of 8 steps per epoch x 2 epochs, rounded down
+    assert seen["settings"].epochs == 2
+    with pytest.raises(ValueError, match="grad_accum_steps must be an integer >= 1, got 0"):
+        dataclasses.replace(settings, grad_accum_steps=0)

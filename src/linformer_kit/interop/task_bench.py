@@ -53,7 +53,11 @@ class TaskBenchSettings:
         metadata={"help": "comma-separated exact@N or kK@N (N: max_seq_len, K: proj_dim)"},
     )
     epochs: int = field(default=1, metadata={"help": "passes over the training set"})
-    batch_size: int = field(default=8, metadata={"help": "sequences per step"})
+    batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch"})
+    grad_accum_steps: int = field(
+        default=1,
+        metadata={"help": "micro-batches per step (a step sees batch_size x this sequences)"},
+    )
     lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = finetune's)"})
     calibration_texts: int = field(
         default=8, metadata={"help": "stdlib windows for the projection init"}
@@ -67,7 +71,7 @@ class TaskBenchSettings:
 
     def __post_init__(self) -> None:
         parse_variants(self.variants)
-        for name in ("epochs", "batch_size", "calibration_texts"):
+        for name in ("epochs", "batch_size", "grad_accum_steps", "calibration_texts"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -105,8 +109,10 @@ def _convert(
 def _finetune_and_test(model_dir: Path, run_dir: Path, s: TaskBenchSettings) -> dict[str, Any]:
     """Fine-tunes the converted model (finetune's defaults, the bench's budget), then scores
     its best checkpoint on the test file."""
-    steps = math.ceil(len(read_labelled(s.train)[0]) / s.batch_size) * s.epochs
+    per_step = s.batch_size * s.grad_accum_steps
+    steps = math.ceil(len(read_labelled(s.train)[0]) / per_step) * s.epochs
     overrides: dict[str, Any] = {"output_dir": str(run_dir), "batch_size": s.batch_size}
+    overrides["grad_accum_steps"] = s.grad_accum_steps
     overrides["warmup_steps"] = max(1, steps // 10)  # 10% of the run, however short
     overrides |= {"threads": s.threads, "seed": s.seed} | ({"lr": s.lr} if s.lr else {})
     train = finetune_train_settings(**overrides)
@@ -198,14 +204,16 @@ _NOT_COMPARED = ("variants", "work_dir", "out")
 
 
 def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:
-    """Rows of an earlier OUT.json with the same settings (bar `_NOT_COMPARED`), by variant."""
+    """Rows of an earlier OUT.json with the same settings (bar `_NOT_COMPARED`), by variant.
+    A setting the earlier report lacks (added to the bench since) counts as its default."""
     path = Path(s.out).with_suffix(".json")
     if not path.is_file():
         return {}
     earlier = json.loads(path.read_text())
+    defaults = {f.name: f.default for f in dataclasses.fields(TaskBenchSettings)}
 
     def compared(settings: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in settings.items() if k not in _NOT_COMPARED}
+        return {k: v for k, v in (defaults | settings).items() if k not in _NOT_COMPARED}
 
     if compared(earlier["settings"]) != compared(dataclasses.asdict(s)):
         return {}
