@@ -113,3 +113,40 @@ def test_finetune_and_evaluate_log_the_truncation(converted, tmp_path, caplog):
     caplog.clear()
     main(["evaluate", str(out / "best"), "--data", str(valid)])
     assert f"{valid}: 1 of 2 documents (50%) cut to {N} tokens" in caplog.text
+
+
+@pytest.mark.parametrize("projections", ["freeze", "train"])
+def test_frozen_projections_keep_their_converted_values_and_the_rest_trains(projections, tmp_path):
+    from safetensors.torch import load_file
+
+    tiny = write_tiny_bert(tmp_path / "hf")
+    model = tmp_path / "linformer"
+    main(["convert", "--from", str(tiny), "--proj-dim", "8", "--out", str(model)])
+    train = write_classification(tmp_path / "train.jsonl", 16, seed=0)
+    out = tmp_path / "ft"
+    main(
+        ["finetune", "--init", str(model), "--data", str(train), "--eval", str(train)]
+        + ["--max-steps", "3", "--warmup-steps", "1", "--batch-size", "8", "--lr", "1e-2"]
+        + ["--projections", projections, "--output-dir", str(out), "--threads", "1"]
+    )
+    before = load_file(model / "model.safetensors")
+    after = {
+        name.removeprefix("linformer."): tensor
+        for name, tensor in load_file(out / "last" / "model.safetensors").items()
+    }
+    projection_names = [name for name in before if ".proj_" in name]
+    assert projection_names  # the converted model has trainable projections
+    for name in projection_names:
+        assert torch.equal(before[name], after[name]) == (projections == "freeze"), name
+    others = [name for name in before if ".proj_" not in name and name.startswith("encoder.")]
+    assert not any(torch.equal(before[name], after[name]) for name in others)
+
+
+def test_a_projection_mode_outside_the_choices_is_a_usage_error(converted, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["finetune", "--init", str(converted), "--data", "a", "--eval", "b"]
+            + ["--projections", "thaw"]
+        )
+    assert exit_info.value.code == 2
+    assert "projections must be one of train, freeze; got 'thaw'" in capsys.readouterr().err

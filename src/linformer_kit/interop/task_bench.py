@@ -27,7 +27,12 @@ from ..data.classification import load_classification, read_labelled
 from ..data.tokenizer import load_tokenizer
 from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
-from ..training.finetune import FinetuneSettings, finetune, finetune_train_settings
+from ..training.finetune import (
+    PROJECTIONS,
+    FinetuneSettings,
+    finetune,
+    finetune_train_settings,
+)
 from ..training.settings import markdown_table as table
 from ..training.settings import save_json
 from .convert import convert_to_dir
@@ -59,6 +64,9 @@ class TaskBenchSettings:
         metadata={"help": "micro-batches per step (a step sees batch_size x this sequences)"},
     )
     lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = finetune's)"})
+    projections: str = field(
+        default="train", metadata={"help": "train or freeze the sequence projections (E, F)"}
+    )
     calibration_texts: int = field(
         default=8, metadata={"help": "stdlib windows for the projection init"}
     )
@@ -75,6 +83,10 @@ class TaskBenchSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.projections not in PROJECTIONS:
+            raise ValueError(
+                f"projections must be one of {', '.join(PROJECTIONS)}; got {self.projections!r}"
+            )
 
 
 def parse_variants(spec: str) -> list[tuple[str, int | None, int]]:
@@ -116,7 +128,9 @@ def _finetune_and_test(model_dir: Path, run_dir: Path, s: TaskBenchSettings) -> 
     overrides["warmup_steps"] = max(1, steps // 10)  # 10% of the run, however short
     overrides |= {"threads": s.threads, "seed": s.seed} | ({"lr": s.lr} if s.lr else {})
     train = finetune_train_settings(**overrides)
-    settings = FinetuneSettings(init=str(model_dir), data=s.train, eval=s.val, epochs=s.epochs)
+    settings = FinetuneSettings(
+        init=str(model_dir), data=s.train, eval=s.val, epochs=s.epochs, projections=s.projections
+    )
     result = finetune(settings, train)
     peak = result.peak_mem_mb  # training's peak, before the test pass
     test = evaluate_checkpoint(
@@ -201,19 +215,21 @@ def _variant_row(
 
 # Settings that do not change a variant's figures: what runs, and where files are written.
 _NOT_COMPARED = ("variants", "work_dir", "out")
+# Settings the bench gained after reports were committed, with the value those runs used.
+_ADDED_LATER = {"grad_accum_steps": 1, "projections": "train"}
 
 
 def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:
     """Rows of an earlier OUT.json with the same settings (bar `_NOT_COMPARED`), by variant.
-    A setting the earlier report lacks (added to the bench since) counts as its default."""
+    A setting the earlier report lacks (added to the bench since) counts as `_ADDED_LATER`
+    says."""
     path = Path(s.out).with_suffix(".json")
     if not path.is_file():
         return {}
     earlier = json.loads(path.read_text())
-    defaults = {f.name: f.default for f in dataclasses.fields(TaskBenchSettings)}
 
     def compared(settings: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in (defaults | settings).items() if k not in _NOT_COMPARED}
+        return {k: v for k, v in (_ADDED_LATER | settings).items() if k not in _NOT_COMPARED}
 
     if compared(earlier["settings"]) != compared(dataclasses.asdict(s)):
         return {}
@@ -272,16 +288,24 @@ def plot_task_report(report: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(12, 4))
     axes = fig.subplots(1, 3)
     names = [r["variant"] for r in rows]
-    for axis, key, label in zip(
+    for axis, key, label, fmt in zip(
         axes,
         ("test_acc", "s_per_step", "peak_mem_mb"),
         ("test accuracy", "seconds per step", "peak memory (MB)"),
+        ("%.3f", "%.2f", "%.0f"),
     ):
-        axis.bar(names, [r[key] for r in rows], color="tab:blue")
+        bars = axis.bar(names, [r[key] for r in rows], color="tab:blue")
+        axis.bar_label(bars, fmt=fmt)  # near-equal bars differ in the figures, not the heights
+        axis.margins(y=0.12)
         axis.set(ylabel=label)
         axis.grid(True, axis="y", alpha=0.3)
         axis.tick_params(axis="x", rotation=20)
-    axes[0].axhline(baseline, color="tab:red", linestyle="--", label="TF-IDF + log. regression")
+    axes[0].axhline(
+        baseline,
+        color="tab:red",
+        linestyle="--",
+        label=f"TF-IDF + log. regression ({baseline:.3f})",
+    )
     axes[0].legend(loc="lower right")
     fig.suptitle(f"Fine-tuned on {Path(report['settings']['train']).parent.name or 'the corpus'}")
     fig.tight_layout()

@@ -16,6 +16,7 @@ from ..config import LinformerConfig
 from ..data.classification import load_classification
 from ..data.tokenizer import load_tokenizer
 from ..models import LinformerForSequenceClassification
+from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import latest_checkpoint
 from .distributed import setup_distributed, teardown_distributed
@@ -26,6 +27,7 @@ from .settings import TrainSettings, save_json
 logger = logging.getLogger(__name__)
 
 HEAD_INITS = ("probe", "random")
+PROJECTIONS = ("train", "freeze")
 # Fine-tuning's own recipe where it differs from pretraining's: a pretrained backbone takes
 # BERT's fine-tuning learning rate (Devlin et al.: 2e-5 to 5e-5), not a from-scratch one;
 # max_steps is sized from the epochs.
@@ -73,6 +75,13 @@ class FinetuneSettings:
             "LP-FT) or random"
         },
     )
+    projections: str = field(
+        default="train",
+        metadata={
+            "help": "train or freeze the pretrained sequence projections (E, F) while the rest "
+            "of the model fine-tunes"
+        },
+    )
     text_field: str = field(default="text", metadata={"help": "JSONL text field"})
     label_field: str = field(default="label", metadata={"help": "JSONL label field"})
     max_seq_len: int = field(
@@ -88,10 +97,11 @@ class FinetuneSettings:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.num_labels == 1:
             raise ValueError("num_labels must be at least 2 (or 0: max label + 1), got 1")
-        if self.head_init not in HEAD_INITS:
-            raise ValueError(
-                f"head_init must be one of {', '.join(HEAD_INITS)}; got {self.head_init!r}"
-            )
+        for name, allowed in (("head_init", HEAD_INITS), ("projections", PROJECTIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}"
+                )
 
 
 @dataclass(kw_only=True)
@@ -149,6 +159,26 @@ def _sized(
     return dataclasses.replace(train, max_steps=max_steps, eval_every=every, save_every=every)
 
 
+def freeze_projections(model: torch.nn.Module) -> int:
+    """Stops the gradient of every sequence projection's parameters (the optimizer then
+    leaves them out).
+
+    Returns:
+        The number of parameters frozen.
+    """
+    frozen = {
+        id(p): p
+        for module in model.modules()
+        if isinstance(module, SequenceProjection)
+        for p in module.parameters()
+    }
+    for parameter in frozen.values():
+        parameter.requires_grad_(False)
+    count = sum(p.numel() for p in frozen.values())
+    logger.info("sequence projections frozen: %d parameters", count)
+    return count
+
+
 def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     """Fine-tunes a classifier initialised from `settings.init` (backbone kept, new head).
 
@@ -188,6 +218,8 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             pooling=settings.pooling,
             config_overrides=train_data.label_config(),
         ).to(dist.device)
+        if settings.projections == "freeze":
+            freeze_projections(model)
         # A folder with checkpoints is resumed (its head loaded) or refused by the Trainer.
         fresh = latest_checkpoint(Path(train.output_dir)) is None
         if settings.head_init == "probe" and fresh:
