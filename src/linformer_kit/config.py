@@ -21,7 +21,8 @@ def _check_positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raises ValueError naming `name`, the wrong `value` and the allowed `choices`."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
@@ -122,11 +123,11 @@ class LinformerConfig:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.ffn_dim is not None:
             _check_positive("ffn_dim", self.ffn_dim)
-        _check_choice("projection", self.projection, PROJECTIONS)
-        _check_choice("sharing", self.sharing, SHARINGS)
-        _check_choice("activation", self.activation, ACTIVATIONS)
-        _check_choice("position", self.position, POSITIONS)
-        _check_choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
+        check_choice("projection", self.projection, PROJECTIONS)
+        check_choice("sharing", self.sharing, SHARINGS)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("position", self.position, POSITIONS)
+        check_choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
         _check_probability("dropout", self.dropout)
         _check_probability("attention_dropout", self.attention_dropout)
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:

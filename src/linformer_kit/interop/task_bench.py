@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import hub
+from ..config import check_choice
 from ..data.classification import load_classification, read_labelled
 from ..data.tokenizer import load_tokenizer
 from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
 from ..training.finetune import (
-    PROJECTIONS,
+    PROJECTION_MODES,
     FinetuneSettings,
     finetune,
     finetune_train_settings,
@@ -83,10 +84,7 @@ class TaskBenchSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.projections not in PROJECTIONS:
-            raise ValueError(
-                f"projections must be one of {', '.join(PROJECTIONS)}; got {self.projections!r}"
-            )
+        check_choice("projections", self.projections, PROJECTION_MODES)
 
 
 def parse_variants(spec: str) -> list[tuple[str, int | None, int]]:

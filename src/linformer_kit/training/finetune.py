@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .. import hub
-from ..config import LinformerConfig
+from ..config import LinformerConfig, check_choice
 from ..data.classification import load_classification
 from ..data.tokenizer import load_tokenizer
 from ..models import LinformerForSequenceClassification
@@ -27,7 +27,7 @@ from .settings import TrainSettings, save_json
 logger = logging.getLogger(__name__)
 
 HEAD_INITS = ("probe", "random")
-PROJECTIONS = ("train", "freeze")
+PROJECTION_MODES = ("train", "freeze")
 # Fine-tuning's own recipe where it differs from pretraining's: a pretrained backbone takes
 # BERT's fine-tuning learning rate (Devlin et al.: 2e-5 to 5e-5), not a from-scratch one;
 # max_steps is sized from the epochs.
@@ -97,11 +97,8 @@ class FinetuneSettings:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.num_labels == 1:
             raise ValueError("num_labels must be at least 2 (or 0: max label + 1), got 1")
-        for name, allowed in (("head_init", HEAD_INITS), ("projections", PROJECTIONS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}"
-                )
+        check_choice("head_init", self.head_init, HEAD_INITS)
+        check_choice("projections", self.projections, PROJECTION_MODES)
 
 
 @dataclass(kw_only=True)
@@ -166,15 +163,15 @@ def freeze_projections(model: torch.nn.Module) -> int:
     Returns:
         The number of parameters frozen.
     """
-    frozen = {
-        id(p): p
+    frozen = {  # a set: a projection shared by several layers counts once
+        p
         for module in model.modules()
         if isinstance(module, SequenceProjection)
         for p in module.parameters()
     }
-    for parameter in frozen.values():
+    for parameter in frozen:
         parameter.requires_grad_(False)
-    count = sum(p.numel() for p in frozen.values())
+    count = sum(p.numel() for p in frozen)
     logger.info("sequence projections frozen: %d parameters", count)
     return count
 
