@@ -76,10 +76,10 @@ class FinetuneSettings:
         },
     )
     projections: str = field(
-        default="train",
+        default="freeze",
         metadata={
-            "help": "train or freeze the pretrained sequence projections (E, F) while the rest "
-            "of the model fine-tunes"
+            "help": "freeze (AdamW would move every entry of a long, mostly-zero projection by "
+            "about lr per step) or train the pretrained sequence projections (E, F)"
         },
     )
     text_field: str = field(default="text", metadata={"help": "JSONL text field"})
