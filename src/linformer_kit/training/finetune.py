@@ -78,8 +78,8 @@ class FinetuneSettings:
     projections: str = field(
         default="freeze",
         metadata={
-            "help": "freeze (AdamW would move every entry of a long, mostly-zero projection by "
-            "about lr per step) or train the pretrained sequence projections (E, F)"
+            "help": "freeze or train the pretrained sequence projections (E, F); frozen "
+            "measured 1.6-2 points better on Pang & Lee, with faster steps (README)"
         },
     )
     text_field: str = field(default="text", metadata={"help": "JSONL text field"})
