@@ -82,7 +82,7 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
     earlier |= {"s_per_step": 0.1, "peak_mem_mb": 300.0, "train_s": 1.0, "wall_s": 9.0}
     elsewhere = dataclasses.replace(settings, work_dir="/elsewhere", out="/moved/report")
     old = dataclasses.asdict(elsewhere)
-    del old["grad_accum_steps"]  # written before the bench had the setting: its default holds
+    del old["grad_accum_steps"]  # written before the bench had the setting: 1 was used
     out.with_suffix(".json").write_text(  # an earlier run that wrote elsewhere, then was moved
         json.dumps({"settings": old, "rows": [earlier]})
     )
@@ -92,6 +92,12 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
     for changed in (dict(batch_size=3), dict(grad_accum_steps=2)):
         with pytest.raises(FileNotFoundError):  # other settings: run again (no such model dir)
             run_task_bench(dataclasses.replace(settings, **changed, source=str(tmp_path / "no")))
+    del old["projections"]  # before the setting existed every run trained the projections
+    out.with_suffix(".json").write_text(json.dumps({"settings": old, "rows": [earlier]}))
+    trained = dataclasses.replace(settings, projections="train")
+    assert run_task_bench(trained)["rows"][1] == earlier
+    with pytest.raises(FileNotFoundError):  # finetune's default (frozen) is another recipe
+        run_task_bench(dataclasses.replace(settings, source=str(tmp_path / "no")))
 
 
 def test_gradient_accumulation_reaches_finetune_and_sizes_the_warm_up(tmp_path, monkeypatch):

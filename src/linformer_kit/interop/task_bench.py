@@ -66,7 +66,8 @@ class TaskBenchSettings:
     )
     lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = finetune's)"})
     projections: str = field(
-        default="freeze", metadata={"help": "freeze or train the sequence projections (E, F)"}
+        default=FinetuneSettings.projections,  # finetune's default, defined once
+        metadata={"help": "freeze or train the sequence projections (E, F)"},
     )
     calibration_texts: int = field(
         default=8, metadata={"help": "stdlib windows for the projection init"}
