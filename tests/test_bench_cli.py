@@ -58,7 +58,7 @@ def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys, nat
 
 
 def test_bench_command_reports_bad_settings_without_a_traceback(tmp_path):
-    with pytest.raises(SystemExit, match="device must be cpu or cuda"):
+    with pytest.raises(SystemExit, match="device must be one of cpu, cuda; got .tpu."):
         main(["bench", "--device", "tpu", "--out", str(tmp_path)])
 
 

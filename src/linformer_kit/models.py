@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from . import hub
 from .attention import CausalState
-from .config import LinformerConfig
+from .config import LinformerConfig, check_choice
 from .encoder import LinformerEncoder
 from .functional import check_seq_len
 
@@ -339,8 +339,7 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         super().__init__(config)
         if not isinstance(num_labels, int) or num_labels < 1:
             raise ValueError(f"num_labels must be an integer >= 1, got {num_labels!r}")
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
+        check_choice("pooling", pooling, POOLINGS)
         self.num_labels, self.pooling = num_labels, pooling
         self.linformer = LinformerModel(config)
         self.head = nn.Sequential(

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .config import LinformerConfig
+from .config import LinformerConfig, check_choice
 from .functional import project_blocks, project_linear, zero_padding
 
 
@@ -159,8 +159,7 @@ def build_projection(
         "conv": (BlockProjection, True),
         "pool": (BlockProjection, False),
     }
-    if projection not in kinds:
-        raise ValueError(f"projection must be one of {', '.join(kinds)}; got {projection!r}")
+    check_choice("projection", projection, tuple(kinds))
     cls, learned = kinds[projection]
     return cls(max_seq_len=max_seq_len, proj_dim=proj_dim, num_heads=num_heads, learned=learned)
 

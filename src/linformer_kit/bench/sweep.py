@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..config import check_choice
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
 from .flops import Shape, matmul_flops
@@ -94,10 +95,8 @@ class BenchSettings:
     out: str = field(default="benchmarks/bench", metadata={"help": "output directory"})
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be fwd or fwdbwd; got {self.mode!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda; got {self.device!r}")
+        check_choice("mode", self.mode, tuple(MODES))
+        check_choice("device", self.device, ("cpu", "cuda"))
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but torch sees no GPU")
         if not _names(self.dtype) or not set(_names(self.dtype)) <= set(DTYPES):

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import LinformerSelfAttention
-from ..config import LinformerConfig
+from ..config import LinformerConfig, check_choice
 from ..encoder import LinformerEncoderLayer
 from ..functional import attention_weights
 from ..projection import build_sharing_plan
@@ -187,8 +187,7 @@ def build_variant(variant: Variant, shape: Shape, scope: str) -> nn.Module:
     Raises:
         ValueError: for an unknown scope or kind.
     """
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}")
+    check_choice("scope", scope, SCOPES)
     if variant.kind in ("ours", "sdpa", "naive"):
         return _ours(variant, shape, scope)
     if variant.kind == "lucidrains":

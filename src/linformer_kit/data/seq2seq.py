@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..config import check_choice
 from .cache import cache_key, default_cache_dir
 from .corpus import STDLIB, fingerprint
 from .docstrings import extract_stdlib_pairs, split_by_file
@@ -107,8 +108,7 @@ def synthetic_pairs(
     Raises:
         ValueError: for an unknown task or bad sizes.
     """
-    if task not in SYNTHETIC_TASKS:
-        raise ValueError(f"task must be one of {', '.join(SYNTHETIC_TASKS)}; got {task!r}")
+    check_choice("task", task, SYNTHETIC_TASKS)
     if not 1 <= min_len <= max_len or num < 1 or num_symbols < 2:
         raise ValueError(
             f"need 1 <= min_len <= max_len, num >= 1 and num_symbols >= 2; got min_len="
@@ -153,8 +153,7 @@ class Seq2SeqDataSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
+        check_choice("task", self.task, TASKS)
         if self.max_target_len < 3 or self.max_source_len < 1:
             raise ValueError(
                 f"need max_source_len >= 1 and max_target_len >= 3 (start, a token, end); "

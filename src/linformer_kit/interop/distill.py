@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..config import LinformerConfig
+from ..config import LinformerConfig, check_choice
 from ..data.corpus import list_files
 from ..models import LinformerModel
 from ..precision import bf16_autocast
@@ -85,10 +85,7 @@ class DistillSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.trainable not in TRAINABLES:
-            raise ValueError(
-                f"trainable must be one of {', '.join(TRAINABLES)}; got {self.trainable!r}"
-            )
+        check_choice("trainable", self.trainable, TRAINABLES)
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.layer_weight < 0:
@@ -189,8 +186,7 @@ def set_trainable(model: LinformerModel, trainable: str) -> list[torch.nn.Parame
     Raises:
         ValueError: if `trainable='projections'` and the projections hold no parameters.
     """
-    if trainable not in TRAINABLES:
-        raise ValueError(f"trainable must be one of {', '.join(TRAINABLES)}; got {trainable!r}")
+    check_choice("trainable", trainable, TRAINABLES)
     for name, param in model.named_parameters():
         param.requires_grad_(trainable == "all" or ".proj_" in name)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from ..config import check_choice
 from ..models import LinformerModel
 from ..projection import MatrixProjection
 
@@ -169,8 +170,8 @@ def init_projections(
         ValueError: for an unknown init, an init on a non-linear projection, or svd without
             a teacher and calibration ids of full length.
     """
-    if init is not None and init not in INITS:
-        raise ValueError(f"init must be one of {', '.join(INITS)}; got {init!r}")
+    if init is not None:
+        check_choice("init", init, INITS)
     config = model.config
     if config.projection != "linear":
         if init is not None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from ..config import LinformerConfig
+from ..config import LinformerConfig, check_choice
 from ..models import LinformerModel
 from ..training.compare import machine
 from .bert import convert_hf_model, linformer_config_from_hf, read_hf_config
@@ -59,8 +59,7 @@ def stdlib_files(split: str, calibration_every: int = 10) -> list[Path]:
     Raises:
         ValueError: for an unknown split.
     """
-    if split not in ("calibration", "heldout"):
-        raise ValueError(f"split must be calibration or heldout, got {split!r}")
+    check_choice("split", split, ("calibration", "heldout"))
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
         p for p in root.rglob("*.py") if not ({"test", "tests", "site-packages"} & set(p.parts))

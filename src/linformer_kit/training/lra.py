@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..config import SHARINGS, LinformerConfig
+from ..config import SHARINGS, LinformerConfig, check_choice
 from ..data.lra import TASKS, LRASplit, LRATask, load_listops, load_pathfinder, load_text
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
@@ -143,8 +143,7 @@ class LRASettings:
             raise ValueError(f"lr must be >= 0 (0 = LRA's), got {self.lr!r}")
         if not isinstance(self.proj_dim, int) or self.proj_dim < 1:
             raise ValueError(f"proj_dim must be an integer >= 1, got {self.proj_dim!r}")
-        if self.sharing not in SHARINGS:  # checked here, not after the data is generated
-            raise ValueError(f"sharing must be one of {', '.join(SHARINGS)}; got {self.sharing!r}")
+        check_choice("sharing", self.sharing, SHARINGS)  # here, not after the data is made
         check_threads(self.threads)
 
     def recipe(self, task: str) -> Recipe:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import LinformerConfig
+from ..config import LinformerConfig, check_choice
 from ..data.seq2seq import Seq2SeqData, Seq2SeqDataSettings, Seq2SeqPairs, load_seq2seq_data
 from ..data.tokenizer import TextTokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
@@ -249,8 +249,7 @@ def evaluate_seq2seq(
     Raises:
         ValueError / FileNotFoundError: for a bad split or a missing or corrupt checkpoint.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+    check_choice("split", split, SPLITS)
     if batch_size < 1 or max_examples < 0:
         raise ValueError(
             f"need batch_size >= 1 and max_examples >= 0; got {batch_size} and {max_examples}"

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..config import LinformerConfig
+from ..config import LinformerConfig, check_choice
 from ..data.pipeline import DataSettings
 from ..hub import atomic_write
 
@@ -66,18 +66,9 @@ class TrainSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}"
-            )
-        if self.objective not in OBJECTIVES:
-            raise ValueError(
-                f"objective must be one of {', '.join(OBJECTIVES)}; got {self.objective!r}"
-            )
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}"
-            )
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_choice("precision", self.precision, PRECISIONS)
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr <= 0:

@@ -1,0 +1,46 @@
+"""Every setting with a fixed set of values rejects an unknown one with the same message:
+the setting's name, the allowed values, and the value given (config.check_choice)."""
+
+import pytest
+
+from linformer_kit import linformer_tiny
+from linformer_kit.bench.sweep import BenchSettings
+from linformer_kit.bench.variants import build_variant
+from linformer_kit.data.seq2seq import Seq2SeqDataSettings, synthetic_pairs
+from linformer_kit.interop.distill import DistillSettings, set_trainable
+from linformer_kit.interop.projection_init import init_projections
+from linformer_kit.interop.report import stdlib_files
+from linformer_kit.models import LinformerForSequenceClassification, LinformerModel
+from linformer_kit.projection import build_projection
+from linformer_kit.training.lra import LRASettings
+from linformer_kit.training.seq2seq import evaluate_seq2seq
+from linformer_kit.training.settings import TrainSettings
+
+TINY = linformer_tiny(vocab_size=32, max_seq_len=16, proj_dim=4)
+
+CASES = {
+    "pooling": lambda: LinformerForSequenceClassification(TINY, pooling="bogus"),
+    "scope": lambda: build_variant(None, None, scope="bogus"),
+    "split": lambda: evaluate_seq2seq("no-such-run", split="bogus"),
+    "sharing": lambda: LRASettings(sharing="bogus"),
+    "task": lambda: Seq2SeqDataSettings(task="bogus"),
+    "mode": lambda: BenchSettings(mode="bogus"),
+    "projection": lambda: build_projection(projection="bogus", max_seq_len=16, proj_dim=4),
+    "trainable": lambda: DistillSettings(trainable="bogus"),
+    "init": lambda: init_projections(LinformerModel(TINY), init="bogus"),
+    "schedule": lambda: TrainSettings(schedule="bogus"),
+    "precision": lambda: TrainSettings(precision="bogus"),
+    # library functions check their choice before doing any work
+    "task (synthetic_pairs)": lambda: synthetic_pairs(
+        "bogus", 1, min_len=1, max_len=2, num_symbols=4, seed=0
+    ),
+    "trainable (set_trainable)": lambda: set_trainable(LinformerModel(TINY), "bogus"),
+    "split (stdlib_files)": lambda: stdlib_files("bogus"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_unknown_choice_names_the_setting_the_choices_and_the_value(case):
+    name = case.split()[0]
+    with pytest.raises(ValueError, match=rf"^{name} must be one of \w+(, \w+)+; got 'bogus'$"):
+        CASES[case]()
