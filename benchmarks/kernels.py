@@ -1,19 +1,23 @@
 """The table behind `linformer_kit.kernels.choose_kernel`: SDPA vs the explicit kernel.
 
-One attention call (B = 1, H = 4) at each n x k x head_dim, in three modes: training with
+One attention call (H = 4) at each batch x n x k x head_dim, in three modes: training with
 attention dropout 0.1, training without, and inference (forward only). For each shape the
 six (mode, kernel) steps are timed interleaved (medians of rotated rounds), so every ratio
-comes from the same seconds of a shared machine. Writes benchmarks/kernels/table.json and
-table.png (explicit's speed-up over SDPA, > 1: explicit is faster).
+comes from the same seconds of a shared machine. Writes OUT/table.json and OUT/table.png
+(explicit's speed-up over SDPA, > 1: explicit is faster).
 
-    PYTHONPATH=src python benchmarks/kernels.py
+    PYTHONPATH=src python benchmarks/kernels.py                  # the committed CPU table
+    PYTHONPATH=src python benchmarks/kernels.py --device cuda --dtype float32,bfloat16 \
+        --batch 1,8 --out benchmarks/kernels/cuda                # the GPU table (issue 17)
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,9 +27,12 @@ from tqdm.auto import tqdm
 
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.kernels import KERNELS, dot_product_attention
+from linformer_kit.precision import warn_if_bf16_is_slow
 from linformer_kit.training.compare import machine
 
-SEQ_LENS, PROJ_DIMS, HEAD_DIMS = (1024, 4096, 16384), (64, 256, 1024), (32, 64, 128)
+# n per device: a GPU reaches the lengths where issue 17 saw SDPA's fp32 kernel lose.
+SEQ_LENS = {"cpu": "1024,4096,16384", "cuda": "1024,4096,16384,65536"}
+PROJ_DIMS, HEAD_DIMS = "64,256,1024", "32,64,128"
 MODES = {"train dropout 0.1": (True, 0.1), "train": (True, 0.0), "inference": (False, 0.0)}
 HEADS, WARMUP, REPEATS, MIN_SECONDS = 4, 1, 5, 2.0
 # One thread: on a shared, oversubscribed machine a 2-thread OpenMP region waits for its
@@ -34,14 +41,18 @@ THREADS = 1
 OUT = Path(__file__).parent / "kernels"
 
 
-def make_step(n: int, k: int, d: int, mode: str, kernel: str) -> Callable[[], None]:
-    """One attention call of (1, H, n, d) queries over k keys, as `attend` receives them:
-    q, k, v are head-split views of (1, n, H * d) activations."""
+def make_step(
+    shape: tuple[int, int, int, int], mode: str, kernel: str, device: str, dtype: torch.dtype
+) -> Callable[[], None]:
+    """One attention call of (B, H, n, d) queries over k keys, as `attend` receives them:
+    q, k, v are head-split views of (B, n, H * d) activations. `shape` is (B, n, k, d)."""
     backward, dropout_p = MODES[mode]
-    q = torch.randn(1, n, HEADS, d, requires_grad=backward)
-    keys = torch.randn(1, k, HEADS, d, requires_grad=backward)
-    values = torch.randn(1, k, HEADS, d, requires_grad=backward)
-    grad = torch.randn(1, HEADS, n, d)
+    batch, n, k, d = shape
+    like = {"device": device, "dtype": dtype}
+    q = torch.randn(batch, n, HEADS, d, **like, requires_grad=backward)
+    keys = torch.randn(batch, k, HEADS, d, **like, requires_grad=backward)
+    values = torch.randn(batch, k, HEADS, d, **like, requires_grad=backward)
+    grad = torch.randn(batch, HEADS, n, d, **like)
 
     def step() -> None:
         args = (q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
@@ -57,57 +68,91 @@ def make_step(n: int, k: int, d: int, mode: str, kernel: str) -> Callable[[], No
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """explicit's speed-up over SDPA, one panel per mode, (k, head_dim) x n cells."""
-    fig = Figure(figsize=(4.2 * len(MODES), 3.6))
-    axes = fig.subplots(1, len(MODES), squeeze=False)[0]
-    shapes = list(itertools.product(PROJ_DIMS, HEAD_DIMS))
-    for axis, mode in zip(axes, MODES):
-        cells = {(r["k"], r["head_dim"], r["n"]): r["explicit_speedup"] for r in rows
-                 if r["mode"] == mode}  # fmt: skip
-        values = [[cells[(k, d, n)] for n in SEQ_LENS] for k, d in shapes]
-        axis.imshow(values, cmap="RdYlGn", vmin=0.25, vmax=1.75, aspect="auto")
-        for i, line in enumerate(values):
-            for j, value in enumerate(line):
-                axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-        axis.set_xticks(range(len(SEQ_LENS)), [str(n) for n in SEQ_LENS], fontsize=7)
-        axis.set_yticks(range(len(shapes)), [f"k={k} d={d}" for k, d in shapes], fontsize=7)
-        axis.set(title=f"{mode}: SDPA time / explicit time", xlabel="n")
+    """explicit's speed-up over SDPA: one panel per (dtype, batch) and mode, with
+    (k, head_dim) x n cells."""
+    panels = sorted({(r["dtype"], r["batch"]) for r in rows})
+    seq_lens = sorted({r["n"] for r in rows})
+    shapes = sorted({(r["k"], r["head_dim"]) for r in rows})
+    fig = Figure(figsize=(4.2 * len(MODES), 3.6 * len(panels)))
+    axes = fig.subplots(len(panels), len(MODES), squeeze=False)
+    for (dtype, batch), line in zip(panels, axes):
+        for axis, mode in zip(line, MODES):
+            cells = {(r["k"], r["head_dim"], r["n"]): r["explicit_speedup"] for r in rows
+                     if (r["mode"], r["dtype"], r["batch"]) == (mode, dtype, batch)}  # fmt: skip
+            values = [[cells[(k, d, n)] for n in seq_lens] for k, d in shapes]
+            axis.imshow(values, cmap="RdYlGn", vmin=0.25, vmax=1.75, aspect="auto")
+            for i, cell_line in enumerate(values):
+                for j, value in enumerate(cell_line):
+                    axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+            axis.set_xticks(range(len(seq_lens)), [str(n) for n in seq_lens], fontsize=7)
+            axis.set_yticks(range(len(shapes)), [f"k={k} d={d}" for k, d in shapes], fontsize=7)
+            axis.set(title=f"{dtype}, B={batch}, {mode}:\nSDPA time / explicit time", xlabel="n")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The device, dtypes, shapes and output folder of a run."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", default="float32", help="comma-separated: float32,bfloat16")
+    parser.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    parser.add_argument("--n", default="", help="comma-separated n (default: per device)")
+    parser.add_argument("--k", default=PROJ_DIMS, help="comma-separated k")
+    parser.add_argument("--head-dim", default=HEAD_DIMS, help="comma-separated head_dim")
+    parser.add_argument("--min-seconds", type=float, default=MIN_SECONDS, help="per shape")
+    parser.add_argument("--out", type=Path, default=OUT, help="writes table.json, table.png")
+    args = parser.parse_args(argv)
+    args.n = args.n or SEQ_LENS[args.device]
+    for name in ("batch", "n", "k", "head_dim"):
+        setattr(args, name, [int(part) for part in getattr(args, name).split(",")])
+    args.dtype = args.dtype.split(",")
+    for name in args.dtype:
+        if name not in ("float32", "bfloat16"):
+            parser.error(f"--dtype must be among float32, bfloat16; got {name!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was asked for but torch sees no GPU")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
     """Times every shape, writes the table and the plot."""
+    args = parse_args(argv)
     torch.set_num_threads(THREADS)
+    if "bfloat16" in args.dtype:
+        warn_if_bf16_is_slow(args.device, "--dtype float32")
     before, rows = machine(), []
-    shapes = list(itertools.product(SEQ_LENS, PROJ_DIMS, HEAD_DIMS))
-    for n, k, d in tqdm(shapes, desc="shapes"):
+    grid = list(itertools.product(args.dtype, args.batch, args.n, args.k, args.head_dim))
+    for dtype, batch, n, k, d in tqdm(grid, desc="shapes"):
         torch.manual_seed(0)
         steps = {
-            (mode, kernel): make_step(n, k, d, mode, kernel)
+            (mode, kernel): make_step((batch, n, k, d), mode, kernel, args.device,
+                                      getattr(torch, dtype))
             for mode, kernel in itertools.product(MODES, KERNELS)
-        }
+        }  # fmt: skip
         times = time_interleaved(
-            steps, warmup=WARMUP, repeats=REPEATS, device="cpu", min_seconds=MIN_SECONDS
+            steps, warmup=WARMUP, repeats=REPEATS, device=args.device, min_seconds=args.min_seconds
         )
         for mode in MODES:
             sdpa, explicit = (statistics.median(times[(mode, kr)]) * 1e3 for kr in KERNELS)
             rows.append(
-                {"mode": mode, "n": n, "k": k, "head_dim": d, "sdpa_ms": round(sdpa, 3),
-                 "explicit_ms": round(explicit, 3), "explicit_speedup": round(sdpa / explicit, 3)}
+                {"mode": mode, "dtype": dtype, "batch": batch, "n": n, "k": k, "head_dim": d,
+                 "sdpa_ms": float(f"{sdpa:.4g}"), "explicit_ms": float(f"{explicit:.4g}"),
+                 "explicit_speedup": round(sdpa / explicit, 3)}
             )  # fmt: skip
             tqdm.write(json.dumps(rows[-1]))
-    OUT.mkdir(exist_ok=True)
+        del steps  # frees this shape's tensors before the next one's
+    args.out.mkdir(parents=True, exist_ok=True)
     result = {
-        "command": "PYTHONPATH=src python benchmarks/kernels.py",
+        "command": "PYTHONPATH=src python benchmarks/kernels.py " + " ".join(argv or sys.argv[1:]),
         "machine": before,
+        "device": args.device,
         "heads": HEADS,
-        "batch": 1,
         "threads": THREADS,
         "rows": rows,
     }
-    (OUT / "table.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(rows, OUT / "table.png")
+    (args.out / "table.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, args.out / "table.png")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 each other, dropout is applied exactly once, gradients pass gradcheck, and the dispatch rule
 picks what the measured table says."""
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -202,3 +203,21 @@ def test_attend_follows_the_rule():
     picked = seeded(5, attend, q, k, v, dropout_p=0.1)
     assert torch.equal(picked, seeded(5, explicit, q, k, v, dropout_p=0.1))
     assert torch.equal(attend(q, k, v), dot_product_attention(q, k, v, kernel="sdpa"))
+
+
+def test_the_table_script_times_every_shape_it_is_given(tmp_path):
+    # benchmarks/kernels.py on tiny shapes (the GPU run uses the same code with --device cuda).
+    path = TABLE.parent.parent / "kernels.py"
+    spec = importlib.util.spec_from_file_location("kernels_table", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = "--batch 1,2 --n 16,32 --k 8 --head-dim 4 --min-seconds 0 --out".split()
+    script.main([*args, str(tmp_path)])
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["device"] == "cpu" and table["command"].endswith(str(tmp_path))
+    cells = {(r["mode"], r["batch"], r["n"]) for r in table["rows"]}
+    assert cells == {(m, b, n) for m in script.MODES for b in (1, 2) for n in (16, 32)}
+    for row in table["rows"]:
+        assert row["dtype"] == "float32" and (row["k"], row["head_dim"]) == (8, 4)
+        assert row["explicit_speedup"] == pytest.approx(row["sdpa_ms"] / row["explicit_ms"], 0.01)
+    assert (tmp_path / "table.png").stat().st_size > 0
