@@ -13,7 +13,7 @@ from linformer_kit import (
 from linformer_kit.projection import build_projection
 
 SHARINGS = ["none", "headwise", "kv", "layerwise"]
-KINDS = ["linear", "conv", "pool", "random"]
+KINDS = ["linear", "conv", "pool", "random", "adaptive"]
 
 
 def tiny(**changes):

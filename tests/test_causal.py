@@ -206,7 +206,7 @@ def test_save_and_load_round_trip(tmp_path):
 
 def test_config_refuses_kinds_that_cannot_be_causal_and_bad_values():
     base = dict(max_seq_len=32, proj_dim=8, causal=True)
-    for projection in ("conv", "pool"):
+    for projection in ("conv", "pool", "adaptive"):
         with pytest.raises(ValueError, match=f"causal=True cannot use projection='{projection}'"):
             LinformerConfig(**base, projection=projection)
     with pytest.raises(ValueError, match="block_size must be an integer >= 1, got 0"):
@@ -215,7 +215,7 @@ def test_config_refuses_kinds_that_cannot_be_causal_and_bad_values():
         LinformerConfig(**base | {"causal": 1})
 
 
-@pytest.mark.parametrize("projection", ["conv", "pool"])
+@pytest.mark.parametrize("projection", ["conv", "pool", "adaptive"])
 def test_attention_refuses_kinds_that_cannot_be_causal(projection):
     proj = build_projection(projection=projection, max_seq_len=32, proj_dim=8)
     with pytest.raises(ValueError, match="causal attention needs a matrix projection"):

@@ -14,7 +14,10 @@ from linformer_kit.config import proj_dim_schedule
         ({"proj_dim": [8, 8, 8]}, r"one k per layer: got 3 values for depth 2"),
         ({"proj_dim": [16, 8]}, r"sharing='layerwise'.*cannot have a different k per layer"),
         ({"projection": "pool", "proj_dim": 12}, r"proj_dim \(12\) must divide max_seq_len \(64\)"),
-        ({"projection": "fft"}, r"projection must be one of linear, conv, pool, random; got 'fft'"),
+        (
+            {"projection": "fft"},
+            r"projection must be one of linear, conv, pool, random, adaptive; got 'fft'",
+        ),
         ({"sharing": "all"}, r"sharing must be one of none, headwise, kv, layerwise; got 'all'"),
         ({"activation": "tanh"}, r"activation must be one of gelu, relu"),
         ({"position": "rope"}, r"position must be one of learned, sinusoidal"),

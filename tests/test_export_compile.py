@@ -5,7 +5,7 @@ import torch
 
 from linformer_kit import LinformerEncoder, LinformerForMaskedLM, LinformerModel, linformer_tiny
 
-KINDS = ["exact", "linear", "conv", "pool", "random"]
+KINDS = ["exact", "linear", "conv", "pool", "random", "adaptive"]
 B, N, DIM = 3, 20, 32
 
 

@@ -27,7 +27,7 @@ from linformer_kit.hub import (
 )
 
 SHARINGS = ["none", "headwise", "kv", "layerwise"]
-KINDS = ["linear", "conv", "pool", "random"]
+KINDS = ["linear", "conv", "pool", "random", "adaptive"]
 DEPTH = 2
 
 

@@ -118,6 +118,22 @@ def test_linformer_conversion_runs_at_full_length(exact):
     assert cosine.min() > 0.5  # mean-pooling init keeps the sentence embedding close
 
 
+def test_adaptive_conversion_is_exact_up_to_k_tokens_and_reads_long_inputs(raw):
+    config, tensors = raw
+    model = convert_hf_model(MINILM, proj_dim=64, max_seq_len=2048, projection="adaptive")
+    ids = torch.randint(
+        1000, config["vocab_size"], (3, 64), generator=torch.Generator().manual_seed(4)
+    )
+    mask = torch.arange(64)[None, :] < torch.tensor([[64], [30], [2]])
+    ids = ids.masked_fill(~mask, 0)
+    with torch.no_grad():
+        got = model(ids, key_padding_mask=mask).last_hidden_state
+        want = reference_bert(config, tensors, ids, mask)
+        long = model(torch.randint(1000, 30000, (1, 1500))).last_hidden_state
+    assert (got - want)[mask].abs().max() <= 1e-4
+    assert long.shape == (1, 1500, 384) and torch.isfinite(long).all()
+
+
 @pytest.fixture
 def copy_of_minilm(tmp_path):
     for name in ("config.json", "model.safetensors"):

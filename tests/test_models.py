@@ -12,7 +12,7 @@ from linformer_kit import (
 )
 
 B, N, VOCAB, DIM, DEPTH = 3, 20, 100, 32, 2
-KINDS = ["exact", "linear", "conv", "pool", "random"]
+KINDS = ["exact", "linear", "conv", "pool", "random", "adaptive"]
 
 
 def tiny(**changes):

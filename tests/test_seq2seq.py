@@ -18,7 +18,7 @@ from linformer_kit.data.seq2seq import synthetic_pairs
 from linformer_kit.projection import MatrixProjection
 
 BLOCK = 4
-KINDS = [("linear", 6), ("random", 6), ("conv", 8), ("pool", 8), ("exact", None)]
+KINDS = [("linear", 6), ("random", 6), ("conv", 8), ("pool", 8), ("adaptive", 6), ("exact", None)]
 
 
 def config(enc_proj=("linear", 8), dec_proj=6, sharing="none", **changes):

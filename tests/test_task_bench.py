@@ -2,7 +2,9 @@
 and (slow) a whole run on a tiny converted BERT."""
 
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 from hf_helpers import write_tiny_bert
@@ -19,12 +21,16 @@ from linformer_kit.interop.task_bench import (
 
 
 def test_variants_parse_and_malformed_ones_are_named():
-    assert parse_variants("exact@512, k256@2048") == [
-        ("exact@512", None, 512),
-        ("k256@2048", 256, 2048),
+    assert parse_variants("exact@512, k256@2048, k128@2048:adaptive") == [
+        ("exact@512", None, 512, "linear"),
+        ("k256@2048", 256, 2048, "linear"),
+        ("k128@2048:adaptive", 128, 2048, "adaptive"),
     ]
-    with pytest.raises(ValueError, match="variant 'k256' is not exact@N or kK@N"):
-        parse_variants("exact@512,k256")
+    for bad in ("k256", "exact@512:adaptive"):
+        with pytest.raises(ValueError, match=f"variant '{bad}' is not exact@N or kK@N"):
+            parse_variants(f"exact@512,{bad}")
+    with pytest.raises(ValueError, match="projection must be one of linear, .*; got 'fft'"):
+        parse_variants("k128@2048:fft")
 
 
 def test_bad_settings_are_usage_errors(capsys):
@@ -118,3 +124,25 @@ def test_gradient_accumulation_reaches_finetune_and_sizes_the_warm_up(tmp_path, 
     assert seen["settings"].epochs == 2
     with pytest.raises(ValueError, match="grad_accum_steps must be an integer >= 1, got 0"):
         dataclasses.replace(settings, grad_accum_steps=0)
+
+
+def test_the_fidelity_script_scores_every_variant_against_the_exact_long_model(tmp_path):
+    # benchmarks/longdoc/fidelity.py on a tiny BERT extended to 64 positions.
+    path = Path(__file__).parent.parent / "benchmarks" / "longdoc" / "fidelity.py"
+    spec = importlib.util.spec_from_file_location("fidelity", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    source = write_tiny_bert(tmp_path / "bert")
+    data = write_classification(tmp_path / "docs.jsonl", count=12)
+    out = tmp_path / "fidelity"
+    args = ["--data", str(data), "--source", str(source), "--docs", "6", "--out", str(out)]
+    script.main([*args, "--variants", "k4@64,k4@64:adaptive,k64@64:adaptive"])
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = {row["variant"]: row for row in report["rows"]}
+    assert list(rows) == ["k4@64", "k4@64:adaptive", "k64@64:adaptive"]
+    assert rows["k64@64:adaptive"]["pooled_cosine"] == pytest.approx(1.0, abs=1e-5)  # exact
+    assert all(-1 <= row["pooled_cosine"] < 0.9999 for row in list(rows.values())[:2])
+    assert rows["k4@64"]["docs_<=512"] == 6
+    assert out.with_suffix(".md").read_text().count("\n") == 5
+    with pytest.raises(SystemExit):
+        script.main([*args, "--variants", "k4@64,k4@32"])  # one max_seq_len only

@@ -23,6 +23,7 @@ from .models import (
 )
 from .precision import Bf16Support, bf16_support
 from .projection import (
+    AdaptivePoolProjection,
     BlockProjection,
     ExactProjection,
     MatrixProjection,
@@ -43,6 +44,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Bf16Support",
+    "AdaptivePoolProjection",
     "BlockProjection",
     "CausalLMOutput",
     "CausalState",

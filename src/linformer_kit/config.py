@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SHARINGS = ("none", "headwise", "kv", "layerwise")
-PROJECTIONS = ("linear", "conv", "pool", "random")
+PROJECTIONS = ("linear", "conv", "pool", "random", "adaptive")
 CAUSAL_PROJECTIONS = ("linear", "random")  # row j of E touches position j only
 ACTIVATIONS = ("gelu", "relu")
 POSITIONS = ("learned", "sinusoidal")
@@ -62,7 +62,7 @@ class LinformerConfig:
     )
     projection: str = field(
         default="linear",
-        metadata={"help": "sequence projection kind: linear, conv, pool or random"},
+        metadata={"help": "sequence projection kind: linear, conv, pool, random or adaptive"},
     )
     sharing: str = field(
         default="layerwise",
@@ -182,8 +182,8 @@ class LinformerConfig:
         _check_positive("block_size", self.block_size)
         if self.causal and self.proj_dim is not None and self.projection not in CAUSAL_PROJECTIONS:
             raise ValueError(
-                f"causal=True cannot use projection={self.projection!r}: it summarises fixed "
-                f"windows of max_seq_len / proj_dim positions, and a window still open at a "
+                f"causal=True cannot use projection={self.projection!r}: it summarises "
+                f"windows of positions, and a window still open at a "
                 f"query's block would mix in positions after the query; use one of "
                 f"{', '.join(CAUSAL_PROJECTIONS)} (row j of E touches position j only)"
             )

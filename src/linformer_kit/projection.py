@@ -10,6 +10,7 @@ number of heads for a per-head projection and 1 (or anything) for one shared acr
 | `random` | fixed Gaussian N(0, 1/k) (Johnson-Lindenstrauss)  | buffer, not trained|
 | `conv`   | strided 1-D conv, kernel = stride = max_seq_len/k | trained kernel    |
 | `pool`   | mean over blocks of max_seq_len/k positions       | none              |
+| `adaptive`| mean over k blocks sized to each sequence's length| none              |
 | `exact`  | identity: exact attention (proj_dim=None)         | none              |
 """
 
@@ -121,6 +122,79 @@ class BlockProjection(SequenceProjection):
         return seq_len * width
 
 
+def adaptive_block_index(real: Tensor, proj_dim: int) -> Tensor:
+    """The block of every position under adaptive pooling.
+
+    A sequence of L <= k real tokens keeps one block per token (exact attention). A longer
+    one gives its first real token a block of its own (the attention sink of BERT's [CLS]
+    or a BOS token: pooled with its neighbours, a converted model's attention loses it)
+    and splits the other L - 1 into k - 1 contiguous blocks: the j-th of them (j = 0 ..
+    L - 2) goes to block 1 + floor(j (k - 1) / (L - 1)), so sizes differ by at most one.
+    Blocks follow each sequence's own real tokens, so padding changes nothing.
+
+    Args:
+        real: bool (B, N), True at real tokens.
+        proj_dim: k, the most blocks.
+
+    Returns:
+        int64 (B, N): the block in [0, min(k, N)) of each real token, -1 at padding.
+    """
+    rank = real.long().cumsum(1) - 1  # (B, N) index among the row's real tokens
+    length = real.sum(1, keepdim=True)  # (B, 1)
+    blocks = min(proj_dim, real.shape[1])
+    if blocks == 1:
+        block = torch.zeros_like(rank)
+    else:
+        inner = 1 + (rank - 1).clamp(min=0) * (blocks - 1) // (length - 1).clamp(min=1)
+        block = torch.where((length <= blocks) | (rank == 0), rank, inner)
+    return torch.where(real, block, -1)
+
+
+class AdaptivePoolProjection(SequenceProjection):
+    """Mean pooling over at most k blocks sized to each sequence's own length (`adaptive`).
+
+    Fixed projections waste their k rows on short inputs: a 2048 x 128 block pooling gives a
+    400-token review 25 blocks of 16 tokens and 103 empty ones. Here the same review gets 128
+    blocks of about 3 tokens and an input of <= k tokens is attended exactly; the cost stays
+    O(N k) per layer. No parameters; not causal (a block's extent depends on the length).
+
+    Args:
+        proj_dim: k, the most blocks per sequence.
+    """
+
+    def __init__(self, proj_dim: int) -> None:
+        super().__init__()
+        self.proj_dim = proj_dim
+
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B, N, G, C) -> (B, min(k, N), G, C) block means, and the mask of non-empty blocks
+        (None when no key_padding_mask was given: then every block is non-empty)."""
+        batch, seq_len, groups, width = x.shape
+        real = x.new_ones(batch, seq_len, dtype=torch.bool)
+        if key_padding_mask is not None:
+            real = key_padding_mask
+        block = adaptive_block_index(real, self.proj_dim)
+        blocks = self.output_len(seq_len)
+        slot = torch.where(block < 0, blocks, block)  # padding goes to a spare row, dropped
+        counts = torch.zeros(batch, blocks + 1, device=x.device).scatter_add_(
+            1, slot, real.float()
+        )[:, :blocks]  # (B, M)
+        flat = x.reshape(batch, seq_len, groups * width)
+        sums = flat.new_zeros(batch, blocks + 1, groups * width)
+        sums = sums.scatter_add(1, slot[:, :, None].expand_as(flat), flat)[:, :blocks]
+        out = sums / counts.clamp(min=1)[:, :, None].to(x.dtype)
+        mask = counts > 0 if key_padding_mask is not None else None
+        return out.view(batch, blocks, groups, width), mask
+
+    def output_len(self, seq_len: int) -> int:
+        return min(self.proj_dim, seq_len)
+
+    def flops(self, seq_len: int, width: int) -> int:
+        return seq_len * width
+
+
 class ExactProjection(SequenceProjection):
     """Identity: keeps all N keys, so attention is exact (proj_dim=None)."""
 
@@ -143,7 +217,7 @@ def build_projection(
     """Builds one projection of the given kind (`ExactProjection` when proj_dim is None).
 
     Args:
-        projection: linear, random, conv or pool.
+        projection: linear, random, conv, pool or adaptive.
         max_seq_len: longest input n.
         proj_dim: k, or None for exact attention.
         num_heads: one projection per head when set; shared across heads when None.
@@ -159,7 +233,9 @@ def build_projection(
         "conv": (BlockProjection, True),
         "pool": (BlockProjection, False),
     }
-    check_choice("projection", projection, tuple(kinds))
+    check_choice("projection", projection, (*kinds, "adaptive"))
+    if projection == "adaptive":
+        return AdaptivePoolProjection(proj_dim)
     cls, learned = kinds[projection]
     return cls(max_seq_len=max_seq_len, proj_dim=proj_dim, num_heads=num_heads, learned=learned)
 

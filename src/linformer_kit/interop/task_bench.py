@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import hub
-from ..config import check_choice
+from ..config import PROJECTIONS, check_choice
 from ..data.classification import load_classification, read_labelled
 from ..data.tokenizer import load_tokenizer
 from ..training.compare import machine
@@ -41,7 +41,7 @@ from .report import minilm_path
 
 logger = logging.getLogger(__name__)
 
-_VARIANT = re.compile(r"(exact|k(\d+))@(\d+)")
+_VARIANT = re.compile(r"(exact|k(\d+))@(\d+)(?::(\w+))?")
 
 
 @dataclass(kw_only=True)
@@ -56,7 +56,10 @@ class TaskBenchSettings:
     )
     variants: str = field(
         default="exact@512,k256@2048,k128@2048,exact@2048",
-        metadata={"help": "comma-separated exact@N or kK@N (N: max_seq_len, K: proj_dim)"},
+        metadata={
+            "help": "comma-separated exact@N or kK@N[:KIND] (N: max_seq_len, K: proj_dim, "
+            "KIND: projection, default linear)"
+        },
     )
     epochs: int = field(default=1, metadata={"help": "passes over the training set"})
     batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch"})
@@ -88,30 +91,42 @@ class TaskBenchSettings:
         check_choice("projections", self.projections, PROJECTION_MODES)
 
 
-def parse_variants(spec: str) -> list[tuple[str, int | None, int]]:
-    """`exact@512,k256@2048` -> [(name, proj_dim or None, max_seq_len), ...].
+def parse_variants(spec: str) -> list[tuple[str, int | None, int, str]]:
+    """`exact@512,k256@2048,k128@2048:adaptive` -> [(name, proj_dim or None, max_seq_len,
+    projection kind), ...]; a Linformer variant without `:KIND` is `linear` (calibrated init).
 
     Raises:
-        ValueError: naming the first malformed variant.
+        ValueError: naming the first malformed variant or unknown projection kind.
     """
     variants = []
     for name in (part.strip() for part in spec.split(",")):
         match = _VARIANT.fullmatch(name)
-        if match is None:
-            raise ValueError(f"variant {name!r} is not exact@N or kK@N (e.g. exact@512, k256@2048)")
+        if match is None or (match.group(1) == "exact" and match.group(4)):
+            raise ValueError(
+                f"variant {name!r} is not exact@N or kK@N[:KIND] "
+                f"(e.g. exact@512, k256@2048, k128@2048:adaptive)"
+            )
+        projection = match.group(4) or "linear"
+        check_choice("projection", projection, PROJECTIONS)
         proj_dim = int(match.group(2)) if match.group(2) else None
-        variants.append((name, proj_dim, int(match.group(3))))
+        variants.append((name, proj_dim, int(match.group(3)), projection))
     return variants
 
 
 def _convert(
-    source: str, out: Path, proj_dim: int | None, max_seq_len: int, s: TaskBenchSettings
+    source: str,
+    out: Path,
+    proj_dim: int | None,
+    max_seq_len: int,
+    projection: str,
+    s: TaskBenchSettings,
 ) -> None:
     convert_to_dir(
         source,
         out,
         proj_dim=proj_dim,
         max_seq_len=max_seq_len,
+        projection=projection,
         calibration_texts=s.calibration_texts,
         seed=s.seed,
     )
@@ -191,17 +206,19 @@ def tfidf_baseline(s: TaskBenchSettings) -> dict[str, Any]:
 
 
 def _variant_row(
-    name: str, proj_dim: int | None, max_seq_len: int, s: TaskBenchSettings
+    name: str, proj_dim: int | None, max_seq_len: int, projection: str, s: TaskBenchSettings
 ) -> dict[str, Any]:
     """Converts and fine-tunes one variant, each in a fresh process; its report row."""
     source = s.source or str(minilm_path())
     folder = Path(s.work_dir) / name
     start = time.perf_counter()
-    _in_fresh_process(_convert, source, folder / "model", proj_dim, max_seq_len, s)
+    _in_fresh_process(_convert, source, folder / "model", proj_dim, max_seq_len, projection, s)
     convert_s = time.perf_counter() - start
     start = time.perf_counter()
     row = _in_fresh_process(_finetune_and_test, folder / "model", folder / "run", s)
     kind = "exact" if proj_dim is None else f"Linformer k={proj_dim}"
+    if proj_dim is not None and projection != "linear":
+        kind += f" {projection}"
     return {
         "variant": name,
         "model": f"{kind}, n={max_seq_len}",
@@ -250,12 +267,12 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
         "rows": [tfidf_baseline(s)],
     }
     write_task_report(report, Path(s.out))
-    for name, proj_dim, max_seq_len in parse_variants(s.variants):
+    for name, proj_dim, max_seq_len, projection in parse_variants(s.variants):
         if name in earlier:
             logger.info("%s: kept from the earlier %s.json", name, s.out)
             report["rows"].append(earlier[name])
             continue
-        report["rows"].append(_variant_row(name, proj_dim, max_seq_len, s))
+        report["rows"].append(_variant_row(name, proj_dim, max_seq_len, projection, s))
         report["machine_after"] = machine()
         write_task_report(report, Path(s.out))
     write_task_report(report, Path(s.out))
