@@ -12,15 +12,19 @@ from linformer_kit import LinformerModel
 from linformer_kit.cli import main
 from linformer_kit.interop import convert_hf_model
 from linformer_kit.interop.distill import (
-    DistillData,
     DistillSettings,
     HeldOut,
     distill,
-    distill_checkpoint,
-    distillation_files,
+    distillation_loss,
 )
 from linformer_kit.interop.distill_report import distillation_report, plot_curves
-from linformer_kit.interop.report import stdlib_files, text_windows
+from linformer_kit.interop.distill_run import (
+    DistillData,
+    distill_checkpoint,
+    distillation_files,
+    split_documents,
+)
+from linformer_kit.interop.report import document_ids, stdlib_files, text_windows
 
 K = 8
 SMALL = DistillData(texts=8, per_file=2, heldout_texts=4, calibration_texts=2)
@@ -197,3 +201,94 @@ def test_heldout_files_are_refused_as_distillation_data(tmp_path):
     text.write_text("some text")
     assert distillation_files([str(tmp_path)], "**/*.txt") == [text]
     assert distillation_files(None, "**/*.txt") == stdlib_files("calibration")
+
+
+def _texts(count, seed=0):
+    """`count` English-like documents of different lengths."""
+    words = "the film was long and the plot slow but its actors gave it life at the end".split()
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 90, (count,), generator=generator).tolist()
+    return [
+        " ".join(words[i] for i in torch.randint(0, len(words), (n,), generator=generator))
+        for n in lengths
+    ]
+
+
+def test_document_ids_cut_each_text_keep_its_end_token_and_mask_the_padding(tiny):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    texts = ["a short one", " ".join(["word"] * 100)]
+    ids, mask = document_ids(tiny / "tokenizer.json", texts, N)
+    short = tokenizer.encode(texts[0]).ids  # [CLS] ... [SEP]
+    assert ids.shape == mask.shape == (2, N)
+    assert ids[0, : len(short)].tolist() == short and mask[0].sum() == len(short)
+    assert not mask[0, len(short) :].any() and mask[1].all()
+    assert ids[1, 0] == short[0] and ids[1, -1] == short[-1]  # cut, [SEP] kept
+    with pytest.raises(ValueError, match="no documents"):
+        document_ids(tiny / "tokenizer.json", [], N)
+
+
+def test_padding_counts_in_no_term_of_the_loss():
+    torch.manual_seed(0)
+    student = [torch.randn(2, 7, 5) for _ in range(3)]
+    teacher = torch.randn(3, 2, 7, 5)
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    loss = distillation_loss(student, teacher, 0.5, mask)
+    noisy = [s.clone() for s in student]
+    for s in noisy:
+        s[1, 4:] = 1e3  # only padded positions change
+    assert torch.equal(loss, distillation_loss(noisy, teacher, 0.5, mask))
+    # Hand-written: per-layer error over the real positions, cosine of the real-token means.
+    real = [(0, slice(0, 7)), (1, slice(0, 4))]
+    stacked = torch.stack(student)
+    num = [
+        sum((stacked[i, b, t] - teacher[i, b, t]).pow(2).sum() for b, t in real) for i in range(3)
+    ]
+    den = [sum(teacher[i, b, t].pow(2).sum() for b, t in real) for i in range(3)]
+    cosines = [
+        torch.nn.functional.cosine_similarity(
+            stacked[-1, b, t].mean(0), teacher[-1, b, t].mean(0), dim=0
+        )
+        for b, t in real
+    ]
+    want = 0.5 * sum(n / d for n, d in zip(num, den)) / 3 + sum(1 - c for c in cosines) / 2
+    torch.testing.assert_close(loss, want)
+
+
+def test_distilling_padded_documents_raises_their_cosine_and_ignores_padding(tiny):
+    teacher = convert_hf_model(tiny, proj_dim=None)
+    ids, mask = document_ids(tiny / "tokenizer.json", _texts(12), N)
+    scored = HeldOut.from_teacher(teacher, *document_ids(tiny / "tokenizer.json", _texts(6, 1), N))
+    settings = DistillSettings(max_steps=8, lr=1e-3, warmup_steps=2, batch_size=4)
+    student = convert_hf_model(tiny, proj_dim=K, projection="adaptive")
+    history = distill(student, teacher, ids, settings, key_padding_mask=mask, heldout=scored)
+    assert history[-1]["cosine_mean"] > history[0]["cosine_mean"] + 0.02, history
+    # The same documents with other ids under the padding train the student identically.
+    other = torch.where(mask, ids, torch.randint_like(ids, 1000, 2000))
+    again = convert_hf_model(tiny, proj_dim=K, projection="adaptive")
+    distill(again, teacher, other, settings, key_padding_mask=mask)
+    for (name, got), want in zip(again.state_dict().items(), student.state_dict().values()):
+        torch.testing.assert_close(got, want, msg=name)
+    with pytest.raises(ValueError, match="must match ids"):
+        distill(again, teacher, ids, settings, key_padding_mask=mask[:, :-1])
+
+
+def test_cli_distills_whole_documents_past_the_teachers_positions(tiny, tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t, "label": 1}) + "\n" for t in _texts(10)))
+    out = tmp_path / "student"
+    command = ["distill", "--teacher", str(tiny), "--student", str(out), "--max-seq-len", "128"]
+    flags = ["--documents", str(docs), "--heldout-texts", "3", "--projection", "adaptive"]
+    main([*command, *flags, "--proj-dim", str(K), "--max-steps", "2", "--batch-size", "2"])
+    assert "held-out embedding cosine" in capsys.readouterr().out
+    student = LinformerModel.from_pretrained(out)
+    assert student.config.max_seq_len == 128 and student.config.projection == "adaptive"
+    with pytest.raises(SystemExit, match="not both"):
+        main([*command, "--documents", str(docs), "--data", str(docs)])
+    with pytest.raises(SystemExit, match="differs from the student's 128"):
+        main([*command[:-1], "256", *flags])  # the saved student is 128 long
+    with pytest.raises(ValueError, match="no documents left"):
+        split_documents(["one", "two"], None, DistillData(heldout_texts=2), seed=0)

@@ -11,6 +11,7 @@ from hf_helpers import write_tiny_bert
 from train_helpers import write_classification
 
 from linformer_kit.cli import main
+from linformer_kit.data.classification import read_labelled
 from linformer_kit.interop import task_bench
 from linformer_kit.interop.task_bench import (
     TaskBenchSettings,
@@ -146,3 +147,25 @@ def test_the_fidelity_script_scores_every_variant_against_the_exact_long_model(t
     assert out.with_suffix(".md").read_text().count("\n") == 5
     with pytest.raises(SystemExit):
         script.main([*args, "--variants", "k4@64,k4@32"])  # one max_seq_len only
+
+
+def test_distillation_runs_on_the_training_texts_and_is_scored_on_the_validation_texts(
+    tmp_path, monkeypatch
+):
+    seen = {}
+
+    def recording_distill(source, model_dir, settings, data, **texts):
+        seen.update(settings=settings, data=data, **texts)
+        return [{"cosine_mean": 0.5}, {"cosine_mean": 0.75}]
+
+    monkeypatch.setattr(task_bench, "distill_checkpoint", recording_distill)
+    train = write_classification(tmp_path / "train.jsonl", 12, seed=0)
+    val = write_classification(tmp_path / "val.jsonl", 5, seed=1)
+    settings = TaskBenchSettings(train=str(train), val=str(val), test="t", distill_steps=7)
+    row = task_bench._distill("source", tmp_path / "model", settings)
+    assert row == {"distill_cosine_before": 0.5, "distill_cosine_after": 0.75}
+    assert seen["documents"] == read_labelled(train)[0]
+    assert seen["heldout_documents"] == read_labelled(val)[0]
+    assert seen["settings"].max_steps == 7 and seen["data"].texts == 12
+    with pytest.raises(ValueError, match="distill_steps must be an integer >= 0, got -1"):
+        dataclasses.replace(settings, distill_steps=-1)

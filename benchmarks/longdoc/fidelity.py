@@ -25,9 +25,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from linformer_kit.data.classification import read_labelled
-from linformer_kit.data.tokenizer import load_tokenizer
 from linformer_kit.interop import convert_hf_model
-from linformer_kit.interop.report import calibration_ids, minilm_path
+from linformer_kit.interop.report import (
+    TOKENIZER_NAME,
+    calibration_ids,
+    document_ids,
+    minilm_path,
+)
 from linformer_kit.interop.task_bench import parse_variants
 from linformer_kit.training.compare import machine
 
@@ -35,13 +39,12 @@ BUCKETS = {"<=512": (0, 512), "513-1024": (513, 1024), ">1024": (1025, 10**9)}  
 
 
 def documents(path: Path, source: Path, count: int, max_seq_len: int) -> list[torch.Tensor]:
-    """`count` documents spread evenly over the file, tokenised, cut to max_seq_len."""
+    """`count` documents spread evenly over the file, tokenised ([CLS] ... [SEP]) and cut to
+    max_seq_len, each (1, its length)."""
     texts = read_labelled(path)[0]
     picked = [texts[i * len(texts) // count] for i in range(min(count, len(texts)))]
-    tokenizer = load_tokenizer(source)
-    ids = tokenizer.encode_batch(picked)
-    ids = [i if len(i) <= max_seq_len else i[: max_seq_len - 1] + [tokenizer.sep_id] for i in ids]
-    return [torch.tensor([i]) for i in ids]
+    ids, mask = document_ids(source / TOKENIZER_NAME, picked, max_seq_len)
+    return [row[real][None] for row, real in zip(ids, mask)]
 
 
 @torch.no_grad()

@@ -73,6 +73,14 @@ def sinusoidal_positions(max_seq_len: int, dim: int) -> Tensor:
     return table
 
 
+def masked_mean(hidden: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """Mean over the real tokens: (B, N, dim) -> (B, dim); over all when the mask is None."""
+    if key_padding_mask is None:
+        return hidden.mean(1)
+    weights = key_padding_mask.to(hidden.dtype)[:, :, None]  # (B, N, 1)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+
+
 def init_weights(module: nn.Module, std: float) -> None:
     """BERT-style init for dense and embedding layers; projections keep their own init."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -358,10 +366,7 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         """(B, N, dim) -> (B, dim): the first token, or the mean over real tokens."""
         if self.pooling == "cls":
             return hidden[:, 0]
-        if key_padding_mask is None:
-            return hidden.mean(1)
-        weights = key_padding_mask.to(hidden.dtype)[:, :, None]  # (B, N, 1)
-        return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+        return masked_mean(hidden, key_padding_mask)
 
     def forward(
         self,

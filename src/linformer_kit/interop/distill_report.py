@@ -16,7 +16,8 @@ from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as
 
 from ..hub import atomic_write
 from .bert import convert_hf_model
-from .distill import DistillData, DistillSettings, HeldOut, distill
+from .distill import DistillSettings, HeldOut, distill
+from .distill_run import DistillData
 from .report import (
     TOKENIZER_NAME,
     calibration_ids,

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from ..config import LinformerConfig, check_choice
-from ..models import LinformerModel
+from ..models import LinformerModel, masked_mean
 from ..training.compare import machine
 from .bert import convert_hf_model, linformer_config_from_hf, read_hf_config
 from .projection_init import INITS
@@ -68,6 +68,50 @@ def stdlib_files(split: str, calibration_every: int = 10) -> list[Path]:
     return [f for i, f in enumerate(files) if (i % calibration_every == 0) == want_calibration]
 
 
+def _plain_tokenizer(tokenizer_file: str | os.PathLike) -> tuple[Tokenizer, list[int], list[int]]:
+    """The tokenizer without its built-in truncation and padding (MiniLM's pads every text
+    to 128), and the ids it puts before and after a text (e.g. [CLS] and [SEP])."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    special = tokenizer.encode("", add_special_tokens=True).ids
+    return tokenizer, special[:1], special[1:]
+
+
+def document_ids(
+    tokenizer_file: str | os.PathLike, texts: list[str], max_seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each text one sequence ([CLS] ... [SEP]) of at most `max_seq_len` ids, the end of a
+    longer one cut (its [SEP] kept), right-padded to the longest.
+
+    Args:
+        tokenizer_file: a Hugging Face `tokenizer.json`.
+        texts: the documents.
+        max_seq_len: longest sequence, special tokens included.
+
+    Returns:
+        ids (B, N) int64 (padding 0, masked out) and key_padding_mask (B, N) bool, True at
+        real tokens.
+
+    Raises:
+        ValueError: if `texts` is empty.
+    """
+    if not texts:
+        raise ValueError("no documents given")
+    tokenizer, first, last = _plain_tokenizer(tokenizer_file)
+    body = max_seq_len - len(first) - len(last)
+    rows = [
+        first + e.ids[:body] + last for e in tokenizer.encode_batch(texts, add_special_tokens=False)
+    ]
+    longest = max(map(len, rows))
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = True
+    return ids, mask
+
+
 def text_windows(
     tokenizer_file: str | os.PathLike,
     files: list[Path],
@@ -91,11 +135,7 @@ def text_windows(
     Raises:
         ValueError: if the files hold fewer than `count` long-enough texts.
     """
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    tokenizer.no_truncation()
-    tokenizer.no_padding()  # MiniLM's tokenizer.json pads every text to 128
-    special = tokenizer.encode("", add_special_tokens=True).ids  # e.g. [CLS, SEP]
-    first, last = special[:1], special[1:]
+    tokenizer, first, last = _plain_tokenizer(tokenizer_file)
     body = seq_len - len(first) - len(last)
     windows = []
     for file in files:
@@ -113,10 +153,29 @@ def text_windows(
 
 @torch.no_grad()
 def sentence_embeddings(
-    model: LinformerModel, ids: torch.Tensor, batch_size: int = 8
+    model: LinformerModel,
+    ids: torch.Tensor,
+    batch_size: int = 8,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean-pooled last hidden states (the sentence-transformers embedding): (B, N) -> (B, dim)."""
-    return torch.cat([model(chunk).last_hidden_state.mean(1) for chunk in ids.split(batch_size)])
+    """Mean-pooled last hidden states (the sentence-transformers embedding) over the real
+    tokens: (B, N) -> (B, dim)."""
+    chunks = ids.split(batch_size)
+    if key_padding_mask is None:
+        return torch.cat([model(chunk).last_hidden_state.mean(1) for chunk in chunks])
+    out = []
+    for chunk, mask in zip(chunks, key_padding_mask.split(batch_size)):
+        chunk, mask = trim_padding(chunk, mask)
+        out.append(masked_mean(model(chunk, mask).last_hidden_state, mask))
+    return torch.cat(out)
+
+
+def trim_padding(
+    ids: torch.Tensor, key_padding_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows cut to the longest real row: no forward pass over all-padding columns."""
+    longest = int(key_padding_mask.sum(1).max())
+    return ids[:, :longest], key_padding_mask[:, :longest]
 
 
 def forward_seconds(

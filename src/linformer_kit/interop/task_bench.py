@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import hub
 from ..config import PROJECTIONS, check_choice
 from ..data.classification import load_classification, read_labelled
@@ -37,6 +39,8 @@ from ..training.finetune import (
 from ..training.settings import markdown_table as table
 from ..training.settings import save_json
 from .convert import convert_to_dir
+from .distill import DistillSettings
+from .distill_run import DistillData, distill_checkpoint
 from .report import minilm_path
 
 logger = logging.getLogger(__name__)
@@ -75,6 +79,14 @@ class TaskBenchSettings:
     calibration_texts: int = field(
         default=8, metadata={"help": "stdlib windows for the projection init"}
     )
+    distill_steps: int = field(
+        default=0,
+        metadata={
+            "help": "before fine-tuning, distil each Linformer variant this many steps (of 4 "
+            "documents) against the exact model at its length, on the training texts "
+            "(labels unused); 0 = no distillation"
+        },
+    )
     threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
     seed: int = field(default=0, metadata={"help": "seed of conversion and fine-tuning"})
     work_dir: str = field(default="runs/bench_task", metadata={"help": "models and runs"})
@@ -89,6 +101,8 @@ class TaskBenchSettings:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         check_choice("projections", self.projections, PROJECTION_MODES)
+        if not isinstance(self.distill_steps, int) or self.distill_steps < 0:
+            raise ValueError(f"distill_steps must be an integer >= 0, got {self.distill_steps!r}")
 
 
 def parse_variants(spec: str) -> list[tuple[str, int | None, int, str]]:
@@ -130,6 +144,27 @@ def _convert(
         calibration_texts=s.calibration_texts,
         seed=s.seed,
     )
+
+
+def _distill(source: str, model_dir: Path, s: TaskBenchSettings) -> dict[str, Any]:
+    """Distils the converted Linformer in `model_dir` (saved back) on the training texts,
+    scored on the validation texts; the cosine of the sentence embeddings to the exact
+    model's before and after."""
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    train, val = read_labelled(s.train)[0], read_labelled(s.val)[0]
+    history = distill_checkpoint(
+        source,
+        model_dir,
+        DistillSettings(max_steps=s.distill_steps, seed=s.seed),
+        DistillData(texts=len(train), heldout_texts=len(val)),
+        documents=train,
+        heldout_documents=val,
+    )
+    return {
+        "distill_cosine_before": history[0]["cosine_mean"],
+        "distill_cosine_after": history[-1]["cosine_mean"],
+    }
 
 
 def _finetune_and_test(model_dir: Path, run_dir: Path, s: TaskBenchSettings) -> dict[str, Any]:
@@ -214,15 +249,22 @@ def _variant_row(
     start = time.perf_counter()
     _in_fresh_process(_convert, source, folder / "model", proj_dim, max_seq_len, projection, s)
     convert_s = time.perf_counter() - start
-    start = time.perf_counter()
-    row = _in_fresh_process(_finetune_and_test, folder / "model", folder / "run", s)
     kind = "exact" if proj_dim is None else f"Linformer k={proj_dim}"
     if proj_dim is not None and projection != "linear":
         kind += f" {projection}"
+    distilled: dict[str, Any] = {}
+    if proj_dim is not None and s.distill_steps:
+        start = time.perf_counter()
+        distilled = _in_fresh_process(_distill, source, folder / "model", s)
+        distilled["distill_s"] = time.perf_counter() - start
+        kind += " distilled"
+    start = time.perf_counter()
+    row = _in_fresh_process(_finetune_and_test, folder / "model", folder / "run", s)
     return {
         "variant": name,
         "model": f"{kind}, n={max_seq_len}",
         **row,
+        **distilled,
         "convert_s": convert_s,
         "wall_s": time.perf_counter() - start,
         "load_avg_after": machine()["load_avg_1_5_15min"],  # other jobs skew the timings
@@ -232,7 +274,7 @@ def _variant_row(
 # Settings that do not change a variant's figures: what runs, and where files are written.
 _NOT_COMPARED = ("variants", "work_dir", "out")
 # Settings the bench gained after reports were committed, with the value those runs used.
-_ADDED_LATER = {"grad_accum_steps": 1, "projections": "train"}
+_ADDED_LATER = {"grad_accum_steps": 1, "projections": "train", "distill_steps": 0}
 
 
 def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:
