@@ -89,14 +89,31 @@ class ClassificationData:
 
     def batch(self, rows: list[int], pad_id: int) -> dict[str, Tensor]:
         """Rows padded to the longest: input_ids (B, N), key_padding_mask (B, N), labels (B,)."""
-        longest = max(len(self.ids[i]) for i in rows)
-        input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.bool)
-        for row, i in enumerate(rows):
-            input_ids[row, : len(self.ids[i])] = torch.tensor(self.ids[i])
-            mask[row, : len(self.ids[i])] = True
+        input_ids, mask = pad_sequences([self.ids[i] for i in rows], pad_id)
         labels = torch.tensor([self.labels[i] for i in rows], dtype=torch.long)
         return {"input_ids": input_ids, "key_padding_mask": mask, "labels": labels}
+
+
+def pad_sequences(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token id lists right-padded to the longest: ids (B, N) and key_padding_mask (B, N),
+    True at real tokens."""
+    longest = max(map(len, sequences))
+    input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), longest), dtype=torch.bool)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        mask[row, : len(ids)] = True
+    return input_ids, mask
+
+
+def encode_documents(
+    tokenizer: TextTokenizer, texts: list[str], max_seq_len: int
+) -> tuple[list[list[int]], list[int]]:
+    """Each text as [start] ... [separator], its end cut to fit max_seq_len; and each text's
+    token count before the cut (special tokens included)."""
+    encoded = tokenizer.encode_batch(texts)
+    tokens = [[tokenizer.cls_id, *row[: max_seq_len - 2], tokenizer.sep_id] for row in encoded]
+    return tokens, [len(row) + 2 for row in encoded]
 
 
 def _csv_records(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
@@ -237,9 +254,7 @@ def load_classification(
         raise ValueError(f"max_seq_len must be >= 3 to hold a token, got {max_seq_len}")
     texts, labels, lines = read_labelled(path, text_field=text_field, label_field=label_field)
     ids, names = _label_ids(Path(path), labels, lines, label2id)
-    encoded = tokenizer.encode_batch(texts)
-    tokens = [[tokenizer.cls_id, *row[: max_seq_len - 2], tokenizer.sep_id] for row in encoded]
-    full_lengths = [len(row) + 2 for row in encoded]
+    tokens, full_lengths = encode_documents(tokenizer, texts, max_seq_len)
     data = ClassificationData(tokens, ids, lines, str(path), names, full_lengths)
     if num_labels is not None:
         data.check_labels(num_labels)

@@ -28,6 +28,8 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from ..config import LinformerConfig, check_choice
+from ..data.classification import encode_documents, pad_sequences
+from ..data.tokenizer import load_tokenizer
 from ..models import LinformerModel, masked_mean
 from ..training.compare import machine
 from .bert import convert_hf_model, linformer_config_from_hf, read_hf_config
@@ -68,16 +70,6 @@ def stdlib_files(split: str, calibration_every: int = 10) -> list[Path]:
     return [f for i, f in enumerate(files) if (i % calibration_every == 0) == want_calibration]
 
 
-def _plain_tokenizer(tokenizer_file: str | os.PathLike) -> tuple[Tokenizer, list[int], list[int]]:
-    """The tokenizer without its built-in truncation and padding (MiniLM's pads every text
-    to 128), and the ids it puts before and after a text (e.g. [CLS] and [SEP])."""
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    tokenizer.no_truncation()
-    tokenizer.no_padding()
-    special = tokenizer.encode("", add_special_tokens=True).ids
-    return tokenizer, special[:1], special[1:]
-
-
 def document_ids(
     tokenizer_file: str | os.PathLike, texts: list[str], max_seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,26 +82,16 @@ def document_ids(
         max_seq_len: longest sequence, special tokens included.
 
     Returns:
-        ids (B, N) int64 (padding 0, masked out) and key_padding_mask (B, N) bool, True at
-        real tokens.
+        ids (B, N) int64 (the tokenizer's padding id past each text) and key_padding_mask
+        (B, N) bool, True at real tokens.
 
     Raises:
         ValueError: if `texts` is empty.
     """
     if not texts:
         raise ValueError("no documents given")
-    tokenizer, first, last = _plain_tokenizer(tokenizer_file)
-    body = max_seq_len - len(first) - len(last)
-    rows = [
-        first + e.ids[:body] + last for e in tokenizer.encode_batch(texts, add_special_tokens=False)
-    ]
-    longest = max(map(len, rows))
-    ids = torch.zeros(len(rows), longest, dtype=torch.long)
-    mask = torch.zeros(len(rows), longest, dtype=torch.bool)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(row)] = True
-    return ids, mask
+    tokenizer = load_tokenizer(tokenizer_file)
+    return pad_sequences(encode_documents(tokenizer, texts, max_seq_len)[0], tokenizer.pad_id)
 
 
 def text_windows(
@@ -135,7 +117,11 @@ def text_windows(
     Raises:
         ValueError: if the files hold fewer than `count` long-enough texts.
     """
-    tokenizer, first, last = _plain_tokenizer(tokenizer_file)
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()  # MiniLM's tokenizer.json pads every text to 128
+    special = tokenizer.encode("", add_special_tokens=True).ids  # e.g. [CLS, SEP]
+    first, last = special[:1], special[1:]
     body = seq_len - len(first) - len(last)
     windows = []
     for file in files:
