@@ -33,6 +33,16 @@ def test_jsonl_without_the_field_names_file_and_line(tmp_path):
         list(iter_documents([str(path)]))
 
 
+def test_csv_documents_come_from_the_text_column(tmp_path):
+    path = tmp_path / "reviews.csv"
+    path.write_text('label,body\npos,"one, with a comma"\n\nneg,"two\nlines"\n')
+    docs = list(iter_documents([str(path)], text_field="body"))
+    assert [d.text for d in docs] == ["one, with a comma", "two\nlines"]
+    assert docs[1].source == f"{path}:5"  # the line where the row ends
+    with pytest.raises(ValueError, match=rf"{path}:1: the header has no column 'text' "):
+        list(iter_documents([str(path)]))
+
+
 def test_jsonl_with_bad_json_names_file_and_line(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "ok"}\n{"text": \n')

@@ -118,6 +118,16 @@ def test_report_rows_curves_and_plot(tiny, tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
+def test_report_students_take_the_projection_and_length_asked(tiny):
+    settings = DistillSettings(max_steps=1, batch_size=2)
+    result = distillation_report(
+        tiny, [K], settings, SMALL, projection="adaptive", max_seq_len=2 * N
+    )
+    assert result["seq_len"] == 2 * N and result["settings"]["projection"] == "adaptive"
+    assert result["settings"]["init"] is None  # no calibration for a parameter-free kind
+    assert 0 < result["rows"][0]["cosine_after"] <= 1
+
+
 def test_report_distils_on_the_given_files(tiny, tmp_path):
     text = tmp_path / "text"
     text.mkdir()
@@ -277,8 +287,8 @@ def test_distilling_padded_documents_raises_their_cosine_and_ignores_padding(tin
 
 
 def test_cli_distills_whole_documents_past_the_teachers_positions(tiny, tmp_path, capsys):
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"text": t, "label": 1}) + "\n" for t in _texts(10)))
+    docs = tmp_path / "docs.csv"  # the text column of a labelled CSV, one document a row
+    docs.write_text("label,text\n" + "".join(f'1,"{t}"\n' for t in _texts(10)))
     out = tmp_path / "student"
     command = ["distill", "--teacher", str(tiny), "--student", str(out), "--max-seq-len", "128"]
     flags = ["--documents", str(docs), "--heldout-texts", "3", "--projection", "adaptive"]

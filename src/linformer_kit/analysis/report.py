@@ -27,7 +27,9 @@ class SpectrumSettings:
         metadata={"help": "held-out text: a file, directory, JSONL file or 'stdlib'"},
     )
     glob: str = field(default="**/*.txt", metadata={"help": "files to read inside a directory"})
-    text_field: str = field(default="text", metadata={"help": "JSONL field holding the text"})
+    text_field: str = field(
+        default="text", metadata={"help": "JSONL field or CSV column holding the text"}
+    )
     random_tokens: bool = field(
         default=False, metadata={"help": "random token ids instead of --data (no tokenizer)"}
     )

@@ -61,6 +61,8 @@ def _report(args: argparse.Namespace, teacher: Path) -> None:
         data,
         files=distillation_files(args.data, data.glob),
         sharing=args.sharing,
+        projection=args.projection,
+        max_seq_len=args.max_seq_len,
     )
     out = write_report(result, args.report_out)
     plot_curves(result, out.with_suffix(".png"))
@@ -102,9 +104,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--documents",
         nargs="+",
         default=None,
-        help="distil on whole documents instead of windows: JSONL files (one document per "
-        "record, --text-field) or text files / dirs (one document each), each one padded "
-        "sequence cut at the student's max_seq_len",
+        help="distil on whole documents instead of windows: JSONL or CSV files (one "
+        "document per record or row, --text-field) or text files / dirs (one document "
+        "each), each one padded sequence cut at the student's max_seq_len",
     )
     parser.add_argument(
         "--heldout-documents",
@@ -113,7 +115,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="documents scored with --documents (default: --heldout-texts of --documents, "
         "drawn by --seed and left out of the distillation)",
     )
-    parser.add_argument("--text-field", default="text", help="JSONL field of the text")
+    parser.add_argument(
+        "--text-field", default="text", help="JSONL field or CSV column of the text"
+    )
     add_student_arguments(parser, "k of a new student (default: 128)")
     parser.add_argument(
         "--report", action="store_true", help="before / after table for every --proj-dims"

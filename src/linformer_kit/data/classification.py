@@ -8,8 +8,6 @@ sorted order of the training set's distinct names; the mapping travels with the 
 
 from __future__ import annotations
 
-import csv
-import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .corpus import iter_jsonl, jsonl_field, read_text
+from .corpus import CSV_SUFFIX, iter_csv, iter_jsonl, jsonl_field
 from .tokenizer import TextTokenizer
-
-CSV_SUFFIX = ".csv"
-
 
 @dataclass
 class ClassificationData:
@@ -116,27 +111,6 @@ def encode_documents(
     return tokens, [len(row) + 2 for row in encoded]
 
 
-def _csv_records(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
-    reader = csv.reader(io.StringIO(read_text(path), newline=""))
-    try:
-        header = next(reader)
-        for column in columns:
-            if column not in header:
-                raise ValueError(
-                    f"{path}:1: the header has no column {column!r} (columns: {', '.join(header)})"
-                )
-        for row in reader:
-            if not any(cell.strip() for cell in row):
-                continue
-            if len(row) != len(header):
-                raise ValueError(
-                    f"{path}:{reader.line_num}: {len(row)} cells, the header has {len(header)}"
-                )
-            yield reader.line_num, dict(zip(header, row))
-    except csv.Error as err:
-        raise ValueError(f"{path}:{reader.line_num}: not valid CSV ({err})") from err
-
-
 def read_labelled(
     path: str | Path, *, text_field: str = "text", label_field: str = "label"
 ) -> tuple[list[str], list[int] | list[str], list[int]]:
@@ -153,7 +127,7 @@ def read_labelled(
     if not path.is_file():
         raise FileNotFoundError(f"no data file {path}")
     if path.suffix == CSV_SUFFIX:
-        records = _csv_records(path, (text_field, label_field))
+        records = iter_csv(path, (text_field, label_field))
     else:
         example = f'{{"{text_field}": "a fine film", "{label_field}": "positive"}}'
         expected = f"JSONL, one object per line such as {example}, or a .csv file with a header"

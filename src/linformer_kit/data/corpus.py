@@ -1,11 +1,14 @@
-"""Text corpora: files, directories (recursive glob), JSONL with a text field, the stdlib.
+"""Text corpora: files, directories (recursive glob), JSONL with a text field, CSV with a
+text column, the stdlib.
 
 Every document is yielded as a `Document(source, text)`; `source` names the file (and line,
-for JSONL), so later errors can point at it.
+for JSONL and CSV), so later errors can point at it.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import sysconfig
@@ -19,6 +22,7 @@ logger = logging.getLogger(__name__)
 STDLIB = "stdlib"  # the data name that selects the running Python's standard library
 HF_PREFIX = "hf:"  # `hf:NAME[:CONFIG]` reads a Hugging Face `datasets` corpus
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+CSV_SUFFIX = ".csv"
 JSONL_EXAMPLE = 'JSONL, one object per line such as {"text": "a document"}'
 
 
@@ -99,8 +103,38 @@ def jsonl_field(path: Path, number: int, record: dict, field: str) -> object:
     return record[field]
 
 
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:
-    for number, record in iter_jsonl(path):
+def iter_csv(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """Yields (line number, {column: cell}) for each non-blank row of a CSV file whose
+    header row names `columns` (and maybe others).
+
+    Raises:
+        ValueError: naming the file and line, for a missing column, a row of the wrong
+            width or malformed CSV (and as `read_text`).
+    """
+    reader = csv.reader(io.StringIO(read_text(path), newline=""))
+    try:
+        header = next(reader)
+        for column in columns:
+            if column not in header:
+                raise ValueError(
+                    f"{path}:1: the header has no column {column!r} (columns: {', '.join(header)})"
+                )
+        for row in reader:
+            if not any(cell.strip() for cell in row):
+                continue
+            if len(row) != len(header):
+                raise ValueError(
+                    f"{path}:{reader.line_num}: {len(row)} cells, the header has {len(header)}"
+                )
+            yield reader.line_num, dict(zip(header, row))
+    except csv.Error as err:
+        raise ValueError(f"{path}:{reader.line_num}: not valid CSV ({err})") from err
+
+
+def _record_documents(path: Path, text_field: str) -> Iterator[Document]:
+    """The `text_field` of each JSONL record or CSV row, one document each."""
+    records = iter_csv(path, (text_field,)) if path.suffix == CSV_SUFFIX else iter_jsonl(path)
+    for number, record in records:
         text = jsonl_field(path, number, record, text_field)
         if not isinstance(text, str):
             raise ValueError(
@@ -163,8 +197,8 @@ def list_files(spec: str, glob: str) -> list[Path]:
 
 
 def _file_documents(path: Path, text_field: str) -> Iterator[Document]:
-    if path.suffix in JSONL_SUFFIXES:
-        return _jsonl_documents(path, text_field)
+    if path.suffix in (*JSONL_SUFFIXES, CSV_SUFFIX):
+        return _record_documents(path, text_field)
     return iter([Document(str(path), read_text(path))])
 
 

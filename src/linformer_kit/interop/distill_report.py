@@ -37,8 +37,13 @@ def distillation_report(
     *,
     files: list[Path] | None = None,
     sharing: str = "layerwise",
+    projection: str = "linear",
+    max_seq_len: int | None = None,
 ) -> dict[str, Any]:
     """Distils one student per k and scores it on held-out text before, during and after.
+
+    Teacher and students share one length: past the teacher's position table both are
+    extended as `convert` extends them, and every window is that long.
 
     Args:
         path: Hugging Face model directory with config.json, model.safetensors, tokenizer.json.
@@ -48,23 +53,33 @@ def distillation_report(
         files: the distillation text (`distillation_files`); None: the stdlib's calibration
             split.
         sharing: projection sharing of every student.
+        projection: projection kind of every student (calibrated only when linear).
+        max_seq_len: length of teacher, students and windows (None: the teacher's).
 
     Returns:
         A JSON-ready dict: `settings`, `machine`, one row per k and one curve per k.
     """
     path = Path(path)
     device = settings.torch_device()
-    teacher = convert_hf_model(path, proj_dim=None).to(device)
+    teacher = convert_hf_model(path, proj_dim=None, max_seq_len=max_seq_len).to(device)
     n = teacher.config.max_seq_len
     tokenizer = path / TOKENIZER_NAME
     files = stdlib_files("calibration") if files is None else files
     ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file)
     heldout_ids = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts)
     heldout = HeldOut.from_teacher(teacher, heldout_ids.to(device))
-    calibration = calibration_ids(path, data.calibration_texts)
+    linear = projection == "linear"
+    calibration = calibration_ids(path, data.calibration_texts, n) if linear else None
     rows, curves = [], {}
     for k in proj_dims:
-        student = convert_hf_model(path, proj_dim=k, sharing=sharing, calibration_ids=calibration)
+        student = convert_hf_model(
+            path,
+            proj_dim=k,
+            max_seq_len=n,
+            sharing=sharing,
+            projection=projection,
+            calibration_ids=calibration,
+        )
         start = time.perf_counter()
         history = distill(student, teacher, ids, settings, heldout=heldout)
         before, after = history[0], history[-1]
@@ -83,7 +98,13 @@ def distillation_report(
         "command": "linformer distill --report",
         "model": str(path),
         "seq_len": n,
-        "settings": {**asdict(settings), **asdict(data), "sharing": sharing, "init": "attention"},
+        "settings": {
+            **asdict(settings),
+            **asdict(data),
+            "sharing": sharing,
+            "projection": projection,
+            "init": "attention" if projection == "linear" else None,
+        },
         "text": {"files": len(files), "under": os.path.commonpath(files)},
         "machine": {**machine(), "device": _device_name(device)},
         "target": {"proj_dim": 128, "cosine_mean": TARGET_COSINE},

@@ -34,8 +34,12 @@ class EvaluateSettings:
     )
     batch_size: int = field(default=8, metadata={"help": "sequences per batch"})
     glob: str = field(default="**/*.txt", metadata={"help": "files to read inside directories"})
-    text_field: str = field(default="text", metadata={"help": "JSONL text field"})
-    label_field: str = field(default="label", metadata={"help": "JSONL label field"})
+    text_field: str = field(
+        default="text", metadata={"help": "JSONL field or CSV column of the text"}
+    )
+    label_field: str = field(
+        default="label", metadata={"help": "JSONL field or CSV column of the label"}
+    )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
 

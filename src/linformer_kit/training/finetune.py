@@ -82,8 +82,12 @@ class FinetuneSettings:
             "measured 1.6-2 points better on Pang & Lee, with faster steps (README)"
         },
     )
-    text_field: str = field(default="text", metadata={"help": "JSONL text field"})
-    label_field: str = field(default="label", metadata={"help": "JSONL label field"})
+    text_field: str = field(
+        default="text", metadata={"help": "JSONL field or CSV column of the text"}
+    )
+    label_field: str = field(
+        default="label", metadata={"help": "JSONL field or CSV column of the label"}
+    )
     max_seq_len: int = field(
         default=0, metadata={"help": "truncate texts to N tokens (0 = the model's max_seq_len)"}
     )
