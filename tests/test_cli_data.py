@@ -112,3 +112,32 @@ def test_string_labels_round_trip_through_finetune_config_and_evaluate(tmp_path,
     assert str(stop.value) == (
         f"linformer evaluate: error: {csv}:10: unknown label 'dog'; known labels: cat, other"
     )
+
+
+def test_truncation_travels_from_finetune_to_the_model_and_evaluate(tmp_path, caplog):
+    pretrain(tmp_path, "--data", str(write_corpus(tmp_path / "corpus", files=2)))
+    long = tmp_path / "long.jsonl"  # 100+ words: past the model's 64 positions
+    long.write_text(
+        "".join(
+            json.dumps({"text": "the dog ran " * 40 + e, "label": i}) + "\n"
+            for i, e in enumerate(["home", "cat"] * 4)
+        )
+    )
+    ft = tmp_path / "ft"
+    flags = ["--data", str(long), "--eval", str(long), "--epochs", "1", "--batch-size", "8"]
+    with caplog.at_level(logging.INFO):
+        main(
+            ["finetune", "--init", str(tmp_path / "run" / "last"), *flags, "--truncation", "tail"]
+            + ["--output-dir", str(ft)]
+        )
+        assert "8 documents (100%) cut to 64 tokens (tail kept)" in caplog.text
+        config = json.loads((ft / "last" / "config.json").read_text())["config"]
+        assert config["truncation"] == "tail"
+        caplog.clear()
+        main(["evaluate", str(ft / "last"), "--data", str(long)])
+        assert "(tail kept)" in caplog.text
+        caplog.clear()  # fine-tuned again: the model's rule unless --truncation says otherwise
+        main(["finetune", "--init", str(ft / "last"), *flags, "--output-dir", str(tmp_path / "a")])
+        assert "(tail kept)" in caplog.text
+    with pytest.raises(SystemExit, match="truncation must be one of head, tail, head.tail; got"):
+        main(["finetune", "--init", str(ft / "last"), *flags, "--truncation", "middle"])

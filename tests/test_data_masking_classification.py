@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from linformer_kit.data import IGNORE_INDEX, load_classification, mask_tokens, train_tokenizer
+from linformer_kit.data.classification import cut_tokens
 
 
 def test_masking_picks_15_percent_and_splits_80_10_10():
@@ -60,6 +61,30 @@ def test_classification_truncates_to_max_seq_len(tmp_path, tok):
     path = write(tmp_path / "d.jsonl", [{"text": "the cat eats " * 40, "label": 0}])
     data = load_classification(path, tok, max_seq_len=8)
     assert len(data.ids[0]) == 8 and data.ids[0][-1] == tok.sep_id
+
+
+def test_cut_tokens_keeps_the_head_the_tail_or_a_quarter_of_head_and_the_rest_of_tail():
+    row = list(range(20))
+    assert cut_tokens(row, 8, "head") == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert cut_tokens(row, 8, "tail") == [12, 13, 14, 15, 16, 17, 18, 19]
+    assert cut_tokens(row, 8, "head+tail") == [0, 1, 14, 15, 16, 17, 18, 19]
+    assert cut_tokens(row, 510, "head+tail") == row  # short rows are kept whole
+    assert cut_tokens(list(range(1000)), 510, "head+tail")[126:129] == [126, 617, 618]
+    with pytest.raises(ValueError, match="truncation must be one of head, tail, head.tail; got"):
+        cut_tokens(row, 8, "middle")
+
+
+@pytest.mark.parametrize("truncation", ["head", "tail", "head+tail"])
+def test_classification_truncation_keeps_the_chosen_tokens_between_cls_and_sep(
+    tmp_path, tok, truncation
+):
+    text = " ".join(["the cat eats red apples"] * 6 + ["the dog sees blue fish"] * 6)
+    path = write(tmp_path / "d.jsonl", [{"text": text, "label": 0}])
+    data = load_classification(path, tok, max_seq_len=10, truncation=truncation)
+    whole = tok.encode_batch([text])[0]
+    assert data.ids[0] == [tok.cls_id, *cut_tokens(whole, 8, truncation), tok.sep_id]
+    assert data.full_lengths == [len(whole) + 2]
+    assert f"({truncation} kept)" in data.describe_truncation(10)
 
 
 @pytest.mark.parametrize(

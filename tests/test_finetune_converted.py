@@ -88,8 +88,8 @@ def test_truncation_counts_cut_documents_and_tokens_lost(tmp_path):
         "tokens_lost_max": 22,
     }
     assert loaded.describe_truncation(10) == (
-        f"{data}: 2 of 4 documents (50%) cut to 10 tokens; tokens lost per cut document: "
-        "mean 12, max 22"
+        f"{data}: 2 of 4 documents (50%) cut to 10 tokens (head kept); tokens lost per cut "
+        "document: mean 12, max 22"
     )
     whole = load_classification(data, tokenizer, max_seq_len=N)
     assert whole.describe_truncation(N) == f"{data}: no document longer than {N} tokens"
@@ -106,8 +106,8 @@ def test_finetune_and_evaluate_log_the_truncation(converted, tmp_path, caplog):
     )
     # 102, 5, 72 and 7 tokens with [CLS] and [SEP], cut to 64: 38 and 8 lost; 82: 18 lost.
     assert (
-        f"{train}: 2 of 4 documents (50%) cut to {N} tokens; tokens lost per cut document: "
-        "mean 23, max 38"
+        f"{train}: 2 of 4 documents (50%) cut to {N} tokens (head kept); tokens lost per cut "
+        "document: mean 23, max 38"
     ) in caplog.text
     assert f"{valid}: 1 of 2 documents (50%) cut to {N} tokens" in caplog.text
     caplog.clear()

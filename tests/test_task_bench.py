@@ -90,13 +90,14 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
     elsewhere = dataclasses.replace(settings, work_dir="/elsewhere", out="/moved/report")
     old = dataclasses.asdict(elsewhere)
     del old["grad_accum_steps"]  # written before the bench had the setting: 1 was used
+    del old["truncation"]  # likewise: every text kept its head
     out.with_suffix(".json").write_text(  # an earlier run that wrote elsewhere, then was moved
         json.dumps({"settings": old, "rows": [earlier]})
     )
     report = run_task_bench(settings)  # nothing to convert or train: the row is kept
     assert [row["variant"] for row in report["rows"]] == ["tfidf", "exact@64"]
     assert report["rows"][1] == earlier
-    for changed in (dict(batch_size=3), dict(grad_accum_steps=2)):
+    for changed in (dict(batch_size=3), dict(grad_accum_steps=2), dict(truncation="tail")):
         with pytest.raises(FileNotFoundError):  # other settings: run again (no such model dir)
             run_task_bench(dataclasses.replace(settings, **changed, source=str(tmp_path / "no")))
     del old["projections"]  # before the setting existed every run trained the projections
@@ -118,21 +119,45 @@ def test_gradient_accumulation_reaches_finetune_and_sizes_the_warm_up(tmp_path, 
     train = write_classification(tmp_path / "train.jsonl", 48, seed=0)
     settings = TaskBenchSettings(train=str(train), val="v", test="t", epochs=2)
     settings = dataclasses.replace(settings, batch_size=2, grad_accum_steps=3)
+    settings = dataclasses.replace(settings, truncation="head+tail")
     with pytest.raises(RuntimeError, match="recorded"):
         task_bench._finetune_and_test(tmp_path / "model", tmp_path / "run", settings)
     assert seen["train"].batch_size == 2 and seen["train"].grad_accum_steps == 3
     assert seen["train"].warmup_steps == 1  # 10% of 8 steps per epoch x 2 epochs, rounded down
-    assert seen["settings"].epochs == 2
+    assert seen["settings"].epochs == 2 and seen["settings"].truncation == "head+tail"
+    with pytest.raises(ValueError, match="truncation must be one of head, tail, head.tail"):
+        dataclasses.replace(settings, truncation="middle")
     with pytest.raises(ValueError, match="grad_accum_steps must be an integer >= 1, got 0"):
         dataclasses.replace(settings, grad_accum_steps=0)
 
 
-def test_the_fidelity_script_scores_every_variant_against_the_exact_long_model(tmp_path):
-    # benchmarks/longdoc/fidelity.py on a tiny BERT extended to 64 positions.
-    path = Path(__file__).parent.parent / "benchmarks" / "longdoc" / "fidelity.py"
-    spec = importlib.util.spec_from_file_location("fidelity", path)
+def longdoc_script(name):
+    """A script of benchmarks/longdoc as a module."""
+    path = Path(__file__).parent.parent / "benchmarks" / "longdoc" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_the_step_time_script_times_every_variant_on_the_same_documents(tmp_path):
+    source = write_tiny_bert(tmp_path / "bert")
+    data = write_classification(tmp_path / "docs.jsonl", count=12)
+    out = tmp_path / "steps"
+    longdoc_script("step_time").main(
+        ["--data", str(data), "--source", str(source), "--variants", "exact@64,k4@64:adaptive"]
+        + ["--rounds", "2", "--threads", "1", "--out", str(out)]
+    )
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [row["variant"] for row in rows] == ["exact@64", "k4@64:adaptive"]
+    assert rows[0]["speedup_vs_first"] == 1.0 and all(len(r["steps_s"]) == 2 for r in rows)
+    assert rows[0]["tokens_per_step"] == rows[1]["tokens_per_step"] > 0  # the same documents
+    assert "| k4@64:adaptive |" in out.with_suffix(".md").read_text()
+
+
+def test_the_fidelity_script_scores_every_variant_against_the_exact_long_model(tmp_path):
+    # benchmarks/longdoc/fidelity.py on a tiny BERT extended to 64 positions.
+    script = longdoc_script("fidelity")
     source = write_tiny_bert(tmp_path / "bert")
     data = write_classification(tmp_path / "docs.jsonl", count=12)
     out = tmp_path / "fidelity"

@@ -13,7 +13,10 @@ CAUSAL_PROJECTIONS = ("linear", "random")  # row j of E touches position j only
 ACTIVATIONS = ("gelu", "relu")
 POSITIONS = ("learned", "sinusoidal")
 CHECKPOINTINGS = ("none", "layer", "attention")
-LABEL_FIELDS = ("id2label", "label2id")  # set by fine-tuning from the data, never by a flag
+# What a classifier keeps of a text longer than max_seq_len (`data.classification.cut_tokens`).
+TRUNCATIONS = ("head", "tail", "head+tail")
+# Set by fine-tuning (from the data, or finetune's own flag), never by a model flag.
+FINETUNE_FIELDS = ("id2label", "label2id", "truncation")
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -107,6 +110,14 @@ class LinformerConfig:
     label2id: dict[str, int] | None = field(
         default=None, metadata={"help": "their ids: the inverse of id2label (as in HF)"}
     )
+    truncation: str = field(
+        default="head",
+        metadata={
+            "help": "what a classifier keeps of a text longer than max_seq_len: head (its "
+            "start), tail (its end) or head+tail (a quarter from the start, the rest from "
+            "the end)"
+        },
+    )
     causal: bool = field(
         default=False,
         metadata={"help": "autoregressive attention: position i sees positions <= i only"},
@@ -128,6 +139,7 @@ class LinformerConfig:
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("position", self.position, POSITIONS)
         check_choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
+        check_choice("truncation", self.truncation, TRUNCATIONS)
         _check_probability("dropout", self.dropout)
         _check_probability("attention_dropout", self.attention_dropout)
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:

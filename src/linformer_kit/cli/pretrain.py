@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..config import LABEL_FIELDS, LinformerConfig
+from ..config import FINETUNE_FIELDS, LinformerConfig
 from ..data.pipeline import DataSettings
 from ..training.pretrain import pretrain
 from ..training.settings import RunConfig, TrainSettings
@@ -75,6 +75,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_override_arguments(parser, DataSettings, "data")
     add_override_arguments(parser, TrainSettings, "train")
     add_override_arguments(
-        parser, LinformerConfig, "model", exclude=FROM_TOKENIZER + LABEL_FIELDS + FROM_OBJECTIVE
+        parser, LinformerConfig, "model", exclude=FROM_TOKENIZER + FINETUNE_FIELDS + FROM_OBJECTIVE
     )
     parser.set_defaults(func=run)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .. import hub
-from ..config import PROJECTIONS, check_choice
+from ..config import PROJECTIONS, TRUNCATIONS, check_choice
 from ..data.classification import load_classification, read_labelled
 from ..data.tokenizer import load_tokenizer
 from ..training.compare import machine
@@ -76,6 +76,10 @@ class TaskBenchSettings:
         default=FinetuneSettings.projections,  # finetune's default, defined once
         metadata={"help": "freeze or train the sequence projections (E, F)"},
     )
+    truncation: str = field(
+        default="head",
+        metadata={"help": "what a text longer than a variant's N keeps: head, tail or head+tail"},
+    )
     calibration_texts: int = field(
         default=8, metadata={"help": "stdlib windows for the projection init"}
     )
@@ -101,6 +105,7 @@ class TaskBenchSettings:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         check_choice("projections", self.projections, PROJECTION_MODES)
+        check_choice("truncation", self.truncation, TRUNCATIONS)
         if not isinstance(self.distill_steps, int) or self.distill_steps < 0:
             raise ValueError(f"distill_steps must be an integer >= 0, got {self.distill_steps!r}")
 
@@ -178,7 +183,12 @@ def _finetune_and_test(model_dir: Path, run_dir: Path, s: TaskBenchSettings) -> 
     overrides |= {"threads": s.threads, "seed": s.seed} | ({"lr": s.lr} if s.lr else {})
     train = finetune_train_settings(**overrides)
     settings = FinetuneSettings(
-        init=str(model_dir), data=s.train, eval=s.val, epochs=s.epochs, projections=s.projections
+        init=str(model_dir),
+        data=s.train,
+        eval=s.val,
+        epochs=s.epochs,
+        projections=s.projections,
+        truncation=s.truncation,
     )
     result = finetune(settings, train)
     peak = result.peak_mem_mb  # training's peak, before the test pass
@@ -252,6 +262,7 @@ def _variant_row(
     kind = "exact" if proj_dim is None else f"Linformer k={proj_dim}"
     if proj_dim is not None and projection != "linear":
         kind += f" {projection}"
+    cut = f", {s.truncation} kept" if s.truncation != "head" else ""
     distilled: dict[str, Any] = {}
     if proj_dim is not None and s.distill_steps:
         start = time.perf_counter()
@@ -262,7 +273,7 @@ def _variant_row(
     row = _in_fresh_process(_finetune_and_test, folder / "model", folder / "run", s)
     return {
         "variant": name,
-        "model": f"{kind}, n={max_seq_len}",
+        "model": f"{kind}, n={max_seq_len}{cut}",
         **row,
         **distilled,
         "convert_s": convert_s,
@@ -274,7 +285,12 @@ def _variant_row(
 # Settings that do not change a variant's figures: what runs, and where files are written.
 _NOT_COMPARED = ("variants", "work_dir", "out")
 # Settings the bench gained after reports were committed, with the value those runs used.
-_ADDED_LATER = {"grad_accum_steps": 1, "projections": "train", "distill_steps": 0}
+_ADDED_LATER = {
+    "grad_accum_steps": 1,
+    "projections": "train",
+    "distill_steps": 0,
+    "truncation": "head",
+}
 
 
 def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:

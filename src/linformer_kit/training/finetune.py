@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .. import hub
-from ..config import LinformerConfig, check_choice
+from ..config import TRUNCATIONS, LinformerConfig, check_choice
 from ..data.classification import load_classification
 from ..data.tokenizer import load_tokenizer
 from ..models import LinformerForSequenceClassification
@@ -91,6 +91,14 @@ class FinetuneSettings:
     max_seq_len: int = field(
         default=0, metadata={"help": "truncate texts to N tokens (0 = the model's max_seq_len)"}
     )
+    truncation: str = field(
+        default="",
+        metadata={
+            "help": "what a longer text keeps: head, tail or head+tail (a quarter from the "
+            "start, the rest from the end); saved with the model for evaluate (default: the "
+            "model's, head for a converted one)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.epochs, int) or self.epochs < 1:
@@ -103,6 +111,8 @@ class FinetuneSettings:
             raise ValueError("num_labels must be at least 2 (or 0: max label + 1), got 1")
         check_choice("head_init", self.head_init, HEAD_INITS)
         check_choice("projections", self.projections, PROJECTION_MODES)
+        if self.truncation:
+            check_choice("truncation", self.truncation, TRUNCATIONS)
 
 
 @dataclass(kw_only=True)
@@ -196,6 +206,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     config = hub.read_config(settings.init)["config"]
     max_len = _sequence_length(settings, config.max_seq_len)
     fields = {"text_field": settings.text_field, "label_field": settings.label_field}
+    fields["truncation"] = settings.truncation or config.truncation
     train_data = load_classification(settings.data, tokenizer, max_seq_len=max_len, **fields)
     num_labels = settings.num_labels or max(train_data.labels) + 1
     train_data.check_labels(num_labels)
@@ -217,7 +228,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             settings.init,
             num_labels=num_labels,
             pooling=settings.pooling,
-            config_overrides=train_data.label_config(),
+            config_overrides=train_data.label_config() | {"truncation": fields["truncation"]},
         ).to(dist.device)
         if settings.projections == "freeze":
             freeze_projections(model)
