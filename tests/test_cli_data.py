@@ -134,8 +134,10 @@ def test_truncation_travels_from_finetune_to_the_model_and_evaluate(tmp_path, ca
         config = json.loads((ft / "last" / "config.json").read_text())["config"]
         assert config["truncation"] == "tail"
         caplog.clear()
-        main(["evaluate", str(ft / "last"), "--data", str(long)])
+        main(["evaluate", str(ft / "last"), "--data", str(long), "--out", str(tmp_path / "e.json")])
         assert "(tail kept)" in caplog.text
+        written = json.loads((tmp_path / "e.json").read_text())
+        assert 0 <= written["metrics"][str(long)]["accuracy"] <= 1 and written["machine"]["torch"]
         caplog.clear()  # fine-tuned again: the model's rule unless --truncation says otherwise
         main(["finetune", "--init", str(ft / "last"), *flags, "--output-dir", str(tmp_path / "a")])
         assert "(tail kept)" in caplog.text

@@ -13,7 +13,9 @@ five topics. Each corpus becomes `<out>/<name>/{train,val,test}.jsonl` with
 {"text": ..., "label": "positive"|"negative" or the topic}; every split keeps the class
 proportions (a seeded shuffle per class); training examples are shuffled, validation and
 test ones sorted by length. `--subsets` adds small class-balanced random subsets for a
-CPU budget.
+CPU budget, and `heldout_M.jsonl`: every example outside the training and validation
+subsets (the whole test split and the unused training and validation examples), a larger
+test set for models fine-tuned on the subsets.
 """
 
 from __future__ import annotations
@@ -124,8 +126,16 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         for part, rows in parts.items():
             write_jsonl(rows, folder / f"{part}.jsonl")
-        for part, size in zip(("train", "val", "test"), args.subsets):
-            write_jsonl(subset(parts[part], size), folder / f"{part}_{size}.jsonl")
+        subsets = {
+            part: subset(parts[part], size)
+            for part, size in zip(("train", "val", "test"), args.subsets)
+        }
+        for part, rows in subsets.items():
+            write_jsonl(rows, folder / f"{part}_{len(rows)}.jsonl")
+        # Everything a model fine-tuned on the subsets never saw: a larger test set.
+        used = set(subsets["train"]) | set(subsets["val"])
+        rest = [row for rows in parts.values() for row in rows if row not in used]
+        write_jsonl(rest, folder / f"heldout_{len(rest)}.jsonl")
         sizes = ", ".join(f"{part} {len(rows)}" for part, rows in parts.items())
         print(f"{folder}: {sizes}")
 

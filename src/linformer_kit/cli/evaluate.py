@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
-from .common import format_table
+from .common import format_table, write_report
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 
@@ -17,11 +18,17 @@ def run(args: argparse.Namespace) -> None:
     settings = EvaluateSettings(**collect_overrides(args).get("evaluate", {}))
     metrics = evaluate_checkpoint(args.checkpoint, settings)
     print(format_table([{"data": name, **values} for name, values in metrics.items()]))
+    if args.out:
+        report = {"checkpoint": args.checkpoint, "metrics": metrics, "machine": machine()}
+        print(f"wrote {write_report(report, args.out)}")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Adds the `evaluate` subcommand."""
     parser = commands.add_parser("evaluate", help="evaluate a checkpoint on text or labelled data")
     parser.add_argument("checkpoint", help="a checkpoint directory (e.g. runs/x/best)")
+    parser.add_argument(
+        "--out", default=None, help="also write the metrics (and the machine) as JSON here"
+    )
     add_override_arguments(parser, EvaluateSettings, "evaluate")
     parser.set_defaults(func=run)
