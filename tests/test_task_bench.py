@@ -4,15 +4,18 @@ and (slow) a whole run on a tiny converted BERT."""
 import dataclasses
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from hf_helpers import write_tiny_bert
 from train_helpers import write_classification
 
+from linformer_kit import LinformerForSequenceClassification
 from linformer_kit.cli import main
 from linformer_kit.data.classification import read_labelled
 from linformer_kit.interop import task_bench
+from linformer_kit.interop.convert import convert_to_dir
 from linformer_kit.interop.task_bench import (
     TaskBenchSettings,
     markdown_table,
@@ -153,6 +156,29 @@ def test_the_step_time_script_times_every_variant_on_the_same_documents(tmp_path
     assert rows[0]["speedup_vs_first"] == 1.0 and all(len(r["steps_s"]) == 2 for r in rows)
     assert rows[0]["tokens_per_step"] == rows[1]["tokens_per_step"] > 0  # the same documents
     assert "| k4@64:adaptive |" in out.with_suffix(".md").read_text()
+
+
+def test_the_rescore_script_scores_checkpoints_and_tfidf_on_another_file(tmp_path):
+    pytest.importorskip("sklearn")
+    model = tmp_path / "model"
+    convert_to_dir(write_tiny_bert(tmp_path / "bert"), model, proj_dim=None)
+    classifier = LinformerForSequenceClassification.from_pretrained(model, num_labels=2)
+    classifier.save_pretrained(tmp_path / "best")
+    shutil.copy(model / "tokenizer.json", tmp_path / "best")
+    train = write_classification(tmp_path / "train.jsonl", count=24)
+    test = write_classification(tmp_path / "test.jsonl", count=12, seed=3)
+    out = tmp_path / "rescored"
+    longdoc_script("rescore").main(
+        ["--train", str(train), "--test", str(test), "--threads", "1", "--out", str(out)]
+        + ["--runs", f"a={tmp_path / 'best'}", f"b={tmp_path / 'best'}"]
+    )
+    report = json.loads(out.with_suffix(".json").read_text())
+    tfidf, a, b = report["rows"]
+    assert report["examples"] == 12 and tfidf["run"].startswith("TF-IDF")
+    assert a["accuracy"] == b["accuracy"] and 0 <= a["f1"] <= 1  # one checkpoint, scored twice
+    p = a["accuracy"]
+    assert a["standard_error"] == pytest.approx((p * (1 - p) / 12) ** 0.5)
+    assert out.with_suffix(".md").read_text().count("\n") == 5
 
 
 def test_the_fidelity_script_scores_every_variant_against_the_exact_long_model(tmp_path):

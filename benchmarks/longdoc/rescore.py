@@ -1,0 +1,64 @@
+"""Scores fine-tuned classifiers (bench-task's `WORK_DIR/VARIANT/run/best`, or any `finetune`
+checkpoint) on another labelled file, beside TF-IDF + logistic regression fitted on their
+training file: a larger test set than the one a bench-task run was scored on, for a
+smaller standard error.
+
+    python benchmarks/longdoc/rescore.py --train data/longdoc/pang_lee/train_500.jsonl \
+        --test data/longdoc/pang_lee/heldout_900.jsonl \
+        --runs exact@2048=runs/bench_task/exact@2048/run/best ... \
+        --out benchmarks/longdoc/pang_lee_500_3ep_heldout_900
+
+Writes OUT.json and OUT.md: accuracy and F1 of each run, with the binomial standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from linformer_kit.data.classification import read_labelled
+from linformer_kit.interop.task_bench import TaskBenchSettings, tfidf_baseline
+from linformer_kit.training.compare import machine
+from linformer_kit.training.evaluate import EvaluateSettings, evaluate_checkpoint
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train", required=True, help="the runs' training file (for TF-IDF)")
+    parser.add_argument("--test", required=True, help="labelled JSONL or CSV to score on")
+    parser.add_argument("--runs", nargs="+", required=True, help="NAME=CHECKPOINT_DIR ...")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
+    args = parser.parse_args(argv)
+    runs = dict(run.split("=", 1) for run in args.runs)
+    tfidf = tfidf_baseline(TaskBenchSettings(train=args.train, val=args.test, test=args.test))
+    rows = [{"run": "TF-IDF 1-2-grams + logistic regression", "accuracy": tfidf["test_acc"]}]
+    for name, checkpoint in runs.items():
+        settings = EvaluateSettings(
+            data=[args.test], batch_size=args.batch_size, threads=args.threads
+        )
+        metrics = evaluate_checkpoint(checkpoint, settings)[args.test]
+        rows.append({"run": name, "checkpoint": checkpoint, **metrics})
+        print(json.dumps(rows[-1]))
+    count = len(read_labelled(args.test)[0])
+    for row in rows:
+        row["standard_error"] = math.sqrt(row["accuracy"] * (1 - row["accuracy"]) / count)
+    report = {"train": args.train, "test": args.test, "examples": count, "rows": rows}
+    report["machine"] = machine()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = [f"| run | accuracy ({count} examples) | F1 | standard error |", "|---|---:|---:|---:|"]
+    for row in rows:
+        f1 = f"{row['f1']:.3f}" if "f1" in row else "-"
+        lines.append(
+            f"| {row['run']} | {row['accuracy']:.3f} | {f1} | {row['standard_error']:.3f} |"
+        )
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
