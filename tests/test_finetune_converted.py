@@ -95,7 +95,7 @@ def test_truncation_counts_cut_documents_and_tokens_lost(tmp_path):
     assert whole.describe_truncation(N) == f"{data}: no document longer than {N} tokens"
 
 
-def test_finetune_and_evaluate_log_the_truncation(converted, tmp_path, caplog):
+def test_finetune_and_evaluate_log_the_truncation(converted, tmp_path, caplog, monkeypatch):
     caplog.set_level(logging.INFO)
     train = write_lengths(tmp_path / "train.jsonl", [100, 3, 70, 5])
     valid = write_lengths(tmp_path / "valid.jsonl", [80, 4])
@@ -105,14 +105,22 @@ def test_finetune_and_evaluate_log_the_truncation(converted, tmp_path, caplog):
         + ["--max-steps", "1", "--warmup-steps", "1", "--batch-size", "4", "--output-dir", str(out)]
     )
     # 102, 5, 72 and 7 tokens with [CLS] and [SEP], cut to 64: 38 and 8 lost; 82: 18 lost.
+    # A converted model was never fine-tuned: finetune's default, head+tail, applies.
     assert (
-        f"{train}: 2 of 4 documents (50%) cut to {N} tokens (head kept); tokens lost per cut "
-        "document: mean 23, max 38"
+        f"{train}: 2 of 4 documents (50%) cut to {N} tokens (head+tail kept); tokens lost per "
+        "cut document: mean 23, max 38"
     ) in caplog.text
-    assert f"{valid}: 1 of 2 documents (50%) cut to {N} tokens" in caplog.text
+    assert f"{valid}: 1 of 2 documents (50%) cut to {N} tokens (head+tail kept)" in caplog.text
+    caplog.clear()
+    main(["evaluate", str(out / "best"), "--data", str(valid)])  # the model's own rule
+    assert f"{valid}: 1 of 2 documents (50%) cut to {N} tokens (head+tail kept)" in caplog.text
+    config = json.loads((out / "best" / "config.json").read_text())
+    del config["config"]["truncation"]  # as a model fine-tuned before the setting was saved
+    (out / "best" / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("LINFORMER_NO_VERIFY", "1")  # changed on purpose
     caplog.clear()
     main(["evaluate", str(out / "best"), "--data", str(valid)])
-    assert f"{valid}: 1 of 2 documents (50%) cut to {N} tokens" in caplog.text
+    assert f"{valid}: 1 of 2 documents (50%) cut to {N} tokens (head kept)" in caplog.text
 
 
 @pytest.mark.parametrize("projections", ["freeze", "train"])

@@ -87,7 +87,8 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
         for name, seed in (("train", 0), ("val", 1), ("test", 2))
     }
     out = tmp_path / "report"
-    settings = TaskBenchSettings(**files, variants="exact@64", out=str(out))
+    settings = TaskBenchSettings(**files, variants="exact@64", out=str(out), truncation="head")
+    settings = dataclasses.replace(settings, work_dir=str(tmp_path / "work"))  # never ./runs
     earlier = {"variant": "exact@64", "model": "exact, n=64", "test_acc": 0.25}
     earlier |= {"s_per_step": 0.1, "peak_mem_mb": 300.0, "train_s": 1.0, "wall_s": 9.0}
     elsewhere = dataclasses.replace(settings, work_dir="/elsewhere", out="/moved/report")
@@ -100,7 +101,7 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
     report = run_task_bench(settings)  # nothing to convert or train: the row is kept
     assert [row["variant"] for row in report["rows"]] == ["tfidf", "exact@64"]
     assert report["rows"][1] == earlier
-    for changed in (dict(batch_size=3), dict(grad_accum_steps=2), dict(truncation="tail")):
+    for changed in (dict(batch_size=3), dict(grad_accum_steps=2), dict(truncation="head+tail")):
         with pytest.raises(FileNotFoundError):  # other settings: run again (no such model dir)
             run_task_bench(dataclasses.replace(settings, **changed, source=str(tmp_path / "no")))
     del old["projections"]  # before the setting existed every run trained the projections

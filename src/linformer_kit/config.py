@@ -110,12 +110,13 @@ class LinformerConfig:
     label2id: dict[str, int] | None = field(
         default=None, metadata={"help": "their ids: the inverse of id2label (as in HF)"}
     )
-    truncation: str = field(
-        default="head",
+    truncation: str | None = field(
+        default=None,
         metadata={
             "help": "what a classifier keeps of a text longer than max_seq_len: head (its "
             "start), tail (its end) or head+tail (a quarter from the start, the rest from "
-            "the end)"
+            "the end); set by fine-tuning; none (a model fine-tuned before the setting "
+            "existed) reads as head"
         },
     )
     causal: bool = field(
@@ -139,7 +140,8 @@ class LinformerConfig:
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("position", self.position, POSITIONS)
         check_choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
-        check_choice("truncation", self.truncation, TRUNCATIONS)
+        if self.truncation is not None:
+            check_choice("truncation", self.truncation, TRUNCATIONS)
         _check_probability("dropout", self.dropout)
         _check_probability("attention_dropout", self.attention_dropout)
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:

@@ -31,6 +31,7 @@ from ..data.tokenizer import load_tokenizer
 from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
 from ..training.finetune import (
+    DEFAULT_TRUNCATION,
     PROJECTION_MODES,
     FinetuneSettings,
     finetune,
@@ -77,7 +78,7 @@ class TaskBenchSettings:
         metadata={"help": "freeze or train the sequence projections (E, F)"},
     )
     truncation: str = field(
-        default="head",
+        default=DEFAULT_TRUNCATION,  # finetune's
         metadata={"help": "what a text longer than a variant's N keeps: head, tail or head+tail"},
     )
     calibration_texts: int = field(

@@ -105,7 +105,7 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
                 label2id=config.label2id or {},
                 text_field=settings.text_field,
                 label_field=settings.label_field,
-                truncation=config.truncation,
+                truncation=config.truncation or "head",  # unset: fine-tuned before the field
             )
             logger.info(labelled.describe_truncation(config.max_seq_len))
             evaluator = ClassificationEvaluator(

@@ -27,6 +27,9 @@ from .settings import TrainSettings, save_json
 logger = logging.getLogger(__name__)
 
 HEAD_INITS = ("probe", "random")
+# Measured on Pang & Lee (500 reviews, exact MiniLM at 512): head+tail 0.836, head 0.720
+# test accuracy (README); Sun et al. 2019 found it best on long reviews too.
+DEFAULT_TRUNCATION = "head+tail"
 PROJECTION_MODES = ("train", "freeze")
 # Fine-tuning's own recipe where it differs from pretraining's: a pretrained backbone takes
 # BERT's fine-tuning learning rate (Devlin et al.: 2e-5 to 5e-5), not a from-scratch one;
@@ -96,7 +99,7 @@ class FinetuneSettings:
         metadata={
             "help": "what a longer text keeps: head, tail or head+tail (a quarter from the "
             "start, the rest from the end); saved with the model for evaluate (default: the "
-            "model's, head for a converted one)"
+            f"model's if it was fine-tuned with one, else {DEFAULT_TRUNCATION})"
         },
     )
 
@@ -206,7 +209,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     config = hub.read_config(settings.init)["config"]
     max_len = _sequence_length(settings, config.max_seq_len)
     fields = {"text_field": settings.text_field, "label_field": settings.label_field}
-    fields["truncation"] = settings.truncation or config.truncation
+    fields["truncation"] = settings.truncation or config.truncation or DEFAULT_TRUNCATION
     train_data = load_classification(settings.data, tokenizer, max_seq_len=max_len, **fields)
     num_labels = settings.num_labels or max(train_data.labels) + 1
     train_data.check_labels(num_labels)
