@@ -8,7 +8,6 @@ sorted order of the training set's distinct names; the mapping travels with the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from torch import Tensor
 from ..config import TRUNCATIONS, check_choice
 from .corpus import CSV_SUFFIX, iter_csv, iter_jsonl, jsonl_field
 from .tokenizer import TextTokenizer
+
 
 @dataclass
 class ClassificationData:

@@ -35,7 +35,9 @@ class DataSettings:
         default=False,
         metadata={"help": "leave out empty or non-UTF-8 files (each logged) instead of stopping"},
     )
-    text_field: str = field(default="text", metadata={"help": "JSONL field or CSV column holding the text"})
+    text_field: str = field(
+        default="text", metadata={"help": "JSONL field or CSV column holding the text"}
+    )
     tokenizer: str = field(
         default="", metadata={"help": "an existing tokenizer.json; empty = train a BPE"}
     )
