@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 from linformer_kit.data.classification import read_labelled
-from linformer_kit.interop.task_bench import TaskBenchSettings, tfidf_baseline
+from linformer_kit.interop.task_bench import tfidf_baseline
 from linformer_kit.training.compare import machine
 from linformer_kit.training.evaluate import EvaluateSettings, evaluate_checkpoint
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     args = parser.parse_args(argv)
     runs = dict(run.split("=", 1) for run in args.runs)
-    tfidf = tfidf_baseline(TaskBenchSettings(train=args.train, val=args.test, test=args.test))
+    tfidf = tfidf_baseline(args.train, args.test)
     rows = [{"run": "TF-IDF 1-2-grams + logistic regression", "accuracy": tfidf["test_acc"]}]
     for name, checkpoint in runs.items():
         settings = EvaluateSettings(

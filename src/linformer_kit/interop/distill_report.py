@@ -103,7 +103,7 @@ def distillation_report(
             **asdict(data),
             "sharing": sharing,
             "projection": projection,
-            "init": "attention" if projection == "linear" else None,
+            "init": "attention" if linear else None,
         },
         "text": {"files": len(files), "under": os.path.commonpath(files)},
         "machine": {**machine(), "device": _device_name(device)},

@@ -221,9 +221,9 @@ def _in_fresh_process(function: Any, *args: Any) -> Any:
         return pool.submit(function, *args).result()
 
 
-def tfidf_baseline(s: TaskBenchSettings) -> dict[str, Any]:
+def tfidf_baseline(train: str, test: str) -> dict[str, Any]:
     """TF-IDF (1-2-grams, sublinear tf) + logistic regression (scikit-learn defaults) fitted
-    on the training file, scored on the test file.
+    on the `train` file, scored on the `test` file (labelled JSONL or CSV).
 
     Raises:
         ImportError: naming the package when scikit-learn is not installed.
@@ -236,8 +236,8 @@ def tfidf_baseline(s: TaskBenchSettings) -> dict[str, Any]:
             "the TF-IDF baseline needs scikit-learn: pip install 'linformer-kit[task]'"
         ) from err
     start = time.perf_counter()
-    train_texts, train_labels, _ = read_labelled(s.train)
-    test_texts, test_labels, _ = read_labelled(s.test)
+    train_texts, train_labels, _ = read_labelled(train)
+    test_texts, test_labels, _ = read_labelled(test)
     vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2)
     classifier = LogisticRegression(max_iter=2000)
     classifier.fit(vectorizer.fit_transform(train_texts), [str(y) for y in train_labels])
@@ -323,7 +323,7 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
     report: dict[str, Any] = {
         "settings": dataclasses.asdict(s),
         "machine": machine(),
-        "rows": [tfidf_baseline(s)],
+        "rows": [tfidf_baseline(s.train, s.test)],
     }
     write_task_report(report, Path(s.out))
     for name, proj_dim, max_seq_len, projection in parse_variants(s.variants):
