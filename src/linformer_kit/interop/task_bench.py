@@ -263,7 +263,7 @@ def _variant_row(
     kind = "exact" if proj_dim is None else f"Linformer k={proj_dim}"
     if proj_dim is not None and projection != "linear":
         kind += f" {projection}"
-    cut = f", {s.truncation} kept" if s.truncation != "head" else ""
+    cut = f", {s.truncation} kept" if s.truncation != DEFAULT_TRUNCATION else ""
     distilled: dict[str, Any] = {}
     if proj_dim is not None and s.distill_steps:
         start = time.perf_counter()
