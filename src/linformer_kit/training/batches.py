@@ -162,10 +162,16 @@ class ClassificationBatches:
     data: LabelledRows
     pad_id: int
     schedule: RowSchedule
+    teacher_logits: Tensor | None = None  # (len(data), C): a teacher's, for distillation
 
     def micro_batch(self, step: int, micro: int, rank: int) -> dict[str, Tensor]:
-        """input_ids, key_padding_mask (B, N) and labels (B,) of one micro-batch."""
-        return self.data.batch(self.schedule.rows(step, micro, rank), self.pad_id)
+        """input_ids, key_padding_mask (B, N) and labels (B,) of one micro-batch, and the
+        teacher's logits of its rows (B, C) when there are some."""
+        rows = self.schedule.rows(step, micro, rank)
+        batch = self.data.batch(rows, self.pad_id)
+        if self.teacher_logits is not None:
+            batch["teacher_logits"] = self.teacher_logits[rows]
+        return batch
 
 
 @dataclass

@@ -23,6 +23,7 @@ from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
 from .settings import TrainSettings, save_json
+from .task_distill import DistillationObjective, teacher_logits
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,20 @@ class FinetuneSettings:
             f"model's if it was fine-tuned with one, else {DEFAULT_TRUNCATION})"
         },
     )
+    teacher: str = field(
+        default="",
+        metadata={
+            "help": "a fine-tuned classifier (e.g. the exact model at full length) whose "
+            "predictions on --data the model also learns (knowledge distillation)"
+        },
+    )
+    distill_weight: float = field(
+        default=0.5,
+        metadata={"help": "with --teacher: share of the teacher's term in the loss, in [0, 1]"},
+    )
+    temperature: float = field(
+        default=2.0, metadata={"help": "with --teacher: softmax temperature of both, > 0"}
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.epochs, int) or self.epochs < 1:
@@ -116,6 +131,10 @@ class FinetuneSettings:
         check_choice("projections", self.projections, PROJECTION_MODES)
         if self.truncation:
             check_choice("truncation", self.truncation, TRUNCATIONS)
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight!r}")
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
 
 
 @dataclass(kw_only=True)
@@ -240,9 +259,21 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         if settings.head_init == "probe" and fresh:
             init_head_from_probe(model, train_data, tokenizer.pad_id, train.batch_size, dist.device)
         schedule = RowSchedule.for_run(len(train_data), train, dist.world_size)
+        soft, objective = None, None
+        if settings.teacher:
+            soft = teacher_logits(
+                settings.teacher,
+                train_data,
+                num_labels=num_labels,
+                text_field=settings.text_field,
+                label_field=settings.label_field,
+                batch_size=train.batch_size,
+                device=dist.device,
+            )
+            objective = DistillationObjective(settings.distill_weight, settings.temperature)
         trainer = Trainer(
             model=model,
-            batches=ClassificationBatches(train_data, tokenizer.pad_id, schedule),
+            batches=ClassificationBatches(train_data, tokenizer.pad_id, schedule, soft),
             evaluator=ClassificationEvaluator(
                 eval_data, tokenizer.pad_id, train.batch_size, num_labels, verbose=dist.is_main
             ),
@@ -250,6 +281,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             dist=dist,
             run_config=FinetuneRunConfig(model=config, train=train, finetune=settings),
             tokenizer=tokenizer,
+            loss_fn=objective,
         )
         result = trainer.fit()
         dist.barrier()  # gloo can abort a process whose peer already closed the group

@@ -131,6 +131,11 @@ class TrainResult:
     best_val: float
 
 
+def _model_loss(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """The loss the model computes itself from the batch (labels included)."""
+    return model(**batch).loss
+
+
 class Trainer:
     """Trains `model` on `batches` for `settings.max_steps` steps.
 
@@ -142,6 +147,8 @@ class Trainer:
         dist: this process's place in the job.
         run_config: saved into every checkpoint.
         tokenizer: saved into every checkpoint.
+        loss_fn: the training loss of (model, micro-batch); default the model's own
+            (`model(**batch).loss`).
     """
 
     def __init__(
@@ -154,8 +161,10 @@ class Trainer:
         dist: Distributed,
         run_config: SavedConfig | None = None,
         tokenizer: TextTokenizer | None = None,
+        loss_fn: Callable[[torch.nn.Module, dict[str, Tensor]], Tensor] | None = None,
     ) -> None:
         self.model = model.to(dist.device)
+        self.loss_fn = loss_fn or _model_loss
         self.batches, self.evaluator, self.settings, self.dist = batches, evaluator, settings, dist
         self.run_config, self.tokenizer = run_config, tokenizer
         self.run_dir = Path(settings.output_dir)
@@ -233,7 +242,7 @@ class Trainer:
             sync = contextlib.nullcontext() if last or not self.dist.enabled else model.no_sync()
             with sync:
                 with self.autocast:
-                    loss = model(**batch).loss
+                    loss = self.loss_fn(model, batch)
                 (loss / accum).backward()
             losses.append(loss.item())
             tokens += batch["input_ids"].numel()
