@@ -1,7 +1,8 @@
 """Training-step time of a causal LM: causal Linformer vs the exact causal Transformer.
 
 Forward + backward + AdamW step of the same model shape on random tokens, for several
-sequence lengths; warm-up, then the median of repeats, the two models' steps interleaved in the same run.
+sequence lengths; warm-up, then the median of repeats, the two models' steps interleaved in
+the same run.
 Writes benchmarks/causal_step/results.json.
 
     PYTHONPATH=src python benchmarks/causal_step.py

@@ -8,7 +8,8 @@ smaller standard error.
         --runs exact@2048=runs/bench_task/exact@2048/run/best ... \
         --out benchmarks/longdoc/pang_lee_500_3ep_heldout_900
 
-Writes OUT.json and OUT.md: accuracy and F1 of each run, with the binomial standard error.
+Writes OUT.json, OUT.md and OUT.png: accuracy and F1 of each run, with the binomial
+standard error (the plot's bars: accuracy with 95% intervals, TF-IDF as a dashed line).
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 from linformer_kit.data.classification import read_labelled
 from linformer_kit.interop.task_bench import tfidf_baseline
@@ -57,7 +64,27 @@ def main(argv: list[str] | None = None) -> None:
             f"| {row['run']} | {row['accuracy']:.3f} | {f1} | {row['standard_error']:.3f} |"
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot_report(report, args.out.with_suffix(".png"))
     print("\n".join(lines))
+
+
+def plot_report(report: dict[str, Any], path: Path) -> None:
+    """Horizontal bars of each run's accuracy with its 95% interval (1.96 standard errors),
+    the TF-IDF baseline (the first row) as a dashed line."""
+    baseline, *runs = report["rows"]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(runs) + 1.4))
+    names = [row["run"] for row in runs][::-1]
+    accuracy = [row["accuracy"] for row in runs][::-1]
+    error = [1.96 * row["standard_error"] for row in runs][::-1]
+    ax.barh(names, accuracy, xerr=error, color="tab:blue", alpha=0.8, capsize=3)
+    ax.axvline(baseline["accuracy"], color="tab:red", linestyle="--", label=baseline["run"])
+    low = min(accuracy + [baseline["accuracy"]]) - 0.1
+    ax.set_xlim(max(0.0, low), 1.0)
+    ax.set_xlabel(f"accuracy on {Path(report['test']).name} ({report['examples']} examples)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
