@@ -81,7 +81,7 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     low = min(accuracy + [baseline["accuracy"]]) - 0.1
     ax.set_xlim(max(0.0, low), 1.0)
     ax.set_xlabel(f"accuracy on {Path(report['test']).name} ({report['examples']} examples)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
