@@ -64,35 +64,25 @@ def convert_to_dir(
     source = Path(source)
     data_driven = proj_dim is not None and projection == "linear"
     data_driven = data_driven and (init or DEFAULT_INIT) in DATA_DRIVEN
+    options = {
+        "proj_dim": proj_dim,
+        "max_seq_len": max_seq_len,
+        "sharing": sharing,
+        "projection": projection,
+        "init": init,
+        "seed": seed,
+    }
+    model: LinformerPreTrainedModel
     if is_linformer_checkpoint(source):
-        model = convert_checkpoint(
-            source,
-            proj_dim=proj_dim,
-            max_seq_len=max_seq_len,
-            sharing=sharing,
-            projection=projection,
-            init=init,
-            calibration_texts=calibration_texts if data_driven else 0,
-            seed=seed,
-        )
-        model.save_pretrained(out)
-        shutil.copy(source / TOKENIZER_NAME, Path(out) / TOKENIZER_NAME)
-        return model.backbone
-    calibration = calibration_ids(source, calibration_texts, max_seq_len) if data_driven else None
-    model = convert_hf_model(
-        source,
-        proj_dim=proj_dim,
-        max_seq_len=max_seq_len,
-        sharing=sharing,
-        projection=projection,
-        init=init,
-        calibration_ids=calibration,
-        seed=seed,
-    )
+        texts = calibration_texts if data_driven else 0
+        model = convert_checkpoint(source, calibration_texts=texts, **options)
+    else:
+        ids = calibration_ids(source, calibration_texts, max_seq_len) if data_driven else None
+        model = convert_hf_model(source, calibration_ids=ids, **options)
     model.save_pretrained(out)
     if (source / TOKENIZER_NAME).is_file():
         shutil.copy(source / TOKENIZER_NAME, Path(out) / TOKENIZER_NAME)
-    return model
+    return model.backbone
 
 
 def convert_checkpoint(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Protocol
@@ -155,6 +155,23 @@ class LabelledRows(Protocol):
     def batch(self, rows: list[int], pad_id: int) -> dict[str, Tensor]: ...
 
 
+def in_order(
+    data: LabelledRows,
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    *,
+    desc: str,
+    verbose: bool = True,
+) -> Iterator[dict[str, Tensor]]:
+    """Every example once, in order, as padded batches of `batch_size` on `device` (the last
+    one shorter), behind a progress bar named `desc` (hidden when not `verbose`)."""
+    starts = range(0, len(data), batch_size)
+    for start in tqdm(starts, desc=desc, leave=False, disable=not verbose):
+        rows = list(range(start, min(len(data), start + batch_size)))
+        yield {k: v.to(device) for k, v in data.batch(rows, pad_id).items()}
+
+
 @dataclass
 class ClassificationBatches:
     """Shuffled, padded classification batches."""
@@ -189,12 +206,12 @@ class ClassificationEvaluator:
     def __call__(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Metrics over every example."""
         predictions, total = [], 0.0
-        starts = range(0, len(self.data), self.batch_size)
-        for start in tqdm(starts, desc="validation", leave=False, disable=not self.verbose):
-            rows = list(range(start, min(len(self.data), start + self.batch_size)))
-            batch = {k: v.to(device) for k, v in self.data.batch(rows, self.pad_id).items()}
+        batches = in_order(
+            self.data, self.pad_id, self.batch_size, device, desc="validation", verbose=self.verbose
+        )
+        for batch in batches:
             out = model(**batch)
-            total += float(out.loss) * len(rows)
+            total += float(out.loss) * len(batch["labels"])
             predictions += out.logits.argmax(-1).tolist()
         metrics = classification_metrics(predictions, self.data.labels, self.num_labels)
         if self.verbose and len(set(predictions)) == 1 < len(set(self.data.labels)):

@@ -16,10 +16,9 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ..models import LinformerForSequenceClassification
-from .batches import LabelledRows
+from .batches import LabelledRows, in_order
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +40,7 @@ def head_features(
     was_training = model.training
     model.train()
     features = []
-    starts = range(0, len(data), batch_size)
-    for start in tqdm(starts, desc="probe features", leave=False):
-        rows = list(range(start, min(len(data), start + batch_size)))
-        batch = {k: v.to(device) for k, v in data.batch(rows, pad_id).items()}
+    for batch in in_order(data, pad_id, batch_size, device, desc="probe features"):
         hidden = model.linformer(batch["input_ids"], batch["key_padding_mask"]).last_hidden_state
         pooled = model.pool(hidden, batch["key_padding_mask"])  # (B, dim)
         features.append(model.head[:-1](pooled).float().cpu())

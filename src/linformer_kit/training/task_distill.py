@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from .. import hub
 from ..data.classification import ClassificationData, load_classification
 from ..data.tokenizer import load_tokenizer
 from ..models import LinformerForSequenceClassification
+from .batches import in_order
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +85,8 @@ def teacher_logits(
         truncation=config.truncation or "head",
     )
     logger.info("teacher %s: %s", teacher, data.describe_truncation(config.max_seq_len))
-    logits = []
-    for start in tqdm(range(0, len(data), batch_size), desc="teacher logits", leave=False):
-        rows = list(range(start, min(len(data), start + batch_size)))
-        batch = {k: v.to(device) for k, v in data.batch(rows, tokenizer.pad_id).items()}
-        logits.append(model(**batch).logits.float().cpu())
-    out = torch.cat(logits)
+    batches = in_order(data, tokenizer.pad_id, batch_size, device, desc="teacher logits")
+    out = torch.cat([model(**batch).logits.float().cpu() for batch in batches])
     accuracy = float((out.argmax(-1) == torch.tensor(data.labels)).double().mean())
     logger.info("the teacher's accuracy on the training examples: %.3f", accuracy)
     return out
