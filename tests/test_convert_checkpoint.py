@@ -106,3 +106,23 @@ def test_finetuning_a_classifier_keeps_its_head_instead_of_a_new_probe(dirs, tmp
         )
     assert f"the classification head of {dirs / 'classifier'} is kept" in caplog.text
     assert "linear probe" not in caplog.text
+
+
+def test_finetuning_a_classifier_on_other_classes_keeps_its_backbone_with_a_new_head(
+    dirs, tmp_path, caplog
+):
+    train = write_classification(tmp_path / "train.jsonl", 16, seed=0)  # 2 classes
+    out = tmp_path / "ft"
+    with caplog.at_level(logging.INFO):
+        main(
+            ["finetune", "--init", str(dirs / "classifier"), "--data", str(train), "--eval"]
+            + [str(train), "--max-steps", "1", "--batch-size", "4", "--lr", "1e-12"]
+            + ["--output-dir", str(out), "--threads", "1"]
+        )
+    assert "--init is a classifier of 3 classes and the data has 2" in caplog.text
+    assert "linear probe" in caplog.text  # the new head starts from the probe, as for a backbone
+    before, after = read_weights(dirs / "classifier"), read_weights(out / "last")
+    assert after["head.4.weight"].shape == (2, before["head.4.weight"].shape[1])
+    backbone = [name for name in before if name.startswith("linformer.")]
+    # One step of AdamW at lr 1e-12 moves no weight by more than about 1e-12.
+    assert backbone and all(torch.allclose(before[n], after[n], atol=1e-9) for n in backbone)

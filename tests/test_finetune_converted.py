@@ -1,6 +1,7 @@
 """Fine-tuning a converted pretrained model: the head starts from a linear probe, a tiny
 converted BERT learns a tiny labelled set above chance with the default recipe, and
-truncation is reported in finetune's and evaluate's logs."""
+truncation is reported in finetune's and evaluate's logs, and evaluate reads inputs at the
+length the model was fine-tuned at."""
 
 import json
 import logging
@@ -14,6 +15,7 @@ from train_helpers import write_classification
 from linformer_kit.cli import main
 from linformer_kit.data.classification import load_classification
 from linformer_kit.data.tokenizer import load_tokenizer
+from linformer_kit.training.evaluate import EvaluateSettings, evaluate_checkpoint
 from linformer_kit.training.probe import fit_linear_probe
 
 
@@ -158,3 +160,25 @@ def test_a_projection_mode_outside_the_choices_is_a_usage_error(converted, tmp_p
         )
     assert exit_info.value.code == 2
     assert "projections must be one of train, freeze; got 'thaw'" in capsys.readouterr().err
+
+
+def test_evaluate_reads_inputs_at_the_length_the_classifier_was_fine_tuned_at(
+    converted, tmp_path, caplog
+):
+    caplog.set_level(logging.INFO)
+    train = write_lengths(tmp_path / "train.jsonl", [100, 3, 70, 5, 40, 9])
+    valid = write_lengths(tmp_path / "valid.jsonl", [80, 4, 50, 30])
+    out = tmp_path / "ft"
+    main(
+        ["finetune", "--init", str(converted), "--data", str(train), "--eval", str(valid)]
+        + ["--max-seq-len", "32", "--max-steps", "2", "--batch-size", "3"]
+        + ["--output-dir", str(out), "--threads", "1"]
+    )
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["split"] == "val" and last["step"] == 2
+    caplog.clear()
+    # The model accepts N = 64 tokens; it was fine-tuned and validated on 32.
+    scored = evaluate_checkpoint(out / "last", EvaluateSettings(data=[str(valid)], threads=1))
+    assert f"{valid}: 2 of 4 documents (50%) cut to 32 tokens" in caplog.text
+    assert scored[str(valid)]["val_loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+    assert scored[str(valid)]["accuracy"] == last["accuracy"]

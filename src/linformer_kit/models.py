@@ -189,18 +189,21 @@ class LinformerPreTrainedModel(nn.Module):
         *,
         config_overrides: dict[str, Any] | None = None,
         verify: bool = True,
+        keep_head: bool = True,
         **model_kwargs: Any,
     ) -> ModelT:
         """Loads a model saved by `save_pretrained` (or a training checkpoint).
 
-        Loading a different architecture keeps the backbone only (e.g. a classifier from a
-        masked-LM checkpoint); the new head is freshly initialised.
+        Loading a different architecture, or `keep_head=False`, keeps the backbone only (e.g. a
+        classifier from a masked-LM checkpoint, or one of 5 classes from one of 2); the new
+        head is freshly initialised.
 
         Args:
             path: directory with config.json and model.safetensors.
             config_overrides: config fields to change (e.g. dropout, checkpointing).
             verify: check the files against the directory's manifest.json, when it has one
                 (training checkpoints do); False loads files changed on purpose.
+            keep_head: load the saved head too when the architecture is the same.
             **model_kwargs: constructor arguments (e.g. num_labels) overriding the saved ones.
 
         Raises:
@@ -211,7 +214,7 @@ class LinformerPreTrainedModel(nn.Module):
         hub.check_before_load(path, verify)
         meta = hub.read_config(path)
         config = meta["config"].replace(**(config_overrides or {}))
-        same = meta["architecture"] == cls.__name__
+        same = meta["architecture"] == cls.__name__ and keep_head
         model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
         tensors = hub.read_weights(path)
         if same:

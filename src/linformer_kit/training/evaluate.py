@@ -3,6 +3,7 @@ accuracy / F1."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,14 +13,15 @@ import numpy as np
 
 from .. import hub
 from ..causal_lm import LinformerForCausalLM
+from ..config import LinformerConfig
 from ..data.cache import PackedBlocks
-from ..data.classification import load_classification
+from ..data.classification import ClassificationData, load_classification
 from ..data.corpus import JSONL_SUFFIXES, iter_documents, iter_jsonl
 from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForMaskedLM, LinformerForSequenceClassification
 from .batches import ClassificationEvaluator, LMBatches, LMEvaluator, RowSchedule
 from .distributed import resolve_device
-from .settings import check_threads, use_threads
+from .settings import RUN_CONFIG_NAME, check_threads, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,50 @@ def _labelled(spec: str, label_field: str) -> bool:
     return label_field in record
 
 
+def classifier_length(path: str | Path, config: LinformerConfig) -> int:
+    """The length the classifier at `path` was fine-tuned at: `finetune --max-seq-len`, as
+    the run_config.json beside each of its checkpoints records it, else the model's
+    max_seq_len (0 there, or no run config: a model saved by other means)."""
+    file = Path(path) / RUN_CONFIG_NAME
+    if not file.is_file():
+        return config.max_seq_len
+    try:
+        length = json.loads(file.read_text()).get("finetune", {}).get("max_seq_len", 0)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
+    return length or config.max_seq_len
+
+
+def load_for_classifier(
+    path: str | Path,
+    spec: str | Path,
+    *,
+    num_labels: int,
+    text_field: str = "text",
+    label_field: str = "label",
+) -> ClassificationData:
+    """`spec`'s labelled examples as the classifier at `path` was fine-tuned to read them: its
+    tokenizer, labels, length (`classifier_length`) and truncation rule; logs what was cut.
+
+    Raises:
+        ValueError / FileNotFoundError: for a missing checkpoint or malformed data.
+    """
+    config = hub.read_config(path)["config"]
+    max_len = classifier_length(path, config)
+    data = load_classification(
+        spec,
+        load_tokenizer(path),
+        max_seq_len=max_len,
+        num_labels=num_labels,
+        label2id=config.label2id or {},
+        text_field=text_field,
+        label_field=label_field,
+        truncation=config.truncation or "head",  # unset: fine-tuned before the field
+    )
+    logger.info("%s reads %s", path, data.describe_truncation(max_len))
+    return data
+
+
 def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[str, Any]:
     """Evaluates a saved model: loss / perplexity on text (masked tokens, or next tokens for a
     causal LM), or accuracy / F1 of a classifier on labelled JSONL.
@@ -97,17 +143,13 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
         model = LinformerForSequenceClassification.from_pretrained(path)
         metrics: dict[str, Any] = {}
         for spec in data:
-            labelled = load_classification(
+            labelled = load_for_classifier(
+                path,
                 spec,
-                tokenizer,
-                max_seq_len=config.max_seq_len,
                 num_labels=model.num_labels,
-                label2id=config.label2id or {},
                 text_field=settings.text_field,
                 label_field=settings.label_field,
-                truncation=config.truncation or "head",  # unset: fine-tuned before the field
             )
-            logger.info(labelled.describe_truncation(config.max_seq_len))
             evaluator = ClassificationEvaluator(
                 labelled, tokenizer.pad_id, batch_size, model.num_labels, verbose=True
             )

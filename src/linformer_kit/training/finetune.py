@@ -194,11 +194,20 @@ def _sized(
 
 
 def _keeps_head(meta: dict[str, Any], num_labels: int) -> bool:
-    """Whether `--init` is a classifier of `num_labels` classes, whose trained head
-    `from_pretrained` loads (e.g. the exact model fine-tuned at full length, then converted
-    to a Linformer): no new head to start."""
-    classifier = meta["architecture"] == LinformerForSequenceClassification.__name__
-    return classifier and meta["model_kwargs"].get("num_labels") == num_labels
+    """Whether `--init` is a classifier of `num_labels` classes, whose trained head is kept
+    (e.g. the exact model fine-tuned at full length, then converted to a Linformer). A
+    classifier of another number of classes gives its backbone only: a new head starts."""
+    if meta["architecture"] != LinformerForSequenceClassification.__name__:
+        return False
+    saved = meta["model_kwargs"].get("num_labels")
+    if saved != num_labels:
+        logger.info(
+            "--init is a classifier of %s classes and the data has %d: its backbone is kept, "
+            "with a new head",
+            saved,
+            num_labels,
+        )
+    return saved == num_labels
 
 
 def freeze_projections(model: torch.nn.Module) -> int:
@@ -256,19 +265,21 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     try:
         train = _sized(settings, train, len(train_data), dist.world_size)
         torch.manual_seed(train.seed)
+        keep_head = _keeps_head(meta, num_labels)
         model = LinformerForSequenceClassification.from_pretrained(
             settings.init,
             num_labels=num_labels,
             pooling=settings.pooling,
             config_overrides=train_data.label_config() | {"truncation": fields["truncation"]},
+            keep_head=keep_head,
         ).to(dist.device)
         if settings.projections == "freeze":
             freeze_projections(model)
         # A folder with checkpoints is resumed (its head loaded) or refused by the Trainer.
         fresh = latest_checkpoint(Path(train.output_dir)) is None
-        if _keeps_head(meta, num_labels):
+        if keep_head:
             logger.info("the classification head of %s is kept", settings.init)
-        elif settings.head_init == "probe" and fresh:
+        if not keep_head and settings.head_init == "probe" and fresh:
             init_head_from_probe(model, train_data, tokenizer.pad_id, train.batch_size, dist.device)
         schedule = RowSchedule.for_run(len(train_data), train, dist.world_size)
         soft, objective = None, None

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import hub
-from ..data.classification import ClassificationData, load_classification
+from ..data.classification import ClassificationData
 from ..data.tokenizer import load_tokenizer
 from ..models import LinformerForSequenceClassification
 from .batches import in_order
+from .evaluate import load_for_classifier
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +74,16 @@ def teacher_logits(
             f"{student_data.source} has {num_labels} ({student_data.label2id}): the teacher "
             f"must be fine-tuned on the same labels"
         )
-    tokenizer = load_tokenizer(teacher)
-    data = load_classification(
+    data = load_for_classifier(
+        teacher,
         student_data.source,
-        tokenizer,
-        max_seq_len=config.max_seq_len,
         num_labels=num_labels,
-        label2id=config.label2id or {},
         text_field=text_field,
         label_field=label_field,
-        truncation=config.truncation or "head",
     )
-    logger.info("teacher %s: %s", teacher, data.describe_truncation(config.max_seq_len))
-    batches = in_order(data, tokenizer.pad_id, batch_size, device, desc="teacher logits")
+    batches = in_order(
+        data, load_tokenizer(teacher).pad_id, batch_size, device, desc="teacher logits"
+    )
     out = torch.cat([model(**batch).logits.float().cpu() for batch in batches])
     accuracy = float((out.argmax(-1) == torch.tensor(data.labels)).double().mean())
     logger.info("the teacher's accuracy on the training examples: %.3f", accuracy)
