@@ -180,6 +180,21 @@ def test_the_rescore_script_scores_checkpoints_and_tfidf_on_another_file(tmp_pat
     p = a["accuracy"]
     assert a["standard_error"] == pytest.approx((p * (1 - p) / 12) ** 0.5)
     assert out.with_suffix(".md").read_text().count("\n") == 5
+    # --with: an earlier report's runs join a new one unscored; another test file is refused.
+    again = tmp_path / "again"
+    args = ["--train", str(train), "--threads", "1", "--runs", f"c={tmp_path / 'best'}"]
+    longdoc_script("rescore").main(
+        [*args, "--test", str(test), "--with", str(out.with_suffix(".json")), "--out", str(again)]
+    )
+    rows = json.loads(again.with_suffix(".json").read_text())["rows"]
+    assert [row["run"] for row in rows[1:]] == ["a", "b", "c"]
+    assert rows[1] == {**a, "from": str(out.with_suffix(".json"))}
+    assert rows[3]["accuracy"] == a["accuracy"] and "from" not in rows[3]
+    with pytest.raises(SystemExit, match="not"):
+        longdoc_script("rescore").main(
+            [*args, "--test", str(train), "--with", str(out.with_suffix(".json"))]
+            + ["--out", str(tmp_path / "other")]
+        )
 
 
 def test_the_fidelity_script_scores_every_variant_against_the_exact_long_model(tmp_path):

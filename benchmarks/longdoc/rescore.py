@@ -10,6 +10,8 @@ smaller standard error.
 
 Writes OUT.json, OUT.md and OUT.png: accuracy and F1 of each run, with the binomial
 standard error (the plot's bars: accuracy with 95% intervals, TF-IDF as a dashed line).
+`--with EARLIER.json ...` adds the runs of earlier reports on the same test file, unscored
+again.
 """
 
 from __future__ import annotations
@@ -38,11 +40,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="+", required=True, help="NAME=CHECKPOINT_DIR ...")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--with",
+        dest="earlier",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="earlier OUT.json files on the same --test: their runs join the table and plot",
+    )
     parser.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     args = parser.parse_args(argv)
     runs = dict(run.split("=", 1) for run in args.runs)
     tfidf = tfidf_baseline(args.train, args.test)
     rows = [{"run": "TF-IDF 1-2-grams + logistic regression", "accuracy": tfidf["test_acc"]}]
+    rows += earlier_rows(args.earlier, args.test)
     for name, checkpoint in runs.items():
         settings = EvaluateSettings(
             data=[args.test], batch_size=args.batch_size, threads=args.threads
@@ -68,6 +79,21 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
 
 
+def earlier_rows(reports: list[Path], test: str) -> list[dict[str, Any]]:
+    """The model rows (not TF-IDF) of earlier reports, each marked with the file it came from.
+
+    Raises:
+        SystemExit: if a report scored another test file (its figures would not compare).
+    """
+    rows = []
+    for path in reports:
+        report = json.loads(path.read_text())
+        if report["test"] != test:
+            raise SystemExit(f"--with {path} scored {report['test']}, not {test}")
+        rows += [{**row, "from": str(path)} for row in report["rows"][1:]]
+    return rows
+
+
 def plot_report(report: dict[str, Any], path: Path) -> None:
     """Horizontal bars of each run's accuracy with its 95% interval (1.96 standard errors),
     the TF-IDF baseline (the first row) as a dashed line."""
@@ -81,7 +107,7 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     low = min(accuracy + [baseline["accuracy"]]) - 0.1
     ax.set_xlim(max(0.0, low), 1.0)
     ax.set_xlabel(f"accuracy on {Path(report['test']).name} ({report['examples']} examples)")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -279,7 +279,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         fresh = latest_checkpoint(Path(train.output_dir)) is None
         if keep_head:
             logger.info("the classification head of %s is kept", settings.init)
-        if not keep_head and settings.head_init == "probe" and fresh:
+        elif settings.head_init == "probe" and fresh:
             init_head_from_probe(model, train_data, tokenizer.pad_id, train.batch_size, dist.device)
         schedule = RowSchedule.for_run(len(train_data), train, dist.world_size)
         soft, objective = None, None
