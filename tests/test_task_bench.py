@@ -8,33 +8,41 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hf_helpers import write_tiny_bert
 from train_helpers import write_classification
 
 from linformer_kit import LinformerForSequenceClassification
 from linformer_kit.cli import main
 from linformer_kit.data.classification import read_labelled
+from linformer_kit.hub import read_weights
 from linformer_kit.interop import task_bench
 from linformer_kit.interop.convert import convert_to_dir
 from linformer_kit.interop.task_bench import (
     TaskBenchSettings,
-    markdown_table,
+    Variant,
     parse_variants,
     run_task_bench,
 )
+from linformer_kit.interop.task_bench_report import markdown_table
 
 
 def test_variants_parse_and_malformed_ones_are_named():
-    assert parse_variants("exact@512, k256@2048, k128@2048:adaptive") == [
-        ("exact@512", None, 512, "linear"),
-        ("k256@2048", 256, 2048, "linear"),
-        ("k128@2048:adaptive", 128, 2048, "adaptive"),
+    spec = "exact@512, k256@2048, k128@2048:adaptive, k512@2048:adaptive:after, k64@1024:after"
+    assert parse_variants(spec) == [
+        Variant("exact@512", None, 512, "linear", False),
+        Variant("k256@2048", 256, 2048, "linear", False),
+        Variant("k128@2048:adaptive", 128, 2048, "adaptive", False),
+        Variant("k512@2048:adaptive:after", 512, 2048, "adaptive", True),
+        Variant("k64@1024:after", 64, 1024, "linear", True),
     ]
-    for bad in ("k256", "exact@512:adaptive"):
+    bad_ones = ("k256", "exact@512:adaptive", "exact@512:after", "k8@64:after:adaptive")
+    for bad in (*bad_ones, "k8@64:adaptive:linear"):
         with pytest.raises(ValueError, match=f"variant '{bad}' is not exact@N or kK@N"):
             parse_variants(f"exact@512,{bad}")
-    with pytest.raises(ValueError, match="projection must be one of linear, .*; got 'fft'"):
-        parse_variants("k128@2048:fft")
+    for bad in ("k128@2048:fft", "k8@64:after:after"):
+        with pytest.raises(ValueError, match="projection must be one of linear, .*; got '"):
+            parse_variants(bad)
 
 
 def test_bad_settings_are_usage_errors(capsys):
@@ -68,14 +76,20 @@ def test_a_tiny_run_writes_json_table_and_plot(tmp_path, capsys):
     }
     out = tmp_path / "report"
     main(
-        ["bench-task", "--source", str(tiny), "--variants", "exact@64,k8@96"]
+        ["bench-task", "--source", str(tiny), "--variants", "exact@64,k8@96,k8@64:adaptive:after"]
         + [f"--{name}={path}" for name, path in files.items()]
         + ["--calibration-texts", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
     )
     report = json.loads(out.with_suffix(".json").read_text())
-    assert [row["variant"] for row in report["rows"]] == ["tfidf", "exact@64", "k8@96"]
-    for row in report["rows"][1:]:
-        assert 0 <= row["test_acc"] <= 1 and row["peak_mem_mb"] > 0 and row["steps"] == 3
+    variants = ["tfidf", "exact@64", "k8@96", "k8@64:adaptive:after"]
+    assert [row["variant"] for row in report["rows"]] == variants
+    for row, steps in zip(report["rows"][1:], (3, 3, 6)):  # :after: 2 epochs of 3 steps
+        assert 0 <= row["test_acc"] <= 1 and row["peak_mem_mb"] > 0 and row["steps"] == steps
+    # The :after variant converted the exact run's best classifier, its head kept.
+    exact = tmp_path / "work" / "exact@64" / "run" / "best"
+    assert report["rows"][3]["converted_from"] == str(exact)
+    converted = read_weights(tmp_path / "work" / "k8@64:adaptive:after" / "model")
+    assert torch.equal(converted["head.4.weight"], read_weights(exact)["head.4.weight"])
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| exact, n=64 |" in out.with_suffix(".md").read_text()
 
@@ -129,10 +143,27 @@ def test_gradient_accumulation_reaches_finetune_and_sizes_the_warm_up(tmp_path, 
     assert seen["train"].batch_size == 2 and seen["train"].grad_accum_steps == 3
     assert seen["train"].warmup_steps == 1  # 10% of 8 steps per epoch x 2 epochs, rounded down
     assert seen["settings"].epochs == 2 and seen["settings"].truncation == "head+tail"
+    # An :after variant: its own epochs and lr, finetune's warm-up (the README's recipe).
+    after = dataclasses.replace(settings, after_epochs=3, after_lr=1e-5, lr=1e-3)
+    with pytest.raises(RuntimeError, match="recorded"):
+        task_bench._finetune_and_test(tmp_path / "model", tmp_path / "run", after, True)
+    assert seen["settings"].epochs == 3 and seen["train"].lr == 1e-5
+    assert seen["train"].warmup_steps == 10 and seen["train"].grad_accum_steps == 3
     with pytest.raises(ValueError, match="truncation must be one of head, tail, head.tail"):
         dataclasses.replace(settings, truncation="middle")
+    with pytest.raises(ValueError, match="after_lr must be > 0, got 0"):
+        dataclasses.replace(settings, after_lr=0)
     with pytest.raises(ValueError, match="grad_accum_steps must be an integer >= 1, got 0"):
         dataclasses.replace(settings, grad_accum_steps=0)
+
+
+def test_an_after_variant_without_its_exact_run_names_what_to_add(tmp_path):
+    settings = TaskBenchSettings(train="a", val="b", test="c", work_dir=str(tmp_path))
+    (after,) = parse_variants("k8@64:adaptive:after")
+    with pytest.raises(FileNotFoundError, match="put exact@64 before it in --variants"):
+        task_bench.exact_checkpoint(after, settings)
+    (tmp_path / "exact@64" / "run" / "best").mkdir(parents=True)
+    assert task_bench.exact_checkpoint(after, settings) == tmp_path / "exact@64" / "run" / "best"
 
 
 def longdoc_script(name):

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     source = args.source or minilm_path()
     variants = parse_variants(args.variants)
-    lengths = {max_seq_len for _, _, max_seq_len, _ in variants}
+    lengths = {v.max_seq_len for v in variants}
     if len(lengths) != 1:
         parser.error(f"every variant needs the same max_seq_len; got {sorted(lengths)}")
     (n,) = lengths
@@ -87,15 +87,15 @@ def main(argv: list[str] | None = None) -> None:
     teacher = outputs(convert_hf_model(source, proj_dim=None, max_seq_len=n), docs, f"exact@{n}")
     calibration = calibration_ids(source, args.calibration_texts, n)
     rows = []
-    for name, proj_dim, _, projection in variants:
+    for v in variants:
         model = convert_hf_model(
             source,
-            proj_dim=proj_dim,
+            proj_dim=v.proj_dim,
             max_seq_len=n,
-            projection=projection,
-            calibration_ids=calibration if projection == "linear" else None,
+            projection=v.projection,
+            calibration_ids=calibration if v.projection == "linear" else None,
         )
-        rows.append({"variant": name, **scores(outputs(model, docs, name), teacher)})
+        rows.append({"variant": v.name, **scores(outputs(model, docs, v.name), teacher)})
         print(json.dumps(rows[-1]))
     report = {
         "settings": {k: str(v) for k, v in vars(args).items()},

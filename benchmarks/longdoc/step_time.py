@@ -77,19 +77,22 @@ def main(argv: list[str] | None = None) -> None:
     source = args.source or minilm_path()
     variants = parse_variants(args.variants)
     models = {}
-    for name, proj_dim, n, projection in variants:
-        model = convert_hf_model(source, proj_dim=proj_dim, max_seq_len=n, projection=projection)
+    for v in variants:  # an :after variant has the same architecture: the same cost
+        model = convert_hf_model(
+            source, proj_dim=v.proj_dim, max_seq_len=v.max_seq_len, projection=v.projection
+        )
         freeze_projections(model)  # as finetune and bench-task do by default
         head = torch.nn.Linear(model.config.dim, 2)
+        n = v.max_seq_len
         batches = micro_batches(args.data, source, n, args.grad_accum_steps, args.batch_size)
-        models[name] = (model.train(), head, batches)
-        step(*models[name])  # warm-up, untimed
+        models[v.name] = (model.train(), head, batches)
+        step(*models[v.name])  # warm-up, untimed
     times: dict[str, list[float]] = {name: [] for name in models}
     for round_ in range(args.rounds):
         for name, parts in models.items():
             times[name].append(step(*parts))
         print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()))
-    first = statistics.median(times[variants[0][0]])
+    first = statistics.median(times[variants[0].name])
     rows = [
         {
             "variant": name,
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     report["rows"] = rows
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    lines = [f"| variant | s / step (median of {args.rounds}) | speed-up vs {variants[0][0]} |"]
+    lines = [f"| variant | s / step (median of {args.rounds}) | speed-up vs {variants[0].name} |"]
     lines.append("|---|---:|---:|")
     lines += [f"| {r['variant']} | {r['s_per_step']} | {r['speedup_vs_first']}x |" for r in rows]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

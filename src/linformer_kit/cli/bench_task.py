@@ -10,7 +10,8 @@ import logging
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..interop.task_bench import TaskBenchSettings, markdown_table, run_task_bench
+from ..interop.task_bench import TaskBenchSettings, run_task_bench
+from ..interop.task_bench_report import markdown_table
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,16 +37,26 @@ from ..training.finetune import (
     finetune,
     finetune_train_settings,
 )
-from ..training.settings import markdown_table as table
-from ..training.settings import save_json
 from .convert import convert_to_dir
 from .distill import DistillSettings
 from .distill_run import DistillData, distill_checkpoint
 from .report import minilm_path
+from .task_bench_report import write_task_report
 
 logger = logging.getLogger(__name__)
 
-_VARIANT = re.compile(r"(exact|k(\d+))@(\d+)(?::(\w+))?")
+_VARIANT = re.compile(r"(exact|k(\d+))@(\d+)((?::\w+)*)")
+AFTER = "after"  # the variant suffix: convert the fine-tuned exact@N, then fine-tune briefly
+
+
+class Variant(NamedTuple):
+    """One bench-task variant, parsed from its name (`parse_variants`)."""
+
+    name: str
+    proj_dim: int | None  # None: exact attention
+    max_seq_len: int
+    projection: str
+    after: bool  # converted from this bench's fine-tuned exact@N instead of the source
 
 
 @dataclass(kw_only=True)
@@ -62,8 +72,9 @@ class TaskBenchSettings:
     variants: str = field(
         default="exact@512,k256@2048,k128@2048,exact@2048",
         metadata={
-            "help": "comma-separated exact@N or kK@N[:KIND] (N: max_seq_len, K: proj_dim, "
-            "KIND: projection, default linear)"
+            "help": "comma-separated exact@N or kK@N[:KIND][:after] (N: max_seq_len, K: "
+            "proj_dim, KIND: projection, default linear; :after converts this bench's "
+            "fine-tuned exact@N, head kept, then fine-tunes --after-epochs at --after-lr)"
         },
     )
     epochs: int = field(default=1, metadata={"help": "passes over the training set"})
@@ -81,6 +92,10 @@ class TaskBenchSettings:
         default=DEFAULT_TRUNCATION,  # finetune's
         metadata={"help": "what a text longer than a variant's N keeps: head, tail or head+tail"},
     )
+    after_epochs: int = field(
+        default=2, metadata={"help": "epochs of an :after variant (from the exact classifier)"}
+    )
+    after_lr: float = field(default=3e-5, metadata={"help": "peak learning rate of :after"})
     calibration_texts: int = field(
         default=8, metadata={"help": "stdlib windows for the projection init"}
     )
@@ -101,19 +116,22 @@ class TaskBenchSettings:
 
     def __post_init__(self) -> None:
         parse_variants(self.variants)
-        for name in ("epochs", "batch_size", "grad_accum_steps", "calibration_texts"):
+        names = ("epochs", "batch_size", "grad_accum_steps", "after_epochs", "calibration_texts")
+        for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.after_lr > 0:
+            raise ValueError(f"after_lr must be > 0, got {self.after_lr!r}")
         check_choice("projections", self.projections, PROJECTION_MODES)
         check_choice("truncation", self.truncation, TRUNCATIONS)
         if not isinstance(self.distill_steps, int) or self.distill_steps < 0:
             raise ValueError(f"distill_steps must be an integer >= 0, got {self.distill_steps!r}")
 
 
-def parse_variants(spec: str) -> list[tuple[str, int | None, int, str]]:
-    """`exact@512,k256@2048,k128@2048:adaptive` -> [(name, proj_dim or None, max_seq_len,
-    projection kind), ...]; a Linformer variant without `:KIND` is `linear` (calibrated init).
+def parse_variants(spec: str) -> list[Variant]:
+    """`exact@512,k256@2048,k128@2048:adaptive,k512@2048:adaptive:after` -> Variants; a
+    Linformer variant without `:KIND` is `linear` (calibrated init).
 
     Raises:
         ValueError: naming the first malformed variant or unknown projection kind.
@@ -121,15 +139,18 @@ def parse_variants(spec: str) -> list[tuple[str, int | None, int, str]]:
     variants = []
     for name in (part.strip() for part in spec.split(",")):
         match = _VARIANT.fullmatch(name)
-        if match is None or (match.group(1) == "exact" and match.group(4)):
+        suffixes = match.group(4).split(":")[1:] if match else []
+        after = suffixes[-1:] == [AFTER]
+        kinds = suffixes[:-1] if after else suffixes
+        if match is None or len(kinds) > 1 or (match.group(1) == "exact" and suffixes):
             raise ValueError(
-                f"variant {name!r} is not exact@N or kK@N[:KIND] "
-                f"(e.g. exact@512, k256@2048, k128@2048:adaptive)"
+                f"variant {name!r} is not exact@N or kK@N[:KIND][:after] "
+                f"(e.g. exact@512, k256@2048, k128@2048:adaptive, k512@2048:adaptive:after)"
             )
-        projection = match.group(4) or "linear"
+        projection = kinds[0] if kinds else "linear"
         check_choice("projection", projection, PROJECTIONS)
         proj_dim = int(match.group(2)) if match.group(2) else None
-        variants.append((name, proj_dim, int(match.group(3)), projection))
+        variants.append(Variant(name, proj_dim, int(match.group(3)), projection, after))
     return variants
 
 
@@ -173,21 +194,28 @@ def _distill(source: str, model_dir: Path, s: TaskBenchSettings) -> dict[str, An
     }
 
 
-def _finetune_and_test(model_dir: Path, run_dir: Path, s: TaskBenchSettings) -> dict[str, Any]:
-    """Fine-tunes the converted model (finetune's defaults, the bench's budget), then scores
-    its best checkpoint on the test file."""
+def _finetune_and_test(
+    model_dir: Path, run_dir: Path, s: TaskBenchSettings, after: bool = False
+) -> dict[str, Any]:
+    """Fine-tunes the converted model (finetune's defaults, the bench's budget: its epochs,
+    lr and a warm-up of 10% of the run; an :after variant: `after_epochs` at `after_lr` with
+    finetune's warm-up), then scores its best checkpoint on the test file."""
+    epochs = s.after_epochs if after else s.epochs
     per_step = s.batch_size * s.grad_accum_steps
-    steps = math.ceil(len(read_labelled(s.train)[0]) / per_step) * s.epochs
+    steps = math.ceil(len(read_labelled(s.train)[0]) / per_step) * epochs
     overrides: dict[str, Any] = {"output_dir": str(run_dir), "batch_size": s.batch_size}
-    overrides["grad_accum_steps"] = s.grad_accum_steps
-    overrides["warmup_steps"] = max(1, steps // 10)  # 10% of the run, however short
-    overrides |= {"threads": s.threads, "seed": s.seed} | ({"lr": s.lr} if s.lr else {})
+    overrides |= {"grad_accum_steps": s.grad_accum_steps, "threads": s.threads, "seed": s.seed}
+    if after:
+        overrides["lr"] = s.after_lr
+    else:
+        overrides["warmup_steps"] = max(1, steps // 10)  # 10% of the run, however short
+        overrides |= {"lr": s.lr} if s.lr else {}
     train = finetune_train_settings(**overrides)
     settings = FinetuneSettings(
         init=str(model_dir),
         data=s.train,
         eval=s.val,
-        epochs=s.epochs,
+        epochs=epochs,
         projections=s.projections,
         truncation=s.truncation,
     )
@@ -251,32 +279,50 @@ def tfidf_baseline(train: str, test: str) -> dict[str, Any]:
     }
 
 
-def _variant_row(
-    name: str, proj_dim: int | None, max_seq_len: int, projection: str, s: TaskBenchSettings
-) -> dict[str, Any]:
+def exact_checkpoint(v: Variant, s: TaskBenchSettings) -> Path:
+    """The best checkpoint of this bench's exact@N run, which an :after variant converts.
+
+    Raises:
+        FileNotFoundError: if that run is not in the work directory.
+    """
+    exact = f"exact@{v.max_seq_len}"
+    path = Path(s.work_dir) / exact / "run" / "best"
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{v.name} converts the fine-tuned {exact}, and {path} is missing: put {exact} "
+            f"before it in --variants (the same --work-dir keeps it for later runs)"
+        )
+    return path
+
+
+def _variant_row(v: Variant, s: TaskBenchSettings) -> dict[str, Any]:
     """Converts and fine-tunes one variant, each in a fresh process; its report row."""
-    source = s.source or str(minilm_path())
-    folder = Path(s.work_dir) / name
+    source = str(exact_checkpoint(v, s)) if v.after else s.source or str(minilm_path())
+    folder = Path(s.work_dir) / v.name
     start = time.perf_counter()
-    _in_fresh_process(_convert, source, folder / "model", proj_dim, max_seq_len, projection, s)
+    args = (v.proj_dim, v.max_seq_len, v.projection, s)
+    _in_fresh_process(_convert, source, folder / "model", *args)
     convert_s = time.perf_counter() - start
-    kind = "exact" if proj_dim is None else f"Linformer k={proj_dim}"
-    if proj_dim is not None and projection != "linear":
-        kind += f" {projection}"
+    kind = "exact" if v.proj_dim is None else f"Linformer k={v.proj_dim}"
+    if v.proj_dim is not None and v.projection != "linear":
+        kind += f" {v.projection}"
+    if v.after:
+        kind += f" from fine-tuned exact@{v.max_seq_len}"
     cut = f", {s.truncation} kept" if s.truncation != DEFAULT_TRUNCATION else ""
     distilled: dict[str, Any] = {}
-    if proj_dim is not None and s.distill_steps:
+    if v.proj_dim is not None and s.distill_steps and not v.after:
         start = time.perf_counter()
         distilled = _in_fresh_process(_distill, source, folder / "model", s)
         distilled["distill_s"] = time.perf_counter() - start
         kind += " distilled"
     start = time.perf_counter()
-    row = _in_fresh_process(_finetune_and_test, folder / "model", folder / "run", s)
+    row = _in_fresh_process(_finetune_and_test, folder / "model", folder / "run", s, v.after)
     return {
-        "variant": name,
-        "model": f"{kind}, n={max_seq_len}{cut}",
+        "variant": v.name,
+        "model": f"{kind}, n={v.max_seq_len}{cut}",
         **row,
         **distilled,
+        **({"converted_from": source} if v.after else {}),
         "convert_s": convert_s,
         "wall_s": time.perf_counter() - start,
         "load_avg_after": machine()["load_avg_1_5_15min"],  # other jobs skew the timings
@@ -291,6 +337,8 @@ _ADDED_LATER = {
     "projections": "train",
     "distill_steps": 0,
     "truncation": "head",
+    "after_epochs": 2,
+    "after_lr": 3e-5,
 }
 
 
@@ -326,71 +374,13 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
         "rows": [tfidf_baseline(s.train, s.test)],
     }
     write_task_report(report, Path(s.out))
-    for name, proj_dim, max_seq_len, projection in parse_variants(s.variants):
-        if name in earlier:
-            logger.info("%s: kept from the earlier %s.json", name, s.out)
-            report["rows"].append(earlier[name])
+    for variant in parse_variants(s.variants):
+        if variant.name in earlier:
+            logger.info("%s: kept from the earlier %s.json", variant.name, s.out)
+            report["rows"].append(earlier[variant.name])
             continue
-        report["rows"].append(_variant_row(name, proj_dim, max_seq_len, projection, s))
+        report["rows"].append(_variant_row(variant, s))
         report["machine_after"] = machine()
         write_task_report(report, Path(s.out))
     write_task_report(report, Path(s.out))
     return report
-
-
-COLUMNS = {
-    "model": "model",
-    "test_acc": "test accuracy",
-    "s_per_step": "s / step",
-    "peak_mem_mb": "peak memory (MB)",
-    "train_s": "training (s)",
-    "wall_s": "wall (s)",
-    "test_docs_cut": "test docs cut",
-}
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The report rows as a Markdown table (missing figures as a dash)."""
-    return table(rows, COLUMNS, {"test_acc": 3, "s_per_step": 3})
-
-
-def plot_task_report(report: dict[str, Any], path: Path) -> None:
-    """Test accuracy, time per step and peak memory of every variant (baseline as a line)."""
-    from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
-
-    rows = [r for r in report["rows"] if r["variant"] != "tfidf"]
-    baseline = next(r["test_acc"] for r in report["rows"] if r["variant"] == "tfidf")
-    fig = Figure(figsize=(12, 4))
-    axes = fig.subplots(1, 3)
-    names = [r["variant"] for r in rows]
-    for axis, key, label, fmt in zip(
-        axes,
-        ("test_acc", "s_per_step", "peak_mem_mb"),
-        ("test accuracy", "seconds per step", "peak memory (MB)"),
-        ("%.3f", "%.2f", "%.0f"),
-    ):
-        bars = axis.bar(names, [r[key] for r in rows], color="tab:blue")
-        axis.bar_label(bars, fmt=fmt)  # near-equal bars differ in the figures, not the heights
-        axis.margins(y=0.12)
-        axis.set(ylabel=label)
-        axis.grid(True, axis="y", alpha=0.3)
-        axis.tick_params(axis="x", rotation=20)
-    axes[0].axhline(
-        baseline,
-        color="tab:red",
-        linestyle="--",
-        label=f"TF-IDF + log. regression ({baseline:.3f})",
-    )
-    axes[0].legend(loc="lower right")
-    fig.suptitle(f"Fine-tuned on {Path(report['settings']['train']).parent.name or 'the corpus'}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def write_task_report(report: dict[str, Any], out: Path) -> None:
-    """OUT.json (everything), OUT.md (the table) and OUT.png (once a variant has run)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_json(report, out.with_suffix(".json"))
-    out.with_suffix(".md").write_text(markdown_table(report["rows"]))
-    if len(report["rows"]) > 1:
-        plot_task_report(report, out.with_suffix(".png"))

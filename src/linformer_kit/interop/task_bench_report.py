@@ -1,0 +1,67 @@
+"""bench-task's report: the Markdown table and the plot of test accuracy, time per step and
+peak memory per variant, beside the TF-IDF baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..training.settings import markdown_table as table
+from ..training.settings import save_json
+
+COLUMNS = {
+    "model": "model",
+    "test_acc": "test accuracy",
+    "s_per_step": "s / step",
+    "peak_mem_mb": "peak memory (MB)",
+    "train_s": "training (s)",
+    "wall_s": "wall (s)",
+    "test_docs_cut": "test docs cut",
+}
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The report rows as a Markdown table (missing figures as a dash)."""
+    return table(rows, COLUMNS, {"test_acc": 3, "s_per_step": 3})
+
+
+def plot_task_report(report: dict[str, Any], path: Path) -> None:
+    """Test accuracy, time per step and peak memory of every variant (baseline as a line)."""
+    from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
+
+    rows = [r for r in report["rows"] if r["variant"] != "tfidf"]
+    baseline = next(r["test_acc"] for r in report["rows"] if r["variant"] == "tfidf")
+    fig = Figure(figsize=(12, 4))
+    axes = fig.subplots(1, 3)
+    names = [r["variant"] for r in rows]
+    for axis, key, label, fmt in zip(
+        axes,
+        ("test_acc", "s_per_step", "peak_mem_mb"),
+        ("test accuracy", "seconds per step", "peak memory (MB)"),
+        ("%.3f", "%.2f", "%.0f"),
+    ):
+        bars = axis.bar(names, [r[key] for r in rows], color="tab:blue")
+        axis.bar_label(bars, fmt=fmt)  # near-equal bars differ in the figures, not the heights
+        axis.margins(y=0.12)
+        axis.set(ylabel=label)
+        axis.grid(True, axis="y", alpha=0.3)
+        axis.tick_params(axis="x", rotation=20)
+    axes[0].axhline(
+        baseline,
+        color="tab:red",
+        linestyle="--",
+        label=f"TF-IDF + log. regression ({baseline:.3f})",
+    )
+    axes[0].legend(loc="lower right")
+    fig.suptitle(f"Fine-tuned on {Path(report['settings']['train']).parent.name or 'the corpus'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_task_report(report: dict[str, Any], out: Path) -> None:
+    """OUT.json (everything), OUT.md (the table) and OUT.png (once a variant has run)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_json(report, out.with_suffix(".json"))
+    out.with_suffix(".md").write_text(markdown_table(report["rows"]))
+    if len(report["rows"]) > 1:
+        plot_task_report(report, out.with_suffix(".png"))
