@@ -221,6 +221,15 @@ def test_the_rescore_script_scores_checkpoints_and_tfidf_on_another_file(tmp_pat
     assert [row["run"] for row in rows[1:]] == ["a", "b", "c"]
     assert rows[1] == {**a, "from": str(out.with_suffix(".json"))}
     assert rows[3]["accuracy"] == a["accuracy"] and "from" not in rows[3]
+    merged = tmp_path / "merged"  # no --runs: the reports' runs in one table and plot
+    longdoc_script("rescore").main(
+        ["--train", str(train), "--test", str(test), "--out", str(merged), "--with"]
+        + [str(out.with_suffix(".json")), str(again.with_suffix(".json"))]
+    )
+    merged_rows = json.loads(merged.with_suffix(".json").read_text())["rows"]
+    assert [row["run"] for row in merged_rows[1:]] == ["a", "b", "a", "b", "c"]
+    with pytest.raises(SystemExit):
+        longdoc_script("rescore").main(["--train", str(train), "--test", str(test), "--out", "x"])
     with pytest.raises(SystemExit, match="not"):
         longdoc_script("rescore").main(
             [*args, "--test", str(train), "--with", str(out.with_suffix(".json"))]

@@ -11,7 +11,7 @@ smaller standard error.
 Writes OUT.json, OUT.md and OUT.png: accuracy and F1 of each run, with the binomial
 standard error (the plot's bars: accuracy with 95% intervals, TF-IDF as a dashed line).
 `--with EARLIER.json ...` adds the runs of earlier reports on the same test file, unscored
-again.
+again (with no --runs: one table and plot of several reports).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", required=True, help="the runs' training file (for TF-IDF)")
     parser.add_argument("--test", required=True, help="labelled JSONL or CSV to score on")
-    parser.add_argument("--runs", nargs="+", required=True, help="NAME=CHECKPOINT_DIR ...")
+    parser.add_argument("--runs", nargs="+", default=[], help="NAME=CHECKPOINT_DIR ...")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     args = parser.parse_args(argv)
+    if not args.runs and not args.earlier:
+        parser.error("nothing to report: give --runs, --with or both")
     runs = dict(run.split("=", 1) for run in args.runs)
     tfidf = tfidf_baseline(args.train, args.test)
     rows = [{"run": "TF-IDF 1-2-grams + logistic regression", "accuracy": tfidf["test_acc"]}]
