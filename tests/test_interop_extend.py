@@ -56,7 +56,7 @@ def test_exact_extended_model_equals_the_original_on_inputs_it_could_take(tiny, 
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("proj_dim", [None, 8])
+@pytest.mark.parametrize("proj_dim", [None, 8, N + 16])  # N + 16: k past the learned table
 def test_a_long_input_runs_and_depends_on_its_late_tokens(tiny, proj_dim):
     model = convert_hf_model(
         tiny, proj_dim=proj_dim, max_seq_len=LONG, init="mean" if proj_dim else None
@@ -71,6 +71,13 @@ def test_a_long_input_runs_and_depends_on_its_late_tokens(tiny, proj_dim):
     assert not torch.allclose(out[:, 0], other[:, 0])  # position 0 sees the late tokens
     with pytest.raises(ValueError, match=f"{LONG + 1}.*{LONG}|{LONG}.*{LONG + 1}"):
         model(torch.randint(1000, 30000, (1, LONG + 1)))
+
+
+def test_k_is_checked_against_the_extended_length_not_the_learned_table(tiny):
+    with pytest.raises(ValueError, match=f"proj_dim must be .*max_seq_len={LONG}.*got {LONG + 1}"):
+        convert_hf_model(tiny, proj_dim=LONG + 1, max_seq_len=LONG, init="mean")
+    with pytest.raises(ValueError, match=f"max_seq_len={N}\\], got {N + 1}"):
+        convert_hf_model(tiny, proj_dim=N + 1, init="mean")  # no extension: the table's N
 
 
 def test_cli_convert_extends_and_builds_projections_for_the_new_length(tiny, tmp_path, capsys):

@@ -314,23 +314,23 @@ def convert_hf_model(
     hf = read_hf_config(path)
     tensors = read_hf_weights(path)
     source = str(Path(path) / WEIGHTS_NAME)
+    found = {"pooler": has_pooler(tensors), "source": str(Path(path) / CONFIG_NAME)}
+    learned = linformer_config_from_hf(hf, **found, proj_dim=None).max_seq_len
+    # k is checked against the converted length, which may exceed the learned positions.
     config = linformer_config_from_hf(
         hf,
-        pooler=has_pooler(tensors),
-        source=str(Path(path) / CONFIG_NAME),
+        **found,
         proj_dim=proj_dim,
         sharing=sharing,
         projection=projection,
+        max_seq_len=max_seq_len or learned,
     )
-    learned = config.max_seq_len
-    if max_seq_len is not None:
-        config = config.replace(max_seq_len=max_seq_len)
-        if max_seq_len > learned:
-            logger.info(
-                "extending %d learned positions to %d by copying the table block after block",
-                learned,
-                max_seq_len,
-            )
+    if max_seq_len is not None and max_seq_len > learned:
+        logger.info(
+            "extending %d learned positions to %d by copying the table block after block",
+            learned,
+            max_seq_len,
+        )
     offset = config.pad_token_id + 1 if hf.get("model_type") in OFFSET_POSITIONS else 0
     with torch.random.fork_rng():
         torch.manual_seed(seed)
