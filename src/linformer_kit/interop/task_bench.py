@@ -1,7 +1,8 @@
 """Downstream accuracy of a converted model on a labelled long-document corpus: variants of one
 pretrained Hugging Face model (exact truncated to its positions, Linformer at a longer length,
-exact extended to it), each converted, fine-tuned with the same budget and scored on the test
-file, beside a TF-IDF (1-2-grams) + logistic-regression baseline on the same split.
+exact extended to it; or, `:after`, a Linformer converted from the bench's own fine-tuned
+exact model), each converted, fine-tuned with the same budget and scored on the test file,
+beside a TF-IDF (1-2-grams) + logistic-regression baseline on the same split.
 
 Each variant converts in one fresh process and fine-tunes in another, so its peak memory is
 its own (the calibration of a data-driven projection init runs the exact model).
@@ -201,13 +202,13 @@ def _finetune_and_test(
     lr and a warm-up of 10% of the run; an :after variant: `after_epochs` at `after_lr` with
     finetune's warm-up), then scores its best checkpoint on the test file."""
     epochs = s.after_epochs if after else s.epochs
-    per_step = s.batch_size * s.grad_accum_steps
-    steps = math.ceil(len(read_labelled(s.train)[0]) / per_step) * epochs
     overrides: dict[str, Any] = {"output_dir": str(run_dir), "batch_size": s.batch_size}
     overrides |= {"grad_accum_steps": s.grad_accum_steps, "threads": s.threads, "seed": s.seed}
     if after:
         overrides["lr"] = s.after_lr
     else:
+        per_step = s.batch_size * s.grad_accum_steps
+        steps = math.ceil(len(read_labelled(s.train)[0]) / per_step) * epochs
         overrides["warmup_steps"] = max(1, steps // 10)  # 10% of the run, however short
         overrides |= {"lr": s.lr} if s.lr else {}
     train = finetune_train_settings(**overrides)
