@@ -126,6 +126,42 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
         run_task_bench(dataclasses.replace(settings, source=str(tmp_path / "no")))
 
 
+def test_an_after_row_is_run_again_with_its_exact_run_and_kept_rows_survive_a_crash(
+    tmp_path, monkeypatch
+):
+    def row(variant, model):
+        figures = {"test_acc": 0.5, "s_per_step": 0.1, "peak_mem_mb": 300.0, "train_s": 1.0}
+        return {"variant": variant, "model": model, "wall_s": 9.0} | figures
+
+    out = tmp_path / "report"
+    settings = TaskBenchSettings(train="a", val="b", test="c", out=str(out), work_dir="w")
+    settings = dataclasses.replace(settings, variants="exact@64,k8@64:adaptive:after,k4@64")
+    monkeypatch.setattr(task_bench, "tfidf_baseline", lambda train, test: row("tfidf", "tfidf"))
+    ran = []
+
+    def fake_row(variant, s):
+        ran.append(variant.name)
+        if variant.name == "k4@64":
+            raise RuntimeError("killed")
+        return row(variant.name, "new")
+
+    monkeypatch.setattr(task_bench, "_variant_row", fake_row)
+    rows = [row("exact@64", "old"), row("k8@64:adaptive:after", "old")]
+    earlier = {"settings": dataclasses.asdict(settings), "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(earlier))
+    with pytest.raises(RuntimeError, match="killed"):
+        run_task_bench(settings)
+    assert ran == ["k4@64"]  # both earlier rows kept ...
+    written = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert written[1:] == rows  # ... and written before the next run, which was killed
+    earlier["rows"] = rows[1:]  # exact@64 missing: it runs, so its :after row runs again
+    out.with_suffix(".json").write_text(json.dumps(earlier))
+    ran.clear()
+    with pytest.raises(RuntimeError, match="killed"):
+        run_task_bench(settings)
+    assert ran == ["exact@64", "k8@64:adaptive:after", "k4@64"]
+
+
 def test_gradient_accumulation_reaches_finetune_and_sizes_the_warm_up(tmp_path, monkeypatch):
     seen = {}
 
@@ -237,7 +273,7 @@ def test_the_rescore_script_scores_checkpoints_and_tfidf_on_another_file(tmp_pat
         )
 
 
-def test_the_fidelity_script_scores_every_variant_against_the_exact_long_model(tmp_path):
+def test_the_fidelity_script_scores_every_variant_against_the_exact_long_model(tmp_path, capsys):
     # benchmarks/longdoc/fidelity.py on a tiny BERT extended to 64 positions.
     script = longdoc_script("fidelity")
     source = write_tiny_bert(tmp_path / "bert")
@@ -254,6 +290,9 @@ def test_the_fidelity_script_scores_every_variant_against_the_exact_long_model(t
     assert out.with_suffix(".md").read_text().count("\n") == 5
     with pytest.raises(SystemExit):
         script.main([*args, "--variants", "k4@64,k4@32"])  # one max_seq_len only
+    with pytest.raises(SystemExit):
+        script.main([*args, "--variants", "k4@64:after"])  # a classifier: nothing to compare
+    assert "drop :after" in capsys.readouterr().err
 
 
 def test_distillation_runs_on_the_training_texts_and_is_scored_on_the_validation_texts(

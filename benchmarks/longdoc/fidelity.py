@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     if len(lengths) != 1:
         parser.error(f"every variant needs the same max_seq_len; got {sorted(lengths)}")
     (n,) = lengths
+    if after := [v.name for v in variants if v.after]:
+        parser.error(
+            f"fidelity compares conversions of --source; {after} convert a fine-tuned "
+            "classifier: drop :after"
+        )
     docs = documents(args.data, source, args.docs, n)
     teacher = outputs(convert_hf_model(source, proj_dim=None, max_seq_len=n), docs, f"exact@{n}")
     calibration = calibration_ids(source, args.calibration_texts, n)
