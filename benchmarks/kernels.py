@@ -4,11 +4,14 @@ One attention call (H = 4) at each batch x n x k x head_dim, in three modes: tra
 attention dropout 0.1, training without, and inference (forward only). For each shape the
 six (mode, kernel) steps are timed interleaved (medians of rotated rounds), so every ratio
 comes from the same seconds of a shared machine. Writes OUT/table.json and OUT/table.png
-(explicit's speed-up over SDPA, > 1: explicit is faster).
+(explicit's speed-up over SDPA, > 1: explicit is faster). `--causal`: exact causal attention
+(n keys, `is_causal=True`) instead of n queries over k keys.
 
     PYTHONPATH=src python benchmarks/kernels.py                  # the committed CPU table
     PYTHONPATH=src python benchmarks/kernels.py --device cuda --dtype float32,bfloat16 \
         --batch 1,8 --out benchmarks/kernels/cuda                # the GPU table (issue 17)
+    PYTHONPATH=src python benchmarks/kernels.py --causal --n 1024,2048,4096 --head-dim 64 \
+        --out benchmarks/kernels/causal                          # exact causal attention
 """
 
 from __future__ import annotations
@@ -42,12 +45,19 @@ OUT = Path(__file__).parent / "kernels"
 
 
 def make_step(
-    shape: tuple[int, int, int, int], mode: str, kernel: str, device: str, dtype: torch.dtype
+    shape: tuple[int, int, int | str, int],
+    mode: str,
+    kernel: str,
+    device: str,
+    dtype: torch.dtype,
 ) -> Callable[[], None]:
     """One attention call of (B, H, n, d) queries over k keys, as `attend` receives them:
-    q, k, v are head-split views of (B, n, H * d) activations. `shape` is (B, n, k, d)."""
+    q, k, v are head-split views of (B, n, H * d) activations. `shape` is (B, n, k, d);
+    k = "n": exact causal attention over the n keys."""
     backward, dropout_p = MODES[mode]
     batch, n, k, d = shape
+    causal = k == "n"
+    k = n if causal else k
     like = {"device": device, "dtype": dtype}
     q = torch.randn(batch, n, HEADS, d, **like, requires_grad=backward)
     keys = torch.randn(batch, k, HEADS, d, **like, requires_grad=backward)
@@ -58,11 +68,12 @@ def make_step(
         args = (q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
         if not backward:
             with torch.inference_mode():
-                dot_product_attention(*args, kernel=kernel)
+                dot_product_attention(*args, kernel=kernel, is_causal=causal)
             return
         for t in (q, keys, values):
             t.grad = None
-        dot_product_attention(*args, dropout_p=dropout_p, kernel=kernel).backward(grad)
+        out = dot_product_attention(*args, dropout_p=dropout_p, kernel=kernel, is_causal=causal)
+        out.backward(grad)
 
     return step
 
@@ -100,12 +111,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n", default="", help="comma-separated n (default: per device)")
     parser.add_argument("--k", default=PROJ_DIMS, help="comma-separated k")
     parser.add_argument("--head-dim", default=HEAD_DIMS, help="comma-separated head_dim")
+    parser.add_argument("--causal", action="store_true", help="exact causal (--k ignored)")
     parser.add_argument("--min-seconds", type=float, default=MIN_SECONDS, help="per shape")
     parser.add_argument("--out", type=Path, default=OUT, help="writes table.json, table.png")
     args = parser.parse_args(argv)
     args.n = args.n or SEQ_LENS[args.device]
     for name in ("batch", "n", "k", "head_dim"):
         setattr(args, name, [int(part) for part in getattr(args, name).split(",")])
+    if args.causal:
+        args.k = ["n"]
     args.dtype = args.dtype.split(",")
     for name in args.dtype:
         if name not in ("float32", "bfloat16"):

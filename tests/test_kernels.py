@@ -171,6 +171,35 @@ def test_causal_linformer_through_the_explicit_kernel_equals_the_reference(monke
     torch.testing.assert_close(out, reference, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("kernel", kernels.KERNELS)
+def test_exact_causal_attention_through_either_kernel_sees_no_future(kernel, monkeypatch):
+    monkeypatch.setattr(kernels, "choose_kernel", lambda **_: kernel)
+    q, k, v = qkv(n=N, m=N)
+    # The reference: query i attends to the prefix 0..i alone, one query at a time.
+    prefixes = [
+        softmax_attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1]) for i in range(N)
+    ]
+    torch.testing.assert_close(
+        causal_attention(q, k, v), torch.cat(prefixes, 2), atol=1e-12, rtol=0
+    )
+    # Dropout on (the explicit kernel's reason to exist on CPU): still nothing from the future.
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = causal_attention(q, k, v, dropout_p=0.5)
+    grad_k, grad_v = torch.autograd.grad(out[:, :, 2].sum(), (k, v))
+    assert grad_k[:, :, 3:].abs().max() == 0 and grad_v[:, :, 3:].abs().max() == 0
+    assert grad_v[:, :, :3].abs().max() > 0
+    with pytest.raises(ValueError, match="is_causal=True builds its own mask"):
+        dot_product_attention(q, k, v, torch.ones(N, N, dtype=torch.bool), is_causal=True)
+
+
+def test_exact_causal_attention_with_dropout_on_cpu_takes_the_explicit_kernel(monkeypatch):
+    seen = []
+    monkeypatch.setattr(kernels._ExplicitAttention, "apply", lambda *a: seen.append(a[3]) or a[2])
+    q, k, v = qkv(dtype=torch.float32, n=N, m=N)
+    causal_attention(q, k, v, dropout_p=0.1)
+    assert len(seen) == 1 and torch.equal(seen[0], torch.ones(N, N, dtype=torch.bool).tril())
+
+
 def test_unknown_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="kernel must be one of sdpa, explicit"):
         dot_product_attention(*qkv(), kernel="flash")
@@ -221,3 +250,6 @@ def test_the_table_script_times_every_shape_it_is_given(tmp_path):
         assert row["dtype"] == "float32" and (row["k"], row["head_dim"]) == (8, 4)
         assert row["explicit_speedup"] == pytest.approx(row["sdpa_ms"] / row["explicit_ms"], 0.01)
     assert (tmp_path / "table.png").stat().st_size > 0
+    script.main(["--causal", *args, str(tmp_path / "causal")])  # exact causal: n keys
+    rows = json.loads((tmp_path / "causal" / "table.json").read_text())["rows"]
+    assert len(rows) == 12 and {row["k"] for row in rows} == {"n"}

@@ -388,9 +388,7 @@ def causal_attention(
         keep = key_padding_mask[:, None, :, None].to(k.dtype)  # (B, 1, N, 1)
         q, k, v = q.gather(2, index), (k * keep).gather(2, index), (v * keep).gather(2, index)
     if proj_k is None:
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale
-        )
+        out = dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, is_causal=True)
     else:
         out = _block_causal_attention(q, k, v, proj_k, proj_v, block_size, dropout_p, scale)
     if index is None:

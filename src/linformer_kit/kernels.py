@@ -146,6 +146,7 @@ def dot_product_attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     kernel: str | None = None,
+    is_causal: bool = False,
 ) -> Tensor:
     """softmax(Q K^T * scale) V with dropout on the weights, through the kernel
     `choose_kernel` picks (or `kernel`, if given).
@@ -160,20 +161,26 @@ def dot_product_attention(
         dropout_p: dropout on the attention weights, in [0, 1).
         scale: softmax scale; default 1 / sqrt(D).
         kernel: "sdpa" or "explicit" to override the rule; None to follow it.
+        is_causal: query i sees keys 0..i only (SDPA's flag; attn_mask must be None).
 
     Returns:
         (..., N, Dv).
 
     Raises:
-        ValueError: for an unknown kernel.
+        ValueError: for an unknown kernel, or a mask given with is_causal.
     """
+    if is_causal and attn_mask is not None:
+        raise ValueError("is_causal=True builds its own mask; got an attn_mask as well")
     if kernel is None:
         kernel = choose_kernel(device=q.device, dtype=q.dtype, dropout=dropout_p > 0.0)
     if kernel == "explicit":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if is_causal:
+            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+            attn_mask = causal.tril()
         return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale)
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
         )
     raise ValueError(f"kernel must be one of {', '.join(KERNELS)} or None; got {kernel!r}")
