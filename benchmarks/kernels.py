@@ -5,13 +5,13 @@ attention dropout 0.1, training without, and inference (forward only). For each 
 six (mode, kernel) steps are timed interleaved (medians of rotated rounds), so every ratio
 comes from the same seconds of a shared machine. Writes OUT/table.json and OUT/table.png
 (explicit's speed-up over SDPA, > 1: explicit is faster). `--causal`: exact causal attention
-(n keys, `is_causal=True`) instead of n queries over k keys.
+(n keys, `is_causal=True`) instead of n queries over k keys, into OUT/causal.
 
     PYTHONPATH=src python benchmarks/kernels.py                  # the committed CPU table
     PYTHONPATH=src python benchmarks/kernels.py --device cuda --dtype float32,bfloat16 \
         --batch 1,8 --out benchmarks/kernels/cuda                # the GPU table (issue 17)
-    PYTHONPATH=src python benchmarks/kernels.py --causal --n 1024,2048,4096 --head-dim 64 \
-        --out benchmarks/kernels/causal                          # exact causal attention
+    PYTHONPATH=src python benchmarks/kernels.py --causal --n 1024,2048,4096 \
+        --head-dim 64                                            # exact causal attention
 """
 
 from __future__ import annotations
@@ -111,10 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n", default="", help="comma-separated n (default: per device)")
     parser.add_argument("--k", default=PROJ_DIMS, help="comma-separated k")
     parser.add_argument("--head-dim", default=HEAD_DIMS, help="comma-separated head_dim")
-    parser.add_argument("--causal", action="store_true", help="exact causal (--k ignored)")
+    parser.add_argument("--causal", action="store_true", help="exact causal, n keys (no --k)")
     parser.add_argument("--min-seconds", type=float, default=MIN_SECONDS, help="per shape")
-    parser.add_argument("--out", type=Path, default=OUT, help="writes table.json, table.png")
+    parser.add_argument("--out", type=Path, default=None, help="writes table.json, table.png")
     args = parser.parse_args(argv)
+    if args.causal and args.k != PROJ_DIMS:
+        parser.error("--causal attends to the n keys: drop --k")
+    args.out = args.out or (OUT / "causal" if args.causal else OUT)  # never the rule's table
     args.n = args.n or SEQ_LENS[args.device]
     for name in ("batch", "n", "k", "head_dim"):
         setattr(args, name, [int(part) for part in getattr(args, name).split(",")])

@@ -192,6 +192,16 @@ def test_exact_causal_attention_through_either_kernel_sees_no_future(kernel, mon
         dot_product_attention(q, k, v, torch.ones(N, N, dtype=torch.bool), is_causal=True)
 
 
+@pytest.mark.parametrize(("n", "m"), [(7, 5), (5, 7)])
+def test_causal_masks_of_both_kernels_align_the_same_way_when_n_is_not_m(n, m):
+    q, k, v = (t.requires_grad_() for t in qkv(n=n, m=m))
+    outs = [dot_product_attention(q, k, v, is_causal=True, kernel=kr) for kr in kernels.KERNELS]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-12, rtol=0)
+    grads = [torch.autograd.grad(out.square().sum(), (q, k, v)) for out in outs]
+    for sdpa, explicit in zip(*grads):
+        torch.testing.assert_close(sdpa, explicit, atol=1e-12, rtol=0)
+
+
 def test_exact_causal_attention_with_dropout_on_cpu_takes_the_explicit_kernel(monkeypatch):
     seen = []
     monkeypatch.setattr(kernels._ExplicitAttention, "apply", lambda *a: seen.append(a[3]) or a[2])
@@ -250,6 +260,14 @@ def test_the_table_script_times_every_shape_it_is_given(tmp_path):
         assert row["dtype"] == "float32" and (row["k"], row["head_dim"]) == (8, 4)
         assert row["explicit_speedup"] == pytest.approx(row["sdpa_ms"] / row["explicit_ms"], 0.01)
     assert (tmp_path / "table.png").stat().st_size > 0
+    causal = []
+    attention = script.dot_product_attention
+    script.dot_product_attention = lambda *a, **kw: (
+        causal.append(kw["is_causal"]) or attention(*a, **kw)
+    )
+    args = "--batch 1 --n 16,32 --head-dim 4 --min-seconds 0 --out".split()
     script.main(["--causal", *args, str(tmp_path / "causal")])  # exact causal: n keys
     rows = json.loads((tmp_path / "causal" / "table.json").read_text())["rows"]
-    assert len(rows) == 12 and {row["k"] for row in rows} == {"n"}
+    assert len(rows) == 6 and {row["k"] for row in rows} == {"n"} and causal and all(causal)
+    with pytest.raises(SystemExit):
+        script.main(["--causal", "--k", "8"])  # the keys are the n positions

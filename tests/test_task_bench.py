@@ -43,6 +43,9 @@ def test_variants_parse_and_malformed_ones_are_named():
     for bad in ("k128@2048:fft", "k8@64:after:after"):
         with pytest.raises(ValueError, match="projection must be one of linear, .*; got '"):
             parse_variants(bad)
+    with pytest.raises(ValueError, match="k8@64:after converts the fine-tuned exact@64: list"):
+        parse_variants("k8@64:after,exact@64")  # it would convert an older checkpoint
+    assert parse_variants("k8@64:after")[0].exact == "exact@64"  # one from an earlier run
 
 
 def test_bad_settings_are_usage_errors(capsys):
@@ -135,7 +138,8 @@ def test_an_after_row_is_run_again_with_its_exact_run_and_kept_rows_survive_a_cr
 
     out = tmp_path / "report"
     settings = TaskBenchSettings(train="a", val="b", test="c", out=str(out), work_dir="w")
-    settings = dataclasses.replace(settings, variants="exact@64,k8@64:adaptive:after,k4@64")
+    spec = "exact@64,k8@64:adaptive:after,k4@64,k2@64"
+    settings = dataclasses.replace(settings, variants=spec)
     monkeypatch.setattr(task_bench, "tfidf_baseline", lambda train, test: row("tfidf", "tfidf"))
     ran = []
 
@@ -146,20 +150,41 @@ def test_an_after_row_is_run_again_with_its_exact_run_and_kept_rows_survive_a_cr
         return row(variant.name, "new")
 
     monkeypatch.setattr(task_bench, "_variant_row", fake_row)
-    rows = [row("exact@64", "old"), row("k8@64:adaptive:after", "old")]
+    rows = [row(name, "old") for name in ("exact@64", "k8@64:adaptive:after", "k2@64")]
     earlier = {"settings": dataclasses.asdict(settings), "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(earlier))
     with pytest.raises(RuntimeError, match="killed"):
         run_task_bench(settings)
-    assert ran == ["k4@64"]  # both earlier rows kept ...
+    assert ran == ["k4@64"]  # every earlier row kept, the one after k4@64 too ...
     written = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert written[1:] == rows  # ... and written before the next run, which was killed
+    assert written[1:] == rows  # ... and written before k4@64 ran and was killed
     earlier["rows"] = rows[1:]  # exact@64 missing: it runs, so its :after row runs again
     out.with_suffix(".json").write_text(json.dumps(earlier))
     ran.clear()
     with pytest.raises(RuntimeError, match="killed"):
         run_task_bench(settings)
     assert ran == ["exact@64", "k8@64:adaptive:after", "k4@64"]
+    written = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["model"] for r in written] == ["tfidf", "new", "new", "old"]
+
+
+def test_a_variant_run_again_starts_from_an_empty_folder(tmp_path, monkeypatch):
+    # A run left in WORK_DIR/NAME (killed, or made with other settings) would make finetune
+    # refuse its output dir: bench-task removes it first.
+    settings = TaskBenchSettings(train="a", val="b", test="c", work_dir=str(tmp_path))
+    (exact,) = parse_variants("exact@64")
+    old = tmp_path / "exact@64" / "run" / "checkpoints" / "step-8"
+    old.mkdir(parents=True)
+    seen = []
+
+    def fake_process(function, source, out, *args):
+        seen.append(old.exists() or out.parent.exists())
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(task_bench, "_in_fresh_process", fake_process)
+    with pytest.raises(RuntimeError, match="stopped"):
+        task_bench._variant_row(exact, dataclasses.replace(settings, source="src"))
+    assert seen == [False]
 
 
 def test_gradient_accumulation_reaches_finetune_and_sizes_the_warm_up(tmp_path, monkeypatch):

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     (n,) = lengths
     if after := [v.name for v in variants if v.after]:
         parser.error(
-            f"fidelity compares conversions of --source; {after} convert a fine-tuned "
+            f"fidelity compares conversions of --source; {', '.join(after)} convert a fine-tuned "
             "classifier: drop :after"
         )
     docs = documents(args.data, source, args.docs, n)

@@ -161,7 +161,8 @@ def dot_product_attention(
         dropout_p: dropout on the attention weights, in [0, 1).
         scale: softmax scale; default 1 / sqrt(D).
         kernel: "sdpa" or "explicit" to override the rule; None to follow it.
-        is_causal: query i sees keys 0..i only (SDPA's flag; attn_mask must be None).
+        is_causal: query i sees keys 0..i only, aligned top-left as SDPA's flag (with
+            N > M the last queries see all M keys); attn_mask must be None.
 
     Returns:
         (..., N, Dv).
@@ -176,8 +177,8 @@ def dot_product_attention(
     if kernel == "explicit":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if is_causal:
-            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
-            attn_mask = causal.tril()
+            attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+            attn_mask.tril_()
         return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale)
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(

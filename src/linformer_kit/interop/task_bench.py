@@ -17,6 +17,7 @@ import logging
 import math
 import multiprocessing
 import re
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ class Variant(NamedTuple):
     max_seq_len: int
     projection: str
     after: bool  # converted from this bench's fine-tuned exact@N instead of the source
+
+    @property
+    def exact(self) -> str:
+        """The exact variant of the same length: what an :after variant converts."""
+        return f"exact@{self.max_seq_len}"
 
 
 @dataclass(kw_only=True)
@@ -135,9 +141,10 @@ def parse_variants(spec: str) -> list[Variant]:
     Linformer variant without `:KIND` is `linear` (calibrated init).
 
     Raises:
-        ValueError: naming the first malformed variant or unknown projection kind.
+        ValueError: naming the first malformed variant or unknown projection kind, or an
+            :after variant listed before its exact@N.
     """
-    variants = []
+    variants: list[Variant] = []
     for name in (part.strip() for part in spec.split(",")):
         match = _VARIANT.fullmatch(name)
         suffixes = match.group(4).split(":")[1:] if match else []
@@ -152,6 +159,10 @@ def parse_variants(spec: str) -> list[Variant]:
         check_choice("projection", projection, PROJECTIONS)
         proj_dim = int(match.group(2)) if match.group(2) else None
         variants.append(Variant(name, proj_dim, int(match.group(3)), projection, after))
+    names = [v.name for v in variants]
+    for i, v in enumerate(variants):
+        if v.after and v.exact in names[i + 1 :]:
+            raise ValueError(f"{v.name} converts the fine-tuned {v.exact}: list {v.exact} first")
     return variants
 
 
@@ -286,20 +297,23 @@ def exact_checkpoint(v: Variant, s: TaskBenchSettings) -> Path:
     Raises:
         FileNotFoundError: if that run is not in the work directory.
     """
-    exact = f"exact@{v.max_seq_len}"
-    path = Path(s.work_dir) / exact / "run" / "best"
+    path = Path(s.work_dir) / v.exact / "run" / "best"
     if not path.is_dir():
         raise FileNotFoundError(
-            f"{v.name} converts the fine-tuned {exact}, and {path} is missing: put {exact} "
-            f"before it in --variants (the same --work-dir keeps it for later runs)"
+            f"{v.name} converts the fine-tuned {v.exact}, and {path} is missing: put "
+            f"{v.exact} before it in --variants (the same --work-dir keeps it for later runs)"
         )
     return path
 
 
 def _variant_row(v: Variant, s: TaskBenchSettings) -> dict[str, Any]:
-    """Converts and fine-tunes one variant, each in a fresh process; its report row."""
+    """Converts and fine-tunes one variant, each in a fresh process, in WORK_DIR/NAME (what
+    an earlier run left there is removed first); its report row."""
     source = str(exact_checkpoint(v, s)) if v.after else s.source or str(minilm_path())
     folder = Path(s.work_dir) / v.name
+    if folder.exists():
+        logger.info("%s: removing the earlier run in %s", v.name, folder)
+        shutil.rmtree(folder)
     start = time.perf_counter()
     args = (v.proj_dim, v.max_seq_len, v.projection, s)
     _in_fresh_process(_convert, source, folder / "model", *args)
@@ -308,7 +322,7 @@ def _variant_row(v: Variant, s: TaskBenchSettings) -> dict[str, Any]:
     if v.proj_dim is not None and v.projection != "linear":
         kind += f" {v.projection}"
     if v.after:
-        kind += f" from fine-tuned exact@{v.max_seq_len}"
+        kind += f" from fine-tuned {v.exact}"
     cut = f", {s.truncation} kept" if s.truncation != DEFAULT_TRUNCATION else ""
     distilled: dict[str, Any] = {}
     if v.proj_dim is not None and s.distill_steps and not v.after:
@@ -364,26 +378,30 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
     """Runs every variant and the TF-IDF baseline; writes OUT.json, OUT.md and OUT.png after
     each. Variants already in an OUT.json of the same settings are kept, not run again (a run
     cut short, or a variant added later, continues), except an `:after` variant whose
-    exact@N is run again here: it converts the new checkpoint.
+    exact@N runs again: it converts the new checkpoint.
 
     Returns:
         The report: settings, machine, one row per variant plus the baseline.
     """
+    variants = parse_variants(s.variants)
     earlier = _earlier_rows(s)
-    report: dict[str, Any] = {
-        "settings": dataclasses.asdict(s),
-        "machine": machine(),
-        "rows": [tfidf_baseline(s.train, s.test)],
-    }
-    ran: set[str] = set()
-    for variant in parse_variants(s.variants):
-        stale = variant.after and f"exact@{variant.max_seq_len}" in ran
-        if variant.name in earlier and not stale:
-            logger.info("%s: kept from the earlier %s.json", variant.name, s.out)
-            report["rows"].append(earlier[variant.name])
-        else:
-            report["rows"].append(_variant_row(variant, s))
-            report["machine_after"] = machine()
-            ran.add(variant.name)
+    runs = {v.name for v in variants if v.name not in earlier}
+    runs |= {v.name for v in variants if v.after and v.exact in runs}
+    done = {v.name: earlier[v.name] for v in variants if v.name not in runs}
+    report: dict[str, Any] = {"settings": dataclasses.asdict(s), "machine": machine()}
+    tfidf = tfidf_baseline(s.train, s.test)
+
+    def write() -> None:
+        # Every row so far, kept ones included: a run killed in the next variant loses none.
+        report["rows"] = [tfidf, *(done[v.name] for v in variants if v.name in done)]
         write_task_report(report, Path(s.out))
+
+    for name in done:
+        logger.info("%s: kept from the earlier %s.json", name, s.out)
+    write()
+    for variant in variants:
+        if variant.name in runs:
+            done[variant.name] = _variant_row(variant, s)
+            report["machine_after"] = machine()
+            write()
     return report
