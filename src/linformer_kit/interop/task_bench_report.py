@@ -33,7 +33,7 @@ def plot_task_report(report: dict[str, Any], path: Path) -> None:
     baseline = next(r["test_acc"] for r in report["rows"] if r["variant"] == "tfidf")
     fig = Figure(figsize=(12, 4))
     axes = fig.subplots(1, 3)
-    names = [r["variant"] for r in rows]
+    names = [r["variant"].replace(":", "\n", 1) for r in rows]  # k512@2048 / adaptive:after
     for axis, key, label, fmt in zip(
         axes,
         ("test_acc", "s_per_step", "peak_mem_mb"),
@@ -45,7 +45,7 @@ def plot_task_report(report: dict[str, Any], path: Path) -> None:
         axis.margins(y=0.12)
         axis.set(ylabel=label)
         axis.grid(True, axis="y", alpha=0.3)
-        axis.tick_params(axis="x", rotation=20)
+        axis.tick_params(axis="x", labelsize=8)
     axes[0].axhline(
         baseline,
         color="tab:red",
