@@ -35,6 +35,13 @@ def qkv(dtype=torch.float64, seed=0, n=N, m=M):
     )
 
 
+@pytest.fixture(params=["one block", "blocks of 3 rows"])
+def blocks(request, monkeypatch):
+    """The explicit kernel in one block of query rows, or in blocks of 3 (N = 7: 3 + 3 + 1)."""
+    if request.param != "one block":
+        monkeypatch.setattr(kernels, "_BLOCK_ROWS", (3, 3))
+
+
 def kv_mask(empty_row: bool) -> torch.Tensor:
     mask = torch.ones(B, M, dtype=torch.bool)
     mask[0, 3:] = False
@@ -46,7 +53,7 @@ def kv_mask(empty_row: bool) -> torch.Tensor:
 @pytest.mark.parametrize("kernel", ["sdpa", "explicit"])
 @pytest.mark.parametrize("masked", [None, "partial", "empty"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_both_kernels_equal_the_float64_reference(kernel, masked, dtype):
+def test_both_kernels_equal_the_float64_reference(kernel, masked, dtype, blocks):
     q, k, v = qkv()
     mask = None if masked is None else kv_mask(masked == "empty")
     if mask is not None:  # attend's contract: masked-out keys already hold zero values
@@ -60,7 +67,7 @@ def test_both_kernels_equal_the_float64_reference(kernel, masked, dtype):
     torch.testing.assert_close(out.double(), reference, atol=tol, rtol=tol)
 
 
-def test_explicit_equals_sdpa_with_a_general_mask_and_float32():
+def test_explicit_equals_sdpa_with_a_general_mask_and_float32(blocks):
     q, k, v = qkv(torch.float32, n=8, m=8)
     mask = torch.ones(8, 8, dtype=torch.bool).tril()  # causal, broadcast over (B, H)
     sdpa = dot_product_attention(q, k, v, mask, scale=0.3, kernel="sdpa")
@@ -76,7 +83,7 @@ def test_attention_weights_are_what_the_explicit_kernel_applies():
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p):
+def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p, blocks):
     # With V = I the output is the dropped weight matrix itself: every entry must be either
     # 0 or the undropped weight / (1 - p), and the dropped fraction must be p. Dropout
     # applied twice would give weight / (1 - p)^2 and a fraction 1 - (1 - p)^2.
@@ -92,6 +99,18 @@ def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p):
     count = dropped.numel()
     sd = (p * (1 - p) / count) ** 0.5
     assert abs(dropped.double().mean().item() - p) < 5 * sd  # 5 sd ~ 0.007 at p = 0.5
+    # One 64-bit draw serves four consecutive weights (m = 64 keeps rows and blocks on draw
+    # boundaries): each 16-bit lane must drop at rate p. A draw whose sign bit is always 0
+    # (random_ on int64) would leave one lane in four never dropped.
+    for lane in range(4):
+        assert abs(dropped[..., lane::4].double().mean().item() - p) < 10 * sd
+
+
+def test_block_rows_keep_gemms_large_and_blocks_bounded():
+    assert kernels.block_rows(1, 256) == 512  # capped: larger blocks measured slower
+    assert kernels.block_rows(64, 256) == 256  # 2^22 weights per block
+    assert kernels.block_rows(4096, 256) == 64  # floored: GEMMs of fewer rows lose speed
+    assert kernels.block_rows(4, 0) == 512  # no keys: any block works
 
 
 def test_explicit_dropout_expectation_is_the_undropped_output():
@@ -124,7 +143,7 @@ def test_dropout_is_repeatable_under_a_seed_and_different_without():
     assert torch.equal(first, again) and not torch.equal(first, other)
 
 
-def test_padding_invariance_with_dropout_on():
+def test_padding_invariance_with_dropout_on(blocks):
     # One head, one sequence: the mask is drawn row by row, so under one seed the real
     # queries of the padded call get the same mask rows as the unpadded call.
     torch.manual_seed(0)
@@ -138,7 +157,7 @@ def test_padding_invariance_with_dropout_on():
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-def test_explicit_kernel_gradcheck(dropout_p):
+def test_explicit_kernel_gradcheck(dropout_p, blocks):
     q, k, v = (t[:, :1, :4, :3].clone().requires_grad_() for t in qkv())  # (2, 1, 4, 3)
     mask = attendable(kv_mask(empty_row=True)[:, :4])[:, None, None, :]
 
@@ -149,7 +168,7 @@ def test_explicit_kernel_gradcheck(dropout_p):
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
-def test_explicit_gradients_equal_sdpa_gradients():
+def test_explicit_gradients_equal_sdpa_gradients(blocks):
     q, k, v = (t.float().requires_grad_() for t in qkv())
     mask = attendable(kv_mask(empty_row=True))[:, None, None, :]
     grads = []
@@ -193,7 +212,7 @@ def test_exact_causal_attention_through_either_kernel_sees_no_future(kernel, mon
 
 
 @pytest.mark.parametrize(("n", "m"), [(7, 5), (5, 7)])
-def test_causal_masks_of_both_kernels_align_the_same_way_when_n_is_not_m(n, m):
+def test_causal_masks_of_both_kernels_align_the_same_way_when_n_is_not_m(n, m, blocks):
     q, k, v = (t.requires_grad_() for t in qkv(n=n, m=m))
     outs = [dot_product_attention(q, k, v, is_causal=True, kernel=kr) for kr in kernels.KERNELS]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-12, rtol=0)

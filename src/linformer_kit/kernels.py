@@ -4,9 +4,10 @@
 Why two kernels. On CPU, SDPA's flash kernel never builds the N x M weights, but with
 dropout it falls back to its math path, which draws the mask with `bernoulli_` and runs
 the weights through several separate tensors: attention becomes 2-3x slower. The explicit
-kernel here is one autograd node that builds the weights once, draws its dropout mask from
-16 random bits per weight (one 32-bit draw gives two), folds the softmax scale and the
-dropout rescaling into the GEMMs' alpha, and works in place in backward.
+kernel here is one autograd node that builds the weights once, in blocks of query rows that
+stay in cache, draws its dropout mask from 16 random bits per weight (one 64-bit draw gives
+four), folds the softmax scale and the dropout rescaling into the GEMMs' alpha, and works
+in place in backward.
 
 The rule (`choose_kernel`) comes from `benchmarks/kernels/table.json`, made by
 `benchmarks/kernels.py` (SDPA vs explicit, fwd+bwd and forward only, over n, k and
@@ -24,6 +25,12 @@ KERNELS = ("sdpa", "explicit")
 # compares 16 uniform random bits with a threshold. The rescaling uses the rounded value,
 # so the expectation of the output is exactly the undropped one.
 _LEVELS = 1 << 16
+# Blocks of the explicit kernel (`block_rows`): rows of queries per block between 64 (GEMMs
+# stay efficient) and 512, at most 2^22 weights (16 MiB in fp32). Measured on CPU (fp32,
+# 2 threads, M = 256, head_dim 64, fwd+bwd): 256-512 rows beat one N x M block by 1.2-1.6x
+# from n = 4096 (B = 1, 4 heads) and at B = 8; 1024 rows and more lose part of it.
+_BLOCK_WEIGHTS = 1 << 22
+_BLOCK_ROWS = (64, 512)
 
 
 def choose_kernel(*, device: torch.device, dtype: torch.dtype, dropout: bool) -> str:
@@ -90,54 +97,97 @@ def dropout_weights(weights: Tensor, dropout_p: float) -> tuple[Tensor, float]:
     """The weights with a random fraction `dropout_p` set to 0, and the rescaling
     1 / (1 - p) of the rounded p (left to the next GEMM's alpha).
 
-    Each weight compares 16 uniform random bits with a threshold, so one 32-bit draw of
-    torch's default generator serves two weights (`torch.manual_seed` makes it repeatable).
-    The comparison writes float 0/1 straight into the output, multiplied in place by the
+    Each weight compares 16 uniform random bits with a threshold; one 64-bit draw of
+    torch's default generator serves four weights (`torch.manual_seed` makes it
+    repeatable). On CPU the generator is serial: 64-bit draws cost half as much per bit as
+    32-bit ones there, and the draw is the largest part of what dropout costs. The
+    comparison writes float 0/1 straight into the output, multiplied in place by the
     weights: a bool mask would cost a conversion pass, and `masked_fill` is slower still.
 
     Returns:
         (dropped weights, factor for the kept ones; 0 if none is kept).
     """
     dropped = round(dropout_p * _LEVELS)
-    width = weights.shape[-1]
-    shape = (*weights.shape[:-1], (width + 1) // 2)
-    # Out of place (randint, not random_): torch.compile traces it without a graph break.
-    pairs = torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, device=weights.device)
-    bits = pairs.view(torch.int16)[..., :width]  # uniform int16
+    count = weights.numel()
+    # Uniform over [-2^63, 2^63 - 1): 64 random bits, to within 2^-63. Out of place (randint,
+    # not random_): torch.compile traces it without a graph break.
+    words = torch.randint(
+        -(2**63), 2**63 - 1, ((count + 3) // 4,), dtype=torch.int64, device=weights.device
+    )
+    bits = words.view(torch.int16)[:count].view(weights.shape)  # uniform int16
     kept = torch.ge(bits, dropped - _LEVELS // 2, out=torch.empty_like(weights))  # 1 - p
     factor = 0.0 if dropped == _LEVELS else _LEVELS / (_LEVELS - dropped)
     return kept.mul_(weights), factor
 
 
+def block_rows(groups: int, keys: int) -> int:
+    """Query rows per block of the explicit kernel: at most `_BLOCK_WEIGHTS` weights per
+    block over the `groups` (batch x heads) matrices, within `_BLOCK_ROWS`.
+
+    Args:
+        groups: number of (N, M) weight matrices (the product of the leading dimensions).
+        keys: M.
+    """
+    low, high = _BLOCK_ROWS
+    return max(low, min(high, _BLOCK_WEIGHTS // max(1, groups * keys)))
+
+
+def _rows(attn_mask: Tensor | None, block: slice) -> Tensor | None:
+    """The rows of a mask broadcastable to (..., N, M) that a block of queries needs."""
+    if attn_mask is None or attn_mask.dim() < 2 or attn_mask.shape[-2] == 1:
+        return attn_mask
+    return attn_mask[..., block, :]
+
+
 class _ExplicitAttention(torch.autograd.Function):
-    """softmax(Q K^T * scale) with dropout, times V; saves the weights, not the scores."""
+    """softmax(Q K^T * scale) with dropout, times V, block of query rows by block; saves
+    the weights, not the scores.
+
+    Each block's weights are made, dropped and consumed while they are hot in cache, and
+    the allocator reuses one block's memory for the next instead of mapping fresh pages for
+    one N x M tensor (`block_rows`). With M keys in one block the softmax needs no running
+    maximum: blocks of rows are independent.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, dropout_p, scale):  # noqa: ANN001, ANN205
-        weights = torch.softmax(masked_scores(q, k, attn_mask, scale), -1)  # (..., N, M)
-        dropped, factor = weights, 1.0
-        if dropout_p > 0.0:
-            dropped, factor = dropout_weights(weights, dropout_p)
-        ctx.save_for_backward(q, k, v, weights, dropped)
-        ctx.factor, ctx.scale, ctx.dropout = factor, scale, dropout_p > 0.0
-        return _bmm(dropped, v, factor)  # (..., N, Dv)
+        seq_len = q.shape[-2]
+        rows = block_rows(q[..., 0, 0].numel(), k.shape[-2])
+        outs, weights, dropped, factor = [], [], [], 1.0
+        for start in range(0, seq_len, rows):
+            block = slice(start, start + rows)
+            scores = masked_scores(q[..., block, :], k, _rows(attn_mask, block), scale)
+            weights.append(torch.softmax(scores, -1))  # (..., rows, M)
+            if dropout_p > 0.0:
+                kept, factor = dropout_weights(weights[-1], dropout_p)
+                dropped.append(kept)
+            outs.append(_bmm(dropped[-1] if dropped else weights[-1], v, factor))
+        ctx.save_for_backward(q, k, v, *weights, *dropped)
+        ctx.factor, ctx.scale, ctx.rows, ctx.blocks = factor, scale, rows, len(weights)
+        return torch.cat(outs, -2) if len(outs) > 1 else outs[0]  # (..., N, Dv)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        q, k, v, weights, dropped = ctx.saved_tensors
-        grad_v = _bmm(dropped.transpose(-1, -2), grad, ctx.factor)  # (..., M, Dv)
-        grad_dropped = _bmm(grad, v.transpose(-1, -2), ctx.factor)  # (..., N, M)
-        if ctx.dropout:
-            # With dropped = weights * kept: d scores = dropped * g - weights * sum(dropped * g),
-            # no mask needed; three in-place passes.
-            product = grad_dropped.mul_(dropped)
-            row_sums = product.sum(-1, keepdim=True)  # (..., N, 1)
-            grad_scores = product.addcmul_(weights, row_sums, value=-1.0)
-        else:
-            # weights * (g - sum(g * weights)) in one fused pass: softmax's own backward.
-            grad_scores = torch._softmax_backward_data(grad_dropped, weights, -1, weights.dtype)
-        grad_q = _bmm(grad_scores, k, ctx.scale)
-        grad_k = _bmm(grad_scores.transpose(-1, -2), q, ctx.scale)
+        q, k, v, *saved = ctx.saved_tensors
+        weights, dropped = saved[: ctx.blocks], saved[ctx.blocks :]
+        grad_q, grad_k, grad_v = [], torch.zeros_like(k), torch.zeros_like(v)
+        for i, start in enumerate(range(0, q.shape[-2], ctx.rows)):
+            block = slice(start, start + ctx.rows)
+            g, kept = grad[..., block, :], dropped[i] if dropped else weights[i]
+            grad_v += _bmm(kept.transpose(-1, -2), g, ctx.factor)  # (..., M, Dv)
+            grad_kept = _bmm(g, v.transpose(-1, -2), ctx.factor)  # (..., rows, M)
+            if dropped:
+                # With kept = weights * mask: d scores = kept * g - weights * sum(kept * g),
+                # no mask needed; three in-place passes.
+                product = grad_kept.mul_(kept)
+                row_sums = product.sum(-1, keepdim=True)  # (..., rows, 1)
+                grad_scores = product.addcmul_(weights[i], row_sums, value=-1.0)
+            else:
+                # weights * (g - sum(g * weights)) in one fused pass: softmax's own backward.
+                grad_scores = torch._softmax_backward_data(grad_kept, kept, -1, kept.dtype)
+            grad_q.append(_bmm(grad_scores, k, ctx.scale))
+            grad_k += _bmm(grad_scores.transpose(-1, -2), q[..., block, :], ctx.scale)
+        grad_q = torch.cat(grad_q, -2) if len(grad_q) > 1 else grad_q[0]
         return grad_q, grad_k, grad_v, None, None, None
 
 
