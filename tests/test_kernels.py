@@ -111,6 +111,13 @@ def test_block_rows_keep_gemms_large_and_blocks_bounded():
     assert kernels.block_rows(64, 256) == 256  # 2^22 weights per block
     assert kernels.block_rows(4096, 256) == 64  # floored: GEMMs of fewer rows lose speed
     assert kernels.block_rows(4, 0) == 512  # no keys: any block works
+    # Under a causal mask a block computes only the keys its last query sees.
+    assert kernels._blocks(7, 3, 5, causal=True) == [
+        (slice(0, 3), 3),
+        (slice(3, 6), 5),
+        (slice(6, 9), 5),
+    ]
+    assert kernels._blocks(7, 3, 5, causal=False) == [(slice(s, s + 3), 5) for s in (0, 3, 6)]
 
 
 def test_explicit_dropout_expectation_is_the_undropped_output():
@@ -191,7 +198,7 @@ def test_causal_linformer_through_the_explicit_kernel_equals_the_reference(monke
 
 
 @pytest.mark.parametrize("kernel", kernels.KERNELS)
-def test_exact_causal_attention_through_either_kernel_sees_no_future(kernel, monkeypatch):
+def test_exact_causal_attention_through_either_kernel_sees_no_future(kernel, monkeypatch, blocks):
     monkeypatch.setattr(kernels, "choose_kernel", lambda **_: kernel)
     q, k, v = qkv(n=N, m=N)
     # The reference: query i attends to the prefix 0..i alone, one query at a time.
@@ -223,10 +230,12 @@ def test_causal_masks_of_both_kernels_align_the_same_way_when_n_is_not_m(n, m, b
 
 def test_exact_causal_attention_with_dropout_on_cpu_takes_the_explicit_kernel(monkeypatch):
     seen = []
-    monkeypatch.setattr(kernels._ExplicitAttention, "apply", lambda *a: seen.append(a[3]) or a[2])
+    monkeypatch.setattr(kernels._ExplicitAttention, "apply", lambda *a: seen.append(a) or a[2])
     q, k, v = qkv(dtype=torch.float32, n=N, m=N)
     causal_attention(q, k, v, dropout_p=0.1)
-    assert len(seen) == 1 and torch.equal(seen[0], torch.ones(N, N, dtype=torch.bool).tril())
+    assert len(seen) == 1
+    _, _, _, mask, dropout_p, _, causal = seen[0]
+    assert mask is None and dropout_p == 0.1 and causal
 
 
 def test_unknown_kernel_is_a_clear_error():

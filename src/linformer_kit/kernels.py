@@ -40,14 +40,15 @@ def choose_kernel(*, device: torch.device, dtype: torch.dtype, dropout: bool) ->
     k 64-1024, head_dim 32-128, fwd+bwd with and without dropout, forward only):
 
     - dropout on: explicit beats SDPA's math fallback at all 27 shapes (SDPA time /
-      explicit time 1.10-1.95, geometric mean 1.53), so CPU attention with dropout goes
+      explicit time 1.27-2.55, geometric mean 1.74), so CPU attention with dropout goes
       explicit (fp32 measured; fp64 takes the same path);
     - dropout off: SDPA's flash kernel, which never writes the N x M weights to memory,
-      wins on the geometric mean (0.78 in training, 0.60 in inference; explicit ahead by
-      more than 5 % at only 3 training shapes and 1 inference shape, none a region).
+      wins on the geometric mean (0.95 in training, 0.81 in inference; explicit ahead by
+      more than 5 % at only 3 training shapes, all at n = 16384, by at most 1.09x, and at
+      no inference shape).
 
     Exact causal attention (`benchmarks/kernels/causal/`, n 1024-4096, head_dim 64) agrees:
-    explicit 1.40-1.54x faster with dropout, SDPA 1.5-4.4x faster without.
+    explicit 1.76-1.93x faster with dropout, SDPA 1.5-3.0x faster without.
 
     n, k and head_dim did not change the winner in any region of that table, so the CPU
     rule does not read them. On a GPU, and for bf16 / fp16 or under autocast (not measured
@@ -132,8 +133,24 @@ def block_rows(groups: int, keys: int) -> int:
     return max(low, min(high, _BLOCK_WEIGHTS // max(1, groups * keys)))
 
 
-def _rows(attn_mask: Tensor | None, block: slice) -> Tensor | None:
-    """The rows of a mask broadcastable to (..., N, M) that a block of queries needs."""
+def _blocks(seq_len: int, rows: int, keys: int, causal: bool) -> list[tuple[slice, int]]:
+    """(query rows, number of keys they see) of each block: all M keys, or under a causal
+    mask only the first min(M, end of the block), which the block's last query sees (no
+    query of the block sees a later key, so those scores are never computed)."""
+    return [
+        (slice(start, start + rows), min(keys, start + rows) if causal else keys)
+        for start in range(0, seq_len, rows)
+    ]
+
+
+def _block_mask(
+    attn_mask: Tensor | None, causal: bool, block: slice, queries: Tensor, keys: int
+) -> Tensor | None:
+    """The mask of one block's (rows, keys) weights, True where allowed: the block's rows
+    of `attn_mask` (broadcastable to (..., N, M)), or the causal one (query i sees keys
+    0..i); `queries` are the block's, (..., rows, D)."""
+    if causal:
+        return queries.new_ones((queries.shape[-2], keys), dtype=torch.bool).tril_(block.start)
     if attn_mask is None or attn_mask.dim() < 2 or attn_mask.shape[-2] == 1:
         return attn_mask
     return attn_mask[..., block, :]
@@ -145,37 +162,37 @@ class _ExplicitAttention(torch.autograd.Function):
 
     Each block's weights are made, dropped and consumed while they are hot in cache, and
     the allocator reuses one block's memory for the next instead of mapping fresh pages for
-    one N x M tensor (`block_rows`). With M keys in one block the softmax needs no running
-    maximum: blocks of rows are independent.
+    one N x M tensor (`block_rows`). With all the keys a block sees in one block the softmax
+    needs no running maximum: blocks of rows are independent. Under a causal mask a block
+    computes only the keys its queries can see (`_blocks`): half the work at N = M.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, dropout_p, scale):  # noqa: ANN001, ANN205
-        seq_len = q.shape[-2]
+    def forward(ctx, q, k, v, attn_mask, dropout_p, scale, causal):  # noqa: ANN001, ANN205
         rows = block_rows(q[..., 0, 0].numel(), k.shape[-2])
         outs, weights, dropped, factor = [], [], [], 1.0
-        for start in range(0, seq_len, rows):
-            block = slice(start, start + rows)
-            scores = masked_scores(q[..., block, :], k, _rows(attn_mask, block), scale)
-            weights.append(torch.softmax(scores, -1))  # (..., rows, M)
+        for block, keys in _blocks(q.shape[-2], rows, k.shape[-2], causal):
+            queries = q[..., block, :]
+            mask = _block_mask(attn_mask, causal, block, queries, keys)
+            weights.append(torch.softmax(masked_scores(queries, k[..., :keys, :], mask, scale), -1))
             if dropout_p > 0.0:
                 kept, factor = dropout_weights(weights[-1], dropout_p)
                 dropped.append(kept)
-            outs.append(_bmm(dropped[-1] if dropped else weights[-1], v, factor))
+            outs.append(_bmm(dropped[-1] if dropped else weights[-1], v[..., :keys, :], factor))
         ctx.save_for_backward(q, k, v, *weights, *dropped)
-        ctx.factor, ctx.scale, ctx.rows, ctx.blocks = factor, scale, rows, len(weights)
+        ctx.factor, ctx.scale, ctx.rows, ctx.causal = factor, scale, rows, causal
         return torch.cat(outs, -2) if len(outs) > 1 else outs[0]  # (..., N, Dv)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, *saved = ctx.saved_tensors
-        weights, dropped = saved[: ctx.blocks], saved[ctx.blocks :]
+        blocks = _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.causal)
+        weights, dropped = saved[: len(blocks)], saved[len(blocks) :]
         grad_q, grad_k, grad_v = [], torch.zeros_like(k), torch.zeros_like(v)
-        for i, start in enumerate(range(0, q.shape[-2], ctx.rows)):
-            block = slice(start, start + ctx.rows)
+        for i, (block, keys) in enumerate(blocks):
             g, kept = grad[..., block, :], dropped[i] if dropped else weights[i]
-            grad_v += _bmm(kept.transpose(-1, -2), g, ctx.factor)  # (..., M, Dv)
-            grad_kept = _bmm(g, v.transpose(-1, -2), ctx.factor)  # (..., rows, M)
+            grad_v[..., :keys, :] += _bmm(kept.transpose(-1, -2), g, ctx.factor)  # (.., keys, Dv)
+            grad_kept = _bmm(g, v[..., :keys, :].transpose(-1, -2), ctx.factor)  # (.., rows, keys)
             if dropped:
                 # With kept = weights * mask: d scores = kept * g - weights * sum(kept * g),
                 # no mask needed; three in-place passes.
@@ -185,10 +202,12 @@ class _ExplicitAttention(torch.autograd.Function):
             else:
                 # weights * (g - sum(g * weights)) in one fused pass: softmax's own backward.
                 grad_scores = torch._softmax_backward_data(grad_kept, kept, -1, kept.dtype)
-            grad_q.append(_bmm(grad_scores, k, ctx.scale))
-            grad_k += _bmm(grad_scores.transpose(-1, -2), q[..., block, :], ctx.scale)
+            grad_q.append(_bmm(grad_scores, k[..., :keys, :], ctx.scale))
+            grad_k[..., :keys, :] += _bmm(
+                grad_scores.transpose(-1, -2), q[..., block, :], ctx.scale
+            )
         grad_q = torch.cat(grad_q, -2) if len(grad_q) > 1 else grad_q[0]
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None
 
 
 def dot_product_attention(
@@ -229,10 +248,7 @@ def dot_product_attention(
         kernel = choose_kernel(device=q.device, dtype=q.dtype, dropout=dropout_p > 0.0)
     if kernel == "explicit":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if is_causal:
-            attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
-            attn_mask.tril_()
-        return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale)
+        return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale, is_causal)
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
