@@ -120,6 +120,18 @@ def test_block_rows_keep_gemms_large_and_blocks_bounded():
     assert kernels._blocks(7, 3, 5, causal=False) == [(slice(s, s + 3), 5) for s in (0, 3, 6)]
 
 
+@pytest.mark.parametrize(("device", "rows"), [("cpu", 512), ("meta", 2000)])
+def test_the_explicit_kernel_works_in_blocks_on_cpu_only(device, rows, monkeypatch):
+    # Blocks pay on CPU (cache, reused pages); on a GPU each block costs kernel launches.
+    # The meta device stands in for a GPU: shapes only, no data.
+    seen, blocks = [], kernels._blocks
+    monkeypatch.setattr(kernels, "_blocks", lambda n, r, *a: seen.append(r) or blocks(n, r, *a))
+    q = torch.zeros(1, 4, 2000, 8, device=device, requires_grad=True)
+    k = torch.zeros(1, 4, 16, 8, device=device, requires_grad=True)
+    dot_product_attention(q, k, k, dropout_p=0.1, kernel="explicit").sum().backward()
+    assert seen == [rows, rows] and q.grad.shape == q.shape  # forward and backward
+
+
 def test_explicit_dropout_expectation_is_the_undropped_output():
     # E[out] over independent masks equals the output without dropout; the tolerance (6
     # standard errors of the mean) is far below the >= 10 % bias a missing or doubled
