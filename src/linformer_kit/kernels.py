@@ -95,28 +95,35 @@ def _bmm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
     return out.view(*batch, a.shape[-2], b.shape[-1])
 
 
-def dropout_weights(weights: Tensor, dropout_p: float) -> tuple[Tensor, float]:
-    """The weights with a random fraction `dropout_p` set to 0, and the rescaling
-    1 / (1 - p) of the rounded p (left to the next GEMM's alpha).
+def dropout_bits(weights: Tensor) -> Tensor:
+    """16 uniform random bits (int16) per weight, the draw `drop` compares with p.
 
-    Each weight compares 16 uniform random bits with a threshold; one 64-bit draw of
-    torch's default generator serves four weights (`torch.manual_seed` makes it
-    repeatable). On CPU the generator is serial: 64-bit draws cost half as much per bit as
-    32-bit ones there, and the draw is the largest part of what dropout costs. The
-    comparison writes float 0/1 straight into the output, multiplied in place by the
-    weights: a bool mask would cost a conversion pass, and `masked_fill` is slower still.
-
-    Returns:
-        (dropped weights, factor for the kept ones; 0 if none is kept).
+    One 64-bit draw of torch's default generator serves four weights (`torch.manual_seed`
+    makes it repeatable). On CPU the generator is serial: 64-bit draws cost half as much
+    per bit as 32-bit ones there, and the draw is the largest part of what dropout costs.
+    Kept for the backward pass, the bits take half the memory of the dropped weights.
     """
-    dropped = round(dropout_p * _LEVELS)
     count = weights.numel()
     # Uniform over [-2^63, 2^63 - 1): 64 random bits, to within 2^-63. Out of place (randint,
     # not random_): torch.compile traces it without a graph break.
     words = torch.randint(
         -(2**63), 2**63 - 1, ((count + 3) // 4,), dtype=torch.int64, device=weights.device
     )
-    bits = words.view(torch.int16)[:count].view(weights.shape)  # uniform int16
+    return words.view(torch.int16)[:count].view(weights.shape)
+
+
+def drop(weights: Tensor, bits: Tensor, dropout_p: float) -> tuple[Tensor, float]:
+    """The weights with a fraction `dropout_p` set to 0 (a new tensor): those whose
+    `dropout_bits` fall under p's threshold; and the rescaling 1 / (1 - p) of the rounded
+    p (left to the next GEMM's alpha).
+
+    The comparison writes float 0/1 straight into the output, multiplied in place by the
+    weights: a bool mask would cost a conversion pass, and `masked_fill` is slower still.
+
+    Returns:
+        (dropped weights, factor for the kept ones; 0 if none is kept).
+    """
+    dropped = round(dropout_p * _LEVELS)
     kept = torch.ge(bits, dropped - _LEVELS // 2, out=torch.empty_like(weights))  # 1 - p
     factor = 0.0 if dropped == _LEVELS else _LEVELS / (_LEVELS - dropped)
     return kept.mul_(weights), factor
@@ -174,30 +181,35 @@ class _ExplicitAttention(torch.autograd.Function):
         rows = max(1, q.shape[-2])  # one block: on a GPU each block costs launches
         if q.device.type == "cpu":
             rows = block_rows(q[..., 0, 0].numel(), k.shape[-2])
-        outs, weights, dropped, factor = [], [], [], 1.0
+        outs, weights, bits, factor = [], [], [], 1.0
         for block, keys in _blocks(q.shape[-2], rows, k.shape[-2], causal):
             queries = q[..., block, :]
             mask = _block_mask(attn_mask, causal, block, queries, keys)
             weights.append(torch.softmax(masked_scores(queries, k[..., :keys, :], mask, scale), -1))
+            kept = weights[-1]  # (..., rows, keys)
             if dropout_p > 0.0:
-                kept, factor = dropout_weights(weights[-1], dropout_p)
-                dropped.append(kept)
-            outs.append(_bmm(dropped[-1] if dropped else weights[-1], v[..., :keys, :], factor))
-        ctx.save_for_backward(q, k, v, *weights, *dropped)
-        ctx.factor, ctx.scale, ctx.rows, ctx.causal = factor, scale, rows, causal
+                bits.append(dropout_bits(kept))
+                kept, factor = drop(kept, bits[-1], dropout_p)
+            outs.append(_bmm(kept, v[..., :keys, :], factor))
+        # The dropped weights are made again in backward from the bits (half their size).
+        ctx.save_for_backward(q, k, v, *weights, *bits)
+        ctx.factor, ctx.scale, ctx.rows = factor, scale, rows
+        ctx.causal, ctx.dropout_p = causal, dropout_p
         return torch.cat(outs, -2) if len(outs) > 1 else outs[0]  # (..., N, Dv)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, *saved = ctx.saved_tensors
         blocks = _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.causal)
-        weights, dropped = saved[: len(blocks)], saved[len(blocks) :]
+        weights, bits = saved[: len(blocks)], saved[len(blocks) :]
         grad_q, grad_k, grad_v = [], torch.zeros_like(k), torch.zeros_like(v)
         for i, (block, keys) in enumerate(blocks):
-            g, kept = grad[..., block, :], dropped[i] if dropped else weights[i]
+            g, kept = grad[..., block, :], weights[i]
+            if bits:
+                kept = drop(weights[i], bits[i], ctx.dropout_p)[0]
             grad_v[..., :keys, :] += _bmm(kept.transpose(-1, -2), g, ctx.factor)  # (.., keys, Dv)
             grad_kept = _bmm(g, v[..., :keys, :].transpose(-1, -2), ctx.factor)  # (.., rows, keys)
-            if dropped:
+            if bits:
                 # With kept = weights * mask: d scores = kept * g - weights * sum(kept * g),
                 # no mask needed; three in-place passes.
                 product = grad_kept.mul_(kept)
