@@ -3,15 +3,19 @@
 A 2-layer encoder (dim 256, 4 heads, k 256, kv sharing, the default dropouts 0.1 / 0.1) at
 n = 4096, batch 1: training (forward + backward) and inference, eager and compiled timed
 interleaved in one run (medians), plus the one-off compile time of each.
-Writes benchmarks/kernels/compile.json.
+Writes benchmarks/kernels/compile.json (CPU, one thread) or, with `--device cuda`,
+OUT/compile.json (CUDA-event timing).
 
     PYTHONPATH=src python benchmarks/kernels_compile.py
+    PYTHONPATH=src python benchmarks/kernels_compile.py --device cuda --out benchmarks/kernels/cuda
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,11 +29,12 @@ from linformer_kit.training.compare import machine
 
 SEQ_LEN, THREADS, WARMUP, REPEATS = 4096, 1, 1, 5
 OUT = Path(__file__).parent / "kernels"
+COMMAND = "PYTHONPATH=src python benchmarks/kernels_compile.py"
 
 
-def step(module: nn.Module, training: bool) -> Callable[[], None]:
+def step(module: nn.Module, training: bool, device: str) -> Callable[[], None]:
     """One call: forward + backward in training, forward under inference_mode otherwise."""
-    x = torch.randn(1, SEQ_LEN, 256, requires_grad=training)
+    x = torch.randn(1, SEQ_LEN, 256, device=device, requires_grad=training)
 
     def run() -> None:
         if not training:
@@ -43,29 +48,35 @@ def step(module: nn.Module, training: bool) -> Callable[[], None]:
     return run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Compiles once per mode (timed), then times eager and compiled interleaved."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=OUT, help="writes compile.json there")
+    args = parser.parse_args(argv)
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
     config = LinformerConfig(
         max_seq_len=SEQ_LEN, dim=256, depth=2, num_heads=4, proj_dim=256, sharing="kv"
     )
-    encoder = LinformerEncoder(config)
+    encoder = LinformerEncoder(config).to(args.device)
     compiled = torch.compile(encoder)
     steps, compile_s = {}, {}
     for training in (True, False):
         encoder.train(training)
         mode = "training" if training else "inference"
-        steps[f"{mode} eager"] = step(encoder, training)
-        steps[f"{mode} compiled"] = step(compiled, training)
+        steps[f"{mode} eager"] = step(encoder, training, args.device)
+        steps[f"{mode} compiled"] = step(compiled, training, args.device)
         begin = time.perf_counter()
         steps[f"{mode} compiled"]()  # the compile itself
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         compile_s[mode] = time.perf_counter() - begin
     rows = {}
     for mode in ("training", "inference"):
         encoder.train(mode == "training")
         pair = {name: fn for name, fn in steps.items() if name.startswith(mode)}
-        times = time_interleaved(pair, warmup=WARMUP, repeats=REPEATS, device="cpu")
+        times = time_interleaved(pair, warmup=WARMUP, repeats=REPEATS, device=args.device)
         eager, fast = (statistics.median(times[f"{mode} {kind}"]) for kind in ("eager", "compiled"))
         rows[mode] = {
             "eager_ms": round(eager * 1e3, 1),
@@ -74,16 +85,17 @@ def main() -> None:
             "compile_s": round(compile_s[mode], 1),
         }
         print(mode, rows[mode], flush=True)
-    OUT.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     result = {
-        "command": "PYTHONPATH=src python benchmarks/kernels_compile.py",
+        "command": " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine(),
         "model": "LinformerEncoder depth 2, dim 256, 4 heads, k 256, kv, dropout 0.1 / 0.1",
         "seq_len": SEQ_LEN,
+        "device": args.device,
         "threads": THREADS,
         "rows": rows,
     }
-    (OUT / "compile.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "compile.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ class _ExplicitAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_mask, dropout_p, scale, causal):  # noqa: ANN001, ANN205
         rows = max(1, q.shape[-2])  # one block: on a GPU each block costs launches
         if q.device.type == "cpu":
-            rows = block_rows(q[..., 0, 0].numel(), k.shape[-2])
+            rows = block_rows(q.shape[:-2].numel(), k.shape[-2])
         outs, weights, bits, factor = [], [], [], 1.0
         for block, keys in _blocks(q.shape[-2], rows, k.shape[-2], causal):
             queries = q[..., block, :]
