@@ -4,7 +4,7 @@ A 2-layer encoder (dim 256, 4 heads, k 256, kv sharing, the default dropouts 0.1
 n = 4096, batch 1: training (forward + backward) and inference, eager and compiled timed
 interleaved in one run (medians), plus the one-off compile time of each.
 Writes benchmarks/kernels/compile.json (CPU, one thread) or, with `--device cuda`,
-OUT/compile.json (CUDA-event timing).
+benchmarks/kernels/cuda/compile.json (CUDA-event timing); `--out` another folder.
 
     PYTHONPATH=src python benchmarks/kernels_compile.py
     PYTHONPATH=src python benchmarks/kernels_compile.py --device cuda --out benchmarks/kernels/cuda
@@ -52,8 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     """Compiles once per mode (timed), then times eager and compiled interleaved."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", type=Path, default=OUT, help="writes compile.json there")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="writes compile.json there (default: per device)"
+    )
     args = parser.parse_args(argv)
+    args.out = args.out or (OUT if args.device == "cpu" else OUT / args.device)
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
     config = LinformerConfig(

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 from linformer_kit import LinformerEncoder, LinformerForMaskedLM, LinformerModel, linformer_tiny
 
@@ -69,3 +70,17 @@ def test_compiled_encoder_matches_eager(backend):
     torch.testing.assert_close(c_x_grad, x_grad, **close)
     for name in grads:
         torch.testing.assert_close(c_grads[name], grads[name], **close, msg=name)
+
+
+def test_compiled_training_with_attention_dropout_does_not_recompile_for_every_length():
+    # With dropout on CPU attention takes the explicit kernel, whose loop over blocks of
+    # rows depends on N; under torch.compile it runs one block, so a new length costs at
+    # most one recompile (to a dynamic shape), not one graph per length.
+    torch._dynamo.reset()
+    config = tiny(max_seq_len=256, depth=1, dropout=0.1, attention_dropout=0.1)
+    encoder = LinformerEncoder(config).train()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(encoder, backend=counter)
+    for n in range(40, 140, 10):
+        compiled(torch.randn(2, n, DIM, requires_grad=True))[0].sum().backward()
+    assert counter.frame_count <= 2

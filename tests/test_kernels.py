@@ -118,9 +118,11 @@ def test_block_rows_keep_gemms_large_and_blocks_bounded():
         (slice(6, 9), 5),
     ]
     assert kernels._blocks(7, 3, 5, causal=False) == [(slice(s, s + 3), 5) for s in (0, 3, 6)]
+    assert kernels._blocks(2, 3, 5, causal=True) == [(slice(0, 3), 2)]  # N < M: 2 keys seen
+    assert kernels._blocks(7, None, 5, causal=True) == [(slice(None), 5)]  # one block
 
 
-@pytest.mark.parametrize(("device", "rows"), [("cpu", 512), ("meta", 2000)])
+@pytest.mark.parametrize(("device", "rows"), [("cpu", 512), ("meta", None)])
 def test_the_explicit_kernel_works_in_blocks_on_cpu_only(device, rows, monkeypatch):
     # Blocks pay on CPU (cache, reused pages); on a GPU each block costs kernel launches.
     # The meta device stands in for a GPU: shapes only, no data.
@@ -163,8 +165,9 @@ def test_dropout_is_repeatable_under_a_seed_and_different_without():
 
 
 def test_padding_invariance_with_dropout_on(blocks):
-    # One head, one sequence: the mask is drawn row by row, so under one seed the real
-    # queries of the padded call get the same mask rows as the unpadded call.
+    # One head, one sequence: the mask is drawn block by block of rows, in row-major
+    # order, so under one seed the real queries of the padded call get the same mask rows
+    # as the unpadded call.
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 1, 10, D) for _ in range(3))
     proj = torch.randn(16, 3)
@@ -176,13 +179,16 @@ def test_padding_invariance_with_dropout_on(blocks):
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-def test_explicit_kernel_gradcheck(dropout_p, blocks):
+@pytest.mark.parametrize("masked", ["keys", "causal"])
+def test_explicit_kernel_gradcheck(dropout_p, masked, blocks):
     q, k, v = (t[:, :1, :4, :3].clone().requires_grad_() for t in qkv())  # (2, 1, 4, 3)
+    q = q.detach().repeat(1, 1, 2, 1).requires_grad_()  # N = 8 queries over M = 4 keys
     mask = attendable(kv_mask(empty_row=True)[:, :4])[:, None, None, :]
+    causal = masked == "causal"
 
     def fn(q, k, v):
         torch.manual_seed(0)  # the same dropout mask at every evaluation
-        return explicit(q, k, v, mask, dropout_p, 0.7)
+        return explicit(q, k, v, None if causal else mask, dropout_p, 0.7, is_causal=causal)
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
 

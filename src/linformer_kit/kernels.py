@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 KERNELS = ("sdpa", "explicit")
 # Dropout probabilities are rounded to a multiple of 2^-16 (|error| <= 7.6e-6): the mask
@@ -141,12 +142,16 @@ def block_rows(groups: int, keys: int) -> int:
     return max(low, min(high, _BLOCK_WEIGHTS // max(1, groups * keys)))
 
 
-def _blocks(seq_len: int, rows: int, keys: int, causal: bool) -> list[tuple[slice, int]]:
+def _blocks(seq_len: int, rows: int | None, keys: int, causal: bool) -> list[tuple[slice, int]]:
     """(query rows, number of keys they see) of each block: all M keys, or under a causal
     mask only the first min(M, end of the block), which the block's last query sees (no
-    query of the block sees a later key, so those scores are never computed)."""
+    query of the block sees a later key, so those scores are never computed).
+    `rows=None`: one block of every row and key, whatever N (no shape-dependent loop for
+    torch.compile to specialise on)."""
+    if rows is None:
+        return [(slice(None), keys)]
     return [
-        (slice(start, start + rows), min(keys, start + rows) if causal else keys)
+        (slice(start, start + rows), min(keys, seq_len, start + rows) if causal else keys)
         for start in range(0, seq_len, rows)
     ]
 
@@ -158,7 +163,8 @@ def _block_mask(
     of `attn_mask` (broadcastable to (..., N, M)), or the causal one (query i sees keys
     0..i); `queries` are the block's, (..., rows, D)."""
     if causal:
-        return queries.new_ones((queries.shape[-2], keys), dtype=torch.bool).tril_(block.start)
+        allowed = queries.new_ones((queries.shape[-2], keys), dtype=torch.bool)
+        return allowed.tril_(block.start or 0)
     if attn_mask is None or attn_mask.dim() < 2 or attn_mask.shape[-2] == 1:
         return attn_mask
     return attn_mask[..., block, :]
@@ -169,17 +175,21 @@ class _ExplicitAttention(torch.autograd.Function):
     the weights, not the scores.
 
     On CPU each block's weights are made, dropped and consumed while they are hot in
-    cache, and the allocator reuses one block's memory for the next instead of mapping
-    fresh pages for one N x M tensor (`block_rows`); on a GPU, where each block costs kernel
-    launches, there is one block. With all the keys a block sees in one block the softmax
-    needs no running maximum: blocks of rows are independent. Under a causal mask a block
+    cache, and a block's temporaries (scores, dropped weights, gradients) reuse the memory
+    of the previous block's instead of mapping fresh pages for N x M tensors (`block_rows`);
+    the weights and dropout bits kept for backward are N x M in all. On a GPU, where each
+    block costs kernel launches, and under torch.compile there is one block. With all the
+    keys a block sees in one block the softmax needs no running maximum: blocks of rows are
+    independent. Under a causal mask a block
     computes only the keys its queries can see (`_blocks`): half the work at N = M.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, dropout_p, scale, causal):  # noqa: ANN001, ANN205
-        rows = max(1, q.shape[-2])  # one block: on a GPU each block costs launches
-        if q.device.type == "cpu":
+        # One block on a GPU (each block costs kernel launches) and under torch.compile
+        # (a loop over N / rows blocks would compile a graph for every N).
+        rows = None
+        if q.device.type == "cpu" and not torch.compiler.is_compiling():
             rows = block_rows(q.shape[:-2].numel(), k.shape[-2])
         outs, weights, bits, factor = [], [], [], 1.0
         for block, keys in _blocks(q.shape[-2], rows, k.shape[-2], causal):
@@ -198,6 +208,7 @@ class _ExplicitAttention(torch.autograd.Function):
         return torch.cat(outs, -2) if len(outs) > 1 else outs[0]  # (..., N, Dv)
 
     @staticmethod
+    @once_differentiable  # the backward is not itself differentiable: say so, not a wrong answer
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, *saved = ctx.saved_tensors
         blocks = _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.causal)
