@@ -103,6 +103,8 @@ def dropout_bits(weights: Tensor) -> Tensor:
     makes it repeatable). On CPU the generator is serial: 64-bit draws cost half as much
     per bit as 32-bit ones there, and the draw is the largest part of what dropout costs.
     Kept for the backward pass, the bits take half the memory of the dropped weights.
+    The explicit kernel draws block by block of rows, so which weight gets which bits
+    depends on its blocks (B x H, M and the device) as well as on the seed.
     """
     count = weights.numel()
     # Uniform over [-2^63, 2^63 - 1): 64 random bits, to within 2^-63. Out of place (randint,
