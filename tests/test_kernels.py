@@ -126,8 +126,8 @@ def test_block_rows_keep_gemms_large_and_blocks_bounded():
 def test_the_explicit_kernel_works_in_blocks_on_cpu_only(device, rows, monkeypatch):
     # Blocks pay on CPU (cache, reused pages); on a GPU each block costs kernel launches.
     # The meta device stands in for a GPU: shapes only, no data.
-    seen, blocks = [], kernels._blocks
-    monkeypatch.setattr(kernels, "_blocks", lambda n, r, *a: seen.append(r) or blocks(n, r, *a))
+    seen, original = [], kernels._blocks
+    monkeypatch.setattr(kernels, "_blocks", lambda n, r, *a: seen.append(r) or original(n, r, *a))
     q = torch.zeros(1, 4, 2000, 8, device=device, requires_grad=True)
     k = torch.zeros(1, 4, 16, 8, device=device, requires_grad=True)
     dot_product_attention(q, k, k, dropout_p=0.1, kernel="explicit").sum().backward()
