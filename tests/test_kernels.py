@@ -204,6 +204,40 @@ def test_explicit_gradients_equal_sdpa_gradients(blocks):
         torch.testing.assert_close(explicit, sdpa, atol=1e-5, rtol=1e-4)
 
 
+# GEMMs per block of the backward pass: grad V; grad of the weights (for Q or K); grad Q; grad K.
+GEMMS = {"q": 2, "k": 2, "v": 1, "qk": 3, "kv": 3, "qkv": 4}
+
+
+@pytest.mark.parametrize("wanted", ["q", "k", "v", "qk", "kv"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_explicit_backward_computes_only_the_gradients_asked_for(
+    wanted, dropout_p, blocks, monkeypatch
+):
+    tensors, grads, calls = qkv(), [], []
+    gemm = kernels._bmm
+    monkeypatch.setattr(kernels, "_bmm", lambda *args: calls.append(1) or gemm(*args))
+    for subset in ("qkv", wanted):  # all three, then only those wanted, under one seed
+        inputs = [t.clone().requires_grad_(name in subset) for name, t in zip("qkv", tensors)]
+        out = seeded(0, explicit, *inputs, None, dropout_p, 0.7)
+        asked = [t for name, t in zip("qkv", inputs) if name in wanted]
+        calls.clear()
+        grads.append(torch.autograd.grad(out.square().sum(), asked))
+        num_blocks = len(kernels._blocks(N, kernels.block_rows(B * H, M), M, False))
+        assert len(calls) == GEMMS[subset] * num_blocks
+    for some, full in zip(*grads[::-1]):
+        torch.testing.assert_close(some, full, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_explicit_kernel_takes_no_queries_as_sdpa_does(causal, blocks):
+    q, k, v = (t.requires_grad_() for t in qkv(n=0))
+    out = explicit(q, k, v, None, 0.3, 0.7, is_causal=causal)
+    expected = dot_product_attention(q, k, v, is_causal=causal, kernel="sdpa")
+    assert out.shape == expected.shape == (B, H, 0, D)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert [g.abs().sum().item() for g in grads] == [0.0, 0.0, 0.0]
+
+
 def test_causal_linformer_through_the_explicit_kernel_equals_the_reference(monkeypatch):
     monkeypatch.setattr(kernels, "choose_kernel", lambda **_: "explicit")
     q, k, v = qkv(n=11, m=11)

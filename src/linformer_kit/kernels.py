@@ -88,8 +88,8 @@ def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None, scale: float) 
 def _bmm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
     """alpha * a @ b over equal leading dimensions, as one batched GEMM (the scale costs no
     extra pass over the product)."""
-    batch = a.shape[:-2]
-    a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+    batch = a.shape[:-2]  # (not -1: a reshape of no elements cannot infer it)
+    a3, b3 = (t.reshape(batch.numel(), *t.shape[-2:]) for t in (a, b))
     # beta = 0: the (expanded, never read) input only gives the output its shape.
     zero = a3.new_zeros(1, 1, 1).expand(a3.shape[0], a3.shape[1], b3.shape[2])
     out = torch.baddbmm(zero, a3, b3, beta=0.0, alpha=alpha)
@@ -150,12 +150,12 @@ def _blocks(seq_len: int, rows: int | None, keys: int, causal: bool) -> list[tup
     mask only the first min(M, end of the block), which the block's last query sees (no
     query of the block sees a later key, so those scores are never computed).
     `rows=None`: one block of every row and key, whatever N (no shape-dependent loop for
-    torch.compile to specialise on)."""
+    torch.compile to specialise on); N = 0 is one block of no rows."""
     if rows is None:
         return [(slice(None), keys)]
     return [
         (slice(start, start + rows), min(keys, seq_len, start + rows) if causal else keys)
-        for start in range(0, seq_len, rows)
+        for start in range(0, max(seq_len, 1), rows)  # N = 0: one empty block
     ]
 
 
@@ -216,12 +216,18 @@ class _ExplicitAttention(torch.autograd.Function):
         q, k, v, *saved = ctx.saved_tensors
         blocks = _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.causal)
         weights, bits = saved[: len(blocks)], saved[len(blocks) :]
-        grad_q, grad_k, grad_v = [], torch.zeros_like(k), torch.zeros_like(v)
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        grad_q = []
+        grad_k = torch.zeros_like(k) if need_k else None
+        grad_v = torch.zeros_like(v) if need_v else None
         for i, (block, keys) in enumerate(blocks):
             g, kept = grad[..., block, :], weights[i]
             if bits:
                 kept = drop(weights[i], bits[i], ctx.dropout_p)[0]
-            grad_v[..., :keys, :] += _bmm(kept.transpose(-1, -2), g, ctx.factor)  # (.., keys, Dv)
+            if need_v:
+                grad_v[..., :keys, :] += _bmm(kept.transpose(-1, -2), g, ctx.factor)
+            if not (need_q or need_k):
+                continue
             grad_kept = _bmm(g, v[..., :keys, :].transpose(-1, -2), ctx.factor)  # (.., rows, keys)
             if bits:
                 # With kept = weights * mask: d scores = kept * g - weights * sum(kept * g),
@@ -232,11 +238,13 @@ class _ExplicitAttention(torch.autograd.Function):
             else:
                 # weights * (g - sum(g * weights)) in one fused pass: softmax's own backward.
                 grad_scores = torch._softmax_backward_data(grad_kept, kept, -1, kept.dtype)
-            grad_q.append(_bmm(grad_scores, k[..., :keys, :], ctx.scale))
-            grad_k[..., :keys, :] += _bmm(
-                grad_scores.transpose(-1, -2), q[..., block, :], ctx.scale
-            )
-        grad_q = torch.cat(grad_q, -2) if len(grad_q) > 1 else grad_q[0]
+            if need_q:
+                grad_q.append(_bmm(grad_scores, k[..., :keys, :], ctx.scale))
+            if need_k:
+                grad_k[..., :keys, :] += _bmm(
+                    grad_scores.transpose(-1, -2), q[..., block, :], ctx.scale
+                )
+        grad_q = (torch.cat(grad_q, -2) if len(grad_q) > 1 else grad_q[0]) if need_q else None
         return grad_q, grad_k, grad_v, None, None, None, None
 
 
