@@ -7,6 +7,7 @@ from concurrent.futures.process import BrokenProcessPool
 import pytest
 
 from linformer_kit.cli import main
+from linformer_kit.training.loop import Trainer
 from linformer_kit.training.lra import RECIPES, LRASettings, run_lra
 
 
@@ -157,3 +158,63 @@ def test_a_killed_model_run_is_reported_not_a_crash(tmp_path, monkeypatch):
     assert (tmp_path / "runs" / "listops.png").is_file()
     table = (tmp_path / "runs" / "summary.md").read_text()
     assert "| listops | 12 | Transformer (exact) | - | 36.37 |" in table
+
+
+def tiny_listops(tmp_path, **overrides):
+    return LRASettings(
+        output_dir=str(tmp_path / "runs"),
+        cache_dir=str(tmp_path / "cache"),
+        scale=0.0625,
+        steps=6,
+        batch_size=8,
+        proj_dim=4,
+        num_train=64,
+        num_eval=16,
+        min_length=4,
+        max_length=12,
+        max_depth=1,
+        eval_every=2,
+        isolate=False,
+        **overrides,
+    )
+
+
+def scores(row):
+    """Every record of a run but its timings: the losses and validation metrics by step."""
+    timing = {"train_s", "tokens_per_s"}
+    return [{k: v for k, v in r.items() if k not in timing} for r in row["records"]]
+
+
+def test_resume_continues_a_stopped_run_to_what_an_unstopped_run_gives(tmp_path, monkeypatch):
+    whole = run_lra("listops", tiny_listops(tmp_path / "whole"))
+    step, calls = Trainer._train_step, []
+
+    def counted(self, model):
+        calls.append(1)
+        if len(calls) == stop_at:
+            raise RuntimeError("the machine went away")
+        return step(self, model)
+
+    monkeypatch.setattr(Trainer, "_train_step", counted)
+    stop_at = 5  # the Linformer's fifth step: its checkpoint of step 4 is the last
+    with pytest.raises(RuntimeError, match="went away"):
+        run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True))
+    calls.clear()
+    stop_at = 0
+    resumed = run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True))
+    assert len(calls) == 2 + 6  # the Linformer's last two steps, then the exact model's six
+    for before, after in zip(whole["rows"], resumed["rows"], strict=True):
+        assert after["steps"] == 6
+        assert after["test_acc"] == before["test_acc"]
+        assert scores(after) == scores(before)
+    # Resuming a finished run trains nothing: the same test accuracy, the run's mean step time.
+    calls.clear()
+    again = run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True))
+    assert not calls
+    for before, after in zip(resumed["rows"], again["rows"], strict=True):
+        assert after["test_acc"] == before["test_acc"]
+        assert 0 < after["s_per_step"] < 60
+    # Without resume a run starts over: the stopped run's checkpoints are replaced.
+    calls.clear()
+    run_lra("listops", tiny_listops(tmp_path / "stopped"))
+    assert len(calls) == 6 + 6

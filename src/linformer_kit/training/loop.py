@@ -350,7 +350,9 @@ class Trainer:
     def _result(
         self, records: list[dict[str, Any]], final: dict[str, float], step_times: list[float]
     ) -> TrainResult:
-        steady = sorted(step_times[len(step_times) // 10 :]) or [math.nan]  # skip warm-up
+        steady = sorted(step_times[len(step_times) // 10 :])  # skip warm-up
+        if not steady:  # a finished run resumed: the whole run's mean, warm-up included
+            steady = [self.train_s / self.step if self.step else math.nan]
         return TrainResult(
             records=records,
             final={k: v for k, v in final.items() if isinstance(v, float)},

@@ -126,6 +126,13 @@ class LRASettings:
         default=True, metadata={"help": "train each model in a fresh process (own peak memory)"}
     )
     cache_dir: str = field(default="", metadata={"help": "data cache (empty: the default)"})
+    resume: bool = field(
+        default=False,
+        metadata={
+            "help": "continue each model's run in output_dir from its last checkpoint (saved "
+            "at every validation); a finished one is only tested again"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 < self.scale <= 1.0:
@@ -233,6 +240,7 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
         attention_dropout=recipe.dropout,
         pad_token_id=data.pad_id,
     )
+    eval_every = settings.eval_every or max(1, recipe.steps // 10)
     train = TrainSettings(
         output_dir=str(Path(settings.output_dir) / task / name),
         max_steps=recipe.steps,
@@ -241,13 +249,14 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
         weight_decay=recipe.weight_decay,
         warmup_steps=recipe.warmup_steps,
         schedule=recipe.schedule,
-        eval_every=settings.eval_every or max(1, recipe.steps // 10),
-        save_every=recipe.steps,
+        eval_every=eval_every,
+        save_every=eval_every,  # what --resume continues from
         log_every=max(1, min(10, recipe.steps)),
         keep_last=1,
         seed=settings.seed,
         device=settings.device,
         threads=settings.threads,
+        resume=settings.resume,
     )
     dist = setup_distributed(train.device)
     try:
@@ -320,7 +329,8 @@ def _failed_row(name: str, recipe: Recipe, proj_dim: int, error: str) -> dict[st
 def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     """Prepares the task's data once, trains both models one after the other and writes
     `<output_dir>/<task>.json` and `<task>.png`, then `summary.md` over every task reported in
-    `output_dir`. Earlier runs of the task are replaced.
+    `output_dir`. Earlier runs of the task are replaced, or with `settings.resume` continued
+    from their last checkpoints (the report then times each model's steps of this call).
 
     Args:
         task: listops, text or pathfinder.
@@ -337,7 +347,8 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     before = machine()
     rows = []
     for name in MODELS:
-        shutil.rmtree(Path(settings.output_dir) / task / name, ignore_errors=True)
+        if not settings.resume:
+            shutil.rmtree(Path(settings.output_dir) / task / name, ignore_errors=True)
         if not settings.isolate:
             rows.append(train_model(task, settings, name))
             continue
