@@ -11,6 +11,20 @@ from linformer_kit.training.loop import Trainer
 from linformer_kit.training.lra import RECIPES, LRASettings, run_lra
 
 
+def tiny_listops(tmp_path, **overrides):
+    """Settings of a small ListOps run (one operator over 2-10 digits) writing under tmp_path."""
+    return LRASettings(
+        **{
+            "output_dir": str(tmp_path / "runs"),
+            "cache_dir": str(tmp_path / "cache"),
+            "min_length": 4,
+            "max_length": 12,
+            "max_depth": 1,
+            **overrides,
+        }
+    )
+
+
 def test_recipes_scale_width_and_steps():
     listops = LRASettings(scale=0.125).recipe("listops")
     assert (listops.dim, listops.num_heads, listops.depth, listops.ffn_dim) == (64, 1, 6, 256)
@@ -56,22 +70,10 @@ def test_unknown_task_names_the_known_ones():
 def test_both_models_learn_short_listops_above_the_majority_class(tmp_path):
     # One operator over 2-10 digits: the operator alone tells much of the answer (MAX leans
     # to 9, MIN to 0), which a small model learns in a hundred steps.
-    settings = LRASettings(
-        output_dir=str(tmp_path / "runs"),
-        cache_dir=str(tmp_path / "cache"),
-        scale=0.0625,
-        steps=150,
-        batch_size=32,
-        lr=3e-3,
-        proj_dim=8,
-        num_train=2000,
-        num_eval=300,
-        min_length=4,
-        max_length=12,
-        max_depth=1,
-        eval_every=75,
-        isolate=False,
-    )
+    settings = tiny_listops(
+        tmp_path, scale=0.0625, steps=150, batch_size=32, lr=3e-3, proj_dim=8, num_train=2000,
+        num_eval=300, eval_every=75, isolate=False,
+    )  # fmt: skip
     report = run_lra("listops", settings)
     majority = 100 * report["majority_baseline"]
     constant = 100 * report["best_constant_baseline"]
@@ -142,16 +144,7 @@ class KilledPool:
 
 def test_a_killed_model_run_is_reported_not_a_crash(tmp_path, monkeypatch):
     monkeypatch.setattr("linformer_kit.training.lra.ProcessPoolExecutor", KilledPool)
-    settings = LRASettings(
-        output_dir=str(tmp_path / "runs"),
-        cache_dir=str(tmp_path / "cache"),
-        num_train=8,
-        num_eval=4,
-        min_length=4,
-        max_length=12,
-        max_depth=1,
-    )
-    report = run_lra("listops", settings)
+    report = run_lra("listops", tiny_listops(tmp_path, num_train=8, num_eval=4))
     assert [row["model"] for row in report["rows"]] == ["Linformer k=12", "Transformer (exact)"]
     assert all("out of memory" in row["error"] for row in report["rows"])
     assert (tmp_path / "runs" / "listops.json").is_file()
@@ -160,23 +153,11 @@ def test_a_killed_model_run_is_reported_not_a_crash(tmp_path, monkeypatch):
     assert "| listops | 12 | Transformer (exact) | - | 36.37 |" in table
 
 
-def tiny_listops(tmp_path, **overrides):
-    return LRASettings(
-        output_dir=str(tmp_path / "runs"),
-        cache_dir=str(tmp_path / "cache"),
-        scale=0.0625,
-        steps=6,
-        batch_size=8,
-        proj_dim=4,
-        num_train=64,
-        num_eval=16,
-        min_length=4,
-        max_length=12,
-        max_depth=1,
-        eval_every=2,
-        isolate=False,
-        **overrides,
-    )
+# Six steps, a checkpoint every two, in this process (so a patched step reaches it).
+RESUMABLE = {
+    "scale": 0.0625, "steps": 6, "batch_size": 8, "proj_dim": 4, "num_train": 64,
+    "num_eval": 16, "eval_every": 2, "isolate": False,
+}  # fmt: skip
 
 
 def scores(row):
@@ -186,7 +167,7 @@ def scores(row):
 
 
 def test_resume_continues_a_stopped_run_to_what_an_unstopped_run_gives(tmp_path, monkeypatch):
-    whole = run_lra("listops", tiny_listops(tmp_path / "whole"))
+    whole = run_lra("listops", tiny_listops(tmp_path / "whole", **RESUMABLE))
     step, calls = Trainer._train_step, []
 
     def counted(self, model):
@@ -198,10 +179,10 @@ def test_resume_continues_a_stopped_run_to_what_an_unstopped_run_gives(tmp_path,
     monkeypatch.setattr(Trainer, "_train_step", counted)
     stop_at = 5  # the Linformer's fifth step: its checkpoint of step 4 is the last
     with pytest.raises(RuntimeError, match="went away"):
-        run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True))
+        run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True, **RESUMABLE))
     calls.clear()
     stop_at = 0
-    resumed = run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True))
+    resumed = run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True, **RESUMABLE))
     assert len(calls) == 2 + 6  # the Linformer's last two steps, then the exact model's six
     for before, after in zip(whole["rows"], resumed["rows"], strict=True):
         assert after["steps"] == 6
@@ -209,12 +190,12 @@ def test_resume_continues_a_stopped_run_to_what_an_unstopped_run_gives(tmp_path,
         assert scores(after) == scores(before)
     # Resuming a finished run trains nothing: the same test accuracy, the run's mean step time.
     calls.clear()
-    again = run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True))
+    again = run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True, **RESUMABLE))
     assert not calls
     for before, after in zip(resumed["rows"], again["rows"], strict=True):
         assert after["test_acc"] == before["test_acc"]
         assert 0 < after["s_per_step"] < 60
     # Without resume a run starts over: the stopped run's checkpoints are replaced.
     calls.clear()
-    run_lra("listops", tiny_listops(tmp_path / "stopped"))
+    run_lra("listops", tiny_listops(tmp_path / "stopped", **RESUMABLE))
     assert len(calls) == 6 + 6
