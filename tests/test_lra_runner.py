@@ -1,6 +1,7 @@
 """`linformer lra`: LRA's recipes scaled, both models trained on a tiny task, the reports."""
 
 import json
+import random
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
@@ -97,11 +98,40 @@ def test_both_models_learn_short_listops_above_the_majority_class(tmp_path):
     assert any(line.startswith("- listops: scale 0.0625") for line in summary)
 
 
-def test_cli_text_end_to_end_writes_json_and_png(tmp_path, capsys):
+def keyword_reviews(root, per_class):
+    """`root/{neg,pos}/*.txt`: 40 filler words and one keyword ("dull" or "grand") at a random
+    place, so the label is in a few bytes anywhere in the document."""
+    rng = random.Random(0)
+    filler = "the a film of and in plot actor scene story it was".split()
     for name, word in (("neg", "dull"), ("pos", "grand")):
-        (tmp_path / "reviews" / name).mkdir(parents=True)
-        for i in range(20):
-            (tmp_path / "reviews" / name / f"{i}.txt").write_text(f"{i} a {word} film " * 20)
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            words = [rng.choice(filler) for _ in range(40)]
+            words.insert(rng.randrange(len(words) + 1), word)
+            (root / name / f"{i}.txt").write_text(" ".join(words))
+    return root
+
+
+def test_both_models_learn_a_keyword_anywhere_in_a_document(tmp_path):
+    # LRA's text recipe at a quarter of its width; the Linformer with the length-adaptive
+    # projection: with the learned `linear` E it reached 47-63% test accuracy (README).
+    settings = LRASettings(
+        data=str(keyword_reviews(tmp_path / "reviews", 300)), output_dir=str(tmp_path / "runs"),
+        cache_dir=str(tmp_path / "cache"), scale=0.25, steps=300, batch_size=16, lr=1e-3,
+        proj_dim=32, projection="adaptive", max_length=256, eval_every=150, isolate=False,
+    )  # fmt: skip
+    report = run_lra("text", settings)
+    assert [row["model"] for row in report["rows"]] == [
+        "Linformer k=32 adaptive",
+        "Transformer (exact)",
+    ]
+    constant = 100 * report["best_constant_baseline"]
+    for row in report["rows"]:
+        assert row["test_acc"] > constant + 20, (row["model"], row["test_acc"], constant)
+
+
+def test_cli_text_end_to_end_writes_json_and_png(tmp_path, capsys):
+    keyword_reviews(tmp_path / "reviews", 20)
     out = tmp_path / "runs"
     main(
         ["lra", "text", "--data", str(tmp_path / "reviews"), "--output-dir", str(out),

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..config import SHARINGS, LinformerConfig, check_choice
+from ..config import PROJECTIONS, SHARINGS, LinformerConfig, check_choice
 from ..data.lra import TASKS, LRASplit, LRATask, load_listops, load_pathfinder, load_text
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
@@ -107,6 +107,13 @@ class LRASettings:
     lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = LRA's)"})
     proj_dim: int = field(default=256, metadata={"help": "Linformer's k (at most the length)"})
     sharing: str = field(default="layerwise", metadata={"help": "none, headwise, kv, layerwise"})
+    projection: str = field(
+        default="linear",
+        metadata={
+            "help": "Linformer's sequence projection: linear (the paper's), conv, pool, "
+            "random or adaptive"
+        },
+    )
     num_train: int = field(default=0, metadata={"help": "training examples (0 = LRA's)"})
     num_eval: int = field(
         default=0, metadata={"help": "validation and test examples each (0 = LRA's)"}
@@ -151,6 +158,7 @@ class LRASettings:
         if not isinstance(self.proj_dim, int) or self.proj_dim < 1:
             raise ValueError(f"proj_dim must be an integer >= 1, got {self.proj_dim!r}")
         check_choice("sharing", self.sharing, SHARINGS)  # here, not after the data is made
+        check_choice("projection", self.projection, PROJECTIONS)
         check_threads(self.threads)
 
     def recipe(self, task: str) -> Recipe:
@@ -236,6 +244,7 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
         ffn_dim=recipe.ffn_dim,
         proj_dim=None if name == "transformer" else min(settings.proj_dim, data.max_seq_len),
         sharing=settings.sharing,
+        projection=settings.projection,
         dropout=recipe.dropout,
         attention_dropout=recipe.dropout,
         pad_token_id=data.pad_id,
@@ -281,7 +290,7 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
     finally:
         teardown_distributed()
     return {
-        "model": model_label(name, config.proj_dim),
+        "model": model_label(name, config.proj_dim, settings.projection),
         "test_acc": 100 * float(test["accuracy"]),
         "published": recipe.published[name],
         "val_acc": 100 * float(result.final.get("accuracy", math.nan)),
@@ -309,11 +318,13 @@ def _train_in_fresh_process(task: str, settings: LRASettings, name: str) -> dict
             ) from err
 
 
-def _failed_row(name: str, recipe: Recipe, proj_dim: int, error: str) -> dict[str, Any]:
+def _failed_row(
+    name: str, recipe: Recipe, proj_dim: int, projection: str, error: str
+) -> dict[str, Any]:
     """The report row of a model whose run died: no figures, the reason."""
     nan = math.nan
     return {
-        "model": model_label(name, proj_dim),
+        "model": model_label(name, proj_dim, projection),
         "test_acc": nan,
         "published": recipe.published[name],
         "val_acc": nan,
@@ -357,7 +368,8 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
         except RuntimeError as err:  # a model that runs out of memory is a finding, not a crash
             logger.error("%s", err)
             proj_dim = min(settings.proj_dim, data.max_seq_len)
-            rows.append(_failed_row(name, settings.recipe(task), proj_dim, str(err)))
+            recipe = settings.recipe(task)
+            rows.append(_failed_row(name, recipe, proj_dim, settings.projection, str(err)))
     report = {
         "task": task,
         "settings": dataclasses.asdict(settings),

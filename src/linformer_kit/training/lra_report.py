@@ -26,9 +26,12 @@ COLUMNS = {
 }
 
 
-def model_label(name: str, proj_dim: int | None) -> str:
-    """A report row's model name: `linformer` with its k, or `transformer` (exact)."""
-    return "Transformer (exact)" if name == "transformer" else f"Linformer k={proj_dim}"
+def model_label(name: str, proj_dim: int | None, projection: str = "linear") -> str:
+    """A report row's model name: `linformer` with its k (and its projection unless the
+    paper's `linear`), or `transformer` (exact)."""
+    if name == "transformer":
+        return "Transformer (exact)"
+    return f"Linformer k={proj_dim}" + ("" if projection == "linear" else f" {projection}")
 
 
 def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
