@@ -56,6 +56,7 @@ def test_recipes_scale_width_and_steps():
         ("lr", -1.0),
         ("proj_dim", 0),
         ("sharing", ""),
+        ("projection", "lsh"),
     ],
 )
 def test_settings_out_of_range_name_the_field(field, value):
