@@ -1,6 +1,8 @@
 """Long Range Arena data: the ListOps evaluator and generator, Pathfinder's connectivity, the
 text reader, determinism by seed and the cache."""
 
+import zipfile
+
 import numpy as np
 import pytest
 
@@ -155,7 +157,8 @@ def test_task_is_cached_and_reused(tmp_path, monkeypatch):
     knobs = {"num_train": 30, "num_val": 10, "num_test": 10, "min_length": 8, "max_length": 40}
     task = load_listops(**knobs, cache_dir=tmp_path)
     path = cache_path("listops", {**knobs, "max_depth": 10, "max_args": 10, "seed": 0}, tmp_path)
-    assert path.is_file()
+    with zipfile.ZipFile(path) as archive:  # compressed (Pathfinder's images: about 10x)
+        assert {info.compress_type for info in archive.infolist()} == {zipfile.ZIP_DEFLATED}
 
     def fail(*args, **kwargs):
         raise AssertionError("regenerated instead of reading the cache")
