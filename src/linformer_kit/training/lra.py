@@ -341,7 +341,8 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     """Prepares the task's data once, trains both models one after the other and writes
     `<output_dir>/<task>.json` and `<task>.png`, then `summary.md` over every task reported in
     `output_dir`. Earlier runs of the task are replaced, or with `settings.resume` continued
-    from their last checkpoints (the report then times each model's steps of this call).
+    from their last checkpoints (a model's time per step is then that of this call's steps,
+    or the whole run's mean when none was left).
 
     Args:
         task: listops, text or pathfinder.
