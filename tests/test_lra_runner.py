@@ -148,11 +148,19 @@ def test_cli_text_end_to_end_writes_json_and_png(tmp_path, capsys):
     assert (out / "text.png").is_file()
 
 
-def test_cli_text_without_data_exits_with_status_2(tmp_path, capsys):
+def test_cli_text_without_data_or_selecting_rows_of_folders_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["lra", "text", "--output-dir", str(tmp_path)])
     assert exit_.value.code == 2
     assert "--data" in capsys.readouterr().err
+    keyword_reviews(tmp_path / "reviews", 2)
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            ["lra", "text", "--data", str(tmp_path / "reviews"), "--data-where", "source=imdb",
+             "--output-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache")]
+        )  # fmt: skip
+    assert exit_.value.code == 2
+    assert "selecting rows by 'source=imdb' needs a CSV file" in capsys.readouterr().err
 
 
 class KilledPool:

@@ -111,7 +111,7 @@ def iter_csv(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]
         ValueError: naming the file and line, for a missing column, a row of the wrong
             width or malformed CSV (and as `read_text`).
     """
-    reader = csv.reader(io.StringIO(read_text(path), newline=""))
+    reader = csv.reader(io.StringIO(read_text(path).removeprefix("\ufeff"), newline=""))
     try:
         header = next(reader)
         for column in columns:

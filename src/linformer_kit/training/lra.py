@@ -125,6 +125,10 @@ class LRASettings:
     max_depth: int = field(default=10, metadata={"help": "listops: operator nesting"})
     contour_length: int = field(default=14, metadata={"help": "pathfinder: dashes (hard: 14)"})
     data: str = field(default="", metadata={"help": "text: class folders or a label,text CSV"})
+    data_where: str = field(
+        default="",
+        metadata={"help": "text: COLUMN=VALUE keeps only those rows of a CSV with a header"},
+    )
     eval_every: int = field(default=0, metadata={"help": "validate every N steps (0 = 10 per run)"})
     seed: int = field(default=0, metadata={"help": "seed of the data, weights and order"})
     threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
@@ -217,7 +221,11 @@ def load_task(task: str, settings: LRASettings) -> LRATask:
     if not settings.data:
         raise ValueError("lra text needs --data: a folder of class folders or a label,text CSV")
     data = load_text(
-        settings.data, max_length=settings.max_length or 4000, seed=settings.seed, cache_dir=cache
+        settings.data,
+        max_length=settings.max_length or 4000,
+        where=settings.data_where,
+        seed=settings.seed,
+        cache_dir=cache,
     )
     return dataclasses.replace(
         data,

