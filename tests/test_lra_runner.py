@@ -182,7 +182,7 @@ class KilledPool:
 
 
 def test_a_killed_model_run_is_reported_not_a_crash(tmp_path, monkeypatch):
-    monkeypatch.setattr("linformer_kit.training.lra.ProcessPoolExecutor", KilledPool)
+    monkeypatch.setattr("linformer_kit.training.process.ProcessPoolExecutor", KilledPool)
     report = run_lra("listops", tiny_listops(tmp_path, num_train=8, num_eval=4))
     assert [row["model"] for row in report["rows"]] == ["Linformer k=12", "Transformer (exact)"]
     assert all("out of memory" in row["error"] for row in report["rows"])

@@ -181,7 +181,7 @@ def test_a_variant_run_again_starts_from_an_empty_folder(tmp_path, monkeypatch):
         seen.append(old.exists() or out.parent.exists())
         raise RuntimeError("stopped")
 
-    monkeypatch.setattr(task_bench, "_in_fresh_process", fake_process)
+    monkeypatch.setattr(task_bench, "in_fresh_process", fake_process)
     with pytest.raises(RuntimeError, match="stopped"):
         task_bench._variant_row(exact, dataclasses.replace(settings, source="src"))
     assert seen == [False]

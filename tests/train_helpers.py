@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,3 +108,9 @@ def pretrain_cli(root: Path, *flags: str, files: int = 6) -> Path:
             + list(flags)
         )
     return root / "run"
+
+
+def write_pid_and_sleep(path: str, seconds: float) -> None:
+    """Writes this process's id to `path`, then sleeps (a run that a test stops)."""
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(seconds)

@@ -23,7 +23,8 @@ def run(args: argparse.Namespace) -> None:
     recipe = settings.recipe(args.task)
     print(
         f"LRA {args.task} at scale {settings.scale}: width {recipe.dim}, {recipe.depth} layers, "
-        f"{recipe.num_heads} heads, {recipe.steps} steps of {recipe.batch_size} sequences"
+        f"{recipe.num_heads} head{'s' * (recipe.num_heads > 1)}, {recipe.steps} steps of "
+        f"{recipe.batch_size} sequences"
     )
     with logging_redirect_tqdm():  # log lines between progress bars, not inside them
         report = run_lra(args.task, settings)

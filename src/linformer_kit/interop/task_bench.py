@@ -11,15 +11,12 @@ its own (the calibration of a data-driven projection init runs the exact model).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
-import multiprocessing
 import re
 import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,6 +36,7 @@ from ..training.finetune import (
     finetune,
     finetune_train_settings,
 )
+from ..training.process import in_fresh_process
 from .convert import convert_to_dir
 from .distill import DistillSettings
 from .distill_run import DistillData, distill_checkpoint
@@ -252,15 +250,6 @@ def _finetune_and_test(
     }
 
 
-def _in_fresh_process(function: Any, *args: Any) -> Any:
-    """`function(*args)` in a new process, logging at this process's level."""
-    level = logging.getLogger().getEffectiveLevel()
-    context = multiprocessing.get_context("spawn")
-    setup = functools.partial(logging.basicConfig, level=level)
-    with ProcessPoolExecutor(1, context, setup) as pool:
-        return pool.submit(function, *args).result()
-
-
 def tfidf_baseline(train: str, test: str) -> dict[str, Any]:
     """TF-IDF (1-2-grams, sublinear tf) + logistic regression (scikit-learn defaults) fitted
     on the `train` file, scored on the `test` file (labelled JSONL or CSV).
@@ -316,7 +305,7 @@ def _variant_row(v: Variant, s: TaskBenchSettings) -> dict[str, Any]:
         shutil.rmtree(folder)
     start = time.perf_counter()
     args = (v.proj_dim, v.max_seq_len, v.projection, s)
-    _in_fresh_process(_convert, source, folder / "model", *args)
+    in_fresh_process(_convert, source, folder / "model", *args)
     convert_s = time.perf_counter() - start
     kind = "exact" if v.proj_dim is None else f"Linformer k={v.proj_dim}"
     if v.proj_dim is not None and v.projection != "linear":
@@ -327,11 +316,11 @@ def _variant_row(v: Variant, s: TaskBenchSettings) -> dict[str, Any]:
     distilled: dict[str, Any] = {}
     if v.proj_dim is not None and s.distill_steps and not v.after:
         start = time.perf_counter()
-        distilled = _in_fresh_process(_distill, source, folder / "model", s)
+        distilled = in_fresh_process(_distill, source, folder / "model", s)
         distilled["distill_s"] = time.perf_counter() - start
         kind += " distilled"
     start = time.perf_counter()
-    row = _in_fresh_process(_finetune_and_test, folder / "model", folder / "run", s, v.after)
+    row = in_fresh_process(_finetune_and_test, folder / "model", folder / "run", s, v.after)
     return {
         "variant": v.name,
         "model": f"{kind}, n={v.max_seq_len}{cut}",

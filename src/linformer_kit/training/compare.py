@@ -12,7 +12,6 @@ import os
 import platform
 import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from ..models import LinformerForMaskedLM
 from ..precision import cpu_features
 from .loop import TrainResult
 from .pretrain import pretrain
+from .process import in_fresh_process
 from .settings import OBJECTIVES, RunConfig, TrainSettings
 
 logger = logging.getLogger(__name__)
@@ -196,12 +196,6 @@ def fit_to_budget(settings: ComparisonSettings, step_s: float) -> ComparisonSett
     )
 
 
-def _pretrain_in_fresh_process(run: RunConfig) -> TrainResult:
-    """Runs `pretrain` in a new process, so each model's peak memory is its own."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(pretrain, run).result()
-
-
 def _row(name: str, run: RunConfig, result: TrainResult) -> dict[str, Any]:
     label = "Transformer (exact)" if run.model.is_exact else f"Linformer k={run.model.proj_dim}"
     return {
@@ -284,7 +278,7 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     rows, records = [], {}
     for name, run in runs.items():
         shutil.rmtree(run.train.output_dir, ignore_errors=True)
-        result = _pretrain_in_fresh_process(run)
+        result = in_fresh_process(pretrain, run)
         rows.append(_row(name, run, result))
         records[name] = result.records
     pairs = {}

@@ -7,9 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import multiprocessing
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ from .compare import machine
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer
 from .lra_report import model_label, plot_lra, write_summary
+from .process import in_fresh_process
 from .settings import TrainSettings, check_threads, save_json
 
 logger = logging.getLogger(__name__)
@@ -316,14 +315,13 @@ def _train_in_fresh_process(task: str, settings: LRASettings, name: str) -> dict
     Raises:
         RuntimeError: if that process dies without a result (killed, mostly out of memory).
     """
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        try:
-            return pool.submit(train_model, task, settings, name).result()
-        except BrokenProcessPool as err:
-            raise RuntimeError(
-                f"the {name} run on {task} died without a result (killed; most likely out of "
-                f"memory: exact attention grows as n^2); lower --batch-size or --max-length"
-            ) from err
+    try:
+        return in_fresh_process(train_model, task, settings, name)
+    except BrokenProcessPool as err:
+        raise RuntimeError(
+            f"the {name} run on {task} died without a result (killed; most likely out of "
+            f"memory: exact attention grows as n^2); lower --batch-size or --max-length"
+        ) from err
 
 
 def _failed_row(

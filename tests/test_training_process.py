@@ -1,0 +1,79 @@
+"""`in_fresh_process`: the result comes back, and the fresh process never outlives its parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import pytest
+
+from linformer_kit.training.process import in_fresh_process
+
+TESTS = Path(__file__).parent
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not stat.parent.parent.is_dir()  # no /proc: trust kill(pid, 0)
+
+
+def test_returns_the_result_and_reraises_the_error_of_the_function():
+    assert in_fresh_process(divmod, 17, 5) == (3, 2)
+    assert in_fresh_process(os.getpid) != os.getpid()
+    with pytest.raises(ZeroDivisionError):
+        in_fresh_process(divmod, 1, 0)
+
+
+def test_a_process_killed_in_the_fresh_process_breaks_the_pool():
+    with pytest.raises(BrokenProcessPool):
+        in_fresh_process(os._exit, 9)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_the_fresh_process_ends_when_its_parent_is_killed(tmp_path):
+    # Before: a `linformer lra` stopped with SIGTERM / SIGKILL left its model's training running
+    # (and writing checkpoints) for the rest of the run.
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {str(TESTS)!r})
+            from train_helpers import write_pid_and_sleep
+            from linformer_kit.training.process import in_fresh_process
+            in_fresh_process(write_pid_and_sleep, {str(pid_file)!r}, 120)
+            """)],
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline, "no fresh process"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        assert child != parent.pid and _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the fresh process outlived its killed parent"
+    finally:
+        parent.kill()
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
