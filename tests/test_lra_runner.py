@@ -234,7 +234,14 @@ def test_resume_continues_a_stopped_run_to_what_an_unstopped_run_gives(tmp_path,
     for before, after in zip(resumed["rows"], again["rows"], strict=True):
         assert after["test_acc"] == before["test_acc"]
         assert 0 < after["s_per_step"] < 60
-    # Without resume a run starts over: the stopped run's checkpoints are replaced.
+    # A resume must train what the run started to: other steps or lr are refused, by name,
+    # before any training; where and how it runs (threads here) may change.
     calls.clear()
-    run_lra("listops", tiny_listops(tmp_path / "stopped", **RESUMABLE))
-    assert len(calls) == 6 + 6
+    other = {**RESUMABLE, "steps": 8, "lr": 1e-3}
+    with pytest.raises(ValueError, match=r"steps 8 \(the run's: 6\), lr 0.001 \(the run's: 0.0\)"):
+        run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True, **other))
+    run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True, threads=1, **RESUMABLE))
+    assert not calls
+    # Without resume a run starts over: the stopped run's checkpoints are replaced.
+    run_lra("listops", tiny_listops(tmp_path / "stopped", **other))
+    assert len(calls) == 8 + 8

@@ -5,6 +5,7 @@ test accuracy, time per step and peak memory beside the published numbers (JSON,
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import shutil
@@ -29,6 +30,9 @@ from .settings import TrainSettings, check_threads, save_json
 logger = logging.getLogger(__name__)
 
 MODELS = ("linformer", "transformer")
+SETTINGS_NAME = "settings.json"  # OUT/TASK/: the settings the run started with
+# What a --resume may change: where and how the run goes on, not what it trains.
+RESUME_MAY_CHANGE = ("resume", "threads", "device", "isolate", "output_dir", "cache_dir")
 
 
 @dataclass(frozen=True)
@@ -343,6 +347,31 @@ def _failed_row(
     }
 
 
+def check_resumable(run_dir: Path, settings: LRASettings) -> None:
+    """Checks that `settings` continue the run in `run_dir` as it started (its
+    `settings.json`), but for RESUME_MAY_CHANGE; a run without that file passes.
+
+    Raises:
+        ValueError: naming each setting that differs, with the run's value.
+    """
+    path = run_dir / SETTINGS_NAME
+    if not path.is_file():
+        return
+    started = json.loads(path.read_text())
+    now = dataclasses.asdict(settings)
+    changed = [
+        f"{name} {value!r} (the run's: {started[name]!r})"
+        for name, value in now.items()
+        if name not in RESUME_MAY_CHANGE and name in started and started[name] != value
+    ]
+    if changed:
+        raise ValueError(
+            f"--resume continues the run in {run_dir} with the settings it started with; "
+            f"these differ: {', '.join(changed)}. Give the run's values, or start over "
+            f"without --resume"
+        )
+
+
 def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     """Prepares the task's data once, trains both models one after the other and writes
     `<output_dir>/<task>.json` and `<task>.png`, then `summary.md` over every task reported in
@@ -359,14 +388,21 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
         baselines (fractions), one row per model (accuracies in %) with its records.
 
     Raises:
-        ValueError: for an unknown task or bad settings.
+        ValueError: for an unknown task or bad settings, or settings a resumed run did not
+            start with.
     """
+    run_dir = Path(settings.output_dir) / task
+    if settings.resume:
+        check_resumable(run_dir, settings)
     data = load_task(task, settings)  # generated here once; the runs read the cache
+    if not settings.resume:
+        for name in MODELS:
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_json(dataclasses.asdict(settings), run_dir / SETTINGS_NAME)
     before = machine()
     rows = []
     for name in MODELS:
-        if not settings.resume:
-            shutil.rmtree(Path(settings.output_dir) / task / name, ignore_errors=True)
         if not settings.isolate:
             rows.append(train_model(task, settings, name))
             continue
