@@ -96,7 +96,8 @@ def test_both_models_learn_short_listops_above_the_majority_class(tmp_path):
     assert rows[0][6] == f"{constant:.1f}"
     speedup = exact["s_per_step"] / linformer["s_per_step"]
     assert rows[0][8] == f"{speedup:.2f}" and rows[1][8] == "1.00"
-    assert any(line.startswith("- listops: scale 0.0625") for line in summary)
+    recipe = "- listops: scale 0.0625: width 32, 6 layers, 1 head, cls pooling, 150 steps of 32;"
+    assert any(line.startswith(recipe) for line in summary), summary
 
 
 def keyword_reviews(root, per_class):

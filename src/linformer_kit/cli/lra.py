@@ -11,7 +11,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..data.lra import TASKS
 from ..training.lra import LRASettings, run_lra
-from ..training.lra_report import COLUMNS, summary_rows
+from ..training.lra_report import COLUMNS, counted, summary_rows
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
 from .overrides import exit_on_user_error
 
@@ -22,9 +22,9 @@ def run(args: argparse.Namespace) -> None:
     settings = dataclass_from_args(LRASettings, args)
     recipe = settings.recipe(args.task)
     print(
-        f"LRA {args.task} at scale {settings.scale}: width {recipe.dim}, {recipe.depth} layers, "
-        f"{recipe.num_heads} head{'s' * (recipe.num_heads > 1)}, {recipe.steps} steps of "
-        f"{recipe.batch_size} sequences"
+        f"LRA {args.task} at scale {settings.scale}: width {recipe.dim}, "
+        f"{counted(recipe.depth, 'layer')}, {counted(recipe.num_heads, 'head')}, "
+        f"{counted(recipe.steps, 'step')} of {counted(recipe.batch_size, 'sequence')}"
     )
     with logging_redirect_tqdm():  # log lines between progress bars, not inside them
         report = run_lra(args.task, settings)

@@ -88,12 +88,18 @@ def write_summary(output_dir: str | Path) -> Path:
     return path
 
 
+def counted(number: int, noun: str) -> str:
+    """`1 head`, `4 heads`: a count and its noun, plural unless one."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def _recipe(report: dict[str, Any]) -> str:
     """The model and data a report's rows were trained with."""
     recipe, sizes = report["recipe"], report["data"]["sizes"]
     return (
-        f"scale {report['settings']['scale']}: width {recipe['dim']}, {recipe['depth']} "
-        f"layers, {recipe['num_heads']} heads, {recipe.get('pooling', 'mean')} pooling, "
+        f"scale {report['settings']['scale']}: width {recipe['dim']}, "
+        f"{counted(recipe['depth'], 'layer')}, {counted(recipe['num_heads'], 'head')}, "
+        f"{recipe.get('pooling', 'mean')} pooling, "
         f"{recipe['steps']} steps of {recipe['batch_size']}; {sizes[0]} / {sizes[1]} / "
         f"{sizes[2]} examples"
     )
