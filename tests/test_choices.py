@@ -12,7 +12,7 @@ from linformer_kit.interop.projection_init import init_projections
 from linformer_kit.interop.report import stdlib_files
 from linformer_kit.models import LinformerForSequenceClassification, LinformerModel
 from linformer_kit.projection import build_projection
-from linformer_kit.training.lra import LRASettings
+from linformer_kit.training.lra_settings import LRASettings
 from linformer_kit.training.seq2seq import evaluate_seq2seq
 from linformer_kit.training.settings import TrainSettings
 

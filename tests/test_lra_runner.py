@@ -9,7 +9,8 @@ import pytest
 
 from linformer_kit.cli import main
 from linformer_kit.training.loop import Trainer
-from linformer_kit.training.lra import RECIPES, LRASettings, run_lra
+from linformer_kit.training.lra import run_lra
+from linformer_kit.training.lra_settings import MODELS, RECIPES, LRASettings
 
 
 def tiny_listops(tmp_path, **overrides):
@@ -57,6 +58,9 @@ def test_recipes_scale_width_and_steps():
         ("proj_dim", 0),
         ("sharing", ""),
         ("projection", "lsh"),
+        ("models", ""),
+        ("models", "linformer,performer"),
+        ("models", "linformer,linformer"),
     ],
 )
 def test_settings_out_of_range_name_the_field(field, value):
@@ -180,6 +184,19 @@ class KilledPool:
         future = Future()
         future.set_exception(BrokenProcessPool("terminated abruptly"))
         return future
+
+
+def test_models_trains_only_those_named(tmp_path):
+    settings = tiny_listops(tmp_path, models="linformer", **RESUMABLE)
+    report = run_lra("listops", settings)
+    assert [row["model"] for row in report["rows"]] == ["Linformer k=4"]
+    assert not (tmp_path / "runs" / "listops" / "transformer").exists()
+    # No exact model to compare with: no step-time ratio, every other figure.
+    row = next(line for line in (tmp_path / "runs" / "summary.md").read_text().splitlines()
+               if line.startswith("| listops"))  # fmt: skip
+    assert row.split(" | ")[3] == f"{report['rows'][0]['test_acc']:.1f}"
+    assert row.split(" | ")[8] == "-"
+    assert LRASettings(models=" transformer , linformer").model_names == MODELS[::-1]
 
 
 def test_a_killed_model_run_is_reported_not_a_crash(tmp_path, monkeypatch):

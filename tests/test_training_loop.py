@@ -15,10 +15,15 @@ def train_losses(run_dir):
     return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
 
 
-def test_tiny_pretraining_lowers_validation_loss(tmp_path):
+def test_tiny_pretraining_lowers_validation_loss(tmp_path, capsys):
     result = pretrain(tiny_run(tmp_path, max_steps=40, eval_every=20, save_every=20))
     val = [r["val_loss"] for r in result.records if r["split"] == "val"]
     assert len(val) == 2
+    # Each validation is printed as it ends (to stderr, above the progress bar).
+    printed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("run ")]
+    assert [line.split(", ")[0] for line in printed] == [
+        f"run step {step}: val_loss {loss:.4g}" for step, loss in zip((20, 40), val)
+    ]
     assert val[-1] < val[0] - 0.3
     start = torch.log(torch.tensor(300.0)).item()  # a uniform guess over the vocabulary
     assert val[-1] < start - 1.5

@@ -10,8 +10,9 @@ from pathlib import Path
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..data.lra import TASKS
-from ..training.lra import LRASettings, run_lra
+from ..training.lra import run_lra
 from ..training.lra_report import COLUMNS, counted, summary_rows
+from ..training.lra_settings import LRASettings
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
 from .overrides import exit_on_user_error
 

@@ -299,6 +299,9 @@ class Trainer:
             improved = False
             if self.step % s.eval_every == 0 or self.step == s.max_steps:
                 final, improved = self._evaluate(log)
+                if self.dist.is_main:  # above the bar, as each validation ends
+                    scores = ", ".join(f"{k} {v:.4g}" for k, v in final.items())
+                    bar.write(f"{self.run_dir.name} step {self.step}: {scores}", file=sys.stderr)
             if improved or self.step % s.save_every == 0 or self.step == s.max_steps:
                 self._save(best=improved)
         return final, step_times

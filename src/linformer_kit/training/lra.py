@@ -10,184 +10,28 @@ import logging
 import math
 import shutil
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import PROJECTIONS, SHARINGS, LinformerConfig, check_choice
-from ..data.lra import TASKS, LRASplit, LRATask, load_listops, load_pathfinder, load_text
+from ..config import LinformerConfig
+from ..data.lra import LRASplit, LRATask, load_listops, load_pathfinder, load_text
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .compare import machine
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer
 from .lra_report import model_label, plot_lra, write_summary
+from .lra_settings import LRASettings, Recipe, check_task
 from .process import in_fresh_process
-from .settings import TrainSettings, check_threads, save_json
+from .settings import TrainSettings, save_json
 
 logger = logging.getLogger(__name__)
 
-MODELS = ("linformer", "transformer")
 SETTINGS_NAME = "settings.json"  # OUT/TASK/: the settings the run started with
 # What a --resume may change: where and how the run goes on, not what it trains.
-RESUME_MAY_CHANGE = ("resume", "threads", "device", "isolate", "output_dir", "cache_dir")
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A task's model and optimisation settings, and LRA's published accuracies (%)."""
-
-    dim: int
-    num_heads: int
-    depth: int
-    ffn_dim: int
-    batch_size: int
-    steps: int
-    warmup_steps: int
-    lr: float
-    weight_decay: float
-    dropout: float
-    schedule: str
-    pooling: str
-    published: dict[str, float]
-
-    def scaled(self, scale: float) -> Recipe:
-        """Width (model and feed-forward) and steps times `scale`; depth and batch kept. The
-        head size is kept too (fewer heads): attention's cost grows with the number of heads,
-        not their size, and at width 64 LRA's 8 heads of 8 made a CPU step 4x slower (2.9 vs
-        11.6 s, ListOps n = 1000, batch 32) for heads too narrow to score much."""
-        heads = max(1, round(self.num_heads * scale))
-        return dataclasses.replace(
-            self,
-            dim=heads * max(1, round(self.dim * scale / heads)),
-            num_heads=heads,
-            ffn_dim=max(1, round(self.ffn_dim * scale)),
-            steps=max(1, round(self.steps * scale)),
-            warmup_steps=round(self.warmup_steps * scale),
-        )
-
-
-# LRA's configs (github.com/google-research/long-range-arena, lra_benchmarks/*/configs). Their
-# ListOps and text runs use lr 0.05 under "constant * linear_warmup * rsqrt_decay", whose peak
-# is 0.05 / sqrt(warmup): that peak is the AdamW learning rate here. Pooling as theirs: the first
-# position for ListOps and text ("CLS"; ListOps' first token is the outermost operator), the
-# mean for Pathfinder. Published accuracies: their Table 1 (Linformer vs Transformer).
-RECIPES = {
-    "listops": Recipe(
-        dim=512, num_heads=8, depth=6, ffn_dim=2048, batch_size=32, steps=5000,
-        warmup_steps=1000, lr=0.05 / math.sqrt(1000), weight_decay=0.1, dropout=0.1,
-        schedule="linear", pooling="cls", published={"linformer": 35.70, "transformer": 36.37},
-    ),
-    "text": Recipe(
-        dim=256, num_heads=4, depth=4, ffn_dim=1024, batch_size=32, steps=20000,
-        warmup_steps=8000, lr=0.05 / math.sqrt(8000), weight_decay=0.1, dropout=0.1,
-        schedule="linear", pooling="cls", published={"linformer": 53.94, "transformer": 64.27},
-    ),
-    # Pathfinder-32: 200 epochs of 160K images at batch 512, one warm-up epoch, cosine decay.
-    "pathfinder": Recipe(
-        dim=128, num_heads=4, depth=1, ffn_dim=128, batch_size=512, steps=62400,
-        warmup_steps=312, lr=1e-3, weight_decay=0.0, dropout=0.2,
-        schedule="cosine", pooling="mean", published={"linformer": 76.34, "transformer": 71.40},
-    ),
-}  # fmt: skip
-
-
-@dataclass(kw_only=True)
-class LRASettings:
-    """How to run one Long Range Arena task (`linformer lra TASK`)."""
-
-    output_dir: str = field(default="runs/lra", metadata={"help": "where runs and reports go"})
-    scale: float = field(
-        default=1.0, metadata={"help": "multiplies LRA's model width and steps (0, 1]"}
-    )
-    steps: int = field(default=0, metadata={"help": "optimiser steps (0 = LRA's x scale)"})
-    warmup_steps: int = field(
-        default=-1, metadata={"help": "learning-rate warm-up (-1 = LRA's share of the steps)"}
-    )
-    batch_size: int = field(default=0, metadata={"help": "sequences per step (0 = LRA's)"})
-    lr: float = field(default=0.0, metadata={"help": "peak learning rate (0 = LRA's)"})
-    proj_dim: int = field(default=256, metadata={"help": "Linformer's k (at most the length)"})
-    sharing: str = field(default="layerwise", metadata={"help": "none, headwise, kv, layerwise"})
-    projection: str = field(
-        default="linear",
-        metadata={
-            "help": "Linformer's sequence projection: linear (the paper's), conv, pool, "
-            "random or adaptive"
-        },
-    )
-    num_train: int = field(default=0, metadata={"help": "training examples (0 = LRA's)"})
-    num_eval: int = field(
-        default=0, metadata={"help": "validation and test examples each (0 = LRA's)"}
-    )
-    min_length: int = field(default=500, metadata={"help": "listops: shortest expression"})
-    max_length: int = field(
-        default=0, metadata={"help": "listops: longest expression; text: bytes (0 = LRA's)"}
-    )
-    max_depth: int = field(default=10, metadata={"help": "listops: operator nesting"})
-    contour_length: int = field(default=14, metadata={"help": "pathfinder: dashes (hard: 14)"})
-    data: str = field(default="", metadata={"help": "text: class folders or a label,text CSV"})
-    data_where: str = field(
-        default="",
-        metadata={"help": "text: COLUMN=VALUE keeps only those rows of a CSV with a header"},
-    )
-    eval_every: int = field(default=0, metadata={"help": "validate every N steps (0 = 10 per run)"})
-    seed: int = field(default=0, metadata={"help": "seed of the data, weights and order"})
-    threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
-    isolate: bool = field(
-        default=True, metadata={"help": "train each model in a fresh process (own peak memory)"}
-    )
-    cache_dir: str = field(default="", metadata={"help": "data cache (empty: the default)"})
-    resume: bool = field(
-        default=False,
-        metadata={
-            "help": "continue each model's run in output_dir from its last checkpoint (saved "
-            "at every validation); a finished one is only tested again"
-        },
-    )
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.scale <= 1.0:
-            raise ValueError(f"scale must be in (0, 1], got {self.scale!r}")
-        for name in ("steps", "batch_size", "num_train", "num_eval", "max_length", "eval_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < -1:
-            raise ValueError(
-                f"warmup_steps must be an integer >= 0, or -1 for LRA's share of the steps; "
-                f"got {self.warmup_steps!r}"
-            )
-        if self.lr < 0:
-            raise ValueError(f"lr must be >= 0 (0 = LRA's), got {self.lr!r}")
-        if not isinstance(self.proj_dim, int) or self.proj_dim < 1:
-            raise ValueError(f"proj_dim must be an integer >= 1, got {self.proj_dim!r}")
-        check_choice("sharing", self.sharing, SHARINGS)  # here, not after the data is made
-        check_choice("projection", self.projection, PROJECTIONS)
-        check_threads(self.threads)
-
-    def recipe(self, task: str) -> Recipe:
-        """The task's recipe, scaled, with this run's overrides. Fewer or more `steps` keep
-        LRA's warm-up share of them (text: 8K of 20K), so the peak learning rate is reached."""
-        recipe = RECIPES[check_task(task)].scaled(self.scale)
-        steps = self.steps or recipe.steps
-        warmup = round(recipe.warmup_steps * steps / recipe.steps)
-        return dataclasses.replace(
-            recipe,
-            steps=steps,
-            warmup_steps=warmup if self.warmup_steps < 0 else self.warmup_steps,
-            batch_size=self.batch_size or recipe.batch_size,
-            lr=self.lr or recipe.lr,
-        )
-
-
-def check_task(task: str) -> str:
-    """Returns `task`, or raises a ValueError naming the known tasks."""
-    if task not in TASKS:
-        raise ValueError(f"unknown LRA task {task!r}; known: {', '.join(TASKS)}")
-    return task
+RESUME_MAY_CHANGE = ("resume", "threads", "device", "isolate", "output_dir", "cache_dir", "models")
 
 
 def _cap(split: LRASplit, num: int) -> LRASplit:
@@ -373,11 +217,12 @@ def check_resumable(run_dir: Path, settings: LRASettings) -> None:
 
 
 def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
-    """Prepares the task's data once, trains both models one after the other and writes
-    `<output_dir>/<task>.json` and `<task>.png`, then `summary.md` over every task reported in
-    `output_dir`. Earlier runs of the task are replaced, or with `settings.resume` continued
-    from their last checkpoints (a model's time per step is then that of this call's steps,
-    or the whole run's mean when none was left).
+    """Prepares the task's data once, trains the models (both unless `settings.models` says
+    otherwise) one after the other and writes `<output_dir>/<task>.json` and `<task>.png`
+    (this call's models), then `summary.md` over every task reported in `output_dir`. Earlier
+    runs of the task are replaced, or with `settings.resume` continued from their last
+    checkpoints (a model's time per step is then that of this call's steps, or the whole
+    run's mean when none was left).
 
     Args:
         task: listops, text or pathfinder.
@@ -396,13 +241,13 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
         check_resumable(run_dir, settings)
     data = load_task(task, settings)  # generated here once; the runs read the cache
     if not settings.resume:
-        for name in MODELS:
+        for name in settings.model_names:
             shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_json(dataclasses.asdict(settings), run_dir / SETTINGS_NAME)
     before = machine()
     rows = []
-    for name in MODELS:
+    for name in settings.model_names:
         if not settings.isolate:
             rows.append(train_model(task, settings, name))
             continue
