@@ -2,9 +2,10 @@
 
 Each `size` x `size` grey image holds `2 + num_distractors` curved dashed contours, each made
 of `contour_length` short straight dashes whose heading turns by a random angle from one dash
-to the next (14 dashes: the hard variant), and two 3 x 3 markers. A positive image has both
-markers on the two ends of one contour; a negative has them on the ends of two different
-contours, so the two classes hold the same number of contours, dashes and markers.
+to the next (14 dashes: the hard variant), all at one grey level, and two 3 x 3 markers. A
+positive image has both markers on the two ends of one contour; a negative has them on the
+ends of two different contours, so the two classes hold the same number of contours, dashes
+and markers.
 
 Connectivity. Dashes are separated by a gap shorter than 2 pixels along the path, so within a
 contour every drawn pixel lies within Chebyshev distance 2 of the next one; different contours
@@ -37,10 +38,14 @@ DASH = 1.0  # pixels drawn per dash
 GAP = 1.5  # pixels skipped between dashes: < 2, so a 5 x 5 neighbourhood bridges it
 TURN = np.pi / 4  # largest change of heading from one dash to the next
 STEP = 0.25  # sampling step along the path, in pixels
+CONTOUR = 160  # the grey level of every contour: one level, so no contour can be told from
+# another by its shade (a shade per contour let a model compare the pixels beside the two
+# markers instead of following the path)
 MARKER = 255
 SEPARATION = 2  # dilation radius: other contours stay at Chebyshev distance > 2
 TRIES = 100  # redraws of one contour before its image starts over
 CHUNK = 4096
+VERSION = 2  # part of the cache key: raise it whenever the same seed draws other images
 
 
 def _dilate(masks: np.ndarray, radius: int) -> np.ndarray:
@@ -150,8 +155,7 @@ def _chunk(
             clear = ~(_dilate(mask | marked, SEPARATION) & occupied[rows]).any(axis=(1, 2))
             ok = rows[inside & clear]
             good = inside & clear
-            shade = rng.integers(96, 224, len(ok), dtype=np.uint8)[:, None, None]
-            images[ok] = np.where(mask[good], shade, images[ok])
+            images[ok] = np.where(mask[good], CONTOUR, images[ok])
             occupied[ok] |= mask[good] | marked[good]
             markers[ok] |= marked[good]
             pending[ok] = False
@@ -242,5 +246,10 @@ def load_pathfinder(
             "pathfinder", vocab_size=256, num_labels=2, pad_id=0, params=params, **splits
         )
 
-    params = {**{f"num_{k}": n for k, n in sizes.items()}, **shape, "seed": seed}
+    params = {
+        **{f"num_{k}": n for k, n in sizes.items()},
+        **shape,
+        "seed": seed,
+        "version": VERSION,
+    }
     return cached_task("pathfinder", params, build, cache_dir)
