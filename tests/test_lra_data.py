@@ -5,6 +5,8 @@ import zipfile
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from linformer_kit.data.lra import (
     LRASplit,
@@ -131,6 +133,41 @@ def test_pathfinder_markers_distance_does_not_give_the_label_away():
     accuracy = [((distances > t) == labels).mean() for t in np.unique(distances)]
     best = max(max(accuracy), 1 - min(accuracy))  # either direction of the threshold
     assert 0.5 <= best < 0.6, best  # 0.534 here (2,000 images; 0.532 on 9,600)
+
+
+def _masks(split: LRASplit) -> torch.Tensor:
+    """(N, 2, 32, 32): where the contours are, where the markers are."""
+    pixels = torch.from_numpy(split.inputs.astype(np.int64)).view(-1, 1, 32, 32)
+    return torch.cat([(pixels > 0).float(), (pixels == MARKER).float()], 1)
+
+
+def test_pathfinder_labels_are_learnable_from_the_pixels():
+    # The labels follow from the images in a form a model can learn: a small CNN reaches far
+    # above chance on the easy variant (6 dashes) in 600 steps (82-85% with seeds 0-2, 15 s on
+    # a 2-core AVX2 machine; the markers' distance alone gives 84% there, 53% on the hard
+    # variant). The transformers at the CPU scale stay at 50%: the README's Pathfinder section.
+    torch.manual_seed(0)
+    train = generate_pathfinder(10_000, contour_length=6, seed=11)
+    val = generate_pathfinder(500, contour_length=6, seed=12)
+    inputs, labels = _masks(train), torch.from_numpy(train.labels.astype(np.int64))
+    net = nn.Sequential(
+        nn.Conv2d(2, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 2),
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    for _ in range(600):
+        rows = torch.randint(len(labels), (64,))
+        loss = nn.functional.cross_entropy(net(inputs[rows]), labels[rows])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    net.eval()
+    with torch.no_grad():
+        predicted = net(_masks(val)).argmax(-1).numpy()
+    accuracy = (predicted == val.labels).mean()
+    assert accuracy > 0.75, accuracy
 
 
 def test_pathfinder_images_are_dashed_and_contours_share_one_grey_level():
