@@ -6,10 +6,13 @@ from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
+import torch
 
 from linformer_kit.cli import main
+from linformer_kit.config import LinformerConfig
+from linformer_kit.models import LinformerForSequenceClassification
 from linformer_kit.training.loop import Trainer
-from linformer_kit.training.lra import run_lra
+from linformer_kit.training.lra import init_like_lra, run_lra
 from linformer_kit.training.lra_settings import MODELS, RECIPES, LRASettings
 
 
@@ -66,6 +69,33 @@ def test_recipes_scale_width_and_steps():
 def test_settings_out_of_range_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         LRASettings(**{field: value})
+
+
+def test_init_like_lra_draws_lra_scales_and_keeps_the_rest():
+    torch.manual_seed(0)
+    config = LinformerConfig(vocab_size=300, max_seq_len=64, dim=64, depth=2, num_heads=2,
+                             ffn_dim=256, proj_dim=16)  # fmt: skip
+    model = LinformerForSequenceClassification(config, num_labels=3)
+    kept = {
+        name: tensor.clone()
+        for name, tensor in model.state_dict().items()
+        if "norm" in name or "position" in name or "proj" in name
+    }
+    init_like_lra(model)
+    tokens = model.linformer.embeddings.tokens.weight
+    assert tokens.std().item() == pytest.approx(1.0, rel=0.05)  # BERT's was 0.02
+    up = model.linformer.encoder.layers[0].ffn.up  # 64 -> 256: Xavier's bound sqrt(6 / 320)
+    bound = (6 / (64 + 256)) ** 0.5
+    assert up.weight.abs().max().item() <= bound
+    assert up.weight.std().item() == pytest.approx(bound / 3**0.5, rel=0.05)
+    assert not up.bias.any()
+    dense, logits = model.head[1], model.head[4]  # LeCun normal: std 1 / sqrt(fan_in)
+    assert dense.weight.std().item() == pytest.approx(64**-0.5, rel=0.1)
+    assert logits.weight.std().item() == pytest.approx(64**-0.5, rel=0.25)
+    assert kept  # norms, positions and Linformer's projections are untouched
+    for name, tensor in model.state_dict().items():
+        if name in kept:
+            assert torch.equal(tensor, kept[name]), name
 
 
 def test_unknown_task_names_the_known_ones():
@@ -245,13 +275,17 @@ def test_resume_continues_a_stopped_run_to_what_an_unstopped_run_gives(tmp_path,
         assert after["steps"] == 6
         assert after["test_acc"] == before["test_acc"]
         assert scores(after) == scores(before)
-    # Resuming a finished run trains nothing: the same test accuracy, the run's mean step time.
+    # Resuming a finished run trains nothing: the same test accuracy, the run's mean step time,
+    # the peak memory of the processes that trained it (saved with each checkpoint), not the
+    # testing process's own.
     calls.clear()
+    monkeypatch.setattr("linformer_kit.training.loop.peak_memory_mb", lambda device: 1.0)
     again = run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True, **RESUMABLE))
     assert not calls
     for before, after in zip(resumed["rows"], again["rows"], strict=True):
         assert after["test_acc"] == before["test_acc"]
         assert 0 < after["s_per_step"] < 60
+        assert 1.0 < after["peak_mem_mb"] <= before["peak_mem_mb"]
     # A resume must train what the run started to: other steps or lr are refused, by name,
     # before any training; where and how it runs (threads here) may change.
     calls.clear()

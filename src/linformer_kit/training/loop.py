@@ -172,6 +172,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, settings)
         self.step, self.tokens, self.train_s = 0, 0, 0.0
         self.best = math.inf
+        self.earlier_peak_mb = 0.0  # of the processes that trained this run before a resume
         self.autocast = bf16_autocast(
             dist.device, enabled=settings.precision == "bf16", alternative="--precision fp32"
         )
@@ -187,6 +188,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens = state["step"], state["tokens"]
         self.train_s, self.best = state["train_s"], state["best"]
+        self.earlier_peak_mb = state.get("peak_mem_mb", 0.0)  # not in older checkpoints
         torch.set_rng_state(state["rng"][self.dist.rank])
         if self.dist.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"][self.dist.rank], self.dist.device)
@@ -210,6 +212,7 @@ class Trainer:
             "tokens": self.tokens,
             "train_s": self.train_s,
             "best": self.best,
+            "peak_mem_mb": self._peak_mem_mb(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng,
@@ -350,6 +353,11 @@ class Trainer:
             final = next((r for r in reversed(log.records) if r["split"] == "val"), {})
         return self._result(log.records, final, step_times)
 
+    def _peak_mem_mb(self) -> float:
+        """The run's peak memory: this process's, or an earlier one's if a resume came after
+        it (a finished run resumed only to be tested would otherwise report the test's)."""
+        return max(self.earlier_peak_mb, peak_memory_mb(self.dist.device))
+
     def _result(
         self, records: list[dict[str, Any]], final: dict[str, float], step_times: list[float]
     ) -> TrainResult:
@@ -363,7 +371,7 @@ class Trainer:
             params=sum(p.numel() for p in self.model.parameters()),
             tokens_per_s=self.tokens / self.train_s if self.train_s else math.nan,
             sec_per_step=steady[len(steady) // 2],
-            peak_mem_mb=peak_memory_mb(self.dist.device),
+            peak_mem_mb=self._peak_mem_mb(),
             run_dir=self.run_dir,
             best_val=self.best,
         )
