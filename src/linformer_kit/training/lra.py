@@ -17,7 +17,7 @@ import torch
 
 from ..config import LinformerConfig
 from ..data.lra import LRASplit, LRATask, load_listops, load_pathfinder, load_text
-from ..models import LinformerForSequenceClassification
+from ..models import LinformerForSequenceClassification, init_weights
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .compare import machine
 from .distributed import setup_distributed, teardown_distributed
@@ -103,8 +103,7 @@ def init_like_lra(model: LinformerForSequenceClassification) -> None:
                     module.bias.zero_()
         for module in model.head.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.normal_(0.0, module.in_features**-0.5)
-                module.bias.zero_()
+                init_weights(module, module.in_features**-0.5)
 
 
 def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
