@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from reference import causal_block_attention, softmax_attention
@@ -104,6 +105,30 @@ def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p, blocks):
     # (random_ on int64) would leave one lane in four never dropped.
     for lane in range(4):
         assert abs(dropped[..., lane::4].double().mean().item() - p) < 10 * sd
+
+
+@pytest.mark.parametrize("source", ["torch", "stream"])
+def test_dropout_bits_are_uniform_in_every_lane_and_repeatable(source):
+    # Both sources of bits: torch's generator (GPUs, torch.compile) and the PCG64 stream
+    # the CPU kernel seeds from it. Each of the four 16-bit lanes of a 64-bit word must
+    # fall under p's threshold at rate p, and one torch seed must give the same bits.
+    def draw(seed):
+        torch.manual_seed(seed)
+        stream = kernels.bit_stream(CPU) if source == "stream" else None
+        return kernels.dropout_bits(torch.empty(64, 4096), stream)
+
+    bits = draw(0)
+    assert bits.dtype == torch.int16 and bits.shape == (64, 4096)
+    assert torch.equal(bits, draw(0)) and not torch.equal(bits, draw(1))
+    p, count = 0.25, bits.numel() // 4
+    under = (bits < round(p * 2**16) - 2**15).double()
+    for lane in range(4):
+        assert abs(under[:, lane::4].mean().item() - p) < 5 * (p * (1 - p) / count) ** 0.5
+
+
+def test_bit_stream_is_for_cpu_only():
+    assert kernels.bit_stream(torch.device("meta")) is None  # a GPU's bits come from torch
+    assert isinstance(kernels.bit_stream(CPU), np.random.PCG64)
 
 
 def test_block_rows_keep_gemms_large_and_blocks_bounded():
