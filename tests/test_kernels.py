@@ -376,3 +376,28 @@ def test_the_table_script_times_every_shape_it_is_given(tmp_path):
     assert len(rows) == 6 and {row["k"] for row in rows} == {"n"} and causal and all(causal)
     with pytest.raises(SystemExit):
         script.main(["--causal", "--k", "8"])  # the keys are the n positions
+
+
+def test_the_bits_script_times_both_sources_against_sdpa(tmp_path, monkeypatch):
+    # benchmarks/kernels_bits.py on tiny n: its "torch bits" variant must really draw from
+    # torch (no stream) and its "pcg64 bits" from the stream.
+    monkeypatch.syspath_prepend(str(TABLE.parent.parent))  # it imports benchmarks/kernels.py
+    spec = importlib.util.spec_from_file_location(
+        "kernels_bits", TABLE.parent.parent / "kernels_bits.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    sources, draw = set(), kernels.dropout_bits
+    monkeypatch.setattr(
+        kernels,
+        "dropout_bits",
+        lambda w, stream=None: sources.add(stream is None) or draw(w, stream),
+    )
+    script.main(["--n", "16,32", "--min-seconds", "0", "--threads", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [row["n"] for row in rows] == [16, 32] and sources == {True, False}
+    for row in rows:
+        ms = row["median_ms"]
+        assert row["pcg64_speedup"] == pytest.approx(ms["torch bits"] / ms["pcg64 bits"])
+        ratio = row["time_vs_sdpa_no_dropout"]["pcg64 bits"]
+        assert ratio == pytest.approx(ms["pcg64 bits"] / ms["sdpa, no dropout"])

@@ -103,10 +103,11 @@ def bit_stream(device: torch.device) -> np.random.PCG64 | None:
     torch's default generator (so `torch.manual_seed` and saved RNG states repeat it); None
     on other devices and under torch.compile, where `dropout_bits` draws from torch.
 
-    Why not torch's generator for every bit: on CPU it is a serial mt19937, and drawing the
-    bits was the largest part of what dropout cost. numpy's PCG64 gives the same 64-bit
-    words about 3x faster (AMD EPYC, AVX2: 1M words in 3.1 vs 11.0 ms, both under the same
-    load), and seeding one per call costs microseconds.
+    Why not torch's generator for every bit: on CPU it is a serial mt19937. numpy's PCG64
+    gives the same 64-bit words 1.8x faster (AMD EPYC, AVX2, idle: 2^20 words in 3.2 vs
+    5.8 ms), and seeding one per call costs microseconds. The explicit kernel with dropout
+    gained 1.02x / 1.08x at n = 4096 / 16384 and nothing at 1024 (k 256, 4 heads, fwd+bwd,
+    `benchmarks/kernels/bits/ab.json`): the draw is a small part of its time.
     """
     if device.type != "cpu" or torch.compiler.is_compiling():
         return None

@@ -1,0 +1,80 @@
+"""Where the explicit kernel's dropout bits come from, A/B in one process: torch's generator
+(mt19937) against the PCG64 stream of `kernels.bit_stream`, with SDPA without dropout as the
+yardstick; interleaved rounds, so machine drift cancels out of the ratios. Writes OUT/ab.json.
+
+    PYTHONPATH=src python benchmarks/kernels_bits.py --out benchmarks/kernels/bits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from kernels import make_step  # benchmarks/kernels.py: the call as `attend` makes it
+
+from linformer_kit import kernels
+from linformer_kit.bench.timing import time_interleaved
+from linformer_kit.training.compare import machine
+
+KEYS, HEAD_DIM, DROPOUT = 256, 64, "train dropout 0.1"
+
+
+def with_torch_bits(step: Callable[[], None]) -> Callable[[], None]:
+    """The step with `bit_stream` off: every bit drawn from torch's generator."""
+
+    def run() -> None:
+        stream, kernels.bit_stream = kernels.bit_stream, lambda device: None
+        try:
+            step()
+        finally:
+            kernels.bit_stream = stream
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", default="1024,4096,16384")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--min-seconds", type=float, default=10.0, help="per n")
+    parser.add_argument("--out", default="benchmarks/kernels/bits")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows, before = [], machine()
+    for n in (int(x) for x in args.n.split(",")):
+        shape = (args.batch, n, KEYS, HEAD_DIM)
+        pcg64 = make_step(shape, DROPOUT, "explicit", "cpu", torch.float32)
+        steps = {
+            "torch bits": with_torch_bits(pcg64),
+            "pcg64 bits": pcg64,
+            "sdpa, no dropout": make_step(shape, "train", "sdpa", "cpu", torch.float32),
+        }
+        times = time_interleaved(
+            steps, warmup=1, repeats=5, device="cpu", min_seconds=args.min_seconds
+        )
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        row = {
+            "n": n,
+            "batch": args.batch,
+            "median_ms": ms,
+            "rounds": len(times["pcg64 bits"]),
+            "pcg64_speedup": ms["torch bits"] / ms["pcg64 bits"],
+            "time_vs_sdpa_no_dropout": {
+                name: ms[name] / ms["sdpa, no dropout"] for name in ("torch bits", "pcg64 bits")
+            },
+        }
+        print(json.dumps(row))
+        rows.append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"settings": vars(args), "machine": before, "rows": rows}
+    (out / "ab.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
