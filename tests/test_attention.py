@@ -57,21 +57,36 @@ def test_padding_invariance_over_sharing_and_kinds(sharing, projection, lengths,
         torch.testing.assert_close(padded[row, :n], alone, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("projection", KINDS)
 @pytest.mark.parametrize("sharing", ["headwise", "kv", "layerwise"])
-def test_projecting_the_input_first_is_exactly_equal(projection, sharing, monkeypatch):
+def test_projecting_the_input_first_is_exactly_equal(projection, sharing, masked, monkeypatch):
+    # Outputs and every gradient; unmasked, `MatrixProjection.project_ones` takes E's column
+    # sums instead of a GEMM with ones, and the input (19) is shorter than max_seq_len (24).
     torch.manual_seed(0)
     model = LinformerModel(tiny(projection=projection, sharing=sharing)).double().eval()
     for p in model.parameters():  # non-zero biases so the (E 1) b term is exercised
         torch.nn.init.normal_(p, std=0.3)
-    ids = torch.randint(0, 50, (3, 20))
-    mask = torch.arange(20)[None, :] < torch.tensor([20, 11, 3])[:, None]
+    seq_len = 20 if masked else 19
+    ids = torch.randint(0, 50, (3, seq_len))
+    mask = torch.arange(20)[None, :] < torch.tensor([20, 11, 3])[:, None] if masked else None
     attn = model.encoder.layers[0].attn
-    assert attn.projects_input_first(20)
-    fast = model(ids, mask).last_hidden_state
+    assert attn.projects_input_first(seq_len)
+    weights = torch.randn(3, seq_len, model.config.dim, dtype=torch.float64)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        out = model(ids, mask).last_hidden_state
+        (out * weights).sum().backward()
+        return out, [p.grad for p in model.parameters() if p.grad is not None]
+
+    fast, fast_grads = run()
     monkeypatch.setattr(LinformerSelfAttention, "projects_input_first", lambda self, n: False)
-    slow = model(ids, mask).last_hidden_state
+    slow, slow_grads = run()
     torch.testing.assert_close(fast, slow, atol=1e-10, rtol=0)
+    assert len(fast_grads) == len(slow_grads)
+    for a, b in zip(fast_grads, slow_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
 
 
 def test_order_is_chosen_by_flop_count():

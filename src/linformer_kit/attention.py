@@ -257,14 +257,13 @@ class LinformerSelfAttention(nn.Module):
         """Keys and values as (E X) W_k + (E 1) b_k and (F X) W_v + (F 1) b_v: (B, M, H, D)."""
         batch, seq_len, _ = x.shape
         x = x.view(batch, seq_len, 1, self.dim)  # (B, N, 1, dim)
-        ones = x.new_ones(batch, seq_len, 1, 1)
         k_in, kv_mask = self.proj_k(x, key_padding_mask)  # (B, M, 1, dim)
-        k_ones = self.proj_k(ones, key_padding_mask)[0]  # (B, M, 1, 1)
+        k_ones = self.proj_k.project_ones(x, key_padding_mask)  # (B, M, 1, 1)
         if self.proj_v is self.proj_k:
             v_in, v_ones = k_in, k_ones
         else:
             v_in = self.proj_v(x, key_padding_mask)[0]
-            v_ones = self.proj_v(ones, key_padding_mask)[0]
+            v_ones = self.proj_v.project_ones(x, key_padding_mask)
         return self._map(k_in, k_ones, self.to_k), self._map(v_in, v_ones, self.to_v), kv_mask
 
     def _map(self, projected: Tensor, projected_ones: Tensor, linear: nn.Linear) -> Tensor:

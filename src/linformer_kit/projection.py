@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import LinformerConfig, check_choice
-from .functional import project_blocks, project_linear, zero_padding
+from .functional import check_seq_len, project_blocks, project_linear, zero_padding
 
 
 class SequenceProjection(nn.Module):
@@ -43,6 +43,12 @@ class SequenceProjection(nn.Module):
     def flops(self, seq_len: int, width: int) -> int:
         """Multiply-adds to project a (seq_len, width) sequence: picks the cheaper order."""
         raise NotImplementedError
+
+    def project_ones(self, like: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        """The projection of an all-ones sequence as long as `like` (B, N, ...): (B, M, 1, 1),
+        the E 1 that multiplies a key/value layer's bias when the input is projected first."""
+        batch, seq_len = like.shape[:2]
+        return self(like.new_ones(batch, seq_len, 1, 1), key_padding_mask)[0]
 
 
 class MatrixProjection(SequenceProjection):
@@ -79,6 +85,18 @@ class MatrixProjection(SequenceProjection):
 
     def flops(self, seq_len: int, width: int) -> int:
         return seq_len * self.proj_dim * width
+
+    def project_ones(self, like: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        """Without padding, E[:N]^T 1 is the sum of E's first N rows: a reduction whose
+        backward is an expand, where the GEMM with a column of ones costs an outer-product
+        GEMM and a second N x k gradient of E to add in backward."""
+        if key_padding_mask is not None or self.per_head:
+            return super().project_ones(like, key_padding_mask)
+        batch, seq_len = like.shape[:2]
+        check_seq_len(seq_len, self.weight.shape[0])
+        # Sliced only when shorter, as in `project_linear`.
+        weight = self.weight[:seq_len] if seq_len < self.weight.shape[0] else self.weight
+        return weight.sum(0).view(1, -1, 1, 1).expand(batch, -1, 1, 1)
 
 
 class BlockProjection(SequenceProjection):
