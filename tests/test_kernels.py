@@ -2,15 +2,14 @@
 each other, dropout is applied exactly once, gradients pass gradcheck, and the dispatch rule
 picks what the measured table says."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from reference import causal_block_attention, softmax_attention
+from script_helpers import BENCHMARKS, load_script
 
 from linformer_kit import kernels
 from linformer_kit.functional import (
@@ -320,7 +319,7 @@ def test_unknown_kernel_is_a_clear_error():
         dot_product_attention(*qkv(), kernel="flash")
 
 
-TABLE = Path(__file__).parent.parent / "benchmarks" / "kernels" / "table.json"
+TABLE = BENCHMARKS / "kernels" / "table.json"
 
 
 @pytest.mark.parametrize(("mode", "dropout"), [("train dropout 0.1", True), ("train", False)])
@@ -351,10 +350,7 @@ def test_attend_follows_the_rule():
 
 def test_the_table_script_times_every_shape_it_is_given(tmp_path):
     # benchmarks/kernels.py on tiny shapes (the GPU run uses the same code with --device cuda).
-    path = TABLE.parent.parent / "kernels.py"
-    spec = importlib.util.spec_from_file_location("kernels_table", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(BENCHMARKS / "kernels.py")
     args = "--batch 1,2 --n 16,32 --k 8 --head-dim 4 --min-seconds 0 --out".split()
     script.main([*args, str(tmp_path)])
     table = json.loads((tmp_path / "table.json").read_text())
@@ -381,12 +377,8 @@ def test_the_table_script_times_every_shape_it_is_given(tmp_path):
 def test_the_bits_script_times_both_sources_against_sdpa(tmp_path, monkeypatch):
     # benchmarks/kernels_bits.py on tiny n: its "torch bits" variant must really draw from
     # torch (no stream) and its "pcg64 bits" from the stream.
-    monkeypatch.syspath_prepend(str(TABLE.parent.parent))  # it imports benchmarks/kernels.py
-    spec = importlib.util.spec_from_file_location(
-        "kernels_bits", TABLE.parent.parent / "kernels_bits.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/kernels.py
+    script = load_script(BENCHMARKS / "kernels_bits.py")
     sources, draw = set(), kernels.dropout_bits
     monkeypatch.setattr(
         kernels,

@@ -2,14 +2,13 @@
 and (slow) a whole run on a tiny converted BERT."""
 
 import dataclasses
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from hf_helpers import write_tiny_bert
+from script_helpers import BENCHMARKS, load_script
 from train_helpers import write_classification
 
 from linformer_kit import LinformerForSequenceClassification
@@ -229,11 +228,7 @@ def test_an_after_variant_without_its_exact_run_names_what_to_add(tmp_path):
 
 def longdoc_script(name):
     """A script of benchmarks/longdoc as a module."""
-    path = Path(__file__).parent.parent / "benchmarks" / "longdoc" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script(BENCHMARKS / "longdoc" / f"{name}.py")
 
 
 def test_the_step_time_script_times_every_variant_on_the_same_documents(tmp_path):
