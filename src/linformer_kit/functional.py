@@ -49,6 +49,14 @@ def zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     return x * key_padding_mask[:, :, None, None].to(x.dtype)
 
 
+def leading_rows(weight: Tensor, seq_len: int) -> Tensor:
+    """The first `seq_len` rows of a (..., max_seq_len, K) projection (ValueError past
+    max_seq_len); the weight itself at full length, as a slice's backward writes a
+    zero-filled full-size copy."""
+    check_seq_len(seq_len, weight.shape[-2])
+    return weight[..., :seq_len, :] if seq_len < weight.shape[-2] else weight
+
+
 def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
     """Projects the sequence axis with a matrix: out = weight[:N]^T @ x (padding zeroed first).
 
@@ -64,11 +72,8 @@ def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = 
         ValueError: if N exceeds the weight's max_seq_len, or the group counts differ.
     """
     batch, seq_len, groups, width = x.shape
-    check_seq_len(seq_len, weight.shape[-2])
+    weight = leading_rows(weight, seq_len)
     x = zero_padding(x, key_padding_mask)
-    if seq_len < weight.shape[-2]:
-        # Sliced only when shorter: a slice's backward writes a zero-filled full-size copy.
-        weight = weight[..., :seq_len, :]
     if weight.dim() == 2:
         # One GEMM per batch row over all heads and features: (K, N) @ (B, N, G*C).
         out = torch.matmul(weight.transpose(0, 1), x.reshape(batch, seq_len, -1))

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import LinformerConfig, check_choice
-from .functional import check_seq_len, project_blocks, project_linear, zero_padding
+from .functional import leading_rows, project_blocks, project_linear, zero_padding
 
 
 class SequenceProjection(nn.Module):
@@ -93,10 +93,8 @@ class MatrixProjection(SequenceProjection):
         if key_padding_mask is not None or self.per_head:
             return super().project_ones(like, key_padding_mask)
         batch, seq_len = like.shape[:2]
-        check_seq_len(seq_len, self.weight.shape[0])
-        # Sliced only when shorter, as in `project_linear`.
-        weight = self.weight[:seq_len] if seq_len < self.weight.shape[0] else self.weight
-        return weight.sum(0).view(1, -1, 1, 1).expand(batch, -1, 1, 1)
+        sums = leading_rows(self.weight, seq_len).sum(0)  # (K,)
+        return sums.view(1, -1, 1, 1).expand(batch, -1, 1, 1)
 
 
 class BlockProjection(SequenceProjection):
