@@ -4,14 +4,17 @@ picks what the measured table says."""
 
 import json
 import math
+import os
+from unittest import mock
 
-import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import causal_block_attention, softmax_attention
 from script_helpers import BENCHMARKS, load_script
 
-from linformer_kit import kernels
+from linformer_kit import kernels, native
 from linformer_kit.functional import (
     attend,
     attendable,
@@ -40,6 +43,15 @@ def blocks(request, monkeypatch):
     """The explicit kernel in one block of query rows, or in blocks of 3 (N = 7: 3 + 3 + 1)."""
     if request.param != "one block":
         monkeypatch.setattr(kernels, "_BLOCK_ROWS", (3, 3))
+
+
+@pytest.fixture(params=["compiled", "torch ops"])
+def mask_path(request, monkeypatch):
+    """Dropout applied by the compiled CPU kernel (csrc/dropout.cpp) or by PyTorch ops."""
+    if request.param == "torch ops":
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+    elif native.dropout_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled dropout kernel cannot be built")
 
 
 def kv_mask(empty_row: bool) -> torch.Tensor:
@@ -83,7 +95,7 @@ def test_attention_weights_are_what_the_explicit_kernel_applies():
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p, blocks):
+def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p, blocks, mask_path):
     # With V = I the output is the dropped weight matrix itself: every entry must be either
     # 0 or the undropped weight / (1 - p), and the dropped fraction must be p. Dropout
     # applied twice would give weight / (1 - p)^2 and a fraction 1 - (1 - p)^2.
@@ -106,15 +118,12 @@ def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p, blocks):
         assert abs(dropped[..., lane::4].double().mean().item() - p) < 10 * sd
 
 
-@pytest.mark.parametrize("source", ["torch", "stream"])
-def test_dropout_bits_are_uniform_in_every_lane_and_repeatable(source):
-    # Both sources of bits: torch's generator (GPUs, torch.compile) and the PCG64 stream
-    # the CPU kernel seeds from it. Each of the four 16-bit lanes of a 64-bit word must
-    # fall under p's threshold at rate p, and one torch seed must give the same bits.
+def test_dropout_bits_are_uniform_in_every_lane_and_repeatable():
+    # Each of the four 16-bit lanes of a 64-bit word must fall under p's threshold at
+    # rate p, and one torch seed must give the same bits.
     def draw(seed):
         torch.manual_seed(seed)
-        stream = kernels.bit_stream(CPU) if source == "stream" else None
-        return kernels.dropout_bits(torch.empty(64, 4096), stream)
+        return kernels.dropout_bits(torch.empty(64, 4096), kernels.dropout_seed(CPU))
 
     bits = draw(0)
     assert bits.dtype == torch.int16 and bits.shape == (64, 4096)
@@ -125,9 +134,94 @@ def test_dropout_bits_are_uniform_in_every_lane_and_repeatable(source):
         assert abs(under[:, lane::4].mean().item() - p) < 5 * (p * (1 - p) / count) ** 0.5
 
 
-def test_bit_stream_is_for_cpu_only():
-    assert kernels.bit_stream(torch.device("meta")) is None  # a GPU's bits come from torch
-    assert isinstance(kernels.bit_stream(CPU), np.random.PCG64)
+def splitmix64_reference(seed: int, count: int) -> list[int]:
+    """SplitMix64 as published (Steele, Lea & Flood 2014; Vigna's splitmix64.c), in
+    Python integers: the generator's first `count` outputs."""
+    out, state, mask = [], seed % 2**64, 2**64 - 1
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 12345, -(2**63), 2**63 - 1])
+def test_dropout_bits_are_splitmix64_outputs_laid_out_by_position(seed):
+    # Row r of the call's rows owns outputs r * words_per_row + 1 onwards; lane j of a word
+    # is bits 16j..16j+15 (int16). Block: rows 2..4 of 5 per matrix, 2 matrices, 6 keys
+    # (words of 4 + 2 weights), words_per_row 3 (the call's keys were 9..12).
+    bits = kernels.dropout_bits(torch.empty(2, 3, 6), seed, 2, 5, 3)
+    words = splitmix64_reference(seed, 2 * 5 * 3)
+    for g in range(2):
+        for i in range(3):
+            row = g * 5 + 2 + i
+            lanes = [(words[row * 3 + j // 4] >> (16 * (j % 4))) & 0xFFFF for j in range(6)]
+            expected = [lane - 2**16 if lane >= 2**15 else lane for lane in lanes]
+            assert bits[g, i].tolist() == expected
+
+
+def test_dropout_bits_do_not_depend_on_how_rows_are_cut():
+    whole = kernels.dropout_bits(torch.empty(3, 7, 10), 99, 0, 7, 4)
+    cut = [
+        kernels.dropout_bits(torch.empty(3, n, 10), 99, first, 7, 4)
+        for first, n in [(0, 3), (3, 4)]
+    ]
+    assert torch.equal(torch.cat(cut, 1), whole)
+    fewer_keys = kernels.dropout_bits(torch.empty(3, 7, 5), 99, 0, 7, 4)  # a causal block
+    assert torch.equal(fewer_keys, whole[..., :5])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(0, 23),
+    m=st.integers(1, 13),
+    p=st.sampled_from([0.1, 0.5, 0.95]),
+    rows=st.sampled_from([3, 4, 512]),
+    causal=st.booleans(),
+    double=st.booleans(),
+)
+def test_compiled_and_torch_ops_dropout_give_the_same_outputs_and_gradients(
+    n, m, p, rows, causal, double
+):
+    # The same seed, two implementations of one mask: the outputs must be equal bit for
+    # bit (the same kept weights enter the same GEMMs) and the gradients equal up to the
+    # order of a row sum. Rows per block 3 and 4 cut the rows (and 64-bit words) unevenly.
+    if native.dropout_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled dropout kernel cannot be built")
+    dtype = torch.float64 if double else torch.float32
+    q, k, v = (t.requires_grad_() for t in qkv(dtype, n=n, m=m))
+    mask = None if causal else attendable(torch.rand(B, m) < 0.7)[:, None, None, :]
+    results = []
+    with mock.patch.object(kernels, "_BLOCK_ROWS", (rows, rows)):
+        for switch in ("1", "0"):
+            with mock.patch.dict(os.environ, {native.ENV_SWITCH: switch}):
+                out = seeded(5, explicit, q, k, v, mask, p, 0.7, is_causal=causal)
+                grads = torch.autograd.grad(out.mul(torch.arange(D)).sum(), (q, k, v))
+            results.append((out, *grads))
+    (out, *grads), (expected, *expected_grads) = results
+    assert torch.equal(out, expected)
+    for grad, reference in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, reference, atol=1e-6, rtol=1e-5)
+
+
+def test_the_compiled_kernel_is_optional_and_says_why_it_is_missing(monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert native.dropout_ops() is None
+    monkeypatch.delenv(native.ENV_SWITCH)
+    monkeypatch.setattr(native, "_loaded", {})
+
+    def no_compiler():
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(native, "_build", no_compiler)
+    with pytest.warns(RuntimeWarning, match=r"could not be built \(c\+\+: command not found\)"):
+        assert native.dropout_ops() is None
+    assert native.dropout_ops() is None  # no second build, no second warning
+    q, k, v = qkv()
+    out = seeded(0, explicit, q, k, v, dropout_p=0.3)  # the PyTorch-ops mask
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert torch.equal(out, seeded(0, explicit, q, k, v, dropout_p=0.3))
 
 
 def test_block_rows_keep_gemms_large_and_blocks_bounded():
@@ -180,7 +274,7 @@ def seeded(seed, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def test_dropout_is_repeatable_under_a_seed_and_different_without():
+def test_dropout_is_repeatable_under_a_seed_and_different_without(mask_path):
     q, k, v = qkv()
     first = seeded(3, explicit, q, k, v, dropout_p=0.2)
     again = seeded(3, explicit, q, k, v, dropout_p=0.2)
@@ -188,7 +282,7 @@ def test_dropout_is_repeatable_under_a_seed_and_different_without():
     assert torch.equal(first, again) and not torch.equal(first, other)
 
 
-def test_padding_invariance_with_dropout_on(blocks):
+def test_padding_invariance_with_dropout_on(blocks, mask_path):
     # One head, one sequence: the mask is drawn block by block of rows, in row-major
     # order, so under one seed the real queries of the padded call get the same mask rows
     # as the unpadded call.
@@ -204,7 +298,7 @@ def test_padding_invariance_with_dropout_on(blocks):
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("masked", ["keys", "causal"])
-def test_explicit_kernel_gradcheck(dropout_p, masked, blocks):
+def test_explicit_kernel_gradcheck(dropout_p, masked, blocks, mask_path):
     q, k, v = (t[:, :1, :4, :3].clone().requires_grad_() for t in qkv())  # (2, 1, 4, 3)
     q = q.detach().repeat(1, 1, 2, 1).requires_grad_()  # N = 8 queries over M = 4 keys
     mask = attendable(kv_mask(empty_row=True)[:, :4])[:, None, None, :]
@@ -235,7 +329,7 @@ GEMMS = {"q": 2, "k": 2, "v": 1, "qk": 3, "kv": 3, "qkv": 4}
 @pytest.mark.parametrize("wanted", ["q", "k", "v", "qk", "kv"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_explicit_backward_computes_only_the_gradients_asked_for(
-    wanted, dropout_p, blocks, monkeypatch
+    wanted, dropout_p, blocks, monkeypatch, mask_path
 ):
     tensors, grads, calls = qkv(), [], []
     gemm = kernels._bmm
@@ -274,7 +368,9 @@ def test_causal_linformer_through_the_explicit_kernel_equals_the_reference(monke
 
 
 @pytest.mark.parametrize("kernel", kernels.KERNELS)
-def test_exact_causal_attention_through_either_kernel_sees_no_future(kernel, monkeypatch, blocks):
+def test_exact_causal_attention_through_either_kernel_sees_no_future(
+    kernel, monkeypatch, blocks, mask_path
+):
     monkeypatch.setattr(kernels, "choose_kernel", lambda **_: kernel)
     q, k, v = qkv(n=N, m=N)
     # The reference: query i attends to the prefix 0..i alone, one query at a time.
@@ -374,22 +470,22 @@ def test_the_table_script_times_every_shape_it_is_given(tmp_path):
         script.main(["--causal", "--k", "8"])  # the keys are the n positions
 
 
-def test_the_bits_script_times_both_sources_against_sdpa(tmp_path, monkeypatch):
-    # benchmarks/kernels_bits.py on tiny n: its "torch bits" variant must really draw from
-    # torch (no stream) and its "pcg64 bits" from the stream.
+def test_the_fused_script_times_both_mask_paths_against_sdpa(tmp_path, monkeypatch):
+    # benchmarks/kernels_fused.py on tiny n: its "torch ops" variant must really run
+    # without the compiled kernel and its "compiled" variant with it.
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/kernels.py
-    script = load_script(BENCHMARKS / "kernels_bits.py")
-    sources, draw = set(), kernels.dropout_bits
+    script = load_script(BENCHMARKS / "kernels_fused.py")
+    if native.dropout_ops() is None:
+        pytest.skip("no compiled dropout kernel on this machine")
+    paths, choose = set(), kernels._dropout_ops
     monkeypatch.setattr(
-        kernels,
-        "dropout_bits",
-        lambda w, stream=None: sources.add(stream is None) or draw(w, stream),
+        kernels, "_dropout_ops", lambda q: paths.add(choose(q) is None) or choose(q)
     )
     script.main(["--n", "16,32", "--min-seconds", "0", "--threads", "1", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
-    assert [row["n"] for row in rows] == [16, 32] and sources == {True, False}
+    assert [row["n"] for row in rows] == [16, 32] and paths == {True, False}
     for row in rows:
         ms = row["median_ms"]
-        assert row["pcg64_speedup"] == pytest.approx(ms["torch bits"] / ms["pcg64 bits"])
-        ratio = row["time_vs_sdpa_no_dropout"]["pcg64 bits"]
-        assert ratio == pytest.approx(ms["pcg64 bits"] / ms["sdpa, no dropout"])
+        assert row["compiled_speedup"] == pytest.approx(ms["torch ops"] / ms["compiled"])
+        ratio = row["time_vs_sdpa_no_dropout"]["compiled"]
+        assert ratio == pytest.approx(ms["compiled"] / ms["sdpa, no dropout"])

@@ -17,17 +17,23 @@ head_dim); it is never a per-call timing.
 
 from __future__ import annotations
 
-import numpy as np
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from linformer_kit import native
 
 KERNELS = ("sdpa", "explicit")
 # Dropout probabilities are rounded to a multiple of 2^-16 (|error| <= 7.6e-6): the mask
 # compares 16 uniform random bits with a threshold. The rescaling uses the rounded value,
 # so the expectation of the output is exactly the undropped one.
 _LEVELS = 1 << 16
+# SplitMix64's constants as the int64 values of their bits (`splitmix64`, csrc/dropout.cpp).
+GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX = (0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
 # Blocks of the explicit kernel (`block_rows`): rows of queries per block between 64 (GEMMs
 # stay efficient) and 512, at most 2^22 weights (16 MiB in fp32). Measured on CPU (fp32,
 # 2 threads, M = 256, head_dim 64, fwd+bwd): 256-512 rows beat one N x M block by 1.2-1.6x
@@ -101,41 +107,60 @@ def _bmm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
     return out.view(*batch, a.shape[-2], b.shape[-1])
 
 
-def bit_stream(device: torch.device) -> np.random.PCG64 | None:
-    """A PCG64 generator for the dropout bits of one call on CPU, seeded with one draw of
-    torch's default generator (so `torch.manual_seed` and saved RNG states repeat it); None
-    on other devices and under torch.compile, where `dropout_bits` draws from torch.
+def _shift_right(words: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 words (torch's `>>` on int64 copies the sign bit)."""
+    return (words >> bits) & ((1 << (64 - bits)) - 1)
 
-    Why not torch's generator for every bit: on CPU it is a serial mt19937. numpy's PCG64
-    gives the same 64-bit words 1.8x faster (AMD EPYC, AVX2, idle: 2^20 words in 3.2 vs
-    5.8 ms), and seeding one per call costs microseconds. The explicit kernel with dropout
-    gained 1.02x / 1.08x at n = 4096 / 16384 and nothing at 1024 (k 256, 4 heads, fwd+bwd,
-    `benchmarks/kernels/bits/ab.json`): the draw is a small part of its time.
+
+def splitmix64(states: Tensor) -> Tensor:
+    """SplitMix64's output function (Steele et al. 2014; Java's SplittableRandom) on int64
+    states, wrapping as uint64 arithmetic: output i of the generator seeded with s is
+    `splitmix64(s + i * GOLDEN)`."""
+    states = (states ^ _shift_right(states, 30)) * _MIX[0]
+    states = (states ^ _shift_right(states, 27)) * _MIX[1]
+    return states ^ _shift_right(states, 31)
+
+
+def dropout_seed(device: torch.device) -> Tensor:
+    """One draw of torch's default generator (a 0-d int64 on `device`): the seed of one
+    call's dropout bits, so `torch.manual_seed` and saved RNG states repeat the masks.
+    Out of place (randint, not random_): torch.compile traces it without a graph break."""
+    return torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=device)
+
+
+def dropout_bits(
+    weights: Tensor,
+    seed: Tensor | int,
+    row_first: int = 0,
+    seq_len: int | None = None,
+    words_per_row: int | None = None,
+) -> Tensor:
+    """16 uniform random bits (int16) per weight of a block (..., rows, keys), the draw
+    `drop` compares with p: a pure function of the seed and each weight's position.
+
+    Row r of all the call's (..., seq_len) rows owns SplitMix64 outputs
+    r * words_per_row + 1 onwards; the four 16-bit lanes of each 64-bit word serve four
+    consecutive weights. So a weight's bits do not depend on how the rows are cut into
+    blocks, nor on how many of its row's keys a causal block computes, and the compiled CPU
+    kernel (`csrc/dropout.cpp`) makes the same bits without storing them.
+
+    Args:
+        weights: the block, (..., rows, keys); only its shape and device are read.
+        seed: `dropout_seed`'s draw (or its int value).
+        row_first: index of the block's first row among the seq_len.
+        seq_len: rows per (..., ) matrix in the call; default the block's rows.
+        words_per_row: 64-bit words per row, at least ceil(keys / 4); default that.
     """
-    if device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    seed = torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64).item()
-    return np.random.PCG64(seed % 2**64)  # a non-negative seed, as SeedSequence wants
-
-
-def dropout_bits(weights: Tensor, stream: np.random.PCG64 | None = None) -> Tensor:
-    """16 uniform random bits (int16) per weight, the draw `drop` compares with p.
-
-    One 64-bit word serves four weights: the next words of `stream` (`bit_stream`), or
-    without one, draws of torch's default generator (`torch.manual_seed` makes either
-    repeatable). Kept for the backward pass, the bits take half the memory of the dropped
-    weights. The explicit kernel draws block by block of rows from one stream per call, so
-    which weight gets which bits depends on its blocks (B x H, M and the device) as well as
-    on the seed.
-    """
-    count = weights.numel()
-    size = (count + 3) // 4
-    if stream is not None:
-        return torch.from_numpy(stream.random_raw(size).view(np.int16)[:count]).view(weights.shape)
-    # Uniform over [-2^63, 2^63 - 1): 64 random bits, to within 2^-63. Out of place (randint,
-    # not random_): torch.compile traces it without a graph break.
-    words = torch.randint(-(2**63), 2**63 - 1, (size,), dtype=torch.int64, device=weights.device)
-    return words.view(torch.int16)[:count].view(weights.shape)
+    *lead, rows, keys = weights.shape
+    seq_len = rows if seq_len is None else seq_len
+    words = (keys + 3) // 4
+    words_per_row = words if words_per_row is None else words_per_row
+    device = weights.device
+    row = torch.arange(row_first, row_first + rows, device=device)
+    row = torch.arange(math.prod(lead), device=device)[:, None] * seq_len + row  # (G, rows)
+    counters = (row * words_per_row + 1)[..., None] + torch.arange(words, device=device)
+    states = splitmix64(counters.mul_(GOLDEN).add_(seed))  # (G, rows, words)
+    return states.view(torch.int16)[..., :keys].reshape(weights.shape)
 
 
 def drop(weights: Tensor, bits: Tensor, dropout_p: float) -> tuple[Tensor, float]:
@@ -149,10 +174,19 @@ def drop(weights: Tensor, bits: Tensor, dropout_p: float) -> tuple[Tensor, float
     Returns:
         (dropped weights, factor for the kept ones; 0 if none is kept).
     """
+    kept = torch.ge(bits, _threshold(dropout_p), out=torch.empty_like(weights))  # 1 - p
+    return kept.mul_(weights), _factor(dropout_p)
+
+
+def _threshold(dropout_p: float) -> int:
+    """The int16 bits at or above which a weight is kept: P = 1 - p rounded to 2^-16."""
+    return round(dropout_p * _LEVELS) - _LEVELS // 2
+
+
+def _factor(dropout_p: float) -> float:
+    """1 / (1 - p) for the rounded p; 0 if every weight is dropped."""
     dropped = round(dropout_p * _LEVELS)
-    kept = torch.ge(bits, dropped - _LEVELS // 2, out=torch.empty_like(weights))  # 1 - p
-    factor = 0.0 if dropped == _LEVELS else _LEVELS / (_LEVELS - dropped)
-    return kept.mul_(weights), factor
+    return 0.0 if dropped == _LEVELS else _LEVELS / (_LEVELS - dropped)
 
 
 def block_rows(groups: int, keys: int) -> int:
@@ -216,21 +250,28 @@ class _ExplicitAttention(torch.autograd.Function):
         rows = None
         if q.device.type == "cpu" and not torch.compiler.is_compiling():
             rows = block_rows(q.shape[:-2].numel(), k.shape[-2])
-        outs, weights, bits, factor = [], [], [], 1.0
-        stream = bit_stream(q.device) if dropout_p > 0.0 else None
+        outs, weights, bits = [], [], []
+        ops, seed = None, None
+        if dropout_p > 0.0:
+            ops, seed = _dropout_ops(q), dropout_seed(q.device)
+            seed = seed if ops is None else seed.item()  # the compiled kernel takes an int
+        layout = (q.shape[-2], (k.shape[-2] + 3) // 4, _threshold(dropout_p))
         for block, keys in _blocks(q.shape[-2], rows, k.shape[-2], causal):
             queries = q[..., block, :]
             mask = _block_mask(attn_mask, causal, block, queries, keys)
             weights.append(torch.softmax(masked_scores(queries, k[..., :keys, :], mask, scale), -1))
             kept = weights[-1]  # (..., rows, keys)
-            if dropout_p > 0.0:
-                bits.append(dropout_bits(kept, stream))
-                kept, factor = drop(kept, bits[-1], dropout_p)
-            outs.append(_bmm(kept, v[..., :keys, :], factor))
-        # The dropped weights are made again in backward from the bits (half their size).
+            if ops is not None:  # the compiled kernel: bits, compare, multiply in one pass
+                kept = ops.dropout_forward(kept, seed, block.start or 0, *layout)
+            elif dropout_p > 0.0:
+                bits.append(dropout_bits(kept, seed, block.start or 0, *layout[:2]))
+                kept = drop(kept, bits[-1], dropout_p)[0]
+            outs.append(_bmm(kept, v[..., :keys, :], _factor(dropout_p)))
+        # The dropped weights are made again in backward: by the compiled kernel from the
+        # seed, or from the saved bits (half their size).
         ctx.save_for_backward(q, k, v, *weights, *bits)
-        ctx.factor, ctx.scale, ctx.rows = factor, scale, rows
-        ctx.causal, ctx.dropout_p = causal, dropout_p
+        ctx.scale, ctx.rows, ctx.causal, ctx.dropout_p = scale, rows, causal, dropout_p
+        ctx.native, ctx.seed, ctx.layout = ops is not None, seed if ops else None, layout
         return torch.cat(outs, -2) if len(outs) > 1 else outs[0]  # (..., N, Dv)
 
     @staticmethod
@@ -239,28 +280,35 @@ class _ExplicitAttention(torch.autograd.Function):
         q, k, v, *saved = ctx.saved_tensors
         blocks = _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.causal)
         weights, bits = saved[: len(blocks)], saved[len(blocks) :]
+        ops, factor = native.dropout_ops() if ctx.native else None, _factor(ctx.dropout_p)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         grad_q = []
         grad_k = torch.zeros_like(k) if need_k else None
         grad_v = torch.zeros_like(v) if need_v else None
         for i, (block, keys) in enumerate(blocks):
-            g, kept = grad[..., block, :], weights[i]
-            if bits:
+            g, kept, first = grad[..., block, :], weights[i], block.start or 0
+            grad_scores = None
+            if need_q or need_k:
+                grad_kept = _bmm(g, v[..., :keys, :].transpose(-1, -2), factor)  # (.., rows, keys)
+                if ops is not None:  # kept, and grad_kept made the scores' gradient in place
+                    kept = ops.dropout_backward(weights[i], grad_kept, ctx.seed, first, *ctx.layout)
+                    grad_scores = grad_kept
+                elif bits:
+                    # With kept = weights * mask: d scores = kept * g - weights * sum(kept * g),
+                    # no mask needed; three in-place passes.
+                    kept = drop(weights[i], bits[i], ctx.dropout_p)[0]
+                    product = grad_kept.mul_(kept)
+                    row_sums = product.sum(-1, keepdim=True)  # (..., rows, 1)
+                    grad_scores = product.addcmul_(weights[i], row_sums, value=-1.0)
+                else:
+                    # weights * (g - sum(g * weights)) in one fused pass: softmax's own backward.
+                    grad_scores = torch._softmax_backward_data(grad_kept, kept, -1, kept.dtype)
+            elif ops is not None:
+                kept = ops.dropout_forward(weights[i], ctx.seed, first, *ctx.layout)
+            elif bits:
                 kept = drop(weights[i], bits[i], ctx.dropout_p)[0]
             if need_v:
-                grad_v[..., :keys, :] += _bmm(kept.transpose(-1, -2), g, ctx.factor)
-            if not (need_q or need_k):
-                continue
-            grad_kept = _bmm(g, v[..., :keys, :].transpose(-1, -2), ctx.factor)  # (.., rows, keys)
-            if bits:
-                # With kept = weights * mask: d scores = kept * g - weights * sum(kept * g),
-                # no mask needed; three in-place passes.
-                product = grad_kept.mul_(kept)
-                row_sums = product.sum(-1, keepdim=True)  # (..., rows, 1)
-                grad_scores = product.addcmul_(weights[i], row_sums, value=-1.0)
-            else:
-                # weights * (g - sum(g * weights)) in one fused pass: softmax's own backward.
-                grad_scores = torch._softmax_backward_data(grad_kept, kept, -1, kept.dtype)
+                grad_v[..., :keys, :] += _bmm(kept.transpose(-1, -2), g, factor)
             if need_q:
                 grad_q.append(_bmm(grad_scores, k[..., :keys, :], ctx.scale))
             if need_k:
@@ -269,6 +317,14 @@ class _ExplicitAttention(torch.autograd.Function):
                 )
         grad_q = (torch.cat(grad_q, -2) if len(grad_q) > 1 else grad_q[0]) if need_q else None
         return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def _dropout_ops(q: Tensor) -> object | None:
+    """The compiled CPU dropout kernel where it applies (q on CPU in fp32 / fp64, eager)
+    and could be built; None otherwise (PyTorch ops then make the same mask)."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return None
+    return None if torch.compiler.is_compiling() else native.dropout_ops()
 
 
 def dot_product_attention(

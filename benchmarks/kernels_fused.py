@@ -1,14 +1,16 @@
-"""Where the explicit kernel's dropout bits come from, A/B in one process: torch's generator
-(mt19937) against the PCG64 stream of `kernels.bit_stream`, with SDPA without dropout as the
-yardstick; interleaved rounds, so machine drift cancels out of the ratios. Writes OUT/ab.json.
+"""The explicit kernel's dropout, A/B in one process: the compiled CPU kernel
+(`csrc/dropout.cpp`: bits, compare and multiply in one pass) against the same mask made by
+PyTorch ops (`LINFORMER_KIT_NATIVE=0`), with SDPA without dropout as the yardstick;
+interleaved rounds, so machine drift cancels out of the ratios. Writes OUT/ab.json.
 
-    PYTHONPATH=src python benchmarks/kernels_bits.py --out benchmarks/kernels/bits
+    PYTHONPATH=src python benchmarks/kernels_fused.py --out benchmarks/kernels/fused
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -16,22 +18,22 @@ from pathlib import Path
 import torch
 from kernels import make_step  # benchmarks/kernels.py: the call as `attend` makes it
 
-from linformer_kit import kernels
+from linformer_kit import native
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.training.compare import machine
 
 KEYS, HEAD_DIM, DROPOUT = 256, 64, "train dropout 0.1"
 
 
-def with_torch_bits(step: Callable[[], None]) -> Callable[[], None]:
-    """The step with `bit_stream` off: every bit drawn from torch's generator."""
+def with_torch_ops(step: Callable[[], None]) -> Callable[[], None]:
+    """The step with the compiled kernel switched off: the mask from PyTorch ops."""
 
     def run() -> None:
-        stream, kernels.bit_stream = kernels.bit_stream, lambda device: None
+        os.environ[native.ENV_SWITCH] = "0"
         try:
             step()
         finally:
-            kernels.bit_stream = stream
+            del os.environ[native.ENV_SWITCH]
 
     return run
 
@@ -42,16 +44,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-seconds", type=float, default=10.0, help="per n")
-    parser.add_argument("--out", default="benchmarks/kernels/bits")
+    parser.add_argument("--out", default="benchmarks/kernels/fused")
     args = parser.parse_args(argv)
+    if native.dropout_ops() is None:
+        parser.error(f"the compiled kernel is not available (is {native.ENV_SWITCH}=0 set?)")
     torch.set_num_threads(args.threads)
     rows, before = [], machine()
     for n in (int(x) for x in args.n.split(",")):
         shape = (args.batch, n, KEYS, HEAD_DIM)
-        pcg64 = make_step(shape, DROPOUT, "explicit", "cpu", torch.float32)
+        fused = make_step(shape, DROPOUT, "explicit", "cpu", torch.float32)
         steps = {
-            "torch bits": with_torch_bits(pcg64),
-            "pcg64 bits": pcg64,
+            "torch ops": with_torch_ops(fused),
+            "compiled": fused,
             "sdpa, no dropout": make_step(shape, "train", "sdpa", "cpu", torch.float32),
         }
         times = time_interleaved(
@@ -62,10 +66,10 @@ def main(argv: list[str] | None = None) -> None:
             "n": n,
             "batch": args.batch,
             "median_ms": ms,
-            "rounds": len(times["pcg64 bits"]),
-            "pcg64_speedup": ms["torch bits"] / ms["pcg64 bits"],
+            "rounds": len(times["compiled"]),
+            "compiled_speedup": ms["torch ops"] / ms["compiled"],
             "time_vs_sdpa_no_dropout": {
-                name: ms[name] / ms["sdpa, no dropout"] for name in ("torch bits", "pcg64 bits")
+                name: ms[name] / ms["sdpa, no dropout"] for name in ("torch ops", "compiled")
             },
         }
         print(json.dumps(row))
