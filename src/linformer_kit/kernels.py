@@ -5,10 +5,12 @@ Why two kernels. On CPU, SDPA's flash kernel never builds the N x M weights, but
 dropout it falls back to its math path, which draws the mask with `bernoulli_` and runs
 the weights through several separate tensors: attention becomes 2-3x slower. The explicit
 kernel here is one autograd node that builds the weights once, on CPU in blocks of query
-rows that stay in cache, draws its dropout mask from 16 random bits per weight (one 64-bit
-word gives four; on CPU from a PCG64 stream seeded by torch's generator, `bit_stream`),
-folds the softmax scale and the dropout rescaling into the GEMMs' alpha, and works in place
-in backward.
+rows that stay in cache, drops them by 16 random bits per weight (`dropout_bits`: SplitMix64
+outputs by position, one 64-bit word for four weights), folds the softmax scale and the
+dropout rescaling into the GEMMs' alpha, and works in place in backward. On CPU the mask
+is applied by a compiled kernel (`csrc/dropout.cpp`, via `native.dropout_ops`) that makes
+the bits, compares and multiplies in one pass and, in backward, makes them again from the
+seed instead of storing them; where it cannot be built, PyTorch ops make the same mask.
 
 The rule (`choose_kernel`) comes from `benchmarks/kernels/table.json`, made by
 `benchmarks/kernels.py` (SDPA vs explicit, fwd+bwd and forward only, over n, k and
@@ -236,7 +238,8 @@ class _ExplicitAttention(torch.autograd.Function):
     On CPU each block's weights are made, dropped and consumed while they are hot in
     cache, and a block's temporaries (scores, dropped weights, gradients) reuse the memory
     of the previous block's instead of mapping fresh pages for N x M tensors (`block_rows`);
-    the weights and dropout bits kept for backward are N x M in all. On a GPU, where each
+    the weights kept for backward are N x M in all (and the dropout bits, where PyTorch ops
+    apply the mask; the compiled kernel makes them again from the seed). On a GPU, where each
     block costs kernel launches, and under torch.compile there is one block. With all the
     keys a block sees in one block the softmax needs no running maximum: blocks of rows are
     independent. Under a causal mask a block computes only the keys its queries can see
