@@ -205,6 +205,21 @@ def test_compiled_and_torch_ops_dropout_give_the_same_outputs_and_gradients(
         torch.testing.assert_close(grad, reference, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_only_the_pytorch_ops_mask_saves_its_bits_for_backward(dropout_p, mask_path, blocks):
+    # The compiled kernel makes the bits again from the seed in backward: it saves q, k, v
+    # and the weights (one tensor per block), as the dropout-free call does; the PyTorch-ops
+    # path also saves one int16 tensor of bits per block.
+    q, k, v = (t.requires_grad_() for t in qkv())
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        explicit(q, k, v, dropout_p=dropout_p)
+    num_blocks = len(kernels._blocks(N, kernels.block_rows(B * H, M), M, False))
+    with_bits = dropout_p > 0 and os.environ.get(native.ENV_SWITCH) == "0"
+    assert len(saved) == 3 + num_blocks * (2 if with_bits else 1)
+    assert sum(t.dtype == torch.int16 for t in saved) == (num_blocks if with_bits else 0)
+
+
 def test_the_compiled_kernel_is_optional_and_says_why_it_is_missing(monkeypatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     assert native.dropout_ops() is None

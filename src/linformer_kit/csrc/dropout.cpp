@@ -50,17 +50,23 @@ void for_rows(const at::Tensor& weights, int64_t keys, const Body& body) {
   });
 }
 
+// Row r of the kept weights: row r of the weights where its bits keep them, else 0.
+template <typename T>
+void keep_row(const Layout& layout, int64_t r, std::vector<uint64_t>& words, const T* weights,
+              T* kept) {
+  const int16_t* bits = layout.bits(r, words);
+  const T* wr = weights + r * layout.keys;
+  T* kr = kept + r * layout.keys;
+#pragma omp simd
+  for (int64_t c = 0; c < layout.keys; ++c) kr[c] = bits[c] >= layout.threshold ? wr[c] : T(0);
+}
+
 template <typename T>
 void forward_rows(const Layout& layout, const at::Tensor& weights, at::Tensor& kept) {
   const T* w = weights.data_ptr<T>();
   T* out = kept.data_ptr<T>();
-  const int64_t keys = layout.keys;
-  for_rows(weights, keys, [&](int64_t r, std::vector<uint64_t>& words) {
-    const int16_t* bits = layout.bits(r, words);
-    const T* wr = w + r * keys;
-    T* kr = out + r * keys;
-#pragma omp simd
-    for (int64_t c = 0; c < keys; ++c) kr[c] = bits[c] >= layout.threshold ? wr[c] : T(0);
+  for_rows(weights, layout.keys, [&](int64_t r, std::vector<uint64_t>& words) {
+    keep_row(layout, r, words, w, out);
   });
 }
 
@@ -74,12 +80,10 @@ void backward_rows(const Layout& layout, const at::Tensor& weights, at::Tensor& 
   T* out = kept.data_ptr<T>();
   const int64_t keys = layout.keys;
   for_rows(weights, keys, [&](int64_t r, std::vector<uint64_t>& words) {
-    const int16_t* bits = layout.bits(r, words);
+    keep_row(layout, r, words, w, out);
     const T* wr = w + r * keys;
-    T* kr = out + r * keys;
+    const T* kr = out + r * keys;
     T* gr = g + r * keys;
-#pragma omp simd
-    for (int64_t c = 0; c < keys; ++c) kr[c] = bits[c] >= layout.threshold ? wr[c] : T(0);
     T sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int64_t c = 0; c < keys; ++c) {
