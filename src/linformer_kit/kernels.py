@@ -274,7 +274,8 @@ class _ExplicitAttention(torch.autograd.Function):
         # seed, or from the saved bits (half their size).
         ctx.save_for_backward(q, k, v, *weights, *bits)
         ctx.scale, ctx.rows, ctx.causal, ctx.dropout_p = scale, rows, causal, dropout_p
-        ctx.native, ctx.seed, ctx.layout = ops is not None, seed if ops else None, layout
+        ctx.native = ops is not None
+        ctx.seed, ctx.layout = seed if ctx.native else None, layout
         return torch.cat(outs, -2) if len(outs) > 1 else outs[0]  # (..., N, Dv)
 
     @staticmethod
