@@ -5,7 +5,6 @@ picks what the measured table says."""
 import json
 import math
 import os
-import warnings
 from unittest import mock
 
 import pytest
@@ -119,60 +118,6 @@ def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p, blocks, ma
         assert abs(dropped[..., lane::4].double().mean().item() - p) < 10 * sd
 
 
-def test_dropout_bits_are_uniform_in_every_lane_and_repeatable():
-    # Each of the four 16-bit lanes of a 64-bit word must fall under p's threshold at
-    # rate p, and one torch seed must give the same bits.
-    def draw(seed):
-        torch.manual_seed(seed)
-        return kernels.dropout_bits(torch.empty(64, 4096), kernels.dropout_seed(CPU))
-
-    bits = draw(0)
-    assert bits.dtype == torch.int16 and bits.shape == (64, 4096)
-    assert torch.equal(bits, draw(0)) and not torch.equal(bits, draw(1))
-    p, count = 0.25, bits.numel() // 4
-    under = (bits < round(p * 2**16) - 2**15).double()
-    for lane in range(4):
-        assert abs(under[:, lane::4].mean().item() - p) < 5 * (p * (1 - p) / count) ** 0.5
-
-
-def splitmix64_reference(seed: int, count: int) -> list[int]:
-    """SplitMix64 as published (Steele, Lea & Flood 2014; Vigna's splitmix64.c), in
-    Python integers: the generator's first `count` outputs."""
-    out, state, mask = [], seed % 2**64, 2**64 - 1
-    for _ in range(count):
-        state = (state + 0x9E3779B97F4A7C15) & mask
-        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        out.append(z ^ (z >> 31))
-    return out
-
-
-@pytest.mark.parametrize("seed", [0, 12345, -(2**63), 2**63 - 1])
-def test_dropout_bits_are_splitmix64_outputs_laid_out_by_position(seed):
-    # Row r of the call's rows owns outputs r * words_per_row + 1 onwards; lane j of a word
-    # is bits 16j..16j+15 (int16). Block: rows 2..4 of 5 per matrix, 2 matrices, 6 keys
-    # (words of 4 + 2 weights), words_per_row 3 (the call's keys were 9..12).
-    bits = kernels.dropout_bits(torch.empty(2, 3, 6), seed, 2, 5, 3)
-    words = splitmix64_reference(seed, 2 * 5 * 3)
-    for g in range(2):
-        for i in range(3):
-            row = g * 5 + 2 + i
-            lanes = [(words[row * 3 + j // 4] >> (16 * (j % 4))) & 0xFFFF for j in range(6)]
-            expected = [lane - 2**16 if lane >= 2**15 else lane for lane in lanes]
-            assert bits[g, i].tolist() == expected
-
-
-def test_dropout_bits_do_not_depend_on_how_rows_are_cut():
-    whole = kernels.dropout_bits(torch.empty(3, 7, 10), 99, 0, 7, 4)
-    cut = [
-        kernels.dropout_bits(torch.empty(3, n, 10), 99, first, 7, 4)
-        for first, n in [(0, 3), (3, 4)]
-    ]
-    assert torch.equal(torch.cat(cut, 1), whole)
-    fewer_keys = kernels.dropout_bits(torch.empty(3, 7, 5), 99, 0, 7, 4)  # a causal block
-    assert torch.equal(fewer_keys, whole[..., :5])
-
-
 @settings(max_examples=30, deadline=None)
 @given(
     n=st.integers(0, 23),
@@ -219,27 +164,6 @@ def test_only_the_pytorch_ops_mask_saves_its_bits_for_backward(dropout_p, mask_p
     with_bits = dropout_p > 0 and os.environ.get(native.ENV_SWITCH) == "0"
     assert len(saved) == 3 + num_blocks * (2 if with_bits else 1)
     assert sum(t.dtype == torch.int16 for t in saved) == (num_blocks if with_bits else 0)
-
-
-def test_the_compiled_kernel_is_optional_and_says_why_it_is_missing(monkeypatch):
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
-    assert native.dropout_ops() is None
-    monkeypatch.delenv(native.ENV_SWITCH)
-    monkeypatch.setattr(native, "_loaded", {})
-
-    def no_compiler():
-        raise RuntimeError("c++: command not found")
-
-    monkeypatch.setattr(native, "_build", no_compiler)
-    with pytest.warns(RuntimeWarning, match=r"could not be built \(c\+\+: command not found\)"):
-        assert native.dropout_ops() is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no second build, no second warning
-        assert native.dropout_ops() is None
-    q, k, v = qkv()
-    out = seeded(0, explicit, q, k, v, dropout_p=0.3)  # the PyTorch-ops mask
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
-    assert torch.equal(out, seeded(0, explicit, q, k, v, dropout_p=0.3))
 
 
 def test_block_rows_keep_gemms_large_and_blocks_bounded():
@@ -486,24 +410,3 @@ def test_the_table_script_times_every_shape_it_is_given(tmp_path):
     assert len(rows) == 6 and {row["k"] for row in rows} == {"n"} and causal and all(causal)
     with pytest.raises(SystemExit):
         script.main(["--causal", "--k", "8"])  # the keys are the n positions
-
-
-def test_the_fused_script_times_both_mask_paths_against_sdpa(tmp_path, monkeypatch):
-    # benchmarks/kernels_fused.py on tiny n: its "torch ops" variant must really run
-    # without the compiled kernel and its "compiled" variant with it.
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/kernels.py
-    script = load_script(BENCHMARKS / "kernels_fused.py")
-    if native.dropout_ops() is None:
-        pytest.skip("no compiled dropout kernel on this machine")
-    paths, choose = set(), kernels._dropout_ops
-    monkeypatch.setattr(
-        kernels, "_dropout_ops", lambda q: paths.add(choose(q) is None) or choose(q)
-    )
-    script.main(["--n", "16,32", "--min-seconds", "0", "--threads", "1", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
-    assert [row["n"] for row in rows] == [16, 32] and paths == {True, False}
-    for row in rows:
-        ms = row["median_ms"]
-        assert row["compiled_speedup"] == pytest.approx(ms["torch ops"] / ms["compiled"])
-        ratio = row["time_vs_sdpa_no_dropout"]["compiled"]
-        assert ratio == pytest.approx(ms["compiled"] / ms["sdpa, no dropout"])

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import CausalState, LinformerSelfAttention
 from .config import LinformerConfig
+from .dropout import Dropout
 from .projection import SequenceProjection, build_sharing_plan
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
@@ -87,7 +88,7 @@ class LinformerEncoderLayer(nn.Module):
         self.ffn = FeedForward(dim=dim, hidden_dim=ffn_dim, activation=activation)
         self.attn_norm = nn.LayerNorm(dim, eps=layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(dim, eps=layer_norm_eps)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.norm_first = norm_first
         self.checkpoint_attention = checkpoint_attention
 

@@ -19,23 +19,22 @@ head_dim); it is never a per-call timing.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from linformer_kit import native
+from . import native
+from .dropout import (
+    drop,
+    dropout_bits,
+    dropout_seed,
+    native_ops,
+    rescaling,
+    threshold,
+)
 
 KERNELS = ("sdpa", "explicit")
-# Dropout probabilities are rounded to a multiple of 2^-16 (|error| <= 7.6e-6): the mask
-# compares 16 uniform random bits with a threshold. The rescaling uses the rounded value,
-# so the expectation of the output is exactly the undropped one.
-_LEVELS = 1 << 16
-# SplitMix64's constants as the int64 values of their bits (`splitmix64`, csrc/dropout.cpp).
-GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX = (0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
 # Blocks of the explicit kernel (`block_rows`): rows of queries per block between 64 (GEMMs
 # stay efficient) and 512, at most 2^22 weights (16 MiB in fp32). Measured on CPU (fp32,
 # 2 threads, M = 256, head_dim 64, fwd+bwd): 256-512 rows beat one N x M block by 1.2-1.6x
@@ -109,88 +108,6 @@ def _bmm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
     return out.view(*batch, a.shape[-2], b.shape[-1])
 
 
-def _shift_right(words: Tensor, bits: int) -> Tensor:
-    """Logical right shift of int64 words (torch's `>>` on int64 copies the sign bit)."""
-    return (words >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def splitmix64(states: Tensor) -> Tensor:
-    """SplitMix64's output function (Steele et al. 2014; Java's SplittableRandom) on int64
-    states, wrapping as uint64 arithmetic: output i of the generator seeded with s is
-    `splitmix64(s + i * GOLDEN)`."""
-    states = (states ^ _shift_right(states, 30)) * _MIX[0]
-    states = (states ^ _shift_right(states, 27)) * _MIX[1]
-    return states ^ _shift_right(states, 31)
-
-
-def dropout_seed(device: torch.device) -> Tensor:
-    """One draw of torch's default generator (a 0-d int64 on `device`): the seed of one
-    call's dropout bits, so `torch.manual_seed` and saved RNG states repeat the masks.
-    Out of place (randint, not random_): torch.compile traces it without a graph break."""
-    return torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, device=device)
-
-
-def dropout_bits(
-    weights: Tensor,
-    seed: Tensor | int,
-    row_first: int = 0,
-    seq_len: int | None = None,
-    words_per_row: int | None = None,
-) -> Tensor:
-    """16 uniform random bits (int16) per weight of a block (..., rows, keys), the draw
-    `drop` compares with p: a pure function of the seed and each weight's position.
-
-    Row r of all the call's (..., seq_len) rows owns SplitMix64 outputs
-    r * words_per_row + 1 onwards; the four 16-bit lanes of each 64-bit word serve four
-    consecutive weights. So a weight's bits do not depend on how the rows are cut into
-    blocks, nor on how many of its row's keys a causal block computes, and the compiled CPU
-    kernel (`csrc/dropout.cpp`) makes the same bits without storing them.
-
-    Args:
-        weights: the block, (..., rows, keys); only its shape and device are read.
-        seed: `dropout_seed`'s draw (or its int value).
-        row_first: index of the block's first row among the seq_len.
-        seq_len: rows per (..., ) matrix in the call; default the block's rows.
-        words_per_row: 64-bit words per row, at least ceil(keys / 4); default that.
-    """
-    *lead, rows, keys = weights.shape
-    seq_len = rows if seq_len is None else seq_len
-    words = (keys + 3) // 4
-    words_per_row = words if words_per_row is None else words_per_row
-    device = weights.device
-    row = torch.arange(row_first, row_first + rows, device=device)
-    row = torch.arange(math.prod(lead), device=device)[:, None] * seq_len + row  # (G, rows)
-    counters = (row * words_per_row + 1)[..., None] + torch.arange(words, device=device)
-    states = splitmix64(counters.mul_(GOLDEN).add_(seed))  # (G, rows, words)
-    return states.view(torch.int16)[..., :keys].reshape(weights.shape)
-
-
-def drop(weights: Tensor, bits: Tensor, dropout_p: float) -> tuple[Tensor, float]:
-    """The weights with a fraction `dropout_p` set to 0 (a new tensor): those whose
-    `dropout_bits` fall under p's threshold; and the rescaling 1 / (1 - p) of the rounded
-    p (left to the next GEMM's alpha).
-
-    The comparison writes float 0/1 straight into the output, multiplied in place by the
-    weights: a bool mask would cost a conversion pass, and `masked_fill` is slower still.
-
-    Returns:
-        (dropped weights, factor for the kept ones; 0 if none is kept).
-    """
-    kept = torch.ge(bits, _threshold(dropout_p), out=torch.empty_like(weights))  # 1 - p
-    return kept.mul_(weights), _factor(dropout_p)
-
-
-def _threshold(dropout_p: float) -> int:
-    """The int16 bits at or above which a weight is kept: P = 1 - p rounded to 2^-16."""
-    return round(dropout_p * _LEVELS) - _LEVELS // 2
-
-
-def _factor(dropout_p: float) -> float:
-    """1 / (1 - p) for the rounded p; 0 if every weight is dropped."""
-    dropped = round(dropout_p * _LEVELS)
-    return 0.0 if dropped == _LEVELS else _LEVELS / (_LEVELS - dropped)
-
-
 def block_rows(groups: int, keys: int) -> int:
     """Query rows per block of the explicit kernel: at most `_BLOCK_WEIGHTS` weights per
     block over the `groups` (batch x heads) matrices, within `_BLOCK_ROWS`.
@@ -256,20 +173,20 @@ class _ExplicitAttention(torch.autograd.Function):
         outs, weights, bits = [], [], []
         ops, seed = None, None
         if dropout_p > 0.0:
-            ops, seed = _dropout_ops(q), dropout_seed(q.device)
+            ops, seed = native_ops(q), dropout_seed(q.device)
             seed = seed if ops is None else seed.item()  # the compiled kernel takes an int
-        layout = (q.shape[-2], (k.shape[-2] + 3) // 4, _threshold(dropout_p))
+        layout = (q.shape[-2], (k.shape[-2] + 3) // 4, threshold(dropout_p))
         for block, keys in _blocks(q.shape[-2], rows, k.shape[-2], causal):
             queries = q[..., block, :]
             mask = _block_mask(attn_mask, causal, block, queries, keys)
             weights.append(torch.softmax(masked_scores(queries, k[..., :keys, :], mask, scale), -1))
             kept = weights[-1]  # (..., rows, keys)
             if ops is not None:  # the compiled kernel: bits, compare, multiply in one pass
-                kept = ops.dropout_forward(kept, seed, block.start or 0, *layout)
+                kept = ops.dropout_forward(kept, seed, block.start or 0, *layout, 1.0)
             elif dropout_p > 0.0:
                 bits.append(dropout_bits(kept, seed, block.start or 0, *layout[:2]))
                 kept = drop(kept, bits[-1], dropout_p)[0]
-            outs.append(_bmm(kept, v[..., :keys, :], _factor(dropout_p)))
+            outs.append(_bmm(kept, v[..., :keys, :], rescaling(dropout_p)))
         # The dropped weights are made again in backward: by the compiled kernel from the
         # seed, or from the saved bits (half their size).
         ctx.save_for_backward(q, k, v, *weights, *bits)
@@ -284,7 +201,7 @@ class _ExplicitAttention(torch.autograd.Function):
         q, k, v, *saved = ctx.saved_tensors
         blocks = _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.causal)
         weights, bits = saved[: len(blocks)], saved[len(blocks) :]
-        ops, factor = native.dropout_ops() if ctx.native else None, _factor(ctx.dropout_p)
+        ops, factor = native.dropout_ops() if ctx.native else None, rescaling(ctx.dropout_p)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         grad_q = []
         grad_k = torch.zeros_like(k) if need_k else None
@@ -308,7 +225,7 @@ class _ExplicitAttention(torch.autograd.Function):
                     # weights * (g - sum(g * weights)) in one fused pass: softmax's own backward.
                     grad_scores = torch._softmax_backward_data(grad_kept, kept, -1, kept.dtype)
             elif ops is not None:
-                kept = ops.dropout_forward(weights[i], ctx.seed, first, *ctx.layout)
+                kept = ops.dropout_forward(weights[i], ctx.seed, first, *ctx.layout, 1.0)
             elif bits:
                 kept = drop(weights[i], bits[i], ctx.dropout_p)[0]
             if need_v:
@@ -321,14 +238,6 @@ class _ExplicitAttention(torch.autograd.Function):
                 )
         grad_q = (torch.cat(grad_q, -2) if len(grad_q) > 1 else grad_q[0]) if need_q else None
         return grad_q, grad_k, grad_v, None, None, None, None
-
-
-def _dropout_ops(q: Tensor) -> object | None:
-    """The compiled CPU dropout kernel where it applies (q on CPU in fp32 / fp64, eager)
-    and could be built; None otherwise (PyTorch ops then make the same mask)."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
-        return None
-    return None if torch.compiler.is_compiling() else native.dropout_ops()
 
 
 def dot_product_attention(

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from . import hub
 from .attention import CausalState
 from .config import LinformerConfig, check_choice
+from .dropout import Dropout
 from .encoder import LinformerEncoder
 from .functional import check_seq_len
 
@@ -107,7 +108,7 @@ class LinformerEmbeddings(nn.Module):
         self.norm = (
             None if config.norm_first else nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
         )
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(
         self,
@@ -354,10 +355,10 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         self.num_labels, self.pooling = num_labels, pooling
         self.linformer = LinformerModel(config)
         self.head = nn.Sequential(
-            nn.Dropout(config.dropout),
+            Dropout(config.dropout),
             nn.Linear(config.dim, config.dim),
             nn.Tanh(),
-            nn.Dropout(config.dropout),
+            Dropout(config.dropout),
             nn.Linear(config.dim, num_labels),
         )
         self.head.apply(lambda m: init_weights(m, config.init_std))

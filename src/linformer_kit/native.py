@@ -4,7 +4,7 @@
 20 s once per machine, then loaded from torch's extension cache) and returns
 `torch.ops.linformer_kit`, or None where it cannot: no compiler, a failed build, or
 `LINFORMER_KIT_NATIVE=0` in the environment. None is never an error: the explicit kernel
-then applies the same dropout mask with PyTorch ops (`kernels.dropout_bits`), bit for bit
+then applies the same dropout mask with PyTorch ops (`dropout.dropout_bits`), bit for bit
 the same outputs, only slower.
 """
 

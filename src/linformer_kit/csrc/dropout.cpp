@@ -1,8 +1,10 @@
-// The explicit attention kernel's dropout on CPU, fused: the mask's random bits, the
-// comparison and the multiply in one pass over a block of weights (forward), and the mask,
-// the softmax-with-dropout gradient and the kept weights in one pass (backward).
+// Dropout on CPU, fused. `dropout_forward`: the mask's random bits, the comparison, the
+// multiply (and a scale) in one pass over rows of weights or activations: the explicit
+// attention kernel's forward (scale 1, the rescaling goes to its next GEMM), and both
+// passes of `dropout.Dropout`. `dropout_backward`: the attention kernel's backward, the
+// mask, the kept weights and the softmax-with-dropout gradient in one pass per row.
 //
-// The bits are those of `kernels.dropout_bits`, the PyTorch-ops definition the tests hold
+// The bits are those of `dropout.dropout_bits`, the PyTorch-ops definition the tests hold
 // this file to: word w of row r (of all B x H x N rows) is SplitMix64's output number
 // r * words_per_row + w + 1 for the call's seed, and its four 16-bit lanes, read as int16,
 // are the bits of the row's weights 4w .. 4w + 3. A weight is kept where its bits are at
@@ -50,23 +52,26 @@ void for_rows(const at::Tensor& weights, int64_t keys, const Body& body) {
   });
 }
 
-// Row r of the kept weights: row r of the weights where its bits keep them, else 0.
+// Row r of the kept weights: row r of the weights times `scale` where its bits keep them,
+// else 0.
 template <typename T>
 void keep_row(const Layout& layout, int64_t r, std::vector<uint64_t>& words, const T* weights,
-              T* kept) {
+              T* kept, T scale) {
   const int16_t* bits = layout.bits(r, words);
   const T* wr = weights + r * layout.keys;
   T* kr = kept + r * layout.keys;
 #pragma omp simd
-  for (int64_t c = 0; c < layout.keys; ++c) kr[c] = bits[c] >= layout.threshold ? wr[c] : T(0);
+  for (int64_t c = 0; c < layout.keys; ++c) {
+    kr[c] = bits[c] >= layout.threshold ? wr[c] * scale : T(0);
+  }
 }
 
 template <typename T>
-void forward_rows(const Layout& layout, const at::Tensor& weights, at::Tensor& kept) {
+void forward_rows(const Layout& layout, const at::Tensor& weights, at::Tensor& kept, T scale) {
   const T* w = weights.data_ptr<T>();
   T* out = kept.data_ptr<T>();
   for_rows(weights, layout.keys, [&](int64_t r, std::vector<uint64_t>& words) {
-    keep_row(layout, r, words, w, out);
+    keep_row(layout, r, words, w, out, scale);
   });
 }
 
@@ -80,7 +85,7 @@ void backward_rows(const Layout& layout, const at::Tensor& weights, at::Tensor& 
   T* out = kept.data_ptr<T>();
   const int64_t keys = layout.keys;
   for_rows(weights, keys, [&](int64_t r, std::vector<uint64_t>& words) {
-    keep_row(layout, r, words, w, out);
+    keep_row(layout, r, words, w, out, T(1));
     const T* wr = w + r * keys;
     const T* kr = out + r * keys;
     T* gr = g + r * keys;
@@ -113,11 +118,12 @@ Layout layout_of(const at::Tensor& weights, int64_t seed, int64_t row_first, int
 }  // namespace
 
 at::Tensor dropout_forward(const at::Tensor& weights, int64_t seed, int64_t row_first,
-                           int64_t seq_len, int64_t words_per_row, int64_t threshold) {
+                           int64_t seq_len, int64_t words_per_row, int64_t threshold,
+                           double scale) {
   const Layout layout = layout_of(weights, seed, row_first, seq_len, words_per_row, threshold);
   at::Tensor kept = at::empty_like(weights);
   AT_DISPATCH_FLOATING_TYPES(weights.scalar_type(), "dropout_forward",
-                             [&] { forward_rows<scalar_t>(layout, weights, kept); });
+                             [&] { forward_rows<scalar_t>(layout, weights, kept, scalar_t(scale)); });
   return kept;
 }
 
@@ -137,7 +143,7 @@ at::Tensor dropout_backward(const at::Tensor& weights, at::Tensor grad, int64_t 
 
 TORCH_LIBRARY(linformer_kit, m) {
   m.def("dropout_forward(Tensor weights, int seed, int row_first, int seq_len, "
-        "int words_per_row, int threshold) -> Tensor");
+        "int words_per_row, int threshold, float scale) -> Tensor");
   m.def("dropout_backward(Tensor weights, Tensor(a!) grad, int seed, int row_first, "
         "int seq_len, int words_per_row, int threshold) -> Tensor");
 }

@@ -1,0 +1,220 @@
+"""Dropout masks and `dropout.Dropout`. The bits are SplitMix64 outputs laid out by
+position, uniform in every lane and independent of how rows are cut; the compiled kernel is
+optional and says why it is missing; `Dropout` (the models' nn.Dropout through the compiled
+CPU kernel) applies the documented mask once, forward and backward, with the same
+rescaling, and everywhere the kernel does not apply it is nn.Dropout itself; the benchmark
+scripts run what they say."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from script_helpers import BENCHMARKS, load_script
+from torch import nn
+
+from linformer_kit import LinformerConfig, LinformerModel, kernels, native
+from linformer_kit import dropout as dropout_module
+from linformer_kit.dropout import (
+    Dropout,
+    dropout_bits,
+    dropout_seed,
+    rescaling,
+    threshold,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def compiled():
+    if native.dropout_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled dropout kernel cannot be built")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(3, 7, 10), (5,), (2, 1, 4, 6)])
+def test_training_applies_the_documented_mask_once_forward_and_backward(dtype, shape, compiled):
+    # Reference: the seed is the first draw after manual_seed; the input is seen as rows of
+    # its last dimension, row r owning SplitMix64 outputs r * ceil(cols / 4) + 1 onwards.
+    p = 0.3
+    x = torch.randn(shape, dtype=dtype).requires_grad_()
+    layer = Dropout(p).train()
+    torch.manual_seed(7)
+    out = layer(x)
+    torch.manual_seed(7)
+    seed = dropout_seed(CPU).item()
+    rows = x.detach().reshape(-1, shape[-1])
+    keep = dropout_bits(rows, seed) >= threshold(p)
+    expected = torch.where(keep, rows * rescaling(p), 0).view(shape)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    grad = torch.randn(shape, dtype=dtype)
+    out.backward(grad)
+    torch.testing.assert_close(x.grad, torch.where(keep.view(shape), grad * rescaling(p), 0))
+
+
+def test_dropped_fraction_is_p_and_the_mean_is_kept(compiled):
+    p, x = 0.1, torch.ones(256, 1024)
+    out = Dropout(p).train()(x)
+    count = x.numel()
+    assert abs((out == 0).double().mean().item() - p) < 5 * (p * (1 - p) / count) ** 0.5
+    assert abs(out.mean().item() - 1.0) < 5 * (p / (1 - p) / count) ** 0.5
+
+
+def test_gradcheck_under_a_fixed_seed(compiled):
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    layer = Dropout(0.4).train()
+
+    def fn(x):
+        torch.manual_seed(0)  # the same mask at every evaluation
+        return layer(x)
+
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize(
+    "case", ["eval", "p = 0", "bf16", "inplace", "switched off", "no elements"]
+)
+def test_where_the_kernel_does_not_apply_it_is_nn_dropout(case, monkeypatch):
+    p, dtype, inplace, shape = 0.3, torch.float32, False, (6, 8)
+    if case == "p = 0":
+        p = 0.0
+    elif case == "bf16":
+        dtype = torch.bfloat16
+    elif case == "inplace":
+        inplace = True
+    elif case == "switched off":
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+    elif case == "no elements":
+        shape = (0, 8)
+    ours, theirs = Dropout(p, inplace), nn.Dropout(p, inplace)
+    for layer in (ours, theirs):
+        layer.train(case != "eval")
+    x = torch.randn(shape).to(dtype)
+    torch.manual_seed(3)
+    expected = theirs(x.clone())
+    torch.manual_seed(3)
+    assert torch.equal(ours(x.clone()), expected)
+
+
+def test_models_use_it_and_it_is_an_nn_dropout():
+    model = LinformerModel(
+        LinformerConfig(vocab_size=16, dim=8, depth=1, num_heads=2, max_seq_len=8, proj_dim=4)
+    )
+    found = [m for m in model.modules() if isinstance(m, nn.Dropout)]
+    assert found and all(type(m) is Dropout for m in found)
+    assert repr(Dropout(0.1)) == "Dropout(p=0.1, inplace=False)"
+
+
+def test_dropout_bits_are_uniform_in_every_lane_and_repeatable():
+    # Each of the four 16-bit lanes of a 64-bit word must fall under p's threshold at
+    # rate p, and one torch seed must give the same bits.
+    def draw(seed):
+        torch.manual_seed(seed)
+        return dropout_bits(torch.empty(64, 4096), dropout_seed(CPU))
+
+    bits = draw(0)
+    assert bits.dtype == torch.int16 and bits.shape == (64, 4096)
+    assert torch.equal(bits, draw(0)) and not torch.equal(bits, draw(1))
+    p, count = 0.25, bits.numel() // 4
+    under = (bits < round(p * 2**16) - 2**15).double()
+    for lane in range(4):
+        assert abs(under[:, lane::4].mean().item() - p) < 5 * (p * (1 - p) / count) ** 0.5
+
+
+def splitmix64_reference(seed: int, count: int) -> list[int]:
+    """SplitMix64 as published (Steele, Lea & Flood 2014; Vigna's splitmix64.c), in
+    Python integers: the generator's first `count` outputs."""
+    out, state, mask = [], seed % 2**64, 2**64 - 1
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 12345, -(2**63), 2**63 - 1])
+def test_dropout_bits_are_splitmix64_outputs_laid_out_by_position(seed):
+    # Row r of the call's rows owns outputs r * words_per_row + 1 onwards; lane j of a word
+    # is bits 16j..16j+15 (int16). Block: rows 2..4 of 5 per matrix, 2 matrices, 6 keys
+    # (words of 4 + 2 weights), words_per_row 3 (the call's keys were 9..12).
+    bits = dropout_bits(torch.empty(2, 3, 6), seed, 2, 5, 3)
+    words = splitmix64_reference(seed, 2 * 5 * 3)
+    for g in range(2):
+        for i in range(3):
+            row = g * 5 + 2 + i
+            lanes = [(words[row * 3 + j // 4] >> (16 * (j % 4))) & 0xFFFF for j in range(6)]
+            expected = [lane - 2**16 if lane >= 2**15 else lane for lane in lanes]
+            assert bits[g, i].tolist() == expected
+
+
+def test_dropout_bits_do_not_depend_on_how_rows_are_cut():
+    whole = dropout_bits(torch.empty(3, 7, 10), 99, 0, 7, 4)
+    cut = [dropout_bits(torch.empty(3, n, 10), 99, first, 7, 4) for first, n in [(0, 3), (3, 4)]]
+    assert torch.equal(torch.cat(cut, 1), whole)
+    fewer_keys = dropout_bits(torch.empty(3, 7, 5), 99, 0, 7, 4)  # a causal block
+    assert torch.equal(fewer_keys, whole[..., :5])
+
+
+def test_the_compiled_kernel_is_optional_and_says_why_it_is_missing(monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert native.dropout_ops() is None
+    monkeypatch.delenv(native.ENV_SWITCH)
+    monkeypatch.setattr(native, "_loaded", {})
+
+    def no_compiler():
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(native, "_build", no_compiler)
+    with pytest.warns(RuntimeWarning, match=r"could not be built \(c\+\+: command not found\)"):
+        assert native.dropout_ops() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second build, no second warning
+        assert native.dropout_ops() is None
+    x = torch.randn(6, 8)
+    torch.manual_seed(0)
+    out = Dropout(0.3)(x)  # nn.Dropout's mask
+    torch.manual_seed(0)
+    assert torch.equal(out, nn.Dropout(0.3)(x))
+
+
+def test_the_fused_script_times_both_mask_paths_against_sdpa(tmp_path, monkeypatch):
+    # benchmarks/kernels_fused.py on tiny n: its "torch ops" variant must really run
+    # without the compiled kernel and its "compiled" variant with it.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/kernels.py
+    script = load_script(BENCHMARKS / "kernels_fused.py")
+    if native.dropout_ops() is None:
+        pytest.skip("no compiled dropout kernel on this machine")
+    paths, choose = set(), kernels.native_ops
+    monkeypatch.setattr(kernels, "native_ops", lambda q: paths.add(choose(q) is None) or choose(q))
+    script.main(["--n", "16,32", "--min-seconds", "0", "--threads", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [row["n"] for row in rows] == [16, 32] and paths == {True, False}
+    for row in rows:
+        ms = row["median_ms"]
+        assert row["compiled_speedup"] == pytest.approx(ms["torch ops"] / ms["compiled"])
+        ratio = row["time_vs_sdpa_no_dropout"]["compiled"]
+        assert ratio == pytest.approx(ms["compiled"] / ms["sdpa, no dropout"])
+
+
+def test_the_dropout_script_times_default_training_against_dropout_free(tmp_path, monkeypatch):
+    # benchmarks/kernels_dropout.py on tiny n: its "PyTorch ops" variant must run the
+    # models' dropout without the compiled kernel, the others with it.
+    script = load_script(BENCHMARKS / "kernels_dropout.py")
+    if native.dropout_ops() is None:
+        pytest.skip("no compiled dropout kernel on this machine")
+    seen, choose = set(), dropout_module.native_ops
+    monkeypatch.setattr(
+        dropout_module, "native_ops", lambda x: seen.add(choose(x) is None) or choose(x)
+    )
+    script.main(["--n", "32,64", "--min-seconds", "0", "--threads", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [row["n"] for row in rows] == [32, 64] and seen == {True, False}
+    for row in rows:
+        ms = row["median_ms"]
+        ratio = row["time_vs_no_dropout"]["dropout 0.1, compiled kernel"]
+        assert ratio == pytest.approx(ms["dropout 0.1, compiled kernel"] / ms["no dropout"])
+        assert row["compiled_speedup"] == pytest.approx(
+            ms["dropout 0.1, PyTorch ops"] / ms["dropout 0.1, compiled kernel"]
+        )
