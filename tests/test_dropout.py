@@ -73,7 +73,7 @@ def test_gradcheck_under_a_fixed_seed(compiled):
 
 
 @pytest.mark.parametrize(
-    "case", ["eval", "p = 0", "bf16", "inplace", "switched off", "no elements"]
+    "case", ["eval", "p = 0", "bf16", "inplace", "switched off", "no elements", "a scalar"]
 )
 def test_where_the_kernel_does_not_apply_it_is_nn_dropout(case, monkeypatch):
     p, dtype, inplace, shape = 0.3, torch.float32, False, (6, 8)
@@ -87,6 +87,8 @@ def test_where_the_kernel_does_not_apply_it_is_nn_dropout(case, monkeypatch):
         monkeypatch.setenv(native.ENV_SWITCH, "0")
     elif case == "no elements":
         shape = (0, 8)
+    elif case == "a scalar":
+        shape = ()
     ours, theirs = Dropout(p, inplace), nn.Dropout(p, inplace)
     for layer in (ours, theirs):
         layer.train(case != "eval")

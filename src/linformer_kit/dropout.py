@@ -127,17 +127,10 @@ class _RowDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dropout_p, ops):  # noqa: ANN001, ANN205
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        ctx.ops, ctx.layout = (
-            ops,
-            (
-                dropout_seed(x.device).item(),
-                0,  # the first row
-                rows.shape[0],
-                (rows.shape[1] + 3) // 4,
-                threshold(dropout_p),
-                rescaling(dropout_p),
-            ),
-        )
+        seed, words = dropout_seed(x.device).item(), (rows.shape[1] + 3) // 4
+        # (seed, first row, rows, words per row, threshold, scale) of `dropout_forward`
+        ctx.ops = ops
+        ctx.layout = (seed, 0, rows.shape[0], words, threshold(dropout_p), rescaling(dropout_p))
         return ops.dropout_forward(rows, *ctx.layout).view(x.shape)
 
     @staticmethod
@@ -163,6 +156,6 @@ class Dropout(nn.Dropout):
         """x with a fraction p of its elements zeroed and the rest scaled by 1 / (1 - p)
         (training), or x (eval)."""
         ops = native_ops(x) if self.training and not self.inplace else None
-        if ops is None or self.p == 0.0 or x.numel() == 0:
+        if ops is None or self.p == 0.0 or x.dim() == 0 or x.numel() == 0:
             return super().forward(x)
         return _RowDropout.apply(x, self.p, ops)
