@@ -147,9 +147,9 @@ class Dropout(nn.Dropout):
     and with `inplace=True`, it is `nn.Dropout` itself.
 
     Why: on CPU `nn.Dropout` draws its mask with `bernoulli_` from torch's serial mt19937
-    and keeps it for backward; at n = 4096, dim 256 (AVX2 EPYC, 2 threads) forward and
-    backward took 15 ms, against 0.4 ms for the compiled kernel's forward pass, and an
-    encoder layer has two of them.
+    and keeps it for backward; on a (1, 4096, 256) activation (AVX2 EPYC, 2 threads, idle)
+    its forward and backward took 10.2 ms, this module's 3.8 ms (`x * 1.0`: 1.3-1.6 ms),
+    and an encoder layer has two of them.
     """
 
     def forward(self, x: Tensor) -> Tensor:
