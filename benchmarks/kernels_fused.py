@@ -38,17 +38,43 @@ def with_torch_ops(step: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def median_ms(steps: dict[str, Callable[[], None]], min_seconds: float) -> tuple[dict, int]:
+    """Median milliseconds of each step, timed in interleaved rounds; and the rounds."""
+    times = time_interleaved(steps, warmup=1, repeats=5, device="cpu", min_seconds=min_seconds)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return ms, len(next(iter(times.values())))
+
+
+def write_report(args: argparse.Namespace, before: dict, rows: list[dict]) -> None:
+    """OUT/ab.json: the settings, the machine before the run, and the rows."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"settings": vars(args), "machine": before, "rows": rows}
+    (out / "ab.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def parse_ab_args(
+    doc: str, argv: list[str] | None, out: str, min_seconds: float, **extra: dict
+) -> argparse.Namespace:
+    """The A/B scripts' flags (--n, --threads, --min-seconds, --out, and `extra`: flag ->
+    add_argument keywords); exits where the compiled kernel cannot run; sets the threads."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--n", default="1024,4096,16384")
-    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--min-seconds", type=float, default=10.0, help="per n")
-    parser.add_argument("--out", default="benchmarks/kernels/fused")
+    parser.add_argument("--min-seconds", type=float, default=min_seconds, help="per n")
+    parser.add_argument("--out", default=out)
+    for flag, kwargs in extra.items():
+        parser.add_argument(f"--{flag}", **kwargs)
     args = parser.parse_args(argv)
     if native.dropout_ops() is None:
         parser.error(f"the compiled kernel is not available (is {native.ENV_SWITCH}=0 set?)")
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    batch = {"type": int, "default": 1}
+    args = parse_ab_args(__doc__, argv, "benchmarks/kernels/fused", 10.0, batch=batch)
     rows, before = [], machine()
     for n in (int(x) for x in args.n.split(",")):
         shape = (args.batch, n, KEYS, HEAD_DIM)
@@ -58,15 +84,12 @@ def main(argv: list[str] | None = None) -> None:
             "compiled": fused,
             "sdpa, no dropout": make_step(shape, "train", "sdpa", "cpu", torch.float32),
         }
-        times = time_interleaved(
-            steps, warmup=1, repeats=5, device="cpu", min_seconds=args.min_seconds
-        )
-        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        ms, rounds = median_ms(steps, args.min_seconds)
         row = {
             "n": n,
             "batch": args.batch,
             "median_ms": ms,
-            "rounds": len(times["compiled"]),
+            "rounds": rounds,
             "compiled_speedup": ms["torch ops"] / ms["compiled"],
             "time_vs_sdpa_no_dropout": {
                 name: ms[name] / ms["sdpa, no dropout"] for name in ("torch ops", "compiled")
@@ -74,10 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         print(json.dumps(row))
         rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"settings": vars(args), "machine": before, "rows": rows}
-    (out / "ab.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args, before, rows)
 
 
 if __name__ == "__main__":

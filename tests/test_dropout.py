@@ -181,18 +181,27 @@ def test_the_compiled_kernel_is_optional_and_says_why_it_is_missing(monkeypatch)
     assert torch.equal(out, nn.Dropout(0.3)(x))
 
 
-def test_the_fused_script_times_both_mask_paths_against_sdpa(tmp_path, monkeypatch):
-    # benchmarks/kernels_fused.py on tiny n: its "torch ops" variant must really run
-    # without the compiled kernel and its "compiled" variant with it.
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/kernels.py
-    script = load_script(BENCHMARKS / "kernels_fused.py")
+def run_ab_script(name, module, n, tmp_path, monkeypatch):
+    """benchmarks/NAME on tiny n; returns its rows and whether `module.native_ops` (the
+    compiled kernel's gate) answered None (PyTorch ops) and not None in the run."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # they import benchmarks/kernels*.py
+    script = load_script(BENCHMARKS / name)
     if native.dropout_ops() is None:
         pytest.skip("no compiled dropout kernel on this machine")
-    paths, choose = set(), kernels.native_ops
-    monkeypatch.setattr(kernels, "native_ops", lambda q: paths.add(choose(q) is None) or choose(q))
-    script.main(["--n", "16,32", "--min-seconds", "0", "--threads", "1", "--out", str(tmp_path)])
+    paths, choose = set(), module.native_ops
+    monkeypatch.setattr(module, "native_ops", lambda x: paths.add(choose(x) is None) or choose(x))
+    args = ["--n", ",".join(map(str, n)), "--min-seconds", "0", "--threads", "1"]
+    script.main([*args, "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
-    assert [row["n"] for row in rows] == [16, 32] and paths == {True, False}
+    assert [row["n"] for row in rows] == list(n)
+    return rows, paths
+
+
+def test_the_fused_script_times_both_mask_paths_against_sdpa(tmp_path, monkeypatch):
+    # benchmarks/kernels_fused.py: its "torch ops" variant must really run without the
+    # compiled kernel and its "compiled" variant with it.
+    rows, paths = run_ab_script("kernels_fused.py", kernels, (16, 32), tmp_path, monkeypatch)
+    assert paths == {True, False}
     for row in rows:
         ms = row["median_ms"]
         assert row["compiled_speedup"] == pytest.approx(ms["torch ops"] / ms["compiled"])
@@ -201,22 +210,15 @@ def test_the_fused_script_times_both_mask_paths_against_sdpa(tmp_path, monkeypat
 
 
 def test_the_dropout_script_times_default_training_against_dropout_free(tmp_path, monkeypatch):
-    # benchmarks/kernels_dropout.py on tiny n: its "PyTorch ops" variant must run the
-    # models' dropout without the compiled kernel, the others with it.
-    script = load_script(BENCHMARKS / "kernels_dropout.py")
-    if native.dropout_ops() is None:
-        pytest.skip("no compiled dropout kernel on this machine")
-    seen, choose = set(), dropout_module.native_ops
-    monkeypatch.setattr(
-        dropout_module, "native_ops", lambda x: seen.add(choose(x) is None) or choose(x)
-    )
-    script.main(["--n", "32,64", "--min-seconds", "0", "--threads", "1", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
-    assert [row["n"] for row in rows] == [32, 64] and seen == {True, False}
+    # benchmarks/kernels_dropout.py: its "PyTorch ops" variant must run the models' dropout
+    # without the compiled kernel, the others with it.
+    args = ("kernels_dropout.py", dropout_module, (32, 64), tmp_path, monkeypatch)
+    rows, paths = run_ab_script(*args)
+    assert paths == {True, False}
     for row in rows:
-        ms = row["median_ms"]
-        ratio = row["time_vs_no_dropout"]["dropout 0.1, compiled kernel"]
-        assert ratio == pytest.approx(ms["dropout 0.1, compiled kernel"] / ms["no dropout"])
+        ms, compiled = row["median_ms"], "dropout 0.1, compiled kernel"
+        ratio = row["time_vs_no_dropout"][compiled]
+        assert ratio == pytest.approx(ms[compiled] / ms["no dropout"])
         assert row["compiled_speedup"] == pytest.approx(
-            ms["dropout 0.1, PyTorch ops"] / ms["dropout 0.1, compiled kernel"]
+            ms["dropout 0.1, PyTorch ops"] / ms[compiled]
         )
