@@ -85,19 +85,15 @@ def dropout_bits(
     return states.view(torch.int16)[..., :keys].reshape(weights.shape)
 
 
-def drop(weights: Tensor, bits: Tensor, dropout_p: float) -> tuple[Tensor, float]:
-    """The weights with a fraction `dropout_p` set to 0 (a new tensor): those whose
-    `dropout_bits` fall under p's threshold; and the rescaling 1 / (1 - p) of the rounded
-    p (left to the next GEMM's alpha).
+def drop(weights: Tensor, bits: Tensor, dropout_p: float) -> Tensor:
+    """The weights with a fraction `dropout_p` set to 0 (a new tensor, not rescaled): those
+    whose `dropout_bits` fall under p's `threshold`; the caller applies `rescaling`.
 
     The comparison writes float 0/1 straight into the output, multiplied in place by the
     weights: a bool mask would cost a conversion pass, and `masked_fill` is slower still.
-
-    Returns:
-        (dropped weights, factor for the kept ones; 0 if none is kept).
     """
     kept = torch.ge(bits, threshold(dropout_p), out=torch.empty_like(weights))  # 1 - p
-    return kept.mul_(weights), rescaling(dropout_p)
+    return kept.mul_(weights)
 
 
 def threshold(dropout_p: float) -> int:

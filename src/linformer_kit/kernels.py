@@ -185,7 +185,7 @@ class _ExplicitAttention(torch.autograd.Function):
                 kept = ops.dropout_forward(kept, seed, block.start or 0, *layout, 1.0)
             elif dropout_p > 0.0:
                 bits.append(dropout_bits(kept, seed, block.start or 0, *layout[:2]))
-                kept = drop(kept, bits[-1], dropout_p)[0]
+                kept = drop(kept, bits[-1], dropout_p)
             outs.append(_bmm(kept, v[..., :keys, :], rescaling(dropout_p)))
         # The dropped weights are made again in backward: by the compiled kernel from the
         # seed, or from the saved bits (half their size).
@@ -217,7 +217,7 @@ class _ExplicitAttention(torch.autograd.Function):
                 elif bits:
                     # With kept = weights * mask: d scores = kept * g - weights * sum(kept * g),
                     # no mask needed; three in-place passes.
-                    kept = drop(weights[i], bits[i], ctx.dropout_p)[0]
+                    kept = drop(weights[i], bits[i], ctx.dropout_p)
                     product = grad_kept.mul_(kept)
                     row_sums = product.sum(-1, keepdim=True)  # (..., rows, 1)
                     grad_scores = product.addcmul_(weights[i], row_sums, value=-1.0)
@@ -227,7 +227,7 @@ class _ExplicitAttention(torch.autograd.Function):
             elif ops is not None:
                 kept = ops.dropout_forward(weights[i], ctx.seed, first, *ctx.layout, 1.0)
             elif bits:
-                kept = drop(weights[i], bits[i], ctx.dropout_p)[0]
+                kept = drop(weights[i], bits[i], ctx.dropout_p)
             if need_v:
                 grad_v[..., :keys, :] += _bmm(kept.transpose(-1, -2), g, factor)
             if need_q:
