@@ -53,6 +53,22 @@ def test_training_applies_the_documented_mask_once_forward_and_backward(dtype, s
     torch.testing.assert_close(x.grad, torch.where(keep.view(shape), grad * rescaling(p), 0))
 
 
+def test_non_finite_inputs_propagate_as_in_nn_dropout(compiled):
+    # nn.Dropout multiplies by the mask: a dropped inf or nan is nan, not a silent 0 (a
+    # select would hide a nan that training should see).
+    p, x = 0.5, torch.full((16, 40), float("inf"))
+    x[::2] = float("nan")
+    reference = nn.Dropout(p).train()(x)
+    assert torch.isnan(reference[1::2]).any() and not (reference == 0).any()
+    torch.manual_seed(3)
+    out = Dropout(p).train()(x)
+    torch.manual_seed(3)
+    keep = dropout_bits(x, dropout_seed(CPU).item()) >= threshold(p)
+    assert 0 < keep.sum() < keep.numel()
+    expected = torch.where(keep, x * rescaling(p), float("nan"))
+    torch.testing.assert_close(out, expected, atol=0, rtol=0, equal_nan=True)
+
+
 def test_dropped_fraction_is_p_and_the_mean_is_kept(compiled):
     p, x = 0.1, torch.ones(256, 1024)
     out = Dropout(p).train()(x)

@@ -55,10 +55,11 @@ void for_rows(const at::Tensor& weights, int64_t keys, const Body& body) {
 }
 
 // Row r of the kept weights: row r of the weights times `scale` where its bits keep them,
-// else 0. The 0 comes from an AND with an all-ones or all-zeros word, not from `keep ? w :
-// 0`: for that select, g++ vectorizes the loop or not depending on whether `scale` is a
-// constant (-march=haswell: 4x slower per row when it does not; the AND form vectorizes
-// with every -march, measured with AVX2 and AVX-512 builds).
+// else times 0 (so a dropped inf or nan is nan, as in nn.Dropout). The factor is scale's
+// bits ANDed with an all-ones or all-zeros word, not `keep ? scale : 0`: g++ vectorizes
+// a select here or not depending on whether `scale` is a constant (-march=haswell: 4x
+// slower per row when it does not); the AND vectorizes with every -march and scale
+// (measured with AVX2 and AVX-512 builds).
 template <typename T>
 void keep_row(const Layout& layout, int64_t r, std::vector<uint64_t>& words, const T* weights,
               T* kept, T scale) {
@@ -68,13 +69,14 @@ void keep_row(const Layout& layout, int64_t r, std::vector<uint64_t>& words, con
   const int32_t threshold = layout.threshold;
   const T* wr = weights + r * keys;
   T* kr = kept + r * keys;
+  Word scale_word;
+  std::memcpy(&scale_word, &scale, sizeof(T));
 #pragma omp simd
   for (int64_t c = 0; c < keys; ++c) {
-    const T scaled = wr[c] * scale;
-    Word word;
-    std::memcpy(&word, &scaled, sizeof(T));
-    word &= -Word(bits[c] >= threshold);
-    std::memcpy(kr + c, &word, sizeof(T));
+    const Word factor_word = scale_word & -Word(bits[c] >= threshold);  // scale or +0
+    T factor;
+    std::memcpy(&factor, &factor_word, sizeof(T));
+    kr[c] = wr[c] * factor;  // a dropped inf or nan gives nan, as in nn.Dropout
   }
 }
 
