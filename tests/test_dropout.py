@@ -115,6 +115,18 @@ def test_where_the_kernel_does_not_apply_it_is_nn_dropout(case, monkeypatch):
     assert torch.equal(ours(x.clone()), expected)
 
 
+def test_no_dropout_never_asks_for_the_kernel(monkeypatch):
+    # p = 0 (the demo's config) or eval mode must not build the kernel, nor warn where it
+    # cannot be built.
+    def fail():
+        raise AssertionError("the kernel was asked for")
+
+    monkeypatch.setattr(native, "dropout_ops", fail)
+    x = torch.randn(3, 5)
+    assert torch.equal(Dropout(0.0).train()(x), x)
+    assert torch.equal(Dropout(0.5).eval()(x), x)
+
+
 def test_models_use_it_and_it_is_an_nn_dropout():
     model = LinformerModel(
         LinformerConfig(vocab_size=16, dim=8, depth=1, num_heads=2, max_seq_len=8, proj_dim=4)
