@@ -152,8 +152,8 @@ class Dropout(nn.Dropout):
     def forward(self, x: Tensor) -> Tensor:
         """x with a fraction p of its elements zeroed and the rest scaled by 1 / (1 - p)
         (training), or x (eval)."""
-        applies = self.training and not self.inplace and self.p > 0.0 and x.numel() > 0
-        ops = native_ops(x) if applies and x.dim() > 0 else None  # (p = 0: no build)
+        applies = self.training and not self.inplace and self.p > 0.0  # (p = 0: no build)
+        ops = native_ops(x) if applies and x.dim() > 0 and x.numel() > 0 else None
         if ops is None:
             return super().forward(x)
         return _RowDropout.apply(x, self.p, ops)

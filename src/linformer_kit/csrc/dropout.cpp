@@ -57,7 +57,7 @@ void for_rows(const at::Tensor& weights, int64_t keys, const Body& body) {
 // Row r of the kept weights: row r of the weights times `scale` where its bits keep them,
 // else times 0 (so a dropped inf or nan is nan, as in nn.Dropout). The factor is scale's
 // bits ANDed with an all-ones or all-zeros word, not `keep ? scale : 0`: g++ vectorizes
-// a select here or not depending on whether `scale` is a constant (-march=haswell: 4x
+// a select here or not depending on whether `scale` is a constant (-march=haswell: 3-4x
 // slower per row when it does not); the AND vectorizes with every -march and scale
 // (measured with AVX2 and AVX-512 builds).
 template <typename T>
