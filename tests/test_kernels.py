@@ -151,6 +151,21 @@ def test_compiled_and_torch_ops_dropout_give_the_same_outputs_and_gradients(
         torch.testing.assert_close(grad, reference, atol=1e-6, rtol=1e-5)
 
 
+def test_backward_applies_the_mask_its_forward_chose_whatever_the_switch_says_then(blocks):
+    # The switch is read once, in forward: a backward run after it flips (e.g. under
+    # another context manager) still makes the compiled kernel's mask, not no mask at all.
+    if native.dropout_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled dropout kernel cannot be built")
+    q, k, v = (t.requires_grad_() for t in qkv())
+    results = []
+    for switch_in_backward in ("1", "0"):
+        out = seeded(5, explicit, q, k, v, dropout_p=0.4)
+        with mock.patch.dict(os.environ, {native.ENV_SWITCH: switch_in_backward}):
+            results.append(torch.autograd.grad(out.mul(torch.arange(D)).sum(), (q, k, v)))
+    for grad, expected in zip(*results):
+        torch.testing.assert_close(grad, expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_only_the_pytorch_ops_mask_saves_its_bits_for_backward(dropout_p, mask_path, blocks):
     # The compiled kernel makes the bits again from the seed in backward: it saves q, k, v

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import native
 from .dropout import (
     drop,
     dropout_bits,
@@ -191,8 +190,7 @@ class _ExplicitAttention(torch.autograd.Function):
         # seed, or from the saved bits (half their size).
         ctx.save_for_backward(q, k, v, *weights, *bits)
         ctx.scale, ctx.rows, ctx.causal, ctx.dropout_p = scale, rows, causal, dropout_p
-        ctx.native = ops is not None
-        ctx.seed, ctx.layout = seed if ctx.native else None, layout
+        ctx.ops, ctx.seed, ctx.layout = ops, seed if ops is not None else None, layout
         return torch.cat(outs, -2) if len(outs) > 1 else outs[0]  # (..., N, Dv)
 
     @staticmethod
@@ -201,7 +199,7 @@ class _ExplicitAttention(torch.autograd.Function):
         q, k, v, *saved = ctx.saved_tensors
         blocks = _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.causal)
         weights, bits = saved[: len(blocks)], saved[len(blocks) :]
-        ops, factor = native.dropout_ops() if ctx.native else None, rescaling(ctx.dropout_p)
+        ops, factor = ctx.ops, rescaling(ctx.dropout_p)  # the forward's, whatever the env now
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         grad_q = []
         grad_k = torch.zeros_like(k) if need_k else None
