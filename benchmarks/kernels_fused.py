@@ -1,6 +1,6 @@
-"""The explicit kernel's dropout, A/B in one process: the compiled CPU kernel
-(`csrc/dropout.cpp`: bits, compare and multiply in one pass) against the same mask made by
-PyTorch ops (`LINFORMER_KIT_NATIVE=0`), with SDPA without dropout as the yardstick;
+"""The explicit kernel with dropout, A/B in one process: compiled (`csrc/attention.cpp`:
+scores, softmax, mask and GEMMs per block of rows in one parallel loop) against the same
+mask by PyTorch ops (`LINFORMER_KIT_NATIVE=0`), with SDPA without dropout as the yardstick;
 interleaved rounds, so machine drift cancels out of the ratios. Writes OUT/ab.json.
 
     PYTHONPATH=src python benchmarks/kernels_fused.py --out benchmarks/kernels/fused
@@ -66,7 +66,7 @@ def parse_ab_args(
     for flag, kwargs in extra.items():
         parser.add_argument(f"--{flag}", **kwargs)
     args = parser.parse_args(argv)
-    if native.dropout_ops() is None:
+    if native.cpu_ops() is None:
         parser.error(f"the compiled kernel is not available (is {native.ENV_SWITCH}=0 set?)")
     torch.set_num_threads(args.threads)
     return args

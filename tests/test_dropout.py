@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def compiled():
-    if native.dropout_ops() is None:
+    if native.cpu_ops() is None:
         pytest.skip("no C++ compiler here: the compiled dropout kernel cannot be built")
 
 
@@ -121,7 +121,7 @@ def test_no_dropout_never_asks_for_the_kernel(monkeypatch):
     def fail():
         raise AssertionError("the kernel was asked for")
 
-    monkeypatch.setattr(native, "dropout_ops", fail)
+    monkeypatch.setattr(native, "cpu_ops", fail)
     x = torch.randn(3, 5)
     assert torch.equal(Dropout(0.0).train()(x), x)
     assert torch.equal(Dropout(0.5).eval()(x), x)
@@ -189,7 +189,7 @@ def test_dropout_bits_do_not_depend_on_how_rows_are_cut():
 
 def test_the_compiled_kernel_is_optional_and_says_why_it_is_missing(monkeypatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
-    assert native.dropout_ops() is None
+    assert native.cpu_ops() is None
     monkeypatch.delenv(native.ENV_SWITCH)
     monkeypatch.setattr(native, "_loaded", {})
 
@@ -198,10 +198,10 @@ def test_the_compiled_kernel_is_optional_and_says_why_it_is_missing(monkeypatch)
 
     monkeypatch.setattr(native, "_build", no_compiler)
     with pytest.warns(RuntimeWarning, match=r"could not be built \(c\+\+: command not found\)"):
-        assert native.dropout_ops() is None
+        assert native.cpu_ops() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second build, no second warning
-        assert native.dropout_ops() is None
+        assert native.cpu_ops() is None
     x = torch.randn(6, 8)
     torch.manual_seed(0)
     out = Dropout(0.3)(x)  # nn.Dropout's mask
@@ -214,7 +214,7 @@ def run_ab_script(name, module, n, tmp_path, monkeypatch):
     compiled kernel's gate) answered None (PyTorch ops) and not None in the run."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # they import benchmarks/kernels*.py
     script = load_script(BENCHMARKS / name)
-    if native.dropout_ops() is None:
+    if native.cpu_ops() is None:
         pytest.skip("no compiled dropout kernel on this machine")
     paths, choose = set(), module.native_ops
     monkeypatch.setattr(module, "native_ops", lambda x: paths.add(choose(x) is None) or choose(x))

@@ -40,18 +40,21 @@ def qkv(dtype=torch.float64, seed=0, n=N, m=M):
 
 @pytest.fixture(params=["one block", "blocks of 3 rows"])
 def blocks(request, monkeypatch):
-    """The explicit kernel in one block of query rows, or in blocks of 3 (N = 7: 3 + 3 + 1)."""
+    """The explicit kernel in one block of query rows, or in blocks of 3 (N = 7: 3 + 3 + 1),
+    compiled or not."""
     if request.param != "one block":
         monkeypatch.setattr(kernels, "_BLOCK_ROWS", (3, 3))
+        monkeypatch.setattr(kernels, "_FUSED_ROWS", 3)
 
 
 @pytest.fixture(params=["compiled", "torch ops"])
 def mask_path(request, monkeypatch):
-    """Dropout applied by the compiled CPU kernel (csrc/dropout.cpp) or by PyTorch ops."""
+    """The explicit kernel compiled (csrc/attention.cpp: weights and dropout mask made in
+    C++) or by PyTorch ops (the same mask; what runs without a compiler)."""
     if request.param == "torch ops":
         monkeypatch.setenv(native.ENV_SWITCH, "0")
-    elif native.dropout_ops() is None:
-        pytest.skip("no C++ compiler here: the compiled dropout kernel cannot be built")
+    elif native.cpu_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled kernel cannot be built")
 
 
 def kv_mask(empty_row: bool) -> torch.Tensor:
@@ -127,34 +130,37 @@ def test_explicit_dropout_drops_each_weight_once_and_rescales_once(p, blocks, ma
     causal=st.booleans(),
     double=st.booleans(),
 )
-def test_compiled_and_torch_ops_dropout_give_the_same_outputs_and_gradients(
+def test_compiled_and_torch_ops_kernels_give_the_same_outputs_and_gradients(
     n, m, p, rows, causal, double
 ):
-    # The same seed, two implementations of one mask: the outputs must be equal bit for
-    # bit (the same kept weights enter the same GEMMs) and the gradients equal up to the
-    # order of a row sum. Rows per block 3 and 4 cut the rows (and 64-bit words) unevenly.
-    if native.dropout_ops() is None:
-        pytest.skip("no C++ compiler here: the compiled dropout kernel cannot be built")
+    # The same seed, two implementations of one mask: the outputs and gradients must agree
+    # to rounding (the compiled kernel's own exp, and its weights made again in backward),
+    # which a single weight dropped by one and kept by the other would break (p = 0.95:
+    # the kept weights are scaled by 20). Rows per block 3 and 4 cut the rows (and 64-bit
+    # words) unevenly.
+    if native.cpu_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled kernel cannot be built")
     dtype = torch.float64 if double else torch.float32
     q, k, v = (t.requires_grad_() for t in qkv(dtype, n=n, m=m))
     mask = None if causal else attendable(torch.rand(B, m) < 0.7)[:, None, None, :]
     results = []
-    with mock.patch.object(kernels, "_BLOCK_ROWS", (rows, rows)):
+    with (
+        mock.patch.object(kernels, "_BLOCK_ROWS", (rows, rows)),
+        mock.patch.object(kernels, "_FUSED_ROWS", rows),
+    ):
         for switch in ("1", "0"):
             with mock.patch.dict(os.environ, {native.ENV_SWITCH: switch}):
                 out = seeded(5, explicit, q, k, v, mask, p, 0.7, is_causal=causal)
                 grads = torch.autograd.grad(out.mul(torch.arange(D)).sum(), (q, k, v))
             results.append((out, *grads))
-    (out, *grads), (expected, *expected_grads) = results
-    assert torch.equal(out, expected)
-    for grad, reference in zip(grads, expected_grads):
-        torch.testing.assert_close(grad, reference, atol=1e-6, rtol=1e-5)
+    for compiled, reference in zip(*results):
+        torch.testing.assert_close(compiled, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_backward_applies_the_mask_its_forward_chose_whatever_the_switch_says_then(blocks):
     # The switch is read once, in forward: a backward run after it flips (e.g. under
     # another context manager) still makes the compiled kernel's mask, not no mask at all.
-    if native.dropout_ops() is None:
+    if native.cpu_ops() is None:
         pytest.skip("no C++ compiler here: the compiled dropout kernel cannot be built")
     q, k, v = (t.requires_grad_() for t in qkv())
     results = []
@@ -167,16 +173,21 @@ def test_backward_applies_the_mask_its_forward_chose_whatever_the_switch_says_th
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-def test_only_the_pytorch_ops_mask_saves_its_bits_for_backward(dropout_p, mask_path, blocks):
-    # The compiled kernel makes the bits again from the seed in backward: it saves q, k, v
-    # and the weights (one tensor per block), as the dropout-free call does; the PyTorch-ops
-    # path also saves one int16 tensor of bits per block.
+def test_what_each_path_saves_for_backward(dropout_p, mask_path, blocks):
+    # Compiled: q, k, v, the mask and one logsumexp per row, never an N x M tensor (the
+    # weights and the dropout mask are made again in backward). PyTorch ops: q, k, v, the
+    # weights (one tensor per block) and, with dropout, one int16 tensor of bits per block.
     q, k, v = (t.requires_grad_() for t in qkv())
+    mask = attendable(kv_mask(empty_row=False))[:, None, None, :]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        explicit(q, k, v, dropout_p=dropout_p)
+        explicit(q, k, v, mask, dropout_p=dropout_p)
+    if os.environ.get(native.ENV_SWITCH) != "0":
+        assert [tuple(t.shape) for t in saved[3:]] == [(B, H, N, M), (B * H, N)]
+        assert saved[3].stride()[:3] == (M, 0, 0)  # the mask is a broadcast view, not a copy
+        return
     num_blocks = len(kernels._blocks(N, kernels.block_rows(B * H, M), M, False))
-    with_bits = dropout_p > 0 and os.environ.get(native.ENV_SWITCH) == "0"
+    with_bits = dropout_p > 0
     assert len(saved) == 3 + num_blocks * (2 if with_bits else 1)
     assert sum(t.dtype == torch.int16 for t in saved) == (num_blocks if with_bits else 0)
 
@@ -200,7 +211,9 @@ def test_block_rows_keep_gemms_large_and_blocks_bounded():
 @pytest.mark.parametrize(("device", "rows"), [("cpu", 512), ("meta", None)])
 def test_the_explicit_kernel_works_in_blocks_on_cpu_only(device, rows, monkeypatch):
     # Blocks pay on CPU (cache, reused pages); on a GPU each block costs kernel launches.
-    # The meta device stands in for a GPU: shapes only, no data.
+    # The meta device stands in for a GPU: shapes only, no data. (The PyTorch-ops kernel:
+    # the compiled one always works in blocks.)
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
     seen, original = [], kernels._blocks
     monkeypatch.setattr(kernels, "_blocks", lambda n, r, *a: seen.append(r) or original(n, r, *a))
     q = torch.zeros(1, 4, 2000, 8, device=device, requires_grad=True)
@@ -286,8 +299,10 @@ GEMMS = {"q": 2, "k": 2, "v": 1, "qk": 3, "kv": 3, "qkv": 4}
 @pytest.mark.parametrize("wanted", ["q", "k", "v", "qk", "kv"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_explicit_backward_computes_only_the_gradients_asked_for(
-    wanted, dropout_p, blocks, monkeypatch, mask_path
+    wanted, dropout_p, blocks, monkeypatch
 ):
+    # The PyTorch-ops kernel, whose GEMMs can be counted (the compiled one: below).
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
     tensors, grads, calls = qkv(), [], []
     gemm = kernels._bmm
     monkeypatch.setattr(kernels, "_bmm", lambda *args: calls.append(1) or gemm(*args))
@@ -357,13 +372,19 @@ def test_causal_masks_of_both_kernels_align_the_same_way_when_n_is_not_m(n, m, b
         torch.testing.assert_close(sdpa, explicit, atol=1e-12, rtol=0)
 
 
-def test_exact_causal_attention_with_dropout_on_cpu_takes_the_explicit_kernel(monkeypatch):
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_exact_causal_attention_with_dropout_on_cpu_takes_the_explicit_kernel(switch, monkeypatch):
+    # Compiled where it can be built, else by PyTorch ops: (q, k, v, mask, p, scale, causal...)
+    monkeypatch.setenv(native.ENV_SWITCH, switch)
     seen = []
-    monkeypatch.setattr(kernels._ExplicitAttention, "apply", lambda *a: seen.append(a) or a[2])
+    for kind in (kernels._ExplicitAttention, kernels._FusedAttention):
+        monkeypatch.setattr(kind, "apply", lambda *a, kind=kind: seen.append((kind, a)) or a[2])
     q, k, v = qkv(dtype=torch.float32, n=N, m=N)
     causal_attention(q, k, v, dropout_p=0.1)
     assert len(seen) == 1
-    _, _, _, mask, dropout_p, _, causal = seen[0]
+    kind, (_, _, _, mask, dropout_p, _, causal, *_) = seen[0]
+    compiled = switch == "1" and native.cpu_ops() is not None
+    assert kind is (kernels._FusedAttention if compiled else kernels._ExplicitAttention)
     assert mask is None and dropout_p == 0.1 and causal
 
 

@@ -1,11 +1,11 @@
 """Dropout masks by position: 16 SplitMix64 bits per element, a pure function of a seed
-drawn from torch's generator and the element's row, made on CPU by the compiled kernel
-(`csrc/dropout.cpp`, via `native.dropout_ops`) in one pass and made again in backward
+drawn from torch's generator and the element's row, made on CPU by the compiled kernels
+(`csrc/`, via `native.cpu_ops`) in the pass that applies them and made again in backward
 instead of being stored.
 
 Two users: the explicit attention kernel (`kernels`), which drops the attention weights
 and folds the rescaling into its next GEMM, and `Dropout`, the `nn.Dropout` of the models'
-embeddings, sub-layer outputs and heads. Where the compiled kernel does not apply (a GPU,
+embeddings, sub-layer outputs and heads. Where the compiled kernels do not apply (a GPU,
 bf16 / fp16, torch.compile, no compiler) the attention kernel makes the same mask with
 PyTorch ops and `Dropout` is `nn.Dropout`.
 """
@@ -24,7 +24,7 @@ from . import native
 # compares 16 uniform random bits with a threshold. The rescaling uses the rounded value,
 # so the expectation of the output is exactly the undropped one.
 _LEVELS = 1 << 16
-# SplitMix64's constants as the int64 values of their bits (`splitmix64`, csrc/dropout.cpp).
+# SplitMix64's constants as the int64 values of their bits (`splitmix64`, csrc/bits.h).
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX = (0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
 
@@ -64,7 +64,7 @@ def dropout_bits(
     r * words_per_row + 1 onwards; the four 16-bit lanes of each 64-bit word serve four
     consecutive weights. So a weight's bits do not depend on how the rows are cut into
     blocks, nor on how many of its row's keys a causal block computes, and the compiled CPU
-    kernel (`csrc/dropout.cpp`) makes the same bits without storing them.
+    kernels (`csrc/bits.h`) make the same bits without storing them.
 
     Args:
         weights: the block, (..., rows, keys); only its shape and device are read.
@@ -108,11 +108,11 @@ def rescaling(dropout_p: float) -> float:
 
 
 def native_ops(x: Tensor) -> object | None:
-    """The compiled kernel where it applies to `x` (CPU, fp32 / fp64, eager) and could be
+    """The compiled kernels where they apply to `x` (CPU, fp32 / fp64, eager) and could be
     built; None otherwise."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
         return None
-    return None if torch.compiler.is_compiling() else native.dropout_ops()
+    return None if torch.compiler.is_compiling() else native.cpu_ops()
 
 
 class _RowDropout(torch.autograd.Function):

@@ -338,7 +338,7 @@ def _block_causal_attention(
         dropout_p,
         scale,
     )  # (B * H, M, S, D)
-    return out.view(batch, heads, blocks * block_size, width)[:, :, :seq_len]
+    return out.reshape(batch, heads, blocks * block_size, width)[:, :, :seq_len]
 
 
 def causal_attention(

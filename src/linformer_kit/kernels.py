@@ -4,13 +4,20 @@
 Why two kernels. On CPU, SDPA's flash kernel never builds the N x M weights, but with
 dropout it falls back to its math path, which draws the mask with `bernoulli_` and runs
 the weights through several separate tensors: attention becomes 2-3x slower. The explicit
-kernel here is one autograd node that builds the weights once, on CPU in blocks of query
-rows that stay in cache, drops them by 16 random bits per weight (`dropout_bits`: SplitMix64
-outputs by position, one 64-bit word for four weights), folds the softmax scale and the
-dropout rescaling into the GEMMs' alpha, and works in place in backward. On CPU the mask
-is applied by a compiled kernel (`csrc/dropout.cpp`, via `native.dropout_ops`) that makes
-the bits, compares and multiplies in one pass and, in backward, makes them again from the
-seed instead of storing them; where it cannot be built, PyTorch ops make the same mask.
+kernel drops the weights by 16 random bits each (`dropout_bits`: SplitMix64 outputs by
+position, one 64-bit word for four weights) and comes in two implementations of the same
+mask:
+
+- compiled (`_FusedAttention`, `csrc/attention.cpp` via `native.cpu_ops`; CPU, fp32 /
+  fp64, eager): flash attention's plan with the dropout inside. One parallel loop over
+  blocks of query rows, each block's scores, softmax, mask and output GEMM done in the
+  thread's cache; only a logsumexp per row is saved, and backward makes the weights and
+  the mask again (one more GEMM, no N x M tensor ever allocated);
+- PyTorch ops (`_ExplicitAttention`): where the compiled one cannot run (no compiler,
+  `LINFORMER_KIT_NATIVE=0`, torch.compile, a GPU, bf16); one autograd node that builds the
+  weights once, in blocks of query rows on CPU, folds the softmax scale and the dropout
+  rescaling into the GEMMs' alpha, saves the weights and the bits, and works in place in
+  backward.
 
 The rule (`choose_kernel`) comes from `benchmarks/kernels/table.json`, made by
 `benchmarks/kernels.py` (SDPA vs explicit, fwd+bwd and forward only, over n, k and
@@ -18,6 +25,8 @@ head_dim); it is never a per-call timing.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +52,11 @@ KERNELS = ("sdpa", "explicit")
 # 253 / 226 ms at n = 16384: per-block op overheads outweigh the cache.
 _BLOCK_WEIGHTS = 1 << 22
 _BLOCK_ROWS = (64, 512)
+# Query rows per block of the compiled kernel (`_FusedAttention`), one block per task of
+# its parallel loop. Measured (fp32, B = 1, 4 heads, M = 256, head_dim 64, fwd+bwd with
+# dropout 0.1, 2 threads, AVX-512 Xeon): 128 / 256 rows took 4.41 / 4.25 ms at n = 1024,
+# 16.6 / 16.4 ms at 4096 and 69.6 / 68.1 ms at 16384 (64 rows lost 5-10 % more).
+_FUSED_ROWS = 256
 
 
 def choose_kernel(*, device: torch.device, dtype: torch.dtype, dropout: bool) -> str:
@@ -148,14 +162,13 @@ def _block_mask(
 
 
 class _ExplicitAttention(torch.autograd.Function):
-    """softmax(Q K^T * scale) with dropout, times V, block of query rows by block; saves
-    the weights, not the scores.
+    """softmax(Q K^T * scale) with dropout, times V, by PyTorch ops, block of query rows by
+    block; saves the weights (and the dropout bits), not the scores.
 
     On CPU each block's weights are made, dropped and consumed while they are hot in
     cache, and a block's temporaries (scores, dropped weights, gradients) reuse the memory
     of the previous block's instead of mapping fresh pages for N x M tensors (`block_rows`);
-    the weights kept for backward are N x M in all (and the dropout bits, where PyTorch ops
-    apply the mask; the compiled kernel makes them again from the seed). On a GPU, where each
+    the weights kept for backward are N x M in all. On a GPU, where each
     block costs kernel launches, and under torch.compile there is one block. With all the
     keys a block sees in one block the softmax needs no running maximum: blocks of rows are
     independent. Under a causal mask a block computes only the keys its queries can see
@@ -170,27 +183,20 @@ class _ExplicitAttention(torch.autograd.Function):
         if q.device.type == "cpu" and not torch.compiler.is_compiling():
             rows = block_rows(q.shape[:-2].numel(), k.shape[-2])
         outs, weights, bits = [], [], []
-        ops, seed = None, None
-        if dropout_p > 0.0:
-            ops, seed = native_ops(q), dropout_seed(q.device)
-            seed = seed if ops is None else seed.item()  # the compiled kernel takes an int
-        layout = (q.shape[-2], (k.shape[-2] + 3) // 4, threshold(dropout_p))
+        seed = dropout_seed(q.device) if dropout_p > 0.0 else None
+        layout = (q.shape[-2], (k.shape[-2] + 3) // 4)
         for block, keys in _blocks(q.shape[-2], rows, k.shape[-2], causal):
             queries = q[..., block, :]
             mask = _block_mask(attn_mask, causal, block, queries, keys)
             weights.append(torch.softmax(masked_scores(queries, k[..., :keys, :], mask, scale), -1))
             kept = weights[-1]  # (..., rows, keys)
-            if ops is not None:  # the compiled kernel: bits, compare, multiply in one pass
-                kept = ops.dropout_forward(kept, seed, block.start or 0, *layout, 1.0)
-            elif dropout_p > 0.0:
-                bits.append(dropout_bits(kept, seed, block.start or 0, *layout[:2]))
+            if dropout_p > 0.0:
+                bits.append(dropout_bits(kept, seed, block.start or 0, *layout))
                 kept = drop(kept, bits[-1], dropout_p)
             outs.append(_bmm(kept, v[..., :keys, :], rescaling(dropout_p)))
-        # The dropped weights are made again in backward: by the compiled kernel from the
-        # seed, or from the saved bits (half their size).
+        # The dropped weights are made again in backward from the saved bits (half their size).
         ctx.save_for_backward(q, k, v, *weights, *bits)
         ctx.scale, ctx.rows, ctx.causal, ctx.dropout_p = scale, rows, causal, dropout_p
-        ctx.ops, ctx.seed, ctx.layout = ops, seed if ops is not None else None, layout
         return torch.cat(outs, -2) if len(outs) > 1 else outs[0]  # (..., N, Dv)
 
     @staticmethod
@@ -199,33 +205,27 @@ class _ExplicitAttention(torch.autograd.Function):
         q, k, v, *saved = ctx.saved_tensors
         blocks = _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.causal)
         weights, bits = saved[: len(blocks)], saved[len(blocks) :]
-        ops, factor = ctx.ops, rescaling(ctx.dropout_p)  # the forward's, whatever the env now
+        factor = rescaling(ctx.dropout_p)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         grad_q = []
         grad_k = torch.zeros_like(k) if need_k else None
         grad_v = torch.zeros_like(v) if need_v else None
         for i, (block, keys) in enumerate(blocks):
-            g, kept, first = grad[..., block, :], weights[i], block.start or 0
+            g, kept = grad[..., block, :], weights[i]
             grad_scores = None
+            if bits:
+                kept = drop(weights[i], bits[i], ctx.dropout_p)
             if need_q or need_k:
                 grad_kept = _bmm(g, v[..., :keys, :].transpose(-1, -2), factor)  # (.., rows, keys)
-                if ops is not None:  # kept, and grad_kept made the scores' gradient in place
-                    kept = ops.dropout_backward(weights[i], grad_kept, ctx.seed, first, *ctx.layout)
-                    grad_scores = grad_kept
-                elif bits:
+                if bits:
                     # With kept = weights * mask: d scores = kept * g - weights * sum(kept * g),
                     # no mask needed; three in-place passes.
-                    kept = drop(weights[i], bits[i], ctx.dropout_p)
                     product = grad_kept.mul_(kept)
                     row_sums = product.sum(-1, keepdim=True)  # (..., rows, 1)
                     grad_scores = product.addcmul_(weights[i], row_sums, value=-1.0)
                 else:
                     # weights * (g - sum(g * weights)) in one fused pass: softmax's own backward.
                     grad_scores = torch._softmax_backward_data(grad_kept, kept, -1, kept.dtype)
-            elif ops is not None:
-                kept = ops.dropout_forward(weights[i], ctx.seed, first, *ctx.layout, 1.0)
-            elif bits:
-                kept = drop(weights[i], bits[i], ctx.dropout_p)
             if need_v:
                 grad_v[..., :keys, :] += _bmm(kept.transpose(-1, -2), g, factor)
             if need_q:
@@ -236,6 +236,62 @@ class _ExplicitAttention(torch.autograd.Function):
                 )
         grad_q = (torch.cat(grad_q, -2) if len(grad_q) > 1 else grad_q[0]) if need_q else None
         return grad_q, grad_k, grad_v, None, None, None, None
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The explicit kernel on CPU, compiled (`csrc/attention.cpp`): one parallel loop over
+    blocks of `_FUSED_ROWS` query rows per (batch, head), each block's scores, weights,
+    dropout mask and gradients made and used in the thread's cache, the output written
+    straight into the (B, N, H, Dv) memory the head merge reads. Saves q, k, v, the mask
+    and one logsumexp per row, never an N x M tensor: backward makes the weights again with
+    one more GEMM (the mask from the seed), as flash attention does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, dropout_p, scale, causal, ops):  # noqa: ANN001, ANN205
+        seed = dropout_seed(q.device).item() if dropout_p > 0.0 else 0
+        # (causal, scale, seed, threshold, rescaling, rows) of both compiled ops
+        ctx.args = (causal, scale, seed, threshold(dropout_p), rescaling(dropout_p), _FUSED_ROWS)
+        ctx.ops = ops  # the forward's choice, whatever the environment says in backward
+        out, logsumexp = ops.attention_forward(q, k, v, attn_mask, *ctx.args)
+        ctx.save_for_backward(q, k, v, attn_mask, logsumexp)
+        return out  # (B, H, N, Dv), a view of (B, N, H, Dv) memory
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        q, k, v, attn_mask, logsumexp = ctx.saved_tensors
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+        needs = ctx.needs_input_grad[:3]
+        grads = ctx.ops.attention_backward(grad, q, k, v, attn_mask, logsumexp, *ctx.args, needs)
+        return *grads, None, None, None, None, None
+
+
+def _fused_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    scale: float,
+    causal: bool,
+    ops: object,
+) -> Tensor:
+    """`_FusedAttention` on inputs of any leading dimensions, seen as (B, H, ..): views
+    wherever the layout allows (unit stride in the last dimension, which the BLAS calls
+    need); the mask broadcast to (B, H, N, M) as a view."""
+    *lead, seq_len, _ = q.shape
+    keys, groups = k.shape[-2], math.prod(lead)
+
+    def four_d(t: Tensor) -> Tensor:
+        t = t if t.dim() == 4 else t.reshape(groups, 1, *t.shape[-2:])
+        return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+    mask = None
+    if attn_mask is not None:
+        mask = four_d(attn_mask.expand(*lead, seq_len, keys))
+    q4, k4, v4 = four_d(q), four_d(k), four_d(v)
+    out = _FusedAttention.apply(q4, k4, v4, mask, dropout_p, scale, causal, ops)
+    return out if q.dim() == 4 else out.reshape(*lead, seq_len, v.shape[-1])
 
 
 def dot_product_attention(
@@ -276,6 +332,9 @@ def dot_product_attention(
         kernel = choose_kernel(device=q.device, dtype=q.dtype, dropout=dropout_p > 0.0)
     if kernel == "explicit":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        ops = native_ops(q)
+        if ops is not None:
+            return _fused_attention(q, k, v, attn_mask, dropout_p, scale, is_causal, ops)
         return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale, is_causal)
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(

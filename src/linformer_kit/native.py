@@ -1,11 +1,14 @@
-"""The compiled CPU dropout kernel (`csrc/dropout.cpp`), built on first use.
+"""The compiled CPU kernels (`csrc/`), built on first use: `dropout_forward` (`csrc/dropout.cpp`,
+for `dropout.Dropout`) and `attention_forward` / `attention_backward` (`csrc/attention.cpp`,
+the explicit attention kernel with its dropout, `kernels._FusedAttention`).
 
-`dropout_ops()` compiles the C++ file with torch's `cpp_extension` (g++ and ninja; about
+`cpu_ops()` compiles the C++ files with torch's `cpp_extension` (g++ and ninja; about
 20 s once per machine, then loaded from torch's extension cache) and returns
 `torch.ops.linformer_kit`, or None where it cannot: no compiler, a failed build, or
-`LINFORMER_KIT_NATIVE=0` in the environment. None is never an error: the explicit kernel
-then applies the same dropout mask with PyTorch ops (`dropout.dropout_bits`), bit for bit
-the same outputs, only slower.
+`LINFORMER_KIT_NATIVE=0` in the environment. None is never an error: `Dropout` is then
+`nn.Dropout`, and the explicit attention kernel runs by PyTorch ops with the same dropout
+mask (`dropout.dropout_bits`), the same outputs to rounding, only slower. The attention
+kernel's GEMMs call the BLAS (`sgemm_` / `dgemm_`) that torch's CPU wheel links in.
 """
 
 from __future__ import annotations
@@ -22,20 +25,23 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "dropout.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp")  # and their header, bits.h
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 _loaded: dict[str, object] = {}
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's feature flags: `-march=native` code must not be loaded
-    from a shared extension cache by a machine that lacks some of its instructions."""
+def _build_tag() -> str:
+    """A short hash of this CPU's feature flags and the header: `-march=native` code must
+    not be loaded from a shared extension cache by a machine that lacks some of its
+    instructions, and torch's cache notices a changed source but not a changed header."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         flags = next(line for line in info.splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = "unknown"
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+    header = (CSRC / "bits.h").read_text()
+    return hashlib.sha1((flags + header).encode()).hexdigest()[:10]
 
 
 def _build() -> object:
@@ -43,21 +49,21 @@ def _build() -> object:
 
     if shutil.which("ninja") is None:  # the ninja that pip installed beside this Python
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    logger.info("building the CPU dropout kernel %s (once per machine)", SOURCE)
+    logger.info("building the CPU kernels in %s (once per machine)", CSRC)
     load(
-        name=f"linformer_kit_dropout_{_cpu_tag()}",
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],  # OpenMP: at::parallel_for
+        name=f"linformer_kit_cpu_{_build_tag()}",
+        sources=[str(path) for path in SOURCES],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"],
         is_python_module=False,
         verbose=False,
     )
     return torch.ops.linformer_kit
 
 
-def dropout_ops() -> object | None:
-    """`torch.ops.linformer_kit` with `dropout_forward` / `dropout_backward`, or None if
-    the kernel is switched off (`LINFORMER_KIT_NATIVE=0`) or cannot be built here (a
-    warning says why, once per process)."""
+def cpu_ops() -> object | None:
+    """`torch.ops.linformer_kit` with `dropout_forward`, `attention_forward` and
+    `attention_backward`, or None if the kernels are switched off (`LINFORMER_KIT_NATIVE=0`)
+    or cannot be built here (a warning says why, once per process)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     if "ops" not in _loaded:
@@ -65,8 +71,8 @@ def dropout_ops() -> object | None:
             _loaded["ops"] = _build()
         except Exception as error:  # noqa: BLE001 - any build failure means the fallback
             warnings.warn(
-                f"linformer-kit: the CPU dropout kernel could not be built ({error}); "
-                f"attention dropout uses PyTorch ops (same results, slower). Set "
+                f"linformer-kit: the CPU kernels could not be built ({error}); dropout and "
+                f"the explicit attention kernel use PyTorch ops (same results, slower). Set "
                 f"{ENV_SWITCH}=0 to skip the build.",
                 RuntimeWarning,
                 stacklevel=2,

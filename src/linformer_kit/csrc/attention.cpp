@@ -1,0 +1,399 @@
+// Softmax attention with dropout on CPU, fused: the explicit kernel's forward and backward
+// (`kernels._FusedAttention`) as one parallel loop over blocks of query rows, each block's
+// scores, weights, dropped weights and gradients made and consumed in the thread's cache.
+//
+// Forward, per (batch x head, block of rows): S = Q K^T * scale (one GEMM), softmax in place
+// (a vectorized exp), the dropout mask (`bits.h`), O = kept V / (1 - p) (one GEMM, written
+// straight into the (B, N, H, Dv) layout the head merge reads); only each row's logsumexp
+// is saved, as flash attention does: no N x M tensor is ever allocated (fresh pages for one
+// cost more than the GEMM that makes the weights again). Backward, per block: the weights
+// again from Q K^T and the logsumexp, the mask again from the seed, dP = dO V^T, the scores'
+// gradient in place, dQ = dS K, and dK += dS^T Q, dV += kept^T dO into thread-local sums
+// added once per matrix under a lock. The GEMMs are single-threaded BLAS calls (the sgemm_ /
+// dgemm_ libtorch_cpu exports) inside at::parallel_for.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "bits.h"
+
+extern "C" {  // Fortran BLAS, column-major (MKL, linked into libtorch_cpu)
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
+            const float*, const int*, const float*, const int*, const float*, float*, const int*);
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*,
+            const double*, const int*, const double*, const int*, const double*, double*,
+            const int*);
+}
+
+namespace {
+
+using linformer_kit::keep;
+using linformer_kit::row_bits;
+
+// Row-major C (m x n) = alpha * op(A) op(B) + beta * C, op(A) m x k, op(B) k x n; A, B, C
+// row-major with row strides lda, ldb, ldc (a column-major BLAS computes C^T = op(B)^T op(A)^T).
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+          int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  const int M = int(m), N = int(n), K = int(k);
+  // A row stride is free where its rows are single: BLAS wants at least the row's length.
+  const int LDA = int(std::max<int64_t>({lda, trans_a ? m : k, 1}));
+  const int LDB = int(std::max<int64_t>({ldb, trans_b ? k : n, 1}));
+  const int LDC = int(std::max<int64_t>({ldc, n, 1}));
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_(&tb, &ta, &N, &M, &K, &alpha, b, &LDB, a, &LDA, &beta, c, &LDC);
+  } else {
+    dgemm_(&tb, &ta, &N, &M, &K, &alpha, b, &LDB, a, &LDA, &beta, c, &LDC);
+  }
+}
+
+// exp(s[c] - shift) in place over a row, returning the row's sum; -inf gives 0, nan stays
+// nan. float: Cephes' expf (range reduction by ln 2 in two parts, a degree-6 polynomial,
+// relative error about 1e-7) in a loop g++ vectorizes (with -fno-trapping-math: else it
+// makes the clamp a branch and gives up); results below exp(-87) are 0.
+inline float exp_sum(float* s, int64_t count, float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < count; ++c) {
+    const float x = s[c] - shift;
+    const float xc = x < -87.0f ? -87.0f : x;
+    const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+    const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const float power = std::bit_cast<float>((int32_t(n) + 127) << 23);  // 2^n
+    const int32_t keep = -int32_t(!(x < -87.0f));  // 0 below exp(-87) and at -inf
+    const float e = std::bit_cast<float>(std::bit_cast<int32_t>(p * power) & keep);
+    s[c] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+inline double exp_sum(double* s, int64_t count, double shift) {
+  double sum = 0.0;
+  for (int64_t c = 0; c < count; ++c) sum += (s[c] = std::exp(s[c] - shift));
+  return sum;
+}
+
+// The largest of s[0 .. count), -inf if none: 16 running maxima g++ keeps in vector
+// registers (a max reduction it does not vectorize: one dependent max per element).
+template <typename T>
+T row_max(const T* s, int64_t count) {
+  constexpr int64_t kLanes = 16;
+  T lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, -std::numeric_limits<T>::infinity());
+  int64_t c = 0;
+  for (; c + kLanes <= count; c += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] = lanes[j] > s[c + j] ? lanes[j] : s[c + j];
+  }
+  for (; c < count; ++c) lanes[0] = lanes[0] > s[c] ? lanes[0] : s[c];
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
+// The scores' gradient of one row of softmax weights followed by dropout, in place of the
+// kept weights' gradient: grad <- kept * grad - weights * sum(kept * grad), kept being
+// the dropped weights without the rescaling (which the gradient already carries).
+template <typename T>
+inline void scores_grad(const T* weights, const T* kept, T* grad, int64_t keys) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < keys; ++c) {
+    const T product = grad[c] * kept[c];
+    grad[c] = product;
+    sum += product;
+  }
+#pragma omp simd
+  for (int64_t c = 0; c < keys; ++c) grad[c] -= weights[c] * sum;
+}
+
+// Row scores ready for the exp: -inf where `allowed` is false (if given) among the first
+// `valid`, and 0 in s[valid .. keys), the keys a causal row does not see.
+template <typename T>
+void mask_row(T* s, int64_t valid, int64_t keys, const bool* allowed) {
+  if (allowed != nullptr) {
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    for (int64_t c = 0; c < valid; ++c) s[c] = allowed[c] ? s[c] : kNegInf;
+  }
+  std::fill(s + valid, s + keys, T(0));
+}
+
+// Softmax of a masked row's first `valid` scores in place; returns its logsumexp, from
+// which backward makes the weights again.
+template <typename T>
+T softmax_row(T* s, int64_t valid) {
+  const T top = row_max(s, valid);
+  const T sum = exp_sum(s, valid, top);
+  const T inverse = T(1) / sum;
+#pragma omp simd
+  for (int64_t c = 0; c < valid; ++c) s[c] *= inverse;
+  return top + std::log(sum);
+}
+
+// A (B, H, rows, cols) tensor with unit column stride, addressed as matrix g = b * H + h.
+template <typename T>
+struct Matrices {
+  T* data = nullptr;
+  int64_t heads = 1, batch_stride = 0, head_stride = 0, ld = 0;
+
+  explicit Matrices(const at::Tensor& t) {  // an undefined t: a gradient not asked for
+    if (t.defined()) {
+      data = t.data_ptr<std::remove_const_t<T>>();
+      heads = t.size(1), batch_stride = t.stride(0), head_stride = t.stride(1), ld = t.stride(2);
+    }
+  }
+  T* row(int64_t g, int64_t r) const {
+    return data + (g / heads) * batch_stride + (g % heads) * head_stride + r * ld;
+  }
+};
+
+// The call's shape and dropout: G = B x H matrices of N query rows and M keys, blocks of
+// `rows` query rows; under `causal` a block computes only the keys its last row sees.
+struct Plan {
+  int64_t groups, seq_len, keys, rows, blocks, words_per_row;
+  bool causal, dropout;
+  uint64_t seed;
+  int32_t threshold;
+
+  int64_t block_keys(int64_t first, int64_t count) const {
+    return causal ? std::min(keys, first + count) : keys;
+  }
+  int64_t valid_keys(int64_t row, int64_t block_keys) const {
+    return causal ? std::min(block_keys, row + 1) : block_keys;
+  }
+};
+
+// The optional (B, H, N, M) bool mask's rows (nullptr without a mask).
+struct Allowed {
+  std::optional<Matrices<const bool>> mask;
+
+  explicit Allowed(const std::optional<at::Tensor>& t) {
+    if (t) mask.emplace(*t);
+  }
+  const bool* row(int64_t g, int64_t r) const { return mask ? mask->row(g, r) : nullptr; }
+};
+
+// The dropped weights of row `row` of matrix g (its first `keys`), not rescaled.
+template <typename T>
+void keep_row(const Plan& plan, int64_t g, int64_t row, int64_t keys, const T* weights, T* kept,
+              std::vector<uint64_t>& words) {
+  const int16_t* bits =
+      row_bits(plan.seed, g * plan.seq_len + row, plan.words_per_row, keys, words);
+  keep(bits, plan.threshold, weights, kept, keys, T(1));
+}
+
+void check_matrices(const at::Tensor& t, const at::Tensor& q) {
+  TORCH_CHECK(t.dim() == 4 && t.device().is_cpu() && t.scalar_type() == q.scalar_type() &&
+                  (t.stride(3) == 1 || t.size(3) <= 1 || t.numel() == 0),
+              "fused attention: q, k, v and grad must be 4-D CPU tensors of one dtype with "
+              "unit stride in the last dimension; got ", t.sizes(), " strides ", t.strides(),
+              " ", t.scalar_type());
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& mask) {
+  for (const at::Tensor* t : {&q, &k, &v}) check_matrices(*t, q);
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3) &&
+                  v.sizes().slice(0, 3) == k.sizes().slice(0, 3),
+              "fused attention: q, k, v shapes ", q.sizes(), ", ", k.sizes(), ", ", v.sizes(),
+              " do not match (B, H, N, D), (B, H, M, D), (B, H, M, Dv)");
+  TORCH_CHECK(!mask || (mask->scalar_type() == at::kBool &&
+                        mask->sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2),
+                                                          k.size(2)}) &&
+                        (mask->stride(3) == 1 || k.size(2) <= 1)),
+              "fused attention: the mask must be bool (B, H, N, M) with unit stride in the "
+              "last dimension");
+}
+
+Plan plan_of(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t seed,
+             int64_t threshold, int64_t block_rows) {
+  TORCH_CHECK(threshold >= -32768 && threshold <= 32768, "fused attention: threshold ",
+              threshold, " outside [-32768, 32768]");
+  TORCH_CHECK(block_rows >= 1, "fused attention: block_rows must be >= 1; got ", block_rows);
+  const int64_t seq_len = q.size(2), keys = k.size(2);
+  return Plan{q.size(0) * q.size(1), seq_len, keys, block_rows,
+              (seq_len + block_rows - 1) / block_rows, (keys + 3) / 4, causal,
+              threshold > -32768, uint64_t(seed), int32_t(threshold)};
+}
+
+template <typename T>
+void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const std::optional<at::Tensor>& mask, T scale,
+                    T factor, at::Tensor& out, at::Tensor& logsumexp) {
+  const Matrices<const T> Q(q), K(k), V(v);
+  const Matrices<T> O(out);
+  const Allowed allowed(mask);
+  T* lse = logsumexp.data_ptr<T>();
+  const int64_t head_dim = q.size(3), value_dim = v.size(3);
+  at::parallel_for(0, plan.groups * plan.blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> weights(plan.rows * plan.keys), kept(plan.dropout ? plan.rows * plan.keys : 0);
+    std::vector<uint64_t> words;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / plan.blocks, first = (task % plan.blocks) * plan.rows;
+      const int64_t rows = std::min(plan.rows, plan.seq_len - first);
+      const int64_t keys = plan.block_keys(first, rows);
+      T* w = weights.data();  // (rows, keys)
+      gemm<T>(false, true, rows, keys, head_dim, scale, Q.row(g, first), Q.ld, K.row(g, 0),
+              K.ld, T(0), w, keys);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t row = first + i, valid = plan.valid_keys(row, keys);
+        mask_row(w + i * keys, valid, keys, allowed.row(g, row));
+        lse[g * plan.seq_len + row] = softmax_row(w + i * keys, valid);
+        if (plan.dropout) keep_row(plan, g, row, keys, w + i * keys, kept.data() + i * keys, words);
+      }
+      gemm<T>(false, false, rows, value_dim, keys, factor, plan.dropout ? kept.data() : w, keys,
+              V.row(g, 0), V.ld, T(0), O.row(g, first), O.ld);
+    }
+  });
+}
+
+template <typename T>
+void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor& q,
+                     const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, const at::Tensor& logsumexp,
+                     T scale, T factor, at::Tensor& grad_q, at::Tensor& grad_k,
+                     at::Tensor& grad_v) {
+  const bool need_q = grad_q.defined(), need_k = grad_k.defined(), need_v = grad_v.defined();
+  const Matrices<const T> dO(grad), Q(q), K(k), V(v);
+  const Matrices<T> dQ(grad_q), dK(grad_k), dV(grad_v);
+  const Allowed allowed(mask);
+  const T* lse = logsumexp.data_ptr<T>();
+  const int64_t head_dim = q.size(3), value_dim = v.size(3), M = plan.keys;
+  std::unique_ptr<std::mutex[]> locks(new std::mutex[plan.groups]);
+  at::parallel_for(0, plan.groups * plan.blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> weights(plan.rows * M), grad_scores(plan.rows * M);
+    std::vector<T> kept(plan.dropout ? plan.rows * M : 0);
+    std::vector<T> sum_k(M * head_dim), sum_v(M * value_dim);  // this thread's dK, dV of g
+    std::vector<uint64_t> words;
+    int64_t summed = -1, summed_keys = 0;  // the matrix the sums belong to, keys touched
+    auto add_sums = [&] {  // into dK, dV of matrix `summed`, which other threads may share
+      if (summed < 0) return;
+      std::lock_guard<std::mutex> lock(locks[summed]);
+      for (int64_t m = 0; m < summed_keys; ++m) {
+        for (int64_t c = 0; need_k && c < head_dim; ++c) dK.row(summed, m)[c] += sum_k[m * head_dim + c];
+        for (int64_t c = 0; need_v && c < value_dim; ++c) dV.row(summed, m)[c] += sum_v[m * value_dim + c];
+      }
+      std::fill(sum_k.begin(), sum_k.end(), T(0));
+      std::fill(sum_v.begin(), sum_v.end(), T(0));
+    };
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / plan.blocks, first = (task % plan.blocks) * plan.rows;
+      const int64_t rows = std::min(plan.rows, plan.seq_len - first);
+      const int64_t keys = plan.block_keys(first, rows);
+      if (g != summed) {
+        add_sums();
+        summed = g;
+        summed_keys = 0;
+      }
+      summed_keys = std::max(summed_keys, keys);
+      T* w = weights.data();  // (rows, keys): the forward's weights, made again
+      T* ds = grad_scores.data();
+      gemm<T>(false, true, rows, keys, head_dim, scale, Q.row(g, first), Q.ld, K.row(g, 0),
+              K.ld, T(0), w, keys);
+      if (need_q || need_k) {
+        gemm<T>(false, true, rows, keys, value_dim, factor, dO.row(g, first), dO.ld,
+                V.row(g, 0), V.ld, T(0), ds, keys);  // the kept weights' gradient
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t row = first + i, valid = plan.valid_keys(row, keys);
+        T* wi = w + i * keys;
+        mask_row(wi, valid, keys, allowed.row(g, row));
+        exp_sum(wi, valid, lse[g * plan.seq_len + row]);
+        T* ki = plan.dropout ? kept.data() + i * keys : wi;
+        if (plan.dropout) keep_row(plan, g, row, keys, wi, ki, words);
+        if (need_q || need_k) scores_grad(wi, ki, ds + i * keys, keys);
+      }
+      if (need_q) {
+        gemm<T>(false, false, rows, head_dim, keys, scale, ds, keys, K.row(g, 0), K.ld, T(0),
+                dQ.row(g, first), dQ.ld);
+      }
+      if (need_k) {
+        gemm<T>(true, false, keys, head_dim, rows, scale, ds, keys, Q.row(g, first), Q.ld,
+                T(1), sum_k.data(), head_dim);
+      }
+      if (need_v) {
+        gemm<T>(true, false, keys, value_dim, rows, factor, plan.dropout ? kept.data() : w,
+                keys, dO.row(g, first), dO.ld, T(1), sum_v.data(), value_dim);
+      }
+    }
+    add_sums();
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& mask, bool causal, double scale, int64_t seed,
+    int64_t threshold, double factor, int64_t block_rows) {
+  check_inputs(q, k, v, mask);
+  const Plan plan = plan_of(q, k, causal, seed, threshold, block_rows);
+  at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options())
+                       .transpose(1, 2);  // (B, H, N, Dv) over (B, N, H, Dv) memory
+  at::Tensor logsumexp = at::empty({plan.groups, plan.seq_len}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_forward", [&] {
+    forward_blocks<scalar_t>(plan, q, k, v, mask, scalar_t(scale), scalar_t(factor), out,
+                             logsumexp);
+  });
+  return {out, logsumexp};
+}
+
+using Grad = std::optional<at::Tensor>;  // None where not asked for
+
+std::tuple<Grad, Grad, Grad> attention_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& mask, const at::Tensor& logsumexp, bool causal,
+    double scale, int64_t seed, int64_t threshold, double factor, int64_t block_rows,
+    std::array<bool, 3> needs) {
+  check_inputs(q, k, v, mask);
+  check_matrices(grad, q);
+  const Plan plan = plan_of(q, k, causal, seed, threshold, block_rows);
+  TORCH_CHECK(grad.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}) &&
+                  logsumexp.is_contiguous() && logsumexp.scalar_type() == q.scalar_type() &&
+                  logsumexp.sizes() == at::IntArrayRef({plan.groups, plan.seq_len}),
+              "fused attention: grad ", grad.sizes(), " or logsumexp ", logsumexp.sizes(),
+              " do not match the inputs");
+  at::Tensor grad_q = needs[0] ? at::empty_like(q) : at::Tensor();  // undefined: None
+  at::Tensor grad_k = needs[1] ? at::zeros_like(k) : at::Tensor();
+  at::Tensor grad_v = needs[2] ? at::zeros_like(v) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward", [&] {
+    backward_blocks<scalar_t>(plan, grad, q, k, v, mask, logsumexp, scalar_t(scale),
+                              scalar_t(factor), grad_q, grad_k, grad_v);
+  });
+  auto asked = [](const at::Tensor& t) { return t.defined() ? Grad(t) : std::nullopt; };
+  return {asked(grad_q), asked(grad_k), asked(grad_v)};
+}
+
+TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, "
+        "float scale, int seed, int threshold, float factor, int block_rows) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, "
+        "Tensor logsumexp, bool causal, float scale, int seed, int threshold, float factor, "
+        "int block_rows, bool[3] needs) -> (Tensor?, Tensor?, Tensor?)");
+}
+
+TORCH_LIBRARY_IMPL(linformer_kit, CPU, m) {
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward);
+}

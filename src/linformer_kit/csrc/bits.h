@@ -1,0 +1,56 @@
+// The dropout mask's bits and the keep multiply, shared by dropout.cpp and attention.cpp.
+//
+// Word w of row r (of all B x H x N rows of a call) is SplitMix64's output number
+// r * words_per_row + w + 1 for the call's seed, and its four 16-bit lanes, read as int16,
+// are the bits of the row's weights 4w .. 4w + 3 (`dropout.dropout_bits`, the PyTorch-ops
+// definition the tests hold these files to). A weight is kept where its bits are at least
+// `threshold`.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace linformer_kit {
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+inline uint64_t splitmix64(uint64_t state) {
+  state = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9ull;
+  state = (state ^ (state >> 27)) * 0x94D049BB133111EBull;
+  return state ^ (state >> 31);
+}
+
+// The bits of the first `keys` weights of global row `row` into `words` (resized to
+// ceil(keys / 4) 64-bit words), one int16 per weight.
+inline const int16_t* row_bits(uint64_t seed, int64_t row, int64_t words_per_row, int64_t keys,
+                               std::vector<uint64_t>& words) {
+  const uint64_t first = uint64_t(row) * uint64_t(words_per_row) + 1;
+  words.resize((keys + 3) / 4);
+  for (size_t w = 0; w < words.size(); ++w) words[w] = splitmix64(seed + (first + w) * kGolden);
+  return reinterpret_cast<const int16_t*>(words.data());  // little-endian: lane j = bits 16j..
+}
+
+// kept[c] = weights[c] times `scale` where bits[c] >= threshold, else times 0 (so a
+// dropped inf or nan is nan, as in nn.Dropout). The factor is scale's bits ANDed with an
+// all-ones or all-zeros word, not `keep ? scale : 0`: g++ vectorizes a select here or not
+// depending on whether `scale` is a constant (-march=haswell: 3-4x slower per row when it
+// does not); the AND vectorizes with every -march and scale (measured with AVX2 and
+// AVX-512 builds).
+template <typename T>
+inline void keep(const int16_t* bits, int32_t threshold, const T* weights, T* kept, int64_t keys,
+                 T scale) {
+  using Word = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  Word scale_word;
+  std::memcpy(&scale_word, &scale, sizeof(T));
+#pragma omp simd
+  for (int64_t c = 0; c < keys; ++c) {
+    const Word factor_word = scale_word & -Word(bits[c] >= threshold);  // scale or +0
+    T factor;
+    std::memcpy(&factor, &factor_word, sizeof(T));
+    kept[c] = weights[c] * factor;
+  }
+}
+
+}  // namespace linformer_kit

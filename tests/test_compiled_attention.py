@@ -1,0 +1,153 @@
+"""The compiled CPU attention kernel (csrc/attention.cpp, `kernels._FusedAttention`): outputs
+and gradients equal a float64 autograd reference written here (scores, masks, softmax, the
+documented dropout mask, all by torch ops) on any layout, mask and block cut; the output is
+laid out for the head merge; only the gradients asked for are computed; bad input is a
+clear error."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from linformer_kit import kernels, native
+from linformer_kit.dropout import dropout_bits, dropout_seed, rescaling, threshold
+from linformer_kit.kernels import dot_product_attention
+
+
+@pytest.fixture(autouse=True)
+def compiled():
+    if native.cpu_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled kernel cannot be built")
+
+
+def reference(q, k, v, allowed, causal, scale, seed, p):
+    """softmax(Q K^T * scale) with the mask and the call's dropout bits, times V, float64."""
+    q, k, v = (t.double() for t in (q, k, v))
+    scores = q @ k.transpose(-1, -2) * scale
+    n, m = scores.shape[-2:]
+    if causal:
+        scores = scores.masked_fill(~torch.ones(n, m, dtype=torch.bool).tril(), float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = scores.softmax(-1)
+    if p > 0:
+        keep = dropout_bits(weights, seed, 0, n, (m + 3) // 4) >= threshold(p)
+        weights = weights * keep * rescaling(p)
+    return weights @ v
+
+
+def heads_last(shape, dtype, g):
+    """(B, H, L, D) as the model makes it: a transposed view of (B, L, H, D) memory."""
+    b, h, length, d = shape
+    return torch.randn(b, length, h, d, dtype=dtype, generator=g).transpose(1, 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    heads=st.integers(1, 3),
+    n=st.integers(1, 40),
+    m=st.integers(1, 20),
+    dims=st.sampled_from([(8, 8), (4, 6), (16, 3)]),
+    mask=st.sampled_from([None, "keys", "general", "causal"]),
+    p=st.sampled_from([0.0, 0.3]),
+    rows=st.sampled_from([3, 7, 256]),
+    double=st.booleans(),
+)
+def test_outputs_and_gradients_equal_the_float64_reference(
+    batch, heads, n, m, dims, mask, p, rows, double
+):
+    dtype = torch.float64 if double else torch.float32
+    g = torch.Generator().manual_seed(n * 100 + m)
+    d, dv = dims
+    q = heads_last((batch, heads, n, d), dtype, g).requires_grad_()
+    k = heads_last((batch, heads, m, d), dtype, g).requires_grad_()
+    v = heads_last((batch, heads, m, dv), dtype, g).requires_grad_()
+    allowed = None
+    if mask == "keys":  # (B, 1, 1, M), as `attend` passes it
+        allowed = torch.rand(batch, m, generator=g) < 0.6
+        allowed[:, 0] = True
+        allowed = allowed[:, None, None, :]
+    elif mask == "general":  # every (query, key) pair its own, each row with one allowed key
+        allowed = torch.rand(batch, heads, n, m, generator=g) < 0.5
+        allowed[..., torch.randint(m, (), generator=g)] = True
+    scale = d**-0.5
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "_FUSED_ROWS", rows)
+        torch.manual_seed(3)
+        out = dot_product_attention(
+            q, k, v, allowed, p, scale, kernel="explicit", is_causal=mask == "causal"
+        )
+    torch.manual_seed(3)
+    seed = dropout_seed(q.device).item() if p > 0 else 0
+    expected = reference(q, k, v, allowed, mask == "causal", scale, seed, p)
+    tol = 1e-12 if double else 2e-6
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    grad = torch.randn(out.shape, dtype=dtype, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    wanted = torch.autograd.grad(expected, (q, k, v), grad.double())
+    for a, b in zip(got, wanted):
+        torch.testing.assert_close(a.double(), b.double(), atol=10 * tol, rtol=10 * tol)
+
+
+def test_softmax_of_extreme_scores_equals_torch():
+    # The kernel's own exp: scores spread over hundreds (weights down to exp(-87) and
+    # below, which must come out 0, not garbage), masked keys at -inf, float32.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 64, 16, generator=g) * 8
+    k = torch.randn(1, 2, 32, 16, generator=g) * 8
+    eye = torch.eye(32).expand(1, 2, 32, 32)  # V = I: the output is the weight matrix
+    allowed = torch.rand(1, 2, 64, 32, generator=g) < 0.7
+    allowed[..., 0] = True
+    weights = dot_product_attention(q, k, eye, allowed, scale=1.0, kernel="explicit")
+    scores = (q @ k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+    assert scores.amax(-1).sub(scores.masked_fill(~allowed, 0).amin(-1)).max() > 500
+    torch.testing.assert_close(weights, scores.softmax(-1), atol=1e-6, rtol=1e-5)
+    assert (weights[~allowed] == 0).all()
+
+
+def test_output_is_laid_out_for_the_head_merge():
+    # (B, H, N, Dv) over (B, N, H, Dv) memory: the merge's transpose + reshape is a view.
+    q = torch.randn(2, 3, 10, 4)
+    out = dot_product_attention(q, q, q, kernel="explicit")
+    merged = out.transpose(1, 2).reshape(2, 10, 12)
+    assert merged.data_ptr() == out.data_ptr()
+    expected = dot_product_attention(q, q, q, kernel="sdpa").transpose(1, 2).reshape(2, 10, 12)
+    torch.testing.assert_close(merged, expected)
+
+
+@pytest.mark.parametrize("lead", [(6,), (2, 3), (1, 2, 3)])
+def test_any_leading_dimensions_as_sdpa(lead):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(*lead, n, 5, generator=g) for n in (9, 4, 4))
+    out = dot_product_attention(q, k, v, kernel="explicit")
+    torch.testing.assert_close(out, dot_product_attention(q, k, v, kernel="sdpa"))
+
+
+@pytest.mark.parametrize("wanted", ["q", "k", "v", "qk", "kv", "qv"])
+def test_backward_computes_only_the_gradients_asked_for(wanted):
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(2, 2, 9, 4, generator=g) for _ in range(3)]
+    grads = []
+    for subset in ("qkv", wanted):  # all three, then only those wanted, under one seed
+        inputs = [t.clone().requires_grad_(name in subset) for name, t in zip("qkv", tensors)]
+        torch.manual_seed(0)
+        out = dot_product_attention(*inputs, dropout_p=0.3, kernel="explicit")
+        asked = [inputs["qkv".index(name)] for name in wanted]
+        grads.append(torch.autograd.grad(out.square().sum(), asked))
+    for some, full in zip(*grads[::-1]):
+        torch.testing.assert_close(some, full, rtol=0, atol=0)
+
+
+def test_bad_input_is_a_clear_error():
+    ops = native.cpu_ops()
+    q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4)
+    args = (False, 0.5, 0, threshold(0.0), 1.0, 256)
+    with pytest.raises(RuntimeError, match=r"q, k, v shapes .* do not match"):
+        ops.attention_forward(q, torch.randn(1, 2, 3, 5), k, None, *args)
+    with pytest.raises(RuntimeError, match="unit stride in the last dimension"):
+        ops.attention_forward(q.transpose(-1, -2), k, k, None, *args)
+    with pytest.raises(RuntimeError, match="the mask must be bool"):
+        ops.attention_forward(q, k, k, torch.ones(1, 2, 5, 3), *args)
+    with pytest.raises(RuntimeError, match="block_rows must be >= 1; got 0"):
+        ops.attention_forward(q, k, k, None, *args[:-1], 0)
