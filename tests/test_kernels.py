@@ -399,11 +399,13 @@ TABLE = BENCHMARKS / "kernels" / "table.json"
 @pytest.mark.parametrize(("mode", "dropout"), [("train dropout 0.1", True), ("train", False)])
 def test_the_rule_picks_the_kernel_the_table_measured_faster(mode, dropout):
     # The committed table (benchmarks/kernels.py): the geometric mean over its shapes of
-    # SDPA time / explicit time decides each mode; the rule must pick that winner.
+    # SDPA time / explicit time decides each mode; the rule must pick the explicit kernel
+    # where it wins by more than 5 %, and SDPA (torch's own kernel: nothing to build) where
+    # it does not: a closer call is a tie, within the run-to-run spread of the table.
     rows = [r for r in json.loads(TABLE.read_text())["rows"] if r["mode"] == mode]
     geomean = math.exp(sum(math.log(r["explicit_speedup"]) for r in rows) / len(rows))
     picked = choose_kernel(device=CPU, dtype=torch.float32, dropout=dropout)
-    assert picked == ("explicit" if geomean > 1 else "sdpa")
+    assert picked == ("explicit" if geomean > 1.05 else "sdpa")
 
 
 def test_the_rule_keeps_sdpa_off_the_measured_cases():

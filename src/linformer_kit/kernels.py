@@ -54,8 +54,9 @@ _BLOCK_WEIGHTS = 1 << 22
 _BLOCK_ROWS = (64, 512)
 # Query rows per block of the compiled kernel (`_FusedAttention`), one block per task of
 # its parallel loop. Measured (fp32, B = 1, 4 heads, M = 256, head_dim 64, fwd+bwd with
-# dropout 0.1, 2 threads, AVX-512 Xeon): 128 / 256 rows took 4.41 / 4.25 ms at n = 1024,
-# 16.6 / 16.4 ms at 4096 and 69.6 / 68.1 ms at 16384 (64 rows lost 5-10 % more).
+# dropout 0.1, 2 threads, AVX-512 Xeon, best of 3 interleaved rounds): 64 / 128 / 256 /
+# 512 rows took 4.32 / 4.13 / 4.08 / 4.42 ms at n = 1024, 17.3 / 16.4 / 16.6 / 17.0 ms at
+# 4096 and 69.5 / 63.7 / 62.4 / 68.0 ms at 16384.
 _FUSED_ROWS = 256
 
 
@@ -63,23 +64,27 @@ def choose_kernel(*, device: torch.device, dtype: torch.dtype, dropout: bool) ->
     """The cheaper kernel for a call, by the measured rule.
 
     `benchmarks/kernels/table.json` (CPU, fp32, one thread, B = 1, H = 4; n 1024-16384,
-    k 64-1024, head_dim 32-128, fwd+bwd with and without dropout, forward only):
+    k 64-1024, head_dim 32-128, fwd+bwd with and without dropout, forward only; the
+    explicit kernel compiled, on an AVX-512 Xeon):
 
     - dropout on: explicit beats SDPA's math fallback at all 27 shapes (SDPA time /
-      explicit time 1.27-2.55, geometric mean 1.74), so CPU attention with dropout goes
+      explicit time 1.67-5.33, geometric mean 2.70), so CPU attention with dropout goes
       explicit (fp32 measured; fp64 takes the same path);
-    - dropout off: SDPA's flash kernel, which never writes the N x M weights to memory,
-      wins on the geometric mean (0.95 in training, 0.81 in inference; explicit ahead by
-      more than 5 % at only 3 training shapes, all at n = 16384, by at most 1.09x, and at
-      no inference shape).
+    - dropout off: a tie. Geometric mean 1.03 in training (explicit ahead by more than 5 %
+      at 10 shapes, 8 of them at k = 64, by up to 1.26x; SDPA ahead at 5, by up to 1.16x)
+      and 0.97 in inference (SDPA ahead by more than 5 % at 12 shapes). The explicit kernel
+      is chosen only where its geometric mean wins by more than 5 % (a second run of the
+      table, `compiled-attention/table/`, gave 1.03 and 0.97 again), so SDPA (torch's own
+      kernel, nothing to build) keeps these cases; k = 64 in training alone would favour
+      explicit (1.05-1.26x), a corner of a non-default config not worth a rule.
 
-    Exact causal attention (`benchmarks/kernels/causal/`, n 1024-4096, head_dim 64) agrees:
-    explicit 2.5-3.7x faster with dropout (its blocks skip the keys no query of theirs
-    sees), SDPA 1.12-1.25x faster without in training and 1.6-1.9x in inference.
+    Exact causal attention (`benchmarks/kernels/compiled-attention/causal/`, n 1024-4096,
+    head_dim 64) agrees: explicit 4.6-7.0x faster with dropout (its blocks skip the keys no
+    query of theirs sees), 0.96-1.13x without.
 
-    n, k and head_dim did not change the winner in any region of that table, so the CPU
-    rule does not read them. On a GPU, and for bf16 / fp16 or under autocast (not measured
-    for the explicit kernel yet), SDPA is kept.
+    n, k and head_dim did not change the winner with dropout anywhere in that table, so the
+    CPU rule does not read them. On a GPU, and for bf16 / fp16 or under autocast (not
+    measured for the explicit kernel yet), SDPA is kept.
 
     Args:
         device: where the call runs.
