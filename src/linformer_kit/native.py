@@ -53,6 +53,7 @@ def _build() -> object:
     load(
         name=f"linformer_kit_cpu_{_build_tag()}",
         sources=[str(path) for path in SOURCES],
+        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"],
         is_python_module=False,
         verbose=False,
