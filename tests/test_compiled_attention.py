@@ -151,3 +151,26 @@ def test_bad_input_is_a_clear_error():
         ops.attention_forward(q, k, k, torch.ones(1, 2, 5, 3), *args)
     with pytest.raises(RuntimeError, match="block_rows must be >= 1; got 0"):
         ops.attention_forward(q, k, k, None, *args[:-1], 0)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_that_share_a_matrix_add_its_key_gradients_once(threads, monkeypatch):
+    # One (batch, head) matrix in 14 blocks of 3 rows: with several threads each takes a
+    # run of blocks of the same matrix and adds its dK, dV sums into it under a lock; a
+    # lost or doubled sum would break the agreement with the reference.
+    monkeypatch.setattr(kernels, "_FUSED_ROWS", 3)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g, requires_grad=True) for n in (40, 6, 6))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(1)
+        out = dot_product_attention(q, k, v, dropout_p=0.2, kernel="explicit")
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    finally:
+        torch.set_num_threads(previous)
+    torch.manual_seed(1)
+    seed = dropout_seed(q.device).item()
+    expected = reference(q, k, v, None, False, 8**-0.5, seed, 0.2)
+    for got, wanted in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+        torch.testing.assert_close(got.double(), wanted.double(), atol=2e-5, rtol=2e-5)
