@@ -2,7 +2,8 @@
 
 A 2-layer encoder (dim 256, 4 heads, k 256, kv sharing, the default dropouts 0.1 / 0.1) at
 n = 4096, batch 1: training (forward + backward) and inference, eager and compiled timed
-interleaved in one run (medians), plus the one-off compile time of each.
+interleaved in one run (medians), plus the one-off compile time of each. On CPU the
+compiled kernels (`native.cpu_ops`) are built first, so the compiled graph calls them.
 Writes benchmarks/kernels/compile.json (CPU, one thread) or, with `--device cuda`,
 benchmarks/kernels/cuda/compile.json (CUDA-event timing); `--out` another folder.
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from linformer_kit import LinformerConfig, LinformerEncoder
+from linformer_kit import LinformerConfig, LinformerEncoder, native
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.training.compare import machine
 
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out = args.out or (OUT if args.device == "cpu" else OUT / args.device)
     torch.set_num_threads(THREADS)
+    native.cpu_ops()  # built before tracing, as any eager step would: the graph calls them
     torch.manual_seed(0)
     config = LinformerConfig(
         max_seq_len=SEQ_LEN, dim=256, depth=2, num_heads=4, proj_dim=256, sharing="kv"

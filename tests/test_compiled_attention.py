@@ -1,4 +1,4 @@
-"""The compiled CPU attention kernel (csrc/attention.cpp, `kernels._FusedAttention`): outputs
+"""The compiled CPU attention kernel (csrc/attention.cpp, `kernels._fused_attention`): outputs
 and gradients equal a float64 autograd reference written here (scores, masks, softmax, the
 documented dropout mask, all by torch ops) on any layout, mask and block cut; the output is
 laid out for the head merge; only the gradients asked for are computed; bad input is a
@@ -142,7 +142,7 @@ def test_backward_computes_only_the_gradients_asked_for(wanted):
 def test_bad_input_is_a_clear_error():
     ops = native.cpu_ops()
     q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4)
-    args = (False, 0.5, 0, threshold(0.0), 1.0, 256)
+    args = (False, 0.5, torch.tensor(0), threshold(0.0), 1.0, 256)
     with pytest.raises(RuntimeError, match=r"q, k, v shapes .* do not match"):
         ops.attention_forward(q, torch.randn(1, 2, 3, 5), k, None, *args)
     with pytest.raises(RuntimeError, match="unit stride in the last dimension"):

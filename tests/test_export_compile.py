@@ -84,3 +84,31 @@ def test_compiled_training_with_attention_dropout_does_not_recompile_for_every_l
     for n in range(40, 140, 10):
         compiled(torch.randn(2, n, DIM, requires_grad=True))[0].sum().backward()
     assert counter.frame_count <= 2
+
+
+def test_compiled_training_with_dropout_runs_the_compiled_cpu_kernels_as_eager_does():
+    # The C++ dropout and attention kernels are custom ops with fake kernels: torch.compile
+    # traces them as graph nodes, with no graph break, and (aot_eager draws the seeds from
+    # the same generator as eager) the same masks give the same outputs and gradients.
+    from linformer_kit import native
+
+    if native.cpu_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled kernels cannot be built")
+    torch._dynamo.reset()
+    encoder = LinformerEncoder(tiny(depth=1, dropout=0.1, attention_dropout=0.2)).train()
+    x, mask = encoder_inputs()
+    explained = torch._dynamo.explain(encoder)(x, mask)
+    assert explained.graph_break_count == 0
+    ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
+    assert {"linformer_kit.attention_forward", "linformer_kit.dropout_forward"} <= ops
+    compiled = torch.compile(encoder, backend="aot_eager")
+    results = []
+    for run in (encoder, compiled):
+        torch.manual_seed(7)
+        results.append(forward_backward(encoder, run, x, mask))
+    (out, x_grad, grads), (c_out, c_x_grad, c_grads) = results
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c_out, out, **close)
+    torch.testing.assert_close(c_x_grad, x_grad, **close)
+    for name in grads:
+        torch.testing.assert_close(c_grads[name], grads[name], **close, msg=name)

@@ -174,7 +174,7 @@ def test_backward_applies_the_mask_its_forward_chose_whatever_the_switch_says_th
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_what_each_path_saves_for_backward(dropout_p, mask_path, blocks):
-    # Compiled: q, k, v, the mask and one logsumexp per row, never an N x M tensor (the
+    # Compiled: q, k, v, the mask, the seed and one logsumexp per row, never an N x M tensor (the
     # weights and the dropout mask are made again in backward). PyTorch ops: q, k, v, the
     # weights (one tensor per block) and, with dropout, one int16 tensor of bits per block.
     q, k, v = (t.requires_grad_() for t in qkv())
@@ -182,8 +182,8 @@ def test_what_each_path_saves_for_backward(dropout_p, mask_path, blocks):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         explicit(q, k, v, mask, dropout_p=dropout_p)
-    if os.environ.get(native.ENV_SWITCH) != "0":
-        assert [tuple(t.shape) for t in saved[3:]] == [(B, H, N, M), (B * H, N)]
+    if os.environ.get(native.ENV_SWITCH) != "0":  # the mask, the seed, the logsumexp
+        assert [tuple(t.shape) for t in saved[3:]] == [(B, H, N, M), (), (B * H, N)]
         assert saved[3].stride()[:3] == (M, 0, 0)  # the mask is a broadcast view, not a copy
         return
     num_blocks = len(kernels._blocks(N, kernels.block_rows(B * H, M), M, False))
@@ -377,14 +377,15 @@ def test_exact_causal_attention_with_dropout_on_cpu_takes_the_explicit_kernel(sw
     # Compiled where it can be built, else by PyTorch ops: (q, k, v, mask, p, scale, causal...)
     monkeypatch.setenv(native.ENV_SWITCH, switch)
     seen = []
-    for kind in (kernels._ExplicitAttention, kernels._FusedAttention):
-        monkeypatch.setattr(kind, "apply", lambda *a, kind=kind: seen.append((kind, a)) or a[2])
+    spy = {kind: lambda *a, kind=kind: seen.append((kind, a)) or a[2] for kind in ("ops", "c")}
+    monkeypatch.setattr(kernels._ExplicitAttention, "apply", spy["ops"])
+    monkeypatch.setattr(kernels, "_fused_attention", spy["c"])
     q, k, v = qkv(dtype=torch.float32, n=N, m=N)
     causal_attention(q, k, v, dropout_p=0.1)
     assert len(seen) == 1
     kind, (_, _, _, mask, dropout_p, _, causal, *_) = seen[0]
     compiled = switch == "1" and native.cpu_ops() is not None
-    assert kind is (kernels._FusedAttention if compiled else kernels._ExplicitAttention)
+    assert kind == ("c" if compiled else "ops")
     assert mask is None and dropout_p == 0.1 and causal
 
 

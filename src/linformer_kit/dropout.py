@@ -6,8 +6,8 @@ instead of being stored.
 Two users: the explicit attention kernel (`kernels`), which drops the attention weights
 and folds the rescaling into its next GEMM, and `Dropout`, the `nn.Dropout` of the models'
 embeddings, sub-layer outputs and heads. Where the compiled kernels do not apply (a GPU,
-bf16 / fp16, torch.compile, no compiler) the attention kernel makes the same mask with
-PyTorch ops and `Dropout` is `nn.Dropout`.
+bf16 / fp16, no compiler) the attention kernel makes the same mask with PyTorch ops and
+`Dropout` is `nn.Dropout`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from . import native
 
@@ -108,32 +107,11 @@ def rescaling(dropout_p: float) -> float:
 
 
 def native_ops(x: Tensor) -> object | None:
-    """The compiled kernels where they apply to `x` (CPU, fp32 / fp64, eager) and could be
-    built; None otherwise."""
+    """The compiled kernels where they apply to `x` (CPU, fp32 / fp64; eager or under
+    torch.compile, which traces each op as one node) and could be built; None otherwise."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
         return None
-    return None if torch.compiler.is_compiling() else native.cpu_ops()
-
-
-class _RowDropout(torch.autograd.Function):
-    """x * mask / (1 - p) by the compiled kernel, x seen as rows of its last dimension;
-    backward applies the same mask to the gradient, made again from the seed, so no mask
-    is saved."""
-
-    @staticmethod
-    def forward(ctx, x, dropout_p, ops):  # noqa: ANN001, ANN205
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        seed, words = dropout_seed(x.device).item(), (rows.shape[1] + 3) // 4
-        # (seed, first row, rows, words per row, threshold, scale) of `dropout_forward`
-        ctx.ops = ops
-        ctx.layout = (seed, 0, rows.shape[0], words, threshold(dropout_p), rescaling(dropout_p))
-        return ops.dropout_forward(rows, *ctx.layout).view(x.shape)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        rows = grad.reshape(-1, grad.shape[-1]).contiguous()
-        return ctx.ops.dropout_forward(rows, *ctx.layout).view(grad.shape), None, None
+    return native.cpu_ops()
 
 
 class Dropout(nn.Dropout):
@@ -156,4 +134,8 @@ class Dropout(nn.Dropout):
         ops = native_ops(x) if applies and x.dim() > 0 and x.numel() > 0 else None
         if ops is None:
             return super().forward(x)
-        return _RowDropout.apply(x, self.p, ops)
+        # Rows of the last dimension; backward applies the same mask, made again from the
+        # seed (`native`), so no mask is saved.
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        seed = dropout_seed(x.device)
+        return ops.dropout_forward(rows, seed, threshold(self.p), rescaling(self.p)).view(x.shape)

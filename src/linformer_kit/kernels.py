@@ -8,13 +8,13 @@ kernel drops the weights by 16 random bits each (`dropout_bits`: SplitMix64 outp
 position, one 64-bit word for four weights) and comes in two implementations of the same
 mask:
 
-- compiled (`_FusedAttention`, `csrc/attention.cpp` via `native.cpu_ops`; CPU, fp32 /
-  fp64, eager): flash attention's plan with the dropout inside. One parallel loop over
-  blocks of query rows, each block's scores, softmax, mask and output GEMM done in the
-  thread's cache; only a logsumexp per row is saved, and backward makes the weights and
-  the mask again (one more GEMM, no N x M tensor ever allocated);
+- compiled (`_fused_attention`, `csrc/attention.cpp` via `native.cpu_ops`; CPU, fp32 /
+  fp64, eager or torch.compile): flash attention's plan with the dropout inside. One
+  parallel loop over blocks of query rows, each block's scores, softmax, mask and output
+  GEMM done in the thread's cache; only a logsumexp per row is saved, and backward makes
+  the weights and the mask again (one more GEMM, no N x M tensor ever allocated);
 - PyTorch ops (`_ExplicitAttention`): where the compiled one cannot run (no compiler,
-  `LINFORMER_KIT_NATIVE=0`, torch.compile, a GPU, bf16); one autograd node that builds the
+  `LINFORMER_KIT_NATIVE=0`, a GPU, bf16); one autograd node that builds the
   weights once, in blocks of query rows on CPU, folds the softmax scale and the dropout
   rescaling into the GEMMs' alpha, saves the weights and the bits, and works in place in
   backward.
@@ -52,7 +52,7 @@ KERNELS = ("sdpa", "explicit")
 # 253 / 226 ms at n = 16384: per-block op overheads outweigh the cache.
 _BLOCK_WEIGHTS = 1 << 22
 _BLOCK_ROWS = (64, 512)
-# Query rows per block of the compiled kernel (`_FusedAttention`), one block per task of
+# Query rows per block of the compiled kernel (`_fused_attention`), one block per task of
 # its parallel loop. Measured (fp32, B = 1, 4 heads, M = 256, head_dim 64, fwd+bwd with
 # dropout 0.1, 2 threads, AVX-512 Xeon, best of 3 interleaved rounds): 64 / 128 / 256 /
 # 512 rows took 4.32 / 4.13 / 4.08 / 4.42 ms at n = 1024, 17.3 / 16.4 / 16.6 / 17.0 ms at
@@ -243,34 +243,6 @@ class _ExplicitAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None, None
 
 
-class _FusedAttention(torch.autograd.Function):
-    """The explicit kernel on CPU, compiled (`csrc/attention.cpp`): one parallel loop over
-    blocks of `_FUSED_ROWS` query rows per (batch, head), each block's scores, weights,
-    dropout mask and gradients made and used in the thread's cache, the output written
-    straight into the (B, N, H, Dv) memory the head merge reads. Saves q, k, v, the mask
-    and one logsumexp per row, never an N x M tensor: backward makes the weights again with
-    one more GEMM (the mask from the seed), as flash attention does."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, attn_mask, dropout_p, scale, causal, ops):  # noqa: ANN001, ANN205
-        seed = dropout_seed(q.device).item() if dropout_p > 0.0 else 0
-        # (causal, scale, seed, threshold, rescaling, rows) of both compiled ops
-        ctx.args = (causal, scale, seed, threshold(dropout_p), rescaling(dropout_p), _FUSED_ROWS)
-        ctx.ops = ops  # the forward's choice, whatever the environment says in backward
-        out, logsumexp = ops.attention_forward(q, k, v, attn_mask, *ctx.args)
-        ctx.save_for_backward(q, k, v, attn_mask, logsumexp)
-        return out  # (B, H, N, Dv), a view of (B, N, H, Dv) memory
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        q, k, v, attn_mask, logsumexp = ctx.saved_tensors
-        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-        needs = ctx.needs_input_grad[:3]
-        grads = ctx.ops.attention_backward(grad, q, k, v, attn_mask, logsumexp, *ctx.args, needs)
-        return *grads, None, None, None, None, None
-
-
 def _fused_attention(
     q: Tensor,
     k: Tensor,
@@ -281,9 +253,18 @@ def _fused_attention(
     causal: bool,
     ops: object,
 ) -> Tensor:
-    """`_FusedAttention` on inputs of any leading dimensions, seen as (B, H, ..): views
-    wherever the layout allows (unit stride in the last dimension, which the BLAS calls
-    need); the mask broadcast to (B, H, N, M) as a view."""
+    """The explicit kernel on CPU, compiled (`csrc/attention.cpp`; its backward and its
+    fake kernel for torch.compile: `native`): one parallel loop over blocks of
+    `_FUSED_ROWS` query rows per (batch, head), each block's scores, weights, dropout mask
+    and gradients made and used in the thread's cache, the output written straight into
+    the (B, N, H, Dv) memory the head merge reads. Saves q, k, v, the mask and one
+    logsumexp per row, never an N x M tensor: backward makes the weights again with one more
+    GEMM (the mask from the seed), as flash attention does.
+
+    Inputs of any leading dimensions are seen as (B, H, ..): views wherever the layout
+    allows (unit stride in the last dimension, which the BLAS calls need); the mask is
+    broadcast to (B, H, N, M) as a view.
+    """
     *lead, seq_len, _ = q.shape
     keys, groups = k.shape[-2], math.prod(lead)
 
@@ -294,8 +275,9 @@ def _fused_attention(
     mask = None
     if attn_mask is not None:
         mask = four_d(attn_mask.expand(*lead, seq_len, keys))
-    q4, k4, v4 = four_d(q), four_d(k), four_d(v)
-    out = _FusedAttention.apply(q4, k4, v4, mask, dropout_p, scale, causal, ops)
+    seed = dropout_seed(q.device) if dropout_p > 0.0 else q.new_zeros((), dtype=torch.int64)
+    args = (causal, scale, seed, threshold(dropout_p), rescaling(dropout_p), _FUSED_ROWS)
+    out, _ = ops.attention_forward(four_d(q), four_d(k), four_d(v), mask, *args)
     return out if q.dim() == 4 else out.reshape(*lead, seq_len, v.shape[-1])
 
 

@@ -1,6 +1,7 @@
 """The compiled CPU kernels (`csrc/`), built on first use: `dropout_forward` (`csrc/dropout.cpp`,
 for `dropout.Dropout`) and `attention_forward` / `attention_backward` (`csrc/attention.cpp`,
-the explicit attention kernel with its dropout, `kernels._FusedAttention`).
+the explicit attention kernel with its dropout, `kernels._fused_attention`), with their
+fake kernels (torch.compile) and backward formulas (`_register_python_side`).
 
 `cpu_ops()` compiles the C++ files with torch's `cpp_extension` (g++ and ninja; about
 20 s once per machine, then loaded from torch's extension cache) and returns
@@ -29,6 +30,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp")  # and their header, bits.h
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 _loaded: dict[str, object] = {}
+_python_side = {"registered": False}  # the ops' fake kernels and autograd, once a process
 
 
 def _build_tag() -> str:
@@ -58,16 +60,82 @@ def _build() -> object:
         is_python_module=False,
         verbose=False,
     )
+    _register_python_side()
     return torch.ops.linformer_kit
+
+
+def _register_python_side() -> None:
+    """Each op's fake kernel (its outputs' shapes and strides, so that torch.compile
+    traces the op as one node) and its backward formula (autograd, eager and compiled)."""
+    if _python_side["registered"]:
+        return
+    _python_side["registered"] = True
+    ops = torch.ops.linformer_kit
+
+    @torch.library.register_fake("linformer_kit::dropout_forward")
+    def _dropout_shape(x, seed, threshold, scale):  # noqa: ANN001, ANN202, ARG001
+        return torch.empty_like(x)
+
+    def dropout_setup(ctx, inputs, output) -> None:  # noqa: ANN001, ARG001
+        ctx.save_for_backward(inputs[1])
+        ctx.threshold, ctx.scale = inputs[2:]
+
+    def dropout_backward(ctx, grad):  # noqa: ANN001, ANN202
+        # The same mask, made again from the seed, times the same scale.
+        (seed,) = ctx.saved_tensors
+        grad = ops.dropout_forward(grad.contiguous(), seed, ctx.threshold, ctx.scale)
+        return grad, None, None, None
+
+    torch.library.register_autograd(
+        "linformer_kit::dropout_forward", dropout_backward, setup_context=dropout_setup
+    )
+
+    @torch.library.register_fake("linformer_kit::attention_forward")
+    def _attention_shape(q, k, v, *rest):  # noqa: ANN001, ANN002, ANN202, ARG001
+        batch, heads, seq_len, _ = q.shape
+        out = q.new_empty(batch, seq_len, heads, v.shape[-1]).transpose(1, 2)
+        return out, q.new_empty(batch * heads, seq_len)  # (B, H, N, Dv) as the kernel lays it out
+
+    @torch.library.register_fake("linformer_kit::attention_backward")
+    def _gradient_shapes(
+        grad, q, k, v, mask, logsumexp, causal, scale, seed, threshold, factor, rows, needs
+    ):  # noqa: ANN001, ANN202, ARG001
+        return tuple(torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs))
+
+    def attention_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+        q, k, v, mask, causal, scale, seed, threshold, factor, rows = inputs
+        ctx.save_for_backward(q, k, v, mask, seed, output[1])
+        ctx.args = (causal, scale, threshold, factor, rows)
+
+    def attention_backward(ctx, grad, grad_logsumexp):  # noqa: ANN001, ANN202, ARG001
+        q, k, v, mask, seed, logsumexp = ctx.saved_tensors
+        causal, scale, threshold, factor, rows = ctx.args
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+        needs = list(ctx.needs_input_grad[:3])
+        grads = ops.attention_backward(
+            grad, q, k, v, mask, logsumexp, causal, scale, seed, threshold, factor, rows, needs
+        )
+        return *grads, None, None, None, None, None, None, None
+
+    torch.library.register_autograd(
+        "linformer_kit::attention_forward", attention_backward, setup_context=attention_setup
+    )
 
 
 def cpu_ops() -> object | None:
     """`torch.ops.linformer_kit` with `dropout_forward`, `attention_forward` and
     `attention_backward`, or None if the kernels are switched off (`LINFORMER_KIT_NATIVE=0`)
-    or cannot be built here (a warning says why, once per process)."""
+    or cannot be built here (a warning says why, once per process).
+
+    Under torch.compile it never builds (a build traced by Dynamo would break the graph
+    apart): a graph traced before any eager call built the kernels uses the PyTorch-ops
+    paths, and is traced again, with the kernels, once they are built.
+    """
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     if "ops" not in _loaded:
+        if torch.compiler.is_compiling():
+            return None
         try:
             _loaded["ops"] = _build()
         except Exception as error:  # noqa: BLE001 - any build failure means the fallback

@@ -226,7 +226,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "last dimension");
 }
 
-Plan plan_of(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t seed,
+Plan plan_of(const at::Tensor& q, const at::Tensor& k, bool causal, const at::Tensor& seed,
              int64_t threshold, int64_t block_rows) {
   TORCH_CHECK(threshold >= -32768 && threshold <= 32768, "fused attention: threshold ",
               threshold, " outside [-32768, 32768]");
@@ -234,7 +234,7 @@ Plan plan_of(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t seed
   const int64_t seq_len = q.size(2), keys = k.size(2);
   return Plan{q.size(0) * q.size(1), seq_len, keys, block_rows,
               (seq_len + block_rows - 1) / block_rows, (keys + 3) / 4, causal,
-              threshold > -32768, uint64_t(seed), int32_t(threshold)};
+              threshold > -32768, linformer_kit::seed_value(seed), int32_t(threshold)};
 }
 
 template <typename T>
@@ -345,7 +345,7 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& mask, bool causal, double scale, int64_t seed,
+    const std::optional<at::Tensor>& mask, bool causal, double scale, const at::Tensor& seed,
     int64_t threshold, double factor, int64_t block_rows) {
   check_inputs(q, k, v, mask);
   const Plan plan = plan_of(q, k, causal, seed, threshold, block_rows);
@@ -364,7 +364,7 @@ using Grad = std::optional<at::Tensor>;  // None where not asked for
 std::tuple<Grad, Grad, Grad> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& mask, const at::Tensor& logsumexp, bool causal,
-    double scale, int64_t seed, int64_t threshold, double factor, int64_t block_rows,
+    double scale, const at::Tensor& seed, int64_t threshold, double factor, int64_t block_rows,
     std::array<bool, 3> needs) {
   check_inputs(q, k, v, mask);
   check_matrices(grad, q);
@@ -387,9 +387,9 @@ std::tuple<Grad, Grad, Grad> attention_backward(
 
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, "
-        "float scale, int seed, int threshold, float factor, int block_rows) -> (Tensor, Tensor)");
+        "float scale, Tensor seed, int threshold, float factor, int block_rows) -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, "
-        "Tensor logsumexp, bool causal, float scale, int seed, int threshold, float factor, "
+        "Tensor logsumexp, bool causal, float scale, Tensor seed, int threshold, float factor, "
         "int block_rows, bool[3] needs) -> (Tensor?, Tensor?, Tensor?)");
 }
 

@@ -7,6 +7,8 @@
 // `threshold`.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -15,6 +17,15 @@
 namespace linformer_kit {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+// The call's seed, `dropout.dropout_seed`'s draw: a tensor, not an int, so that
+// torch.compile traces the call without reading the value (a graph break).
+inline uint64_t seed_value(const at::Tensor& seed) {
+  TORCH_CHECK(seed.numel() == 1 && seed.scalar_type() == at::kLong && seed.device().is_cpu(),
+              "dropout kernels: seed must be one int64 value on the CPU; got ", seed.sizes(),
+              " ", seed.scalar_type(), " on ", seed.device());
+  return uint64_t(seed.item<int64_t>());
+}
 
 inline uint64_t splitmix64(uint64_t state) {
   state = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9ull;

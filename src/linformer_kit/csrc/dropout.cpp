@@ -3,7 +3,8 @@
 // `dropout.Dropout` (backward: the same mask on the gradient, made again from the seed).
 // The attention weights' dropout is in attention.cpp.
 //
-// The bits: `bits.h`. Built on first use by `linformer_kit.native` (torch's cpp_extension).
+// The bits: `bits.h`, row r of the input (seen as rows of its last dimension) owning
+// words r * ceil(cols / 4) + 1 onwards. Built on first use by `linformer_kit.native`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,79 +14,34 @@
 
 #include "bits.h"
 
-namespace {
-
-using linformer_kit::keep;
-using linformer_kit::row_bits;
-
-// Where a block of weights (G, rows, keys) sits among the call's (G, seq_len, keys) rows.
-struct Layout {
-  uint64_t seed;
-  int64_t rows, keys, row_first, seq_len, words_per_row;
-  int32_t threshold;
-
-  // The bits of flat block row r into `words` (ceil(keys / 4) 64-bit words).
-  const int16_t* bits(int64_t r, std::vector<uint64_t>& words) const {
-    return row_bits(seed, (r / rows) * seq_len + row_first + r % rows, words_per_row, keys, words);
-  }
-};
-
-// Over the block's G * rows rows, in parallel on torch's threads (its OpenMP pool).
-template <typename Body>
-void for_rows(const at::Tensor& weights, int64_t keys, const Body& body) {
-  const int64_t count = keys ? weights.numel() / keys : 0;
-  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-    std::vector<uint64_t> words;
-    for (int64_t r = begin; r < end; ++r) body(r, words);
-  });
-}
-
-// Row r of the kept weights: row r of the weights times `scale` where its bits keep them.
-template <typename T>
-void keep_row(const Layout& layout, int64_t r, std::vector<uint64_t>& words, const T* weights,
-              T* kept, T scale) {
-  const int64_t keys = layout.keys;
-  keep(layout.bits(r, words), layout.threshold, weights + r * keys, kept + r * keys, keys, scale);
-}
-
-template <typename T>
-void forward_rows(const Layout& layout, const at::Tensor& weights, at::Tensor& kept, T scale) {
-  const T* w = weights.data_ptr<T>();
-  T* out = kept.data_ptr<T>();
-  for_rows(weights, layout.keys, [&](int64_t r, std::vector<uint64_t>& words) {
-    keep_row(layout, r, words, w, out, scale);
-  });
-}
-
-Layout layout_of(const at::Tensor& weights, int64_t seed, int64_t row_first, int64_t seq_len,
-                 int64_t words_per_row, int64_t threshold) {
-  TORCH_CHECK(weights.dim() >= 2 && weights.is_contiguous() && weights.device().is_cpu(),
-              "dropout kernel: weights must be contiguous CPU (..., rows, keys); got ",
-              weights.sizes(), " on ", weights.device());
-  const int64_t keys = weights.size(-1);
-  TORCH_CHECK(4 * words_per_row >= keys, "dropout kernel: words_per_row ", words_per_row,
-              " is fewer than keys / 4 = ", (keys + 3) / 4);
+at::Tensor dropout_forward(const at::Tensor& x, const at::Tensor& seed, int64_t threshold,
+                           double scale) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
+              "dropout kernel: x must be a contiguous CPU tensor of at least one dimension; got ",
+              x.sizes(), " on ", x.device());
   TORCH_CHECK(threshold >= -32768 && threshold <= 32768, "dropout kernel: threshold ",
               threshold, " outside [-32768, 32768]");
-  return Layout{uint64_t(seed), weights.size(-2), keys, row_first, seq_len, words_per_row,
-                int32_t(threshold)};
-}
-
-}  // namespace
-
-at::Tensor dropout_forward(const at::Tensor& weights, int64_t seed, int64_t row_first,
-                           int64_t seq_len, int64_t words_per_row, int64_t threshold,
-                           double scale) {
-  const Layout layout = layout_of(weights, seed, row_first, seq_len, words_per_row, threshold);
-  at::Tensor kept = at::empty_like(weights);
-  AT_DISPATCH_FLOATING_TYPES(weights.scalar_type(), "dropout_forward",
-                             [&] { forward_rows<scalar_t>(layout, weights, kept, scalar_t(scale)); });
+  const uint64_t seed_bits = linformer_kit::seed_value(seed);
+  const int64_t cols = x.size(-1), words_per_row = (cols + 3) / 4;
+  const int64_t rows = cols ? x.numel() / cols : 0;
+  at::Tensor kept = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dropout_forward", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* out = kept.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<uint64_t> words;
+      for (int64_t r = begin; r < end; ++r) {
+        const int16_t* bits = linformer_kit::row_bits(seed_bits, r, words_per_row, cols, words);
+        linformer_kit::keep(bits, int32_t(threshold), in + r * cols, out + r * cols, cols,
+                            scalar_t(scale));
+      }
+    });
+  });
   return kept;
 }
 
 TORCH_LIBRARY(linformer_kit, m) {
-  m.def("dropout_forward(Tensor weights, int seed, int row_first, int seq_len, "
-        "int words_per_row, int threshold, float scale) -> Tensor");
+  m.def("dropout_forward(Tensor x, Tensor seed, int threshold, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linformer_kit, CPU, m) {
