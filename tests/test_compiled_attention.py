@@ -174,3 +174,11 @@ def test_threads_that_share_a_matrix_add_its_key_gradients_once(threads, monkeyp
     expected = reference(q, k, v, None, False, 8**-0.5, seed, 0.2)
     for got, wanted in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
         torch.testing.assert_close(got.double(), wanted.double(), atol=2e-5, rtol=2e-5)
+
+
+def test_double_backward_is_a_clear_error_not_a_wrong_answer():
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    out = dot_product_attention(q, q, q, dropout_p=0.1, kernel="explicit")
+    (grad,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="backward is not differentiable"):
+        grad.sum().backward()

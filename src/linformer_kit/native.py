@@ -121,6 +121,19 @@ def _register_python_side() -> None:
         "linformer_kit::attention_forward", attention_backward, setup_context=attention_setup
     )
 
+    def no_double_backward(ctx, *grads):  # noqa: ANN001, ANN002, ANN202, ARG001
+        raise RuntimeError(
+            "linformer-kit: the compiled attention kernel's backward is not differentiable "
+            "(no double backward); for higher-order gradients use kernel='sdpa' or "
+            f"{ENV_SWITCH}=0"
+        )
+
+    torch.library.register_autograd(
+        "linformer_kit::attention_backward",
+        no_double_backward,
+        setup_context=lambda ctx, inputs, output: None,  # noqa: ARG005
+    )
+
 
 def cpu_ops() -> object | None:
     """`torch.ops.linformer_kit` with `dropout_forward`, `attention_forward` and
