@@ -81,7 +81,9 @@ def test_outputs_and_gradients_equal_the_float64_reference(
     torch.manual_seed(3)
     seed = dropout_seed(q.device).item() if p > 0 else 0
     expected = reference(q, k, v, allowed, mask == "causal", scale, seed, p)
-    tol = 1e-12 if double else 2e-6
+    # fp32: rounding of the GEMMs and the kernel's exp (a weight masked wrongly, or a row
+    # cut wrongly, is off by orders of magnitude more).
+    tol = 1e-12 if double else 1e-5
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
     grad = torch.randn(out.shape, dtype=dtype, generator=g)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -173,7 +175,7 @@ def test_threads_that_share_a_matrix_add_its_key_gradients_once(threads, monkeyp
     seed = dropout_seed(q.device).item()
     expected = reference(q, k, v, None, False, 8**-0.5, seed, 0.2)
     for got, wanted in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
-        torch.testing.assert_close(got.double(), wanted.double(), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got.double(), wanted.double(), atol=1e-4, rtol=1e-4)
 
 
 def test_double_backward_is_a_clear_error_not_a_wrong_answer():

@@ -1,5 +1,5 @@
 // Softmax attention with dropout on CPU, fused: the explicit kernel's forward and backward
-// (`kernels._FusedAttention`) as one parallel loop over blocks of query rows, each block's
+// (`kernels._fused_attention`) as one parallel loop over blocks of query rows, each block's
 // scores, weights, dropped weights and gradients made and consumed in the thread's cache.
 //
 // Forward, per (batch x head, block of rows): S = Q K^T * scale (one GEMM), softmax in place
