@@ -176,8 +176,14 @@ struct Plan {
   uint64_t seed;
   int32_t threshold;
 
-  int64_t block_keys(int64_t first, int64_t count) const {
-    return causal ? std::min(keys, first + count) : keys;
+  // Block `task` of the parallel loop (blocks of each matrix in turn): its matrix g, its
+  // first query row, its rows and the keys it computes.
+  struct Block {
+    int64_t g, first, rows, keys;
+  };
+  Block block(int64_t task) const {
+    const int64_t first = (task % blocks) * rows, count = std::min(rows, seq_len - first);
+    return {task / blocks, first, count, causal ? std::min(keys, first + count) : keys};
   }
   int64_t valid_keys(int64_t row, int64_t block_keys) const {
     return causal ? std::min(block_keys, row + 1) : block_keys;
@@ -237,6 +243,14 @@ Plan plan_of(const at::Tensor& q, const at::Tensor& k, bool causal, const at::Te
               threshold > -32768, linformer_kit::seed_value(seed), int32_t(threshold)};
 }
 
+// The block's scores Q K^T * scale into w, (rows, keys): the forward's, and backward's again.
+template <typename T>
+void block_scores(const Plan::Block& b, const Matrices<const T>& Q, const Matrices<const T>& K,
+                  int64_t head_dim, T scale, T* w) {
+  gemm<T>(false, true, b.rows, b.keys, head_dim, scale, Q.row(b.g, b.first), Q.ld,
+          K.row(b.g, 0), K.ld, T(0), w, b.keys);
+}
+
 template <typename T>
 void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, const std::optional<at::Tensor>& mask, T scale,
@@ -250,17 +264,17 @@ void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
     std::vector<T> weights(plan.rows * plan.keys), kept(plan.dropout ? plan.rows * plan.keys : 0);
     std::vector<uint64_t> words;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / plan.blocks, first = (task % plan.blocks) * plan.rows;
-      const int64_t rows = std::min(plan.rows, plan.seq_len - first);
-      const int64_t keys = plan.block_keys(first, rows);
+      const Plan::Block b = plan.block(task);
+      const auto [g, first, rows, keys] = b;
       T* w = weights.data();  // (rows, keys)
-      gemm<T>(false, true, rows, keys, head_dim, scale, Q.row(g, first), Q.ld, K.row(g, 0),
-              K.ld, T(0), w, keys);
+      block_scores(b, Q, K, head_dim, scale, w);
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = first + i, valid = plan.valid_keys(row, keys);
         mask_row(w + i * keys, valid, keys, allowed.row(g, row));
         lse[g * plan.seq_len + row] = softmax_row(w + i * keys, valid);
-        if (plan.dropout) keep_row(plan, g, row, keys, w + i * keys, kept.data() + i * keys, words);
+        if (plan.dropout) {
+          keep_row(plan, g, row, keys, w + i * keys, kept.data() + i * keys, words);
+        }
       }
       gemm<T>(false, false, rows, value_dim, keys, factor, plan.dropout ? kept.data() : w, keys,
               V.row(g, 0), V.ld, T(0), O.row(g, first), O.ld);
@@ -291,16 +305,17 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
       if (summed < 0) return;
       std::lock_guard<std::mutex> lock(locks[summed]);
       for (int64_t m = 0; m < summed_keys; ++m) {
-        for (int64_t c = 0; need_k && c < head_dim; ++c) dK.row(summed, m)[c] += sum_k[m * head_dim + c];
-        for (int64_t c = 0; need_v && c < value_dim; ++c) dV.row(summed, m)[c] += sum_v[m * value_dim + c];
+        T* gk = need_k ? dK.row(summed, m) : nullptr;
+        T* gv = need_v ? dV.row(summed, m) : nullptr;
+        for (int64_t c = 0; gk && c < head_dim; ++c) gk[c] += sum_k[m * head_dim + c];
+        for (int64_t c = 0; gv && c < value_dim; ++c) gv[c] += sum_v[m * value_dim + c];
       }
       std::fill(sum_k.begin(), sum_k.end(), T(0));
       std::fill(sum_v.begin(), sum_v.end(), T(0));
     };
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / plan.blocks, first = (task % plan.blocks) * plan.rows;
-      const int64_t rows = std::min(plan.rows, plan.seq_len - first);
-      const int64_t keys = plan.block_keys(first, rows);
+      const Plan::Block b = plan.block(task);
+      const auto [g, first, rows, keys] = b;
       if (g != summed) {
         add_sums();
         summed = g;
@@ -309,8 +324,7 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
       summed_keys = std::max(summed_keys, keys);
       T* w = weights.data();  // (rows, keys): the forward's weights, made again
       T* ds = grad_scores.data();
-      gemm<T>(false, true, rows, keys, head_dim, scale, Q.row(g, first), Q.ld, K.row(g, 0),
-              K.ld, T(0), w, keys);
+      block_scores(b, Q, K, head_dim, scale, w);
       if (need_q || need_k) {
         gemm<T>(false, true, rows, keys, value_dim, factor, dO.row(g, first), dO.ld,
                 V.row(g, 0), V.ld, T(0), ds, keys);  // the kept weights' gradient
@@ -387,7 +401,8 @@ std::tuple<Grad, Grad, Grad> attention_backward(
 
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, "
-        "float scale, Tensor seed, int threshold, float factor, int block_rows) -> (Tensor, Tensor)");
+        "float scale, Tensor seed, int threshold, float factor, int block_rows) "
+        "-> (Tensor, Tensor)");
   m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, "
         "Tensor logsumexp, bool causal, float scale, Tensor seed, int threshold, float factor, "
         "int block_rows, bool[3] needs) -> (Tensor?, Tensor?, Tensor?)");
