@@ -117,17 +117,25 @@ def test_malformed_mask_is_rejected(mask):
         linformer_attention(q, k, v, proj, proj, mask)
 
 
-@settings(max_examples=30, deadline=None)
-@given(batch=st.integers(1, 3), n=st.integers(1, 9), strided=st.booleans(), seed=st.integers(0, 99))
-def test_shared_projection_matches_einsum_with_gradients(batch, n, strided, seed):
-    # batch 1 and batch > 1 take different GEMMs (mm, bmm over the expanded weight)
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    n=st.integers(1, 9),
+    per_head=st.booleans(),
+    strided=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_projection_matches_einsum_with_gradients(batch, n, per_head, strided, seed):
+    # shared: batch 1 and batch > 1 take different GEMMs (mm, bmm over the expanded weight)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, H, n, D, generator=g, dtype=torch.float64)
     x = (x.transpose(1, 2) if strided else x.reshape(batch, n, H, D)).requires_grad_()
-    weight = torch.randn(12, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    shape = (H, 12, 5) if per_head else (12, 5)
+    weight = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(batch, 5, H, D, generator=g, dtype=torch.float64)
     out = project_linear(x, weight)
-    ref = torch.einsum("nk,bnhd->bkhd", weight[:n], x)
+    rows = weight[..., :n, :]
+    ref = torch.einsum(("hnk" if per_head else "nk") + ",bnhd->bkhd", rows, x)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     got = torch.autograd.grad(out, (x, weight), grad)
     expected = torch.autograd.grad(ref, (x, weight), grad)

@@ -92,9 +92,13 @@ def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = 
             f"a per-head projection of shape {tuple(weight.shape)} needs {weight.shape[0]} "
             f"heads, got {groups}"
         )
-    # (G, K, N) @ (B, G, N, C) -> (B, G, K, C): one batched matmul over heads.
-    out = torch.matmul(weight.transpose(-1, -2), x.transpose(1, 2))
-    return out.transpose(1, 2)  # (B, K, G, C)
+    # (G, K, N) @ (G, N, B*C): one bmm over the groups, the batch folded into the columns.
+    # torch.matmul's broadcast (G, K, N) @ (B, G, N, C) copied the weight B times and summed
+    # B gradients (fwd+bwd at N 1024, K 256, G 4, C 64, 2 threads: 13.2 against 45.8 ms at
+    # B 8, 2.6 against 4.1 ms at B 1).
+    rows = x.permute(2, 1, 0, 3).reshape(groups, seq_len, batch * width)
+    out = torch.bmm(weight.transpose(-1, -2), rows)  # (G, K, B*C)
+    return out.view(groups, -1, batch, width).permute(2, 1, 0, 3)  # (B, K, G, C)
 
 
 def project_blocks(
