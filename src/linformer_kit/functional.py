@@ -272,6 +272,39 @@ def summary_scale(prefix_len: Tensor) -> Tensor:
     return prefix_len.clamp(min=1).to(torch.float64).rsqrt()
 
 
+def _block_products(x: Tensor, weight: Tensor, block_size: int) -> Tensor:
+    """weight[m*bs:(m+1)*bs]^T x[m*bs:(m+1)*bs] for every block m of a (B, H, N, D) x, as one
+    bmm over the blocks (per head: over heads x blocks) with the batch, heads and features
+    in its columns: (G, M, K, C), G = 1 and C = B*H*D for a shared (N, K) weight, G = H and
+    C = B*D for a per-head (H, N, K) one. `_blocks_view` turns it into (B, H, M, K, D).
+
+    An einsum over (B, H, M, S, D) instead permuted its output back through a copy and
+    broadcast the prefix sums' (M, M) matrix over B x H; this layout needs neither: the
+    causal Linformer attention layer (dim 256, 4 heads, k 256, fwd+bwd, 2 threads, Intel
+    Xeon, interleaved) got 1.10x faster at B 8, n 1024 (1.07x with per-head E), 1.04x at
+    B 1, 1.08x at B 1, n 4096.
+    """
+    batch, heads, seq_len, width = x.shape
+    blocks = seq_len // block_size
+    x = x.view(batch, heads, blocks, block_size, width)
+    if weight.dim() == 2:
+        cols = x.permute(2, 3, 0, 1, 4).reshape(blocks, block_size, -1)  # (M, S, B*H*D)
+        rows = weight.view(blocks, block_size, -1)  # (M, S, K)
+        return torch.bmm(rows.transpose(1, 2), cols).unsqueeze(0)  # (1, M, K, B*H*D)
+    cols = x.permute(1, 2, 3, 0, 4).reshape(heads * blocks, block_size, -1)  # (H*M, S, B*D)
+    rows = weight.reshape(heads * blocks, block_size, -1)  # (H*M, S, K)
+    out = torch.bmm(rows.transpose(1, 2), cols)  # (H*M, K, B*D)
+    return out.view(heads, blocks, *out.shape[1:])
+
+
+def _blocks_view(products: Tensor, batch: int, heads: int, width: int) -> Tensor:
+    """(G, M, K, C) from `_block_products` as a (B, H, M, K, D) view."""
+    groups, blocks, proj_dim, _ = products.shape
+    if groups == 1:  # C = B*H*D
+        return products.view(blocks, proj_dim, batch, heads, width).permute(2, 3, 0, 1, 4)
+    return products.view(heads, blocks, proj_dim, batch, width).permute(3, 0, 1, 2, 4)
+
+
 def block_projections(x: Tensor, weight: Tensor, block_size: int) -> Tensor:
     """Projects each block of `block_size` positions with its own rows of the projection.
 
@@ -280,35 +313,32 @@ def block_projections(x: Tensor, weight: Tensor, block_size: int) -> Tensor:
         weight: (N, K) shared across heads, or (H, N, K); row j projects position j.
 
     Returns:
-        (B, H, N / block_size, K, D): block m holds weight[m*bs:(m+1)*bs]^T x[m*bs:(m+1)*bs].
+        (B, H, N / block_size, K, D): block m holds weight[m*bs:(m+1)*bs]^T x[m*bs:(m+1)*bs]
+        (a strided view).
     """
-    batch, heads, seq_len, width = x.shape
-    blocks = seq_len // block_size
-    x = x.view(batch, heads, blocks, block_size, width)  # (B, H, M, S, D)
-    if weight.dim() == 2:
-        rows = weight.view(blocks, block_size, -1)  # (M, S, K)
-        return torch.einsum("bhmsd,msk->bhmkd", x, rows)
-    rows = weight.view(heads, blocks, block_size, -1)  # (H, M, S, K)
-    return torch.einsum("bhmsd,hmsk->bhmkd", x, rows)
+    batch, heads, _, width = x.shape
+    return _blocks_view(_block_products(x, weight, block_size), batch, heads, width)
 
 
 def _prefix_summaries(x: Tensor, weight: Tensor, block_size: int) -> Tensor:
     """Exclusive cumulative sum of the block projections: block m gets the sum over the
     blocks before it, E[:m*bs]^T X[:m*bs], scaled by `summary_scale`.
 
-    (B, H, M, S, D) -> (B, H, M, K, D).
+    (B, H, M, S, D) -> (B, H, M, K, D), a strided view.
     """
     batch, heads, blocks, _, width = x.shape
     rows = blocks * block_size
     # Rows past max_seq_len only ever meet the zero padding of the last block.
     weight = F.pad(weight[..., :rows, :], (0, 0, 0, max(0, rows - weight.shape[-2])))
-    per_block = block_projections(x.view(batch, heads, rows, width), weight, block_size)
+    products = _block_products(x.view(batch, heads, rows, width), weight, block_size)
     # The exclusive prefix sums and their scales as one (M, M) strictly lower-triangular
     # matrix product: 2.7x faster than cumsum along the block axis (fwd + bwd, CPU).
     prefix_len = torch.arange(blocks, device=x.device) * block_size
     earlier = torch.ones(blocks, blocks, dtype=x.dtype, device=x.device).tril(-1)  # (M, M)
     earlier = earlier * summary_scale(prefix_len).to(x.dtype)[:, None]
-    return torch.matmul(earlier, per_block.flatten(3)).view_as(per_block)  # (B, H, M, K, D)
+    groups = products.shape[0]
+    sums = torch.bmm(earlier.expand(groups, -1, -1), products.flatten(2))  # (G, M, K*C)
+    return _blocks_view(sums.view_as(products), batch, heads, width)
 
 
 def _block_causal_attention(
