@@ -79,11 +79,12 @@ def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = 
         # torch.matmul, which folds a 2-D @ 3-D product through transposed copies of x and
         # of the gradient: bmm over the expanded weight reads both in place (fwd+bwd at N
         # 1024, K 256, G*C 256, B 8, 2 threads: 10.8 against 14.7 ms); one row is one mm
-        # (the expand's backward would add a copy: 2.1 against 1.5 ms).
+        # (the expand's backward would add a copy: 2.1 against 1.5 ms; and indexing the row,
+        # rows[0], a zero-filled gradient of x: a view's backward is a view).
         rows = x.reshape(batch, seq_len, -1)
         projection = weight.transpose(0, 1)  # (K, N)
         if batch == 1:
-            out = (projection @ rows[0]).unsqueeze(0)
+            out = (projection @ rows.squeeze(0)).unsqueeze(0)
         else:
             out = torch.bmm(projection.expand(batch, -1, -1), rows)
         return out.view(batch, -1, groups, width)  # (B, K, G, C)
