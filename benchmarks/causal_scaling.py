@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from linformer_kit import LinformerConfig, LinformerForCausalLM, attention, functional
+from linformer_kit import LinformerConfig, LinformerForCausalLM, attention, causal
 from linformer_kit.training.compare import machine
 
 SCALES = {
@@ -47,7 +47,7 @@ def windows(stream: torch.Tensor, count: int, gen: torch.Generator) -> torch.Ten
 
 
 def run(projection: str, name: str, stream: torch.Tensor, valid: torch.Tensor, seed: int) -> dict:
-    functional.summary_scale = attention.summary_scale = SCALES[name]
+    causal.summary_scale = attention.summary_scale = SCALES[name]
     torch.manual_seed(seed)
     cfg = LinformerConfig(
         vocab_size=256, max_seq_len=SEQ_LEN, dim=64, depth=2, num_heads=4, proj_dim=PROJ_DIM,

@@ -15,13 +15,8 @@ from reference import causal_block_attention, softmax_attention
 from script_helpers import BENCHMARKS, load_script
 
 from linformer_kit import kernels, native
-from linformer_kit.functional import (
-    attend,
-    attendable,
-    attention_weights,
-    causal_attention,
-    linformer_attention,
-)
+from linformer_kit.causal import causal_attention
+from linformer_kit.functional import attend, attendable, attention_weights, linformer_attention
 from linformer_kit.kernels import choose_kernel, dot_product_attention
 
 B, H, N, M, D = 2, 3, 7, 5, 4

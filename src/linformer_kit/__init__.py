@@ -1,6 +1,7 @@
 """linformer-kit: Linformer self-attention with linear complexity, for PyTorch."""
 
 from .attention import CausalState, LinformerSelfAttention
+from .causal import causal_attention
 from .causal_lm import CausalLMOutput, LinformerForCausalLM
 from .config import (
     LinformerConfig,
@@ -11,7 +12,7 @@ from .config import (
 )
 from .cross_attention import LinformerCrossAttention, MemoryCache, cross_attention
 from .encoder import FeedForward, LinformerEncoder, LinformerEncoderLayer
-from .functional import causal_attention, exact_attention, linformer_attention
+from .functional import exact_attention, linformer_attention
 from .models import (
     LinformerForMaskedLM,
     LinformerForSequenceClassification,

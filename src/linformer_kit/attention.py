@@ -7,15 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .functional import (
-    attend,
-    attention_weights,
-    block_projections,
-    causal_attention,
-    check_key_padding_mask,
-    check_seq_len,
-    summary_scale,
-)
+from .causal import block_projections, causal_attention, summary_scale
+from .functional import attend, attention_weights, check_key_padding_mask, check_seq_len
 from .projection import ExactProjection, MatrixProjection, SequenceProjection
 
 
