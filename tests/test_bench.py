@@ -6,6 +6,7 @@ No wall-clock asserts: structure, counts and files only, on tiny sizes with one 
 import csv
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -115,8 +116,23 @@ def test_timing_interleaves_and_rotates_the_order():
     ticks = []
     times = time_interleaved(steps, warmup=1, repeats=2, device="cpu", tick=lambda: ticks.append(1))
     assert {name: len(t) for name, t in times.items()} == {"a": 2, "b": 2, "c": 2}
-    assert calls == list("abcbcacab")
+    # Each call on CPU comes twice: an untimed one settles the caches, then the timed one.
+    assert calls == list("aabbccbbccaaccaabb")
     assert len(ticks) == 3
+
+
+def test_timing_on_cpu_times_the_call_after_the_settling_one():
+    last = []
+
+    def step(name: str) -> None:
+        if not last or last[-1] != name:  # cold: just after another step
+            time.sleep(0.05)
+        last.append(name)
+
+    times = time_interleaved(
+        {n: (lambda n=n: step(n)) for n in "ab"}, warmup=0, repeats=3, device="cpu"
+    )
+    assert all(t < 0.05 for ts in times.values() for t in ts), times
 
 
 def test_peak_memory_of_a_fresh_process_is_positive():
