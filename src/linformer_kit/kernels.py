@@ -253,13 +253,13 @@ def _fused_attention(
     causal: bool,
     ops: object,
 ) -> Tensor:
-    """The explicit kernel on CPU, compiled (`csrc/attention.cpp`; its backward and its
-    fake kernel for torch.compile: `native`): one parallel loop over blocks of
-    `_FUSED_ROWS` query rows per (batch, head), each block's scores, weights, dropout mask
-    and gradients made and used in the thread's cache, the output written straight into
-    the (B, N, H, Dv) memory the head merge reads. Saves q, k, v, the mask and one
-    logsumexp per row, never an N x M tensor: backward makes the weights again with one more
-    GEMM (the mask from the seed), as flash attention does.
+    """The explicit kernel on CPU, compiled (`csrc/attention.cpp`; its autograd kernel:
+    `csrc/autograd.cpp`; its fake kernel for torch.compile: `native`): one parallel loop
+    over blocks of `_FUSED_ROWS` query rows per (batch, head), each block's scores,
+    weights, dropout mask and gradients made and used in the thread's cache, the output
+    written straight into the (B, N, H, Dv) memory the head merge reads. Saves q, k, v, the
+    mask and one logsumexp per row, never an N x M tensor: backward makes the weights again
+    with one more GEMM (the mask from the seed), as flash attention does.
 
     Inputs of any leading dimensions are seen as (B, H, ..): views wherever the layout
     allows (unit stride in the last dimension, which the BLAS calls need); the mask is

@@ -1,7 +1,7 @@
 """The compiled CPU kernels (`csrc/`), built on first use: `dropout_forward` (`csrc/dropout.cpp`,
 for `dropout.Dropout`) and `attention_forward` / `attention_backward` (`csrc/attention.cpp`,
-the explicit attention kernel with its dropout, `kernels._fused_attention`), with their
-fake kernels (torch.compile) and backward formulas (`_register_python_side`).
+the explicit attention kernel with its dropout, `kernels._fused_attention`), their backward
+formulas (`csrc/autograd.cpp`) and fake kernels (torch.compile, `_register_python_side`).
 
 `cpu_ops()` compiles the C++ files with torch's `cpp_extension` (g++ and ninja; about
 20 s once per machine, then loaded from torch's extension cache) and returns
@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp")  # and their header, bits.h
+SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp", CSRC / "autograd.cpp")  # and bits.h
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 _loaded: dict[str, object] = {}
 _python_side = {"registered": False}  # the ops' fake kernels and autograd, once a process
@@ -66,29 +66,15 @@ def _build() -> object:
 
 def _register_python_side() -> None:
     """Each op's fake kernel (its outputs' shapes and strides, so that torch.compile
-    traces the op as one node) and its backward formula (autograd, eager and compiled)."""
+    traces the op as one node), and the error a double backward through the attention
+    kernel raises. The forward ops' backward formulas are C++ (`csrc/autograd.cpp`)."""
     if _python_side["registered"]:
         return
     _python_side["registered"] = True
-    ops = torch.ops.linformer_kit
 
     @torch.library.register_fake("linformer_kit::dropout_forward")
     def _dropout_shape(x, seed, threshold, scale):  # noqa: ANN001, ANN202, ARG001
         return torch.empty_like(x)
-
-    def dropout_setup(ctx, inputs, output) -> None:  # noqa: ANN001, ARG001
-        ctx.save_for_backward(inputs[1])
-        ctx.threshold, ctx.scale = inputs[2:]
-
-    def dropout_backward(ctx, grad):  # noqa: ANN001, ANN202
-        # The same mask, made again from the seed, times the same scale.
-        (seed,) = ctx.saved_tensors
-        grad = ops.dropout_forward(grad.contiguous(), seed, ctx.threshold, ctx.scale)
-        return grad, None, None, None
-
-    torch.library.register_autograd(
-        "linformer_kit::dropout_forward", dropout_backward, setup_context=dropout_setup
-    )
 
     @torch.library.register_fake("linformer_kit::attention_forward")
     def _attention_shape(q, k, v, *rest):  # noqa: ANN001, ANN002, ANN202, ARG001
@@ -101,25 +87,6 @@ def _register_python_side() -> None:
         grad, q, k, v, mask, logsumexp, causal, scale, seed, threshold, factor, rows, needs
     ):  # noqa: ANN001, ANN202, ARG001
         return tuple(torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs))
-
-    def attention_setup(ctx, inputs, output) -> None:  # noqa: ANN001
-        q, k, v, mask, causal, scale, seed, threshold, factor, rows = inputs
-        ctx.save_for_backward(q, k, v, mask, seed, output[1])
-        ctx.args = (causal, scale, threshold, factor, rows)
-
-    def attention_backward(ctx, grad, grad_logsumexp):  # noqa: ANN001, ANN202, ARG001
-        q, k, v, mask, seed, logsumexp = ctx.saved_tensors
-        causal, scale, threshold, factor, rows = ctx.args
-        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-        needs = list(ctx.needs_input_grad[:3])
-        grads = ops.attention_backward(
-            grad, q, k, v, mask, logsumexp, causal, scale, seed, threshold, factor, rows, needs
-        )
-        return *grads, None, None, None, None, None, None, None
-
-    torch.library.register_autograd(
-        "linformer_kit::attention_forward", attention_backward, setup_context=attention_setup
-    )
 
     def no_double_backward(ctx, *grads):  # noqa: ANN001, ANN002, ANN202, ARG001
         raise RuntimeError(
