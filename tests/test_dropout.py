@@ -12,6 +12,7 @@ import pytest
 import torch
 from script_helpers import BENCHMARKS, load_script
 from torch import nn
+from torch.utils import cpp_extension
 
 from linformer_kit import LinformerConfig, LinformerModel, kernels, native
 from linformer_kit import dropout as dropout_module
@@ -207,6 +208,29 @@ def test_the_compiled_kernel_is_optional_and_says_why_it_is_missing(monkeypatch)
     out = Dropout(0.3)(x)  # nn.Dropout's mask
     torch.manual_seed(0)
     assert torch.equal(out, nn.Dropout(0.3)(x))
+
+
+def test_the_kernels_target_this_cpu_unless_the_environment_names_another(monkeypatch):
+    monkeypatch.delenv(native.MARCH_SWITCH, raising=False)
+    assert native.target_arch() == "native"
+    monkeypatch.setenv(native.MARCH_SWITCH, "x86-64-v3")
+    assert native.target_arch() == "x86-64-v3"
+    assert native._build_tag("x86-64-v3") != native._build_tag("native")  # separate caches
+    monkeypatch.setenv(native.MARCH_SWITCH, "native -O0")
+    with pytest.raises(ValueError, match=r"LINFORMER_KIT_MARCH='native -O0' is not a g\+\+"):
+        native.target_arch()
+
+
+def test_the_build_compiles_for_the_target_it_names(monkeypatch):
+    if native.cpu_ops() is None:
+        pytest.skip("no compiled kernels on this machine")
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv(native.MARCH_SWITCH, "haswell")
+    native._build()
+    (call,) = calls
+    assert "-march=haswell" in call["extra_cflags"]
+    assert call["name"] == f"linformer_kit_cpu_{native._build_tag('haswell')}"
 
 
 def run_ab_script(name, module, n, tmp_path, monkeypatch):

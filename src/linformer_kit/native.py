@@ -6,10 +6,11 @@ formulas (`csrc/autograd.cpp`) and fake kernels (torch.compile, `_register_pytho
 `cpu_ops()` compiles the C++ files with torch's `cpp_extension` (g++ and ninja; about
 20 s once per machine, then loaded from torch's extension cache) and returns
 `torch.ops.linformer_kit`, or None where it cannot: no compiler, a failed build, or
-`LINFORMER_KIT_NATIVE=0` in the environment. None is never an error: `Dropout` is then
-`nn.Dropout`, and the explicit attention kernel runs by PyTorch ops with the same dropout
-mask (`dropout.dropout_bits`), the same outputs to rounding, only slower. The attention
-kernel's GEMMs call the BLAS (`sgemm_` / `dgemm_`) that torch's CPU wheel links in.
+`LINFORMER_KIT_NATIVE=0` in the environment (`LINFORMER_KIT_MARCH` sets the instruction
+set, `target_arch`). None is never an error: `Dropout` is then `nn.Dropout`, and the
+explicit attention kernel runs by PyTorch ops with the same dropout mask
+(`dropout.dropout_bits`), the same outputs to rounding, only slower. The attention kernel's
+GEMMs call the BLAS (`sgemm_` / `dgemm_`) that torch's CPU wheel links in.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -29,21 +31,40 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp", CSRC / "autograd.cpp")  # and bits.h
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
+MARCH_SWITCH = "LINFORMER_KIT_MARCH"
 _loaded: dict[str, object] = {}
 _python_side = {"registered": False}  # the ops' fake kernels and autograd, once a process
 
 
-def _build_tag() -> str:
-    """A short hash of this CPU's feature flags and the header: `-march=native` code must
-    not be loaded from a shared extension cache by a machine that lacks some of its
-    instructions, and torch's cache notices a changed source but not a changed header."""
+def target_arch() -> str:
+    """The g++ `-march` the kernels are built for: `native` (this CPU's instructions), or
+    `LINFORMER_KIT_MARCH` from the environment, e.g. `x86-64-v3` for one build that every
+    AVX2 machine can load, or `haswell` to time the AVX2 code on an AVX-512 machine.
+
+    Raises:
+        ValueError: if `LINFORMER_KIT_MARCH` is not a single g++ architecture name.
+    """
+    arch = os.environ.get(MARCH_SWITCH, "native")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", arch):
+        raise ValueError(
+            f"{MARCH_SWITCH}={arch!r} is not a g++ -march name (letters, digits, '_.+-'; "
+            f"e.g. native, x86-64-v3, haswell, skylake-avx512)"
+        )
+    return arch
+
+
+def _build_tag(arch: str) -> str:
+    """A short hash of the target, this CPU's feature flags (for `-march=native`) and the
+    header: code built for one machine must not be loaded from a shared extension cache by
+    a machine that lacks some of its instructions, and torch's cache notices a changed
+    source but not a changed header."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         flags = next(line for line in info.splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = "unknown"
     header = (CSRC / "bits.h").read_text()
-    return hashlib.sha1((flags + header).encode()).hexdigest()[:10]
+    return hashlib.sha1((arch + flags + header).encode()).hexdigest()[:10]
 
 
 def _build() -> object:
@@ -51,12 +72,13 @@ def _build() -> object:
 
     if shutil.which("ninja") is None:  # the ninja that pip installed beside this Python
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    logger.info("building the CPU kernels in %s (once per machine)", CSRC)
+    arch = target_arch()
+    logger.info("building the CPU kernels in %s for -march=%s (once per machine)", CSRC, arch)
     load(
-        name=f"linformer_kit_cpu_{_build_tag()}",
+        name=f"linformer_kit_cpu_{_build_tag(arch)}",
         sources=[str(path) for path in SOURCES],
         # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"],
+        extra_cflags=["-O3", f"-march={arch}", "-fopenmp", "-fno-trapping-math"],
         is_python_module=False,
         verbose=False,
     )
