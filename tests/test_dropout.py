@@ -84,9 +84,10 @@ def test_gradcheck_under_a_fixed_seed(compiled):
 
     def fn(x):
         torch.manual_seed(0)  # the same mask at every evaluation
-        return layer(x)
+        return layer(x) * x  # not linear, so that the second derivative is checked too
 
     assert torch.autograd.gradcheck(fn, (x,))
+    assert torch.autograd.gradgradcheck(fn, (x,))
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp", CSRC / "autograd.cpp") 
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 MARCH_SWITCH = "LINFORMER_KIT_MARCH"
 _loaded: dict[str, object] = {}
-_python_side = {"registered": False}  # the ops' fake kernels and autograd, once a process
+_python_side = {"registered": False}  # fake kernels, double-backward error: once a process
 
 
 def target_arch() -> str:

@@ -149,8 +149,8 @@ def time_interleaved(
     step follows the previous one. Otherwise a step is timed just after another variant
     (rotation changes who starts a round, never who precedes whom), with that variant's
     data in the caches and its freed memory in the allocator: two identical steps, our
-    attention layer under `kv` and `layerwise` sharing, then timed up to 20 % apart at
-    n = 1024 (the one after linformer-pytorch slower) and 2 % apart with the settling call.
+    attention layer under `kv` and `layerwise` sharing, then timed 10-23 % apart at
+    n = 1024 (the one after linformer-pytorch slower) and 2-3 % apart with the settling call.
     On CUDA (L2 cache, caching allocator) the rounds run each step once.
 
     Args:
