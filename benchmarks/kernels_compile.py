@@ -1,7 +1,7 @@
 """Does `torch.compile` of a whole encoder pay on CPU? Eager vs compiled, same weights.
 
 A 2-layer encoder (dim 256, 4 heads, k 256, kv sharing, the default dropouts 0.1 / 0.1) at
-n = 4096, batch 1: training (forward + backward) and inference, eager and compiled timed
+n = 4096 (`--n`), batch 1: training (forward + backward) and inference, eager and compiled timed
 interleaved in one run (medians), plus the one-off compile time of each. On CPU the
 compiled kernels (`native.cpu_ops`) are built first, so the compiled graph calls them.
 Writes benchmarks/kernels/compile.json (CPU, one thread) or, with `--device cuda`,
@@ -28,14 +28,14 @@ from linformer_kit import LinformerConfig, LinformerEncoder, native
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.training.compare import machine
 
-SEQ_LEN, THREADS, WARMUP, REPEATS = 4096, 1, 1, 5
+THREADS, WARMUP, REPEATS = 1, 1, 5
 OUT = Path(__file__).parent / "kernels"
 COMMAND = "PYTHONPATH=src python benchmarks/kernels_compile.py"
 
 
-def step(module: nn.Module, training: bool, device: str) -> Callable[[], None]:
+def step(module: nn.Module, training: bool, device: str, seq_len: int) -> Callable[[], None]:
     """One call: forward + backward in training, forward under inference_mode otherwise."""
-    x = torch.randn(1, SEQ_LEN, 256, device=device, requires_grad=training)
+    x = torch.randn(1, seq_len, 256, device=device, requires_grad=training)
 
     def run() -> None:
         if not training:
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     """Compiles once per mode (timed), then times eager and compiled interleaved."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--n", type=int, default=4096, help="sequence length")
     parser.add_argument(
         "--out", type=Path, default=None, help="writes compile.json there (default: per device)"
     )
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     native.cpu_ops()  # built before tracing, as any eager step would: the graph calls them
     torch.manual_seed(0)
     config = LinformerConfig(
-        max_seq_len=SEQ_LEN, dim=256, depth=2, num_heads=4, proj_dim=256, sharing="kv"
+        max_seq_len=args.n, dim=256, depth=2, num_heads=4, proj_dim=256, sharing="kv"
     )
     encoder = LinformerEncoder(config).to(args.device)
     compiled = torch.compile(encoder)
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     for training in (True, False):
         encoder.train(training)
         mode = "training" if training else "inference"
-        steps[f"{mode} eager"] = step(encoder, training, args.device)
-        steps[f"{mode} compiled"] = step(compiled, training, args.device)
+        steps[f"{mode} eager"] = step(encoder, training, args.device, args.n)
+        steps[f"{mode} compiled"] = step(compiled, training, args.device, args.n)
         begin = time.perf_counter()
         steps[f"{mode} compiled"]()  # the compile itself
         if args.device == "cuda":
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine(),
         "model": "LinformerEncoder depth 2, dim 256, 4 heads, k 256, kv, dropout 0.1 / 0.1",
-        "seq_len": SEQ_LEN,
+        "seq_len": args.n,
         "device": args.device,
         "threads": THREADS,
         "rows": rows,

@@ -1,0 +1,122 @@
+"""Issue 17's GPU measurements as one prepared call on a lent GPU machine, sized to its
+budget (15 minutes of device time a session, the machine's start included; 10 minutes a
+command): the steps run in order of priority, each as its own process, each stopped at
+the deadline (`--budget-s`, 540 s by default), and whatever they wrote is packed into
+OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
+
+1. `kernels.py`: the SDPA-vs-explicit table the CUDA rule of `kernels.choose_kernel` is to
+   be read from (fp32 and bf16, B 1 and 8, n 1024-65536, k 256, head_dim 64);
+2. `linformer bench --peers`, B 1: the 1.2x-the-faster-peer and 50 %-of-the-bf16-ceiling
+   targets (fp32 and bf16, attention and encoder layer, headwise / kv / layerwise, exact
+   SDPA beside, n 4096-65536);
+3. the same at B 8 (no exact baseline);
+4. `kernels_compile.py`: does torch.compile of a whole encoder pay on the GPU?
+
+The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+        --implementation cp --platform manylinux2014_x86_64 -d .whl \\
+        linformer==0.2.3 linformer-pytorch==0.19.3
+
+then one device call with `carry: [".whl"]`, `timeout_s: 600`:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    PYTHONPATH=/tmp/site python3 benchmarks/gpu_runbook.py --out $OUT
+
+`--smoke` runs the same steps on CPU at tiny sizes in seconds (the tests do, so that the
+runbook still works when a GPU is lent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def steps(smoke: bool) -> list[tuple[str, list[str]]]:
+    """(name, argv) of each step, in order of priority; `smoke`: CPU, tiny sizes."""
+    device = ["--device", "cpu" if smoke else "cuda"]
+    python = [sys.executable]
+    if smoke:
+        kernels = ["--dtype", "float32", "--batch", "1", "--n", "64", "--k", "16"]
+        kernels += ["--head-dim", "8", "--min-seconds", "0"]
+        shape = ["--dtype", "float32", "--n", "64", "--dim", "32", "--num-heads", "2"]
+        shape += ["--proj-dim", "16", "--warmup", "0", "--repeats", "1", "--min-time-s", "0"]
+        shape += ["--no-memory", "--scope", "attention", "--sharing", "kv"]
+        compile_n = ["--n", "256"]
+    else:
+        kernels = ["--dtype", "float32,bfloat16", "--batch", "1,8", "--n"]
+        kernels += ["1024,4096,16384,65536", "--k", "256", "--head-dim", "64", "--min-seconds", "1"]
+        shape = ["--dtype", "float32,bfloat16", "--n", "4096,8192,16384,32768,65536"]
+        shape += ["--warmup", "2", "--repeats", "10", "--min-time-s", "1"]
+        shape += ["--memory-budget-gb", "60", "--scope", "attention,layer"]
+        shape += ["--sharing", "headwise,kv,layerwise"]
+        compile_n = []
+    bench = [*python, "-m", "linformer_kit.cli", "bench", *device, *shape, "--peers"]
+    return [
+        ("kernels", [*python, str(BENCHMARKS / "kernels.py"), *device, *kernels]),
+        ("bench-b1", [*bench, "--exact", "sdpa"]),
+        ("bench-b8", [*bench, "--exact", "", "--batch-size", "8" if not smoke else "2"]),
+        ("compile", [*python, str(BENCHMARKS / "kernels_compile.py"), *device, *compile_n]),
+    ]
+
+
+def run_steps(work: Path, log: Path, *, smoke: bool, budget_s: float) -> list[str]:
+    """Runs the steps, each into work/NAME, until the budget is spent; returns one line per
+    step: done, failed (its exit status), stopped at the deadline, or not started."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    deadline, lines = time.monotonic() + budget_s, []
+    with log.open("a") as out:
+        for name, argv in steps(smoke):
+            left = deadline - time.monotonic()
+            if left < 5:
+                lines.append(f"{name}: not started (budget spent)")
+                continue
+            argv = [*argv, "--out", str(work / name)]
+            out.write(f"\n== {name}: {' '.join(argv)}\n")
+            out.flush()
+            began = time.monotonic()
+            try:
+                code = subprocess.run(
+                    argv, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=left
+                ).returncode
+                status = "done" if code == 0 else f"failed (exit status {code})"
+            except subprocess.TimeoutExpired:
+                status = "stopped at the deadline"
+            lines.append(f"{name}: {status} in {time.monotonic() - began:.0f} s")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs the runbook and packs its results into OUT."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="results.tar.gz, log.txt")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="all steps together")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "log.txt"
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp) / "results"
+        work.mkdir()
+        lines = run_steps(work, log, smoke=args.smoke, budget_s=args.budget_s)
+        with tarfile.open(args.out / "results.tar.gz", "w:gz") as tar:
+            tar.add(work, arcname="results")
+    with log.open("a") as out:
+        out.write("\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

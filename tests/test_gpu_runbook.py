@@ -1,0 +1,42 @@
+"""benchmarks/gpu_runbook.py: the prepared GPU call keeps working while no GPU is lent (its
+steps run on CPU at tiny sizes), packs what they wrote, and keeps to its budget."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+import pytest
+from script_helpers import BENCHMARKS, load_script
+
+pytest.importorskip("linformer")  # the peers (dev extra): the bench steps time them
+pytest.importorskip("linformer_pytorch")
+STEPS = ["kernels", "bench-b1", "bench-b8", "compile"]  # in order of priority
+
+
+def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
+    runbook = load_script(BENCHMARKS / "gpu_runbook.py")
+    runbook.main(["--smoke", "--out", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "results.tar.gz"]
+    with tarfile.open(tmp_path / "results.tar.gz") as tar:
+        files = {name: tar.extractfile(name) for name in tar.getnames() if name.endswith(".json")}
+        results = {name.split("/")[1]: json.load(file) for name, file in files.items()}
+    assert set(results) == set(STEPS)
+    assert results["kernels"]["device"] == "cpu"
+    assert results["bench-b8"]["settings"]["batch_size"] == 2
+    variants = {row["variant"] for row in results["bench-b1"]["rows"]}
+    assert {"exact sdpa", "lucidrains", "linformer-pytorch"} <= variants
+    assert set(results["compile"]["rows"]) == {"training", "inference"}
+    summary = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in summary] == STEPS
+    assert all(": done in " in line for line in summary), summary
+
+
+def test_steps_past_the_budget_are_not_started(tmp_path, capsys):
+    runbook = load_script(BENCHMARKS / "gpu_runbook.py")
+    runbook.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path)])
+    assert capsys.readouterr().out.split("\n")[:4] == [
+        f"{name}: not started (budget spent)" for name in STEPS
+    ]
+    with tarfile.open(tmp_path / "results.tar.gz") as tar:
+        assert tar.getnames() == ["results"]
