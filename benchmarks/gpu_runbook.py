@@ -48,25 +48,22 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
     device = ["--device", "cpu" if smoke else "cuda"]
     python = [sys.executable]
     if smoke:
-        kernels = ["--dtype", "float32", "--batch", "1", "--n", "64", "--k", "16"]
-        kernels += ["--head-dim", "8", "--min-seconds", "0"]
-        shape = ["--dtype", "float32", "--n", "64", "--dim", "32", "--num-heads", "2"]
-        shape += ["--proj-dim", "16", "--warmup", "0", "--repeats", "1", "--min-time-s", "0"]
-        shape += ["--no-memory", "--scope", "attention", "--sharing", "kv"]
-        compile_n = ["--n", "256"]
+        kernels = "--dtype float32 --batch 1 --n 64 --k 16 --head-dim 8 --min-seconds 0"
+        shape = "--dtype float32 --n 64 --dim 32 --num-heads 2 --proj-dim 16 --warmup 0 "
+        shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
+        compile_n, batch = ["--n", "256"], "2"
     else:
-        kernels = ["--dtype", "float32,bfloat16", "--batch", "1,8", "--n"]
-        kernels += ["1024,4096,16384,65536", "--k", "256", "--head-dim", "64", "--min-seconds", "1"]
-        shape = ["--dtype", "float32,bfloat16", "--n", "4096,8192,16384,32768,65536"]
-        shape += ["--warmup", "2", "--repeats", "10", "--min-time-s", "1"]
-        shape += ["--memory-budget-gb", "60", "--scope", "attention,layer"]
-        shape += ["--sharing", "headwise,kv,layerwise"]
-        compile_n = []
-    bench = [*python, "-m", "linformer_kit.cli", "bench", *device, *shape, "--peers"]
+        kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,16384,65536 --k 256 "
+        kernels += "--head-dim 64 --min-seconds 1"
+        shape = "--dtype float32,bfloat16 --n 4096,8192,16384,32768,65536 --warmup 2 "
+        shape += "--repeats 10 --min-time-s 1 --memory-budget-gb 60 --scope attention,layer "
+        shape += "--sharing headwise,kv,layerwise"
+        compile_n, batch = [], "8"
+    bench = [*python, "-m", "linformer_kit.cli", "bench", *device, *shape.split(), "--peers"]
     return [
-        ("kernels", [*python, str(BENCHMARKS / "kernels.py"), *device, *kernels]),
+        ("kernels", [*python, str(BENCHMARKS / "kernels.py"), *device, *kernels.split()]),
         ("bench-b1", [*bench, "--exact", "sdpa"]),
-        ("bench-b8", [*bench, "--exact", "", "--batch-size", "8" if not smoke else "2"]),
+        ("bench-b8", [*bench, "--exact", "", "--batch-size", batch]),
         ("compile", [*python, str(BENCHMARKS / "kernels_compile.py"), *device, *compile_n]),
     ]
 
