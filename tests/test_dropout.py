@@ -217,6 +217,11 @@ def test_the_kernels_target_this_cpu_unless_the_environment_names_another(monkey
     monkeypatch.setenv(native.MARCH_SWITCH, "x86-64-v3")
     assert native.target_arch() == "x86-64-v3"
     assert native._build_tag("x86-64-v3") != native._build_tag("native")  # separate caches
+    # Native code is per CPU; a named target is one build that every machine can share.
+    tags = {arch: native._build_tag(arch) for arch in ("native", "x86-64-v3")}
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : sse2 avx2")
+    assert native._build_tag("native") != tags["native"]
+    assert native._build_tag("x86-64-v3") == tags["x86-64-v3"]
     monkeypatch.setenv(native.MARCH_SWITCH, "native -O0")
     with pytest.raises(ValueError, match=r"LINFORMER_KIT_MARCH='native -O0' is not a g\+\+"):
         native.target_arch()

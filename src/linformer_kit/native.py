@@ -53,16 +53,22 @@ def target_arch() -> str:
     return arch
 
 
-def _build_tag(arch: str) -> str:
-    """A short hash of the target, this CPU's feature flags (for `-march=native`) and the
-    header: code built for one machine must not be loaded from a shared extension cache by
-    a machine that lacks some of its instructions, and torch's cache notices a changed
-    source but not a changed header."""
+def _cpu_flags() -> str:
+    """This CPU's feature flags (/proc/cpuinfo), or "unknown"."""
     try:
         info = Path("/proc/cpuinfo").read_text()
-        flags = next(line for line in info.splitlines() if line.startswith("flags"))
+        return next(line for line in info.splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        flags = "unknown"
+        return "unknown"
+
+
+def _build_tag(arch: str) -> str:
+    """A short hash of the target, this CPU's feature flags (for `-march=native` only) and
+    the header: native code must not be loaded from a shared extension cache by a machine
+    that lacks some of its instructions, code for a named target is the same build on every
+    machine (so they share it), and torch's cache notices a changed source but not a changed
+    header."""
+    flags = _cpu_flags() if arch == "native" else ""
     header = (CSRC / "bits.h").read_text()
     return hashlib.sha1((arch + flags + header).encode()).hexdigest()[:10]
 
