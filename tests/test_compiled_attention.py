@@ -52,12 +52,11 @@ def heads_last(shape, dtype, g):
     mask=st.sampled_from([None, "keys", "general", "causal"]),
     p=st.sampled_from([0.0, 0.3]),
     rows=st.sampled_from([3, 7, 256]),
-    double=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
 )
 def test_outputs_and_gradients_equal_the_float64_reference(
-    batch, heads, n, m, dims, mask, p, rows, double
+    batch, heads, n, m, dims, mask, p, rows, dtype
 ):
-    dtype = torch.float64 if double else torch.float32
     g = torch.Generator().manual_seed(n * 100 + m)
     d, dv = dims
     q = heads_last((batch, heads, n, d), dtype, g).requires_grad_()
@@ -81,15 +80,19 @@ def test_outputs_and_gradients_equal_the_float64_reference(
     torch.manual_seed(3)
     seed = dropout_seed(q.device).item() if p > 0 else 0
     expected = reference(q, k, v, allowed, mask == "causal", scale, seed, p)
-    # fp32: rounding of the GEMMs and the kernel's exp (a weight masked wrongly, or a row
-    # cut wrongly, is off by orders of magnitude more).
-    tol = 1e-12 if double else 1e-5
+    # fp32: rounding of the GEMMs and the kernel's exp; bf16: of the weights, the scores'
+    # gradient and the results to 8 bits (a weight masked wrongly, or a row cut wrongly, is
+    # off by orders of magnitude more, as is a bf16 input read as another type).
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    assert out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
     grad = torch.randn(out.shape, dtype=dtype, generator=g)
     got = torch.autograd.grad(out, (q, k, v), grad)
     wanted = torch.autograd.grad(expected, (q, k, v), grad.double())
     for a, b in zip(got, wanted):
-        torch.testing.assert_close(a.double(), b.double(), atol=10 * tol, rtol=10 * tol)
+        assert a.dtype == dtype
+        grad_tol = 10 * tol if dtype != torch.bfloat16 else 3 * tol
+        torch.testing.assert_close(a.double(), b.double(), atol=grad_tol, rtol=grad_tol)
 
 
 def test_softmax_of_extreme_scores_equals_torch():

@@ -393,25 +393,62 @@ def test_unknown_kernel_is_a_clear_error():
 
 
 TABLE = BENCHMARKS / "kernels" / "table.json"
+BF16_TABLE = BENCHMARKS / "kernels" / "bf16" / "table.json"
+MODES = {"train dropout 0.1": (True, True), "train": (False, True), "inference": (False, False)}
 
 
-@pytest.mark.parametrize(("mode", "dropout"), [("train dropout 0.1", True), ("train", False)])
-def test_the_rule_picks_the_kernel_the_table_measured_faster(mode, dropout):
-    # The committed table (benchmarks/kernels.py): the geometric mean over its shapes of
+@pytest.mark.parametrize(("table", "dtype"), [(TABLE, torch.float32), (BF16_TABLE, torch.bfloat16)])
+@pytest.mark.parametrize("mode", MODES)
+def test_the_rule_picks_the_kernel_the_table_measured_faster(table, dtype, mode):
+    # The committed tables (benchmarks/kernels.py): the geometric mean over their shapes of
     # SDPA time / explicit time decides each mode; the rule must pick the explicit kernel
     # where it wins by more than 5 %, and SDPA (torch's own kernel: nothing to build) where
     # it does not: a closer call is a tie, within the run-to-run spread of the table.
-    rows = [r for r in json.loads(TABLE.read_text())["rows"] if r["mode"] == mode]
-    geomean = math.exp(sum(math.log(r["explicit_speedup"]) for r in rows) / len(rows))
-    picked = choose_kernel(device=CPU, dtype=torch.float32, dropout=dropout)
-    assert picked == ("explicit" if geomean > 1.05 else "sdpa")
+    # The bf16 rule also reads k: each k of the table is decided by its own shapes.
+    rows = [r for r in json.loads(table.read_text())["rows"] if r["mode"] == mode]
+    assert len(rows) == 27 and {r["dtype"] for r in rows} == {str(dtype).split(".")[1]}
+    dropout, backward = MODES[mode]
+    cells = [rows] if dtype == torch.float32 else [
+        [r for r in rows if r["k"] == k] for k in sorted({r["k"] for r in rows})
+    ]  # fmt: skip
+    for cell in cells:
+        geomean = math.exp(sum(math.log(r["explicit_speedup"]) for r in cell) / len(cell))
+        for k in {r["k"] for r in cell}:
+            picked = choose_kernel(
+                device=CPU, dtype=dtype, dropout=dropout, backward=backward, keys=k
+            )
+            assert picked == ("explicit" if geomean > 1.05 else "sdpa"), (k, geomean)
 
 
 def test_the_rule_keeps_sdpa_off_the_measured_cases():
-    assert choose_kernel(device=torch.device("cuda"), dtype=torch.float32, dropout=True) == "sdpa"
-    assert choose_kernel(device=CPU, dtype=torch.bfloat16, dropout=True) == "sdpa"
+    for device, dtype in [(torch.device("cuda"), torch.float32), (CPU, torch.float16)]:
+        for dropout, backward in MODES.values():
+            picked = choose_kernel(
+                device=device, dtype=dtype, dropout=dropout, backward=backward, keys=64
+            )
+            assert picked == "sdpa"
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_under_bf16_autocast_attention_computes_in_bf16_by_the_bf16_rule(dropout_p):
+    # Autocast casts SDPA's float32 inputs to bf16; the explicit kernel must see the same
+    # bf16 values (and the bf16 rule must pick it in training), giving what it gives on
+    # inputs cast by hand. In inference the rule keeps SDPA, which autocast casts itself.
+    q, k, v = (t.requires_grad_() for t in qkv(torch.float32))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert choose_kernel(device=CPU, dtype=torch.float32, dropout=True) == "sdpa"
+        out = seeded(5, dot_product_attention, q, k, v, dropout_p=dropout_p)
+        with torch.no_grad():
+            inference = dot_product_attention(q, k, v)
+    assert out.dtype == inference.dtype == torch.bfloat16
+    cast = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    by_hand = seeded(5, explicit, *cast, None, dropout_p)
+    torch.testing.assert_close(out, by_hand, atol=0, rtol=0)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    for grad, expected in zip(grads, torch.autograd.grad(by_hand.float().sum(), cast)):
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, expected.float(), atol=0, rtol=0)
+    sdpa = dot_product_attention(*(t.detach().bfloat16() for t in (q, k, v)), kernel="sdpa")
+    torch.testing.assert_close(inference, sdpa, atol=0, rtol=0)
 
 
 def test_attend_follows_the_rule():

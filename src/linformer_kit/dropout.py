@@ -26,6 +26,8 @@ _LEVELS = 1 << 16
 # SplitMix64's constants as the int64 values of their bits (`splitmix64`, csrc/bits.h).
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX = (0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
+# The dtypes of the compiled kernels (bf16 computed in float, rounded once).
+NATIVE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _shift_right(words: Tensor, bits: int) -> Tensor:
@@ -107,16 +109,16 @@ def rescaling(dropout_p: float) -> float:
 
 
 def native_ops(x: Tensor) -> object | None:
-    """The compiled kernels where they apply to `x` (CPU, fp32 / fp64; eager or under
+    """The compiled kernels where they apply to `x` (CPU, fp32 / fp64 / bf16; eager or under
     torch.compile, which traces each op as one node) and could be built; None otherwise."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+    if x.device.type != "cpu" or x.dtype not in NATIVE_DTYPES:
         return None
     return native.cpu_ops()
 
 
 class Dropout(nn.Dropout):
     """`nn.Dropout` (same arguments, same state, `isinstance` of it) whose training pass on
-    CPU in fp32 / fp64 runs the compiled kernel: the mask is made, applied and rescaled in
+    CPU in fp32 / fp64 / bf16 runs the compiled kernel: the mask is made, applied and rescaled in
     one pass, and made again in backward from its seed instead of being saved. Elsewhere,
     and with `inplace=True`, it is `nn.Dropout` itself.
 

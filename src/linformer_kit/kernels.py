@@ -9,23 +9,24 @@ position, one 64-bit word for four weights) and comes in two implementations of 
 mask:
 
 - compiled (`_fused_attention`, `csrc/attention.cpp` via `native.cpu_ops`; CPU, fp32 /
-  fp64, eager or torch.compile): flash attention's plan with the dropout inside. One
+  fp64 / bf16, eager or torch.compile): flash attention's plan with the dropout inside. One
   parallel loop over blocks of query rows, each block's scores, softmax, mask and output
   GEMM done in the thread's cache; only a logsumexp per row is saved, and backward makes
   the weights and the mask again (one more GEMM, no N x M tensor ever allocated);
 - PyTorch ops (`_ExplicitAttention`): where the compiled one cannot run (no compiler,
-  `LINFORMER_KIT_NATIVE=0`, a GPU, bf16); one autograd node that builds the
+  `LINFORMER_KIT_NATIVE=0`, a GPU, fp16); one autograd node that builds the
   weights once, in blocks of query rows on CPU, folds the softmax scale and the dropout
   rescaling into the GEMMs' alpha, saves the weights and the bits, and works in place in
   backward.
 
-The rule (`choose_kernel`) comes from `benchmarks/kernels/table.json`, made by
-`benchmarks/kernels.py` (SDPA vs explicit, fwd+bwd and forward only, over n, k and
-head_dim); it is never a per-call timing.
+The rule (`choose_kernel`) comes from `benchmarks/kernels/table.json` and
+`benchmarks/kernels/bf16/table.json`, made by `benchmarks/kernels.py` (SDPA vs explicit,
+fwd+bwd and forward only, over n, k and head_dim); it is never a per-call timing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -60,12 +61,14 @@ _BLOCK_ROWS = (64, 512)
 _FUSED_ROWS = 256
 
 
-def choose_kernel(*, device: torch.device, dtype: torch.dtype, dropout: bool) -> str:
+def choose_kernel(
+    *, device: torch.device, dtype: torch.dtype, dropout: bool, backward: bool, keys: int
+) -> str:
     """The cheaper kernel for a call, by the measured rule.
 
-    `benchmarks/kernels/table.json` (CPU, fp32, one thread, B = 1, H = 4; n 1024-16384,
-    k 64-1024, head_dim 32-128, fwd+bwd with and without dropout, forward only; the
-    explicit kernel compiled, on an AVX-512 Xeon):
+    float32 / float64: `benchmarks/kernels/table.json` (CPU, fp32, one thread, B = 1, H = 4;
+    n 1024-16384, k 64-1024, head_dim 32-128, fwd+bwd with and without dropout, forward
+    only; the explicit kernel compiled, on an AVX-512 Xeon):
 
     - dropout on: explicit beats SDPA's math fallback at all 27 shapes (SDPA time /
       explicit time 1.67-5.33, geometric mean 2.70), so CPU attention with dropout goes
@@ -82,22 +85,58 @@ def choose_kernel(*, device: torch.device, dtype: torch.dtype, dropout: bool) ->
     head_dim 64) agrees: explicit 4.6-7.0x faster with dropout (its blocks skip the keys no
     query of theirs sees), 0.96-1.13x without.
 
-    n, k and head_dim did not change the winner with dropout anywhere in that table, so the
-    CPU rule does not read them. On a GPU, and for bf16 / fp16 or under autocast (not
-    measured for the explicit kernel yet), SDPA is kept.
+    bfloat16 (also float32 under bf16 autocast, `compute_dtype`):
+    `benchmarks/kernels/bf16/table.json`, the same 27 shapes on the same Xeon (AMX), the
+    compiled kernel's GEMMs in bf16:
+
+    - dropout on: explicit 3.12-7.40x faster at all 27 shapes (geometric mean 4.26);
+    - training without dropout: explicit 1.26-2.03x faster at the 18 shapes with k <= 256,
+      a tie at k = 1024 (0.90-1.10x), so explicit up to k = 256 (and SDPA beyond: exact
+      attention, k = n, lost 30 % through the explicit kernel at n = 1024 in a bench run);
+    - inference: SDPA's flash kernel faster at all 27 (explicit 0.41-0.69x).
+
+    With AVX2 only (`bf16/avx2-emulated/`, n 1024, k 64-1024, head_dim 64; AVX-512 and AMX
+    switched off in torch, MKL and oneDNN, the kernels built for haswell) explicit is
+    1.82-2.02x faster with dropout, 3.5-6.2x in training without (SDPA's bf16 backward is
+    emulated there), 0.85-0.94x in inference. The rule follows the AMX machine, where bf16
+    is worth using (`precision` warns against it elsewhere): at k = 1024 in training without
+    dropout it keeps SDPA, which is 5.7x slower with AVX2 only.
+
+    n and head_dim did not change the winner anywhere, and k only bf16 training without
+    dropout. On a GPU, and for fp16 (not measured for the explicit kernel yet), SDPA is
+    kept.
 
     Args:
         device: where the call runs.
-        dtype: the dtype of q, k and v.
+        dtype: the dtype the call computes in (`compute_dtype`).
         dropout: whether attention dropout is on (dropout_p > 0).
+        backward: whether a backward pass will follow (grad enabled, an input needing it).
+        keys: the number of keys each query attends to (M).
 
     Returns:
         "sdpa" or "explicit".
     """
-    measured = device.type == "cpu" and dtype in (torch.float32, torch.float64)
-    if measured and dropout and not torch.is_autocast_enabled("cpu"):
-        return "explicit"
+    if device.type != "cpu":
+        return "sdpa"
+    if dtype in (torch.float32, torch.float64):
+        return "explicit" if dropout else "sdpa"
+    if dtype == torch.bfloat16:
+        return "explicit" if dropout or (backward and keys <= 256) else "sdpa"
     return "sdpa"
+
+
+def compute_dtype(q: Tensor) -> torch.dtype:
+    """The dtype an attention call with queries q computes in: autocast's for float32 q
+    where autocast is on for q's device (as SDPA's autocast casts), else q's own."""
+    device = q.device.type
+    if q.dtype == torch.float32 and _autocast_on(device):
+        return torch.get_autocast_dtype(device)
+    return q.dtype
+
+
+def _autocast_on(device: str) -> bool:
+    """Whether autocast is on for a device type (False for those it has none for: meta)."""
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
 
 
 def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None, scale: float) -> Tensor:
@@ -315,14 +354,27 @@ def dot_product_attention(
     """
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True builds its own mask; got an attn_mask as well")
+    dtype = compute_dtype(q)
     if kernel is None:
-        kernel = choose_kernel(device=q.device, dtype=q.dtype, dropout=dropout_p > 0.0)
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        kernel = choose_kernel(
+            device=q.device,
+            dtype=dtype,
+            dropout=dropout_p > 0.0,
+            backward=backward,
+            keys=k.shape[-2],
+        )
     if kernel == "explicit":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        ops = native_ops(q)
-        if ops is not None:
-            return _fused_attention(q, k, v, attn_mask, dropout_p, scale, is_causal, ops)
-        return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale, is_causal)
+        # Under autocast as SDPA is: in autocast's dtype, the kernel's own ops not cast again.
+        device = q.device.type
+        off = torch.autocast(device, enabled=False) if _autocast_on(device) else None
+        with off or contextlib.nullcontext():
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+            ops = native_ops(q)
+            if ops is not None:
+                return _fused_attention(q, k, v, attn_mask, dropout_p, scale, is_causal, ops)
+            return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale, is_causal)
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale

@@ -10,7 +10,8 @@ formulas (`csrc/autograd.cpp`) and fake kernels (torch.compile, `_register_pytho
 set, `target_arch`). None is never an error: `Dropout` is then `nn.Dropout`, and the
 explicit attention kernel runs by PyTorch ops with the same dropout mask
 (`dropout.dropout_bits`), the same outputs to rounding, only slower. The attention kernel's
-GEMMs call the BLAS (`sgemm_` / `dgemm_`) that torch's CPU wheel links in.
+GEMMs call the BLAS that torch's CPU wheel links in (`csrc/blas.h`: `sgemm_` / `dgemm_`, and
+MKL's bf16 GEMM where the wheel has it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp", CSRC / "autograd.cpp")  # and bits.h
+SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp", CSRC / "autograd.cpp")
+HEADERS = (CSRC / "bits.h", CSRC / "blas.h")
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 MARCH_SWITCH = "LINFORMER_KIT_MARCH"
 _loaded: dict[str, object] = {}
@@ -64,13 +66,13 @@ def _cpu_flags() -> str:
 
 def _build_tag(arch: str) -> str:
     """A short hash of the target, this CPU's feature flags (for `-march=native` only) and
-    the header: native code must not be loaded from a shared extension cache by a machine
+    the headers: native code must not be loaded from a shared extension cache by a machine
     that lacks some of its instructions, code for a named target is the same build on every
     machine (so they share it), and torch's cache notices a changed source but not a changed
     header."""
     flags = _cpu_flags() if arch == "native" else ""
-    header = (CSRC / "bits.h").read_text()
-    return hashlib.sha1((arch + flags + header).encode()).hexdigest()[:10]
+    headers = "".join(path.read_text() for path in HEADERS)
+    return hashlib.sha1((arch + flags + headers).encode()).hexdigest()[:10]
 
 
 def _build() -> object:
@@ -108,7 +110,9 @@ def _register_python_side() -> None:
     def _attention_shape(q, k, v, *rest):  # noqa: ANN001, ANN002, ANN202, ARG001
         batch, heads, seq_len, _ = q.shape
         out = q.new_empty(batch, seq_len, heads, v.shape[-1]).transpose(1, 2)
-        return out, q.new_empty(batch * heads, seq_len)  # (B, H, N, Dv) as the kernel lays it out
+        # out: (B, H, N, Dv) over (B, N, H, Dv) memory; the logsumexp in the compute dtype
+        lse_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
+        return out, q.new_empty(batch * heads, seq_len, dtype=lse_dtype)
 
     @torch.library.register_fake("linformer_kit::attention_backward")
     def _gradient_shapes(

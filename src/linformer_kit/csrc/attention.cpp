@@ -9,9 +9,14 @@
 // cost more than the GEMM that makes the weights again). Backward, per block: the weights
 // again from Q K^T and the logsumexp, the mask again from the seed, dP = dO V^T, the scores'
 // gradient in place, dQ = dS K, and dK += dS^T Q, dV += kept^T dO into thread-local sums
-// added once per matrix under a lock. The GEMMs are single-threaded BLAS calls (the sgemm_ /
-// dgemm_ libtorch_cpu exports) inside at::parallel_for.
+// added once per matrix under a lock. The GEMMs are single-threaded BLAS calls (`blas.h`)
+// inside at::parallel_for.
+//
+// Inputs float, double or bfloat16. Bfloat16 q, k, v and gradient go into the GEMMs as they
+// are (AMX where the CPU has it); scores, softmax, logsumexp and dK, dV sums are float, and
+// the weights and the scores' gradient are rounded to bfloat16 for the GEMMs that read them.
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -30,36 +35,43 @@
 #include <vector>
 
 #include "bits.h"
-
-extern "C" {  // Fortran BLAS, column-major (MKL, linked into libtorch_cpu)
-void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
-            const float*, const int*, const float*, const int*, const float*, float*, const int*);
-void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*,
-            const double*, const int*, const double*, const int*, const double*, double*,
-            const int*);
-}
+#include "blas.h"
 
 namespace {
 
+using linformer_kit::gemm;
 using linformer_kit::keep;
+using linformer_kit::Opmath;
 using linformer_kit::row_bits;
 
-// Row-major C (m x n) = alpha * op(A) op(B) + beta * C, op(A) m x k, op(B) k x n; A, B, C
-// row-major with row strides lda, ldb, ldc (a column-major BLAS computes C^T = op(B)^T op(A)^T).
-template <typename T>
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
-          int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
-  if (m == 0 || n == 0) return;
-  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
-  const int M = int(m), N = int(n), K = int(k);
-  // A row stride is free where its rows are single: BLAS wants at least the row's length.
-  const int LDA = int(std::max<int64_t>({lda, trans_a ? m : k, 1}));
-  const int LDB = int(std::max<int64_t>({ldb, trans_b ? k : n, 1}));
-  const int LDC = int(std::max<int64_t>({ldc, n, 1}));
-  if constexpr (std::is_same_v<T, float>) {
-    sgemm_(&tb, &ta, &N, &M, &K, &alpha, b, &LDB, a, &LDA, &beta, c, &LDC);
+// x (count values of the compute type T) as a GEMM input of type S: x itself where S is T,
+// else rounded into `buffer` (bfloat16: the dropped weights and the scores' gradient, as
+// SDPA's bfloat16 flash kernel rounds its weights).
+template <typename S, typename T>
+const S* as_input(const T* x, int64_t count, std::vector<S>& buffer) {
+  if constexpr (std::is_same_v<S, T>) {
+    return x;
   } else {
-    dgemm_(&tb, &ta, &N, &M, &K, &alpha, b, &LDB, a, &LDA, &beta, c, &LDC);
+    buffer.resize(count);
+    for (int64_t c = 0; c < count; ++c) buffer[c] = S(x[c]);
+    return buffer.data();
+  }
+}
+
+// C (m x n of type S, row stride ldc) = alpha op(A) op(B): straight into C where S is the
+// compute type, else into `buffer` and rounded into C.
+template <typename S>
+void gemm_into(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S> alpha,
+               const S* a, int64_t lda, const S* b, int64_t ldb, S* c, int64_t ldc,
+               std::vector<Opmath<S>>& buffer) {
+  if constexpr (std::is_same_v<S, Opmath<S>>) {
+    gemm<S>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, S(0), c, ldc);
+  } else {
+    buffer.resize(m * n);
+    gemm<S>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, 0.0f, buffer.data(), n);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = S(buffer[i * n + j]);
+    }
   }
 }
 
@@ -244,24 +256,27 @@ Plan plan_of(const at::Tensor& q, const at::Tensor& k, bool causal, const at::Te
 }
 
 // The block's scores Q K^T * scale into w, (rows, keys): the forward's, and backward's again.
-template <typename T>
-void block_scores(const Plan::Block& b, const Matrices<const T>& Q, const Matrices<const T>& K,
-                  int64_t head_dim, T scale, T* w) {
-  gemm<T>(false, true, b.rows, b.keys, head_dim, scale, Q.row(b.g, b.first), Q.ld,
-          K.row(b.g, 0), K.ld, T(0), w, b.keys);
+template <typename S>
+void block_scores(const Plan::Block& b, const Matrices<const S>& Q, const Matrices<const S>& K,
+                  int64_t head_dim, Opmath<S> scale, Opmath<S>* w) {
+  gemm<S>(false, true, b.rows, b.keys, head_dim, scale, Q.row(b.g, b.first), Q.ld,
+          K.row(b.g, 0), K.ld, Opmath<S>(0), w, b.keys);
 }
 
-template <typename T>
+template <typename S>
 void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, const std::optional<at::Tensor>& mask, T scale,
-                    T factor, at::Tensor& out, at::Tensor& logsumexp) {
-  const Matrices<const T> Q(q), K(k), V(v);
-  const Matrices<T> O(out);
+                    const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                    Opmath<S> scale, Opmath<S> factor, at::Tensor& out, at::Tensor& logsumexp) {
+  using T = Opmath<S>;
+  const Matrices<const S> Q(q), K(k), V(v);
+  const Matrices<S> O(out);
   const Allowed allowed(mask);
   T* lse = logsumexp.data_ptr<T>();
   const int64_t head_dim = q.size(3), value_dim = v.size(3);
   at::parallel_for(0, plan.groups * plan.blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> weights(plan.rows * plan.keys), kept(plan.dropout ? plan.rows * plan.keys : 0);
+    std::vector<T> out_rows;  // bfloat16: the block's output before rounding
+    std::vector<S> rounded;   // bfloat16: the weights the output GEMM reads
     std::vector<uint64_t> words;
     for (int64_t task = begin; task < end; ++task) {
       const Plan::Block b = plan.block(task);
@@ -276,21 +291,25 @@ void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
           keep_row(plan, g, row, keys, w + i * keys, kept.data() + i * keys, words);
         }
       }
-      gemm<T>(false, false, rows, value_dim, keys, factor, plan.dropout ? kept.data() : w, keys,
-              V.row(g, 0), V.ld, T(0), O.row(g, first), O.ld);
+      const S* p = as_input(plan.dropout ? kept.data() : w, rows * keys, rounded);
+      gemm_into<S>(false, false, rows, value_dim, keys, factor, p, keys, V.row(g, 0), V.ld,
+                   O.row(g, first), O.ld, out_rows);
     }
   });
 }
 
-template <typename T>
+// dK and dV (grad_k, grad_v) are sums of the compute type, rounded to S by the caller.
+template <typename S>
 void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor& q,
                      const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, const at::Tensor& logsumexp,
-                     T scale, T factor, at::Tensor& grad_q, at::Tensor& grad_k,
+                     Opmath<S> scale, Opmath<S> factor, at::Tensor& grad_q, at::Tensor& grad_k,
                      at::Tensor& grad_v) {
+  using T = Opmath<S>;
   const bool need_q = grad_q.defined(), need_k = grad_k.defined(), need_v = grad_v.defined();
-  const Matrices<const T> dO(grad), Q(q), K(k), V(v);
-  const Matrices<T> dQ(grad_q), dK(grad_k), dV(grad_v);
+  const Matrices<const S> dO(grad), Q(q), K(k), V(v);
+  const Matrices<S> dQ(grad_q);
+  const Matrices<T> dK(grad_k), dV(grad_v);
   const Allowed allowed(mask);
   const T* lse = logsumexp.data_ptr<T>();
   const int64_t head_dim = q.size(3), value_dim = v.size(3), M = plan.keys;
@@ -299,6 +318,8 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
     std::vector<T> weights(plan.rows * M), grad_scores(plan.rows * M);
     std::vector<T> kept(plan.dropout ? plan.rows * M : 0);
     std::vector<T> sum_k(M * head_dim), sum_v(M * value_dim);  // this thread's dK, dV of g
+    std::vector<T> grad_rows;                  // bfloat16: dQ's block before rounding
+    std::vector<S> rounded_ds, rounded_kept;  // bfloat16: the GEMMs' inputs
     std::vector<uint64_t> words;
     int64_t summed = -1, summed_keys = 0;  // the matrix the sums belong to, keys touched
     auto add_sums = [&] {  // into dK, dV of matrix `summed`, which other threads may share
@@ -326,7 +347,7 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
       T* ds = grad_scores.data();
       block_scores(b, Q, K, head_dim, scale, w);
       if (need_q || need_k) {
-        gemm<T>(false, true, rows, keys, value_dim, factor, dO.row(g, first), dO.ld,
+        gemm<S>(false, true, rows, keys, value_dim, factor, dO.row(g, first), dO.ld,
                 V.row(g, 0), V.ld, T(0), ds, keys);  // the kept weights' gradient
       }
       for (int64_t i = 0; i < rows; ++i) {
@@ -338,17 +359,19 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
         if (plan.dropout) keep_row(plan, g, row, keys, wi, ki, words);
         if (need_q || need_k) scores_grad(wi, ki, ds + i * keys, keys);
       }
+      const S* ds_in = need_q || need_k ? as_input(ds, rows * keys, rounded_ds) : nullptr;
       if (need_q) {
-        gemm<T>(false, false, rows, head_dim, keys, scale, ds, keys, K.row(g, 0), K.ld, T(0),
-                dQ.row(g, first), dQ.ld);
+        gemm_into<S>(false, false, rows, head_dim, keys, scale, ds_in, keys, K.row(g, 0), K.ld,
+                     dQ.row(g, first), dQ.ld, grad_rows);
       }
       if (need_k) {
-        gemm<T>(true, false, keys, head_dim, rows, scale, ds, keys, Q.row(g, first), Q.ld,
+        gemm<S>(true, false, keys, head_dim, rows, scale, ds_in, keys, Q.row(g, first), Q.ld,
                 T(1), sum_k.data(), head_dim);
       }
       if (need_v) {
-        gemm<T>(true, false, keys, value_dim, rows, factor, plan.dropout ? kept.data() : w,
-                keys, dO.row(g, first), dO.ld, T(1), sum_v.data(), value_dim);
+        const S* p = as_input(plan.dropout ? kept.data() : w, rows * keys, rounded_kept);
+        gemm<S>(true, false, keys, value_dim, rows, factor, p, keys, dO.row(g, first), dO.ld,
+                T(1), sum_v.data(), value_dim);
       }
     }
     add_sums();
@@ -365,10 +388,11 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
   const Plan plan = plan_of(q, k, causal, seed, threshold, block_rows);
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options())
                        .transpose(1, 2);  // (B, H, N, Dv) over (B, N, H, Dv) memory
-  at::Tensor logsumexp = at::empty({plan.groups, plan.seq_len}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_forward", [&] {
-    forward_blocks<scalar_t>(plan, q, k, v, mask, scalar_t(scale), scalar_t(factor), out,
-                             logsumexp);
+  at::Tensor logsumexp = at::empty({plan.groups, plan.seq_len},
+                                   q.options().dtype(at::toOpMathType(q.scalar_type())));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_forward", [&] {
+    using T = Opmath<scalar_t>;
+    forward_blocks<scalar_t>(plan, q, k, v, mask, T(scale), T(factor), out, logsumexp);
   });
   return {out, logsumexp};
 }
@@ -383,19 +407,23 @@ std::tuple<Grad, Grad, Grad> attention_backward(
   check_inputs(q, k, v, mask);
   check_matrices(grad, q);
   const Plan plan = plan_of(q, k, causal, seed, threshold, block_rows);
+  const at::ScalarType opmath = at::toOpMathType(q.scalar_type());
   TORCH_CHECK(grad.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}) &&
-                  logsumexp.is_contiguous() && logsumexp.scalar_type() == q.scalar_type() &&
+                  logsumexp.is_contiguous() && logsumexp.scalar_type() == opmath &&
                   logsumexp.sizes() == at::IntArrayRef({plan.groups, plan.seq_len}),
               "fused attention: grad ", grad.sizes(), " or logsumexp ", logsumexp.sizes(),
               " do not match the inputs");
   at::Tensor grad_q = needs[0] ? at::empty_like(q) : at::Tensor();  // undefined: None
-  at::Tensor grad_k = needs[1] ? at::zeros_like(k) : at::Tensor();
-  at::Tensor grad_v = needs[2] ? at::zeros_like(v) : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_backward", [&] {
-    backward_blocks<scalar_t>(plan, grad, q, k, v, mask, logsumexp, scalar_t(scale),
-                              scalar_t(factor), grad_q, grad_k, grad_v);
+  at::Tensor grad_k = needs[1] ? at::zeros_like(k, k.options().dtype(opmath)) : at::Tensor();
+  at::Tensor grad_v = needs[2] ? at::zeros_like(v, v.options().dtype(opmath)) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_backward", [&] {
+    using T = Opmath<scalar_t>;
+    backward_blocks<scalar_t>(plan, grad, q, k, v, mask, logsumexp, T(scale), T(factor),
+                              grad_q, grad_k, grad_v);
   });
-  auto asked = [](const at::Tensor& t) { return t.defined() ? Grad(t) : std::nullopt; };
+  auto asked = [&](const at::Tensor& t) {  // the sums rounded to the inputs' dtype
+    return t.defined() ? Grad(t.to(q.scalar_type())) : std::nullopt;
+  };
   return {asked(grad_q), asked(grad_k), asked(grad_v)};
 }
 

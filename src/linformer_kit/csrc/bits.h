@@ -44,14 +44,14 @@ inline const int16_t* row_bits(uint64_t seed, int64_t row, int64_t words_per_row
 }
 
 // kept[c] = weights[c] times `scale` where bits[c] >= threshold, else times 0 (so a
-// dropped inf or nan is nan, as in nn.Dropout). The factor is scale's bits ANDed with an
-// all-ones or all-zeros word, not `keep ? scale : 0`: g++ vectorizes a select here or not
-// depending on whether `scale` is a constant (-march=haswell: 3-4x slower per row when it
-// does not); the AND vectorizes with every -march and scale (measured with AVX2 and
-// AVX-512 builds).
-template <typename T>
-inline void keep(const int16_t* bits, int32_t threshold, const T* weights, T* kept, int64_t keys,
-                 T scale) {
+// dropped inf or nan is nan, as in nn.Dropout), computed in T (float for bfloat16 S). The
+// factor is scale's bits ANDed with an all-ones or all-zeros word, not `keep ? scale : 0`:
+// g++ vectorizes a select here or not depending on whether `scale` is a constant
+// (-march=haswell: 3-4x slower per row when it does not); the AND vectorizes with every
+// -march and scale (measured with AVX2 and AVX-512 builds).
+template <typename S, typename T>
+inline void keep(const int16_t* bits, int32_t threshold, const S* weights, S* kept,
+                 int64_t keys, T scale) {
   using Word = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
   Word scale_word;
   std::memcpy(&scale_word, &scale, sizeof(T));
@@ -60,7 +60,7 @@ inline void keep(const int16_t* bits, int32_t threshold, const T* weights, T* ke
     const Word factor_word = scale_word & -Word(bits[c] >= threshold);  // scale or +0
     T factor;
     std::memcpy(&factor, &factor_word, sizeof(T));
-    kept[c] = weights[c] * factor;
+    kept[c] = S(T(weights[c]) * factor);
   }
 }
 
