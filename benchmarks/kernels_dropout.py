@@ -3,9 +3,12 @@ encoder layer (dim 256, 4 heads, k 256, kv sharing, feed-forward 1024) with the 
 default dropouts (0.1 on the sub-layer outputs, 0.1 on the attention weights), with and
 without the compiled dropout kernel (`LINFORMER_KIT_NATIVE=0`: `nn.Dropout` and the
 attention mask by PyTorch ops), and with both dropouts at 0. Same weights, forward +
-backward with a random output gradient, interleaved rounds. Writes OUT/ab.json.
+backward with a random output gradient, interleaved rounds; `--precision bf16`: under bf16
+autocast, as `--precision bf16` trains. Writes OUT/ab.json.
 
     PYTHONPATH=src python benchmarks/kernels_dropout.py --out benchmarks/kernels/dropout
+    PYTHONPATH=src python benchmarks/kernels_dropout.py --precision bf16 \
+        --out benchmarks/kernels/bf16/dropout
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from kernels_fused import median_ms, parse_ab_args, with_torch_ops, write_report
 from torch import nn
 
 from linformer_kit import LinformerConfig, LinformerEncoder
+from linformer_kit.precision import warn_if_bf16_is_slow
 from linformer_kit.training.compare import machine
 
 DIM, HEADS, PROJ_DIM = 256, 4, 256
@@ -39,32 +43,40 @@ def encoder(n: int, dropout: float) -> nn.Module:
     return LinformerEncoder(config).train()
 
 
-def make_step(module: nn.Module, n: int) -> Callable[[], None]:
-    """Forward + backward of (1, n, dim) inputs with a random output gradient."""
+def make_step(module: nn.Module, n: int, bf16: bool) -> Callable[[], None]:
+    """Forward (under bf16 autocast if `bf16`) + backward of (1, n, dim) inputs with a
+    random output gradient."""
     x = torch.randn(1, n, DIM, requires_grad=True)
     grad = torch.randn(1, n, DIM)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
     def step() -> None:
         x.grad = None
         module.zero_grad(set_to_none=True)
-        module(x)[0].backward(grad)
+        with autocast:
+            out = module(x)[0]
+        out.backward(grad.to(out.dtype))
 
     return step
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_ab_args(__doc__, argv, "benchmarks/kernels/dropout", 20.0)
-    rows, before = [], machine()
+    precision = {"choices": ("fp32", "bf16"), "default": "fp32", "help": "bf16: autocast"}
+    args = parse_ab_args(__doc__, argv, "benchmarks/kernels/dropout", 20.0, precision=precision)
+    if args.precision == "bf16":
+        warn_if_bf16_is_slow("cpu", "--precision fp32")
+    rows, before, bf16 = [], machine(), args.precision == "bf16"
     for n in (int(x) for x in args.n.split(",")):
-        default = make_step(encoder(n, 0.1), n)
+        default = make_step(encoder(n, 0.1), n, bf16)
         steps = {
             "dropout 0.1, compiled kernel": default,
             "dropout 0.1, PyTorch ops": with_torch_ops(default),
-            "no dropout": make_step(encoder(n, 0.0), n),
+            "no dropout": make_step(encoder(n, 0.0), n, bf16),
         }
         ms, rounds = median_ms(steps, args.min_seconds)
         row = {
             "n": n,
+            "precision": args.precision,
             "median_ms": ms,
             "rounds": rounds,
             "time_vs_no_dropout": {name: ms[name] / ms["no dropout"] for name in list(steps)[:2]},

@@ -57,10 +57,11 @@ def test_training_applies_the_documented_mask_once_forward_and_backward(dtype, s
     torch.testing.assert_close(x.grad, dropped, atol=0, rtol=0)
 
 
-def test_non_finite_inputs_propagate_as_in_nn_dropout(compiled):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_inputs_propagate_as_in_nn_dropout(dtype, compiled):
     # nn.Dropout multiplies by the mask: a dropped inf or nan is nan, not a silent 0 (a
-    # select would hide a nan that training should see).
-    p, x = 0.5, torch.full((16, 40), float("inf"))
+    # select would hide a nan that training should see); bf16 rounds a nan to a nan.
+    p, x = 0.5, torch.full((16, 40), float("inf"), dtype=dtype)
     x[::2] = float("nan")
     reference = nn.Dropout(p).train()(x)
     assert torch.isnan(reference[1::2]).any() and not (reference == 0).any()
@@ -242,26 +243,31 @@ def test_the_build_compiles_for_the_target_it_names(monkeypatch):
     assert call["name"] == f"linformer_kit_cpu_{native._build_tag('haswell')}"
 
 
-def run_ab_script(name, module, n, tmp_path, monkeypatch):
-    """benchmarks/NAME on tiny n; returns its rows and whether `module.native_ops` (the
-    compiled kernel's gate) answered None (PyTorch ops) and not None in the run."""
+def run_ab_script(name, module, n, tmp_path, monkeypatch, extra=()):
+    """benchmarks/NAME on tiny n (and `extra` flags); returns its rows, whether
+    `module.native_ops` (the compiled kernel's gate) answered None (PyTorch ops) and not
+    None in the run, and the dtypes it was asked about."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # they import benchmarks/kernels*.py
     script = load_script(BENCHMARKS / name)
     if native.cpu_ops() is None:
         pytest.skip("no compiled dropout kernel on this machine")
-    paths, choose = set(), module.native_ops
-    monkeypatch.setattr(module, "native_ops", lambda x: paths.add(choose(x) is None) or choose(x))
-    args = ["--n", ",".join(map(str, n)), "--min-seconds", "0", "--threads", "1"]
+    paths, choose, asked = set(), module.native_ops, set()
+    monkeypatch.setattr(
+        module,
+        "native_ops",
+        lambda x: asked.add(x.dtype) or paths.add(choose(x) is None) or choose(x),
+    )
+    args = ["--n", ",".join(map(str, n)), "--min-seconds", "0", "--threads", "1", *extra]
     script.main([*args, "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
     assert [row["n"] for row in rows] == list(n)
-    return rows, paths
+    return rows, paths, asked
 
 
 def test_the_fused_script_times_both_mask_paths_against_sdpa(tmp_path, monkeypatch):
     # benchmarks/kernels_fused.py: its "torch ops" variant must really run without the
     # compiled kernel and its "compiled" variant with it.
-    rows, paths = run_ab_script("kernels_fused.py", kernels, (16, 32), tmp_path, monkeypatch)
+    rows, paths, _ = run_ab_script("kernels_fused.py", kernels, (16, 32), tmp_path, monkeypatch)
     assert paths == {True, False}
     for row in rows:
         ms = row["median_ms"]
@@ -270,13 +276,18 @@ def test_the_fused_script_times_both_mask_paths_against_sdpa(tmp_path, monkeypat
         assert ratio == pytest.approx(ms["compiled"] / ms["sdpa, no dropout"])
 
 
-def test_the_dropout_script_times_default_training_against_dropout_free(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_dropout_script_times_default_training_against_dropout_free(
+    precision, tmp_path, monkeypatch
+):
     # benchmarks/kernels_dropout.py: its "PyTorch ops" variant must run the models' dropout
-    # without the compiled kernel, the others with it.
+    # without the compiled kernel, the others with it; under --precision bf16 in bf16.
     args = ("kernels_dropout.py", dropout_module, (32, 64), tmp_path, monkeypatch)
-    rows, paths = run_ab_script(*args)
+    rows, paths, asked = run_ab_script(*args, extra=("--precision", precision))
     assert paths == {True, False}
+    assert (torch.bfloat16 in asked) == (precision == "bf16")
     for row in rows:
+        assert row["precision"] == precision
         ms, compiled = row["median_ms"], "dropout 0.1, compiled kernel"
         ratio = row["time_vs_no_dropout"][compiled]
         assert ratio == pytest.approx(ms[compiled] / ms["no dropout"])

@@ -53,7 +53,7 @@ const S* as_input(const T* x, int64_t count, std::vector<S>& buffer) {
     return x;
   } else {
     buffer.resize(count);
-    for (int64_t c = 0; c < count; ++c) buffer[c] = S(x[c]);
+    for (int64_t c = 0; c < count; ++c) buffer[c] = linformer_kit::narrow<S>(x[c]);
     return buffer.data();
   }
 }
@@ -70,7 +70,7 @@ void gemm_into(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opma
     buffer.resize(m * n);
     gemm<S>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, 0.0f, buffer.data(), n);
     for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = S(buffer[i * n + j]);
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = linformer_kit::narrow<S>(buffer[i * n + j]);
     }
   }
 }
