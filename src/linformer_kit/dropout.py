@@ -6,7 +6,7 @@ instead of being stored.
 Two users: the explicit attention kernel (`kernels`), which drops the attention weights
 and folds the rescaling into its next GEMM, and `Dropout`, the `nn.Dropout` of the models'
 embeddings, sub-layer outputs and heads. Where the compiled kernels do not apply (a GPU,
-bf16 / fp16, no compiler) the attention kernel makes the same mask with PyTorch ops and
+fp16, no compiler) the attention kernel makes the same mask with PyTorch ops and
 `Dropout` is `nn.Dropout`.
 """
 
