@@ -415,18 +415,45 @@ def test_the_rule_picks_the_kernel_the_table_measured_faster(table, dtype, mode)
         geomean = math.exp(sum(math.log(r["explicit_speedup"]) for r in cell) / len(cell))
         for k in {r["k"] for r in cell}:
             picked = choose_kernel(
-                device=CPU, dtype=dtype, dropout=dropout, backward=backward, keys=k
+                device=CPU,
+                dtype=dtype,
+                dropout=dropout,
+                backward=backward,
+                keys=k,
+                compiled=lambda: True,  # the tables measured the compiled kernel
             )
             assert picked == ("explicit" if geomean > 1.05 else "sdpa"), (k, geomean)
 
 
 def test_the_rule_keeps_sdpa_off_the_measured_cases():
+    def pick(device, dtype, dropout, backward, compiled=True):
+        return choose_kernel(
+            device=device,
+            dtype=dtype,
+            dropout=dropout,
+            backward=backward,
+            keys=64,
+            compiled=lambda: compiled,
+        )
+
     for device, dtype in [(torch.device("cuda"), torch.float32), (CPU, torch.float16)]:
         for dropout, backward in MODES.values():
-            picked = choose_kernel(
-                device=device, dtype=dtype, dropout=dropout, backward=backward, keys=64
-            )
-            assert picked == "sdpa"
+            assert pick(device, dtype, dropout, backward) == "sdpa"
+    # bf16 training without dropout was measured with the compiled kernel only: without it
+    # (no compiler) SDPA; with dropout the PyTorch-ops kernel still beats SDPA's fallback.
+    assert pick(CPU, torch.bfloat16, False, True, compiled=False) == "sdpa"
+    assert pick(CPU, torch.bfloat16, True, True, compiled=False) == "explicit"
+
+
+def test_autocast_casts_what_it_casts_for_sdpa_and_mismatched_dtypes_still_raise():
+    q64, k64, v64 = qkv()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kernels.compute_dtype(q64.float()) == torch.bfloat16
+        assert kernels.compute_dtype(q64.half()) == torch.bfloat16
+        assert kernels.compute_dtype(q64) == torch.float64  # autocast leaves float64 alone
+    for kernel in kernels.KERNELS:  # no autocast: no silent cast, as SDPA
+        with pytest.raises(RuntimeError):
+            dot_product_attention(q64.float(), k64, v64, dropout_p=0.1, kernel=kernel)
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])

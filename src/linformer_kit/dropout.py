@@ -108,10 +108,11 @@ def rescaling(dropout_p: float) -> float:
     return 0.0 if dropped == _LEVELS else _LEVELS / (_LEVELS - dropped)
 
 
-def native_ops(x: Tensor) -> object | None:
-    """The compiled kernels where they apply to `x` (CPU, fp32 / fp64 / bf16; eager or under
-    torch.compile, which traces each op as one node) and could be built; None otherwise."""
-    if x.device.type != "cpu" or x.dtype not in NATIVE_DTYPES:
+def native_ops(x: Tensor, dtype: torch.dtype | None = None) -> object | None:
+    """The compiled kernels where they apply to `x`, or to x cast to `dtype` (CPU, fp32 /
+    fp64 / bf16; eager or under torch.compile, which traces each op as one node) and could
+    be built; None otherwise."""
+    if x.device.type != "cpu" or (dtype or x.dtype) not in NATIVE_DTYPES:
         return None
     return native.cpu_ops()
 

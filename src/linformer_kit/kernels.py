@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,13 @@ _FUSED_ROWS = 256
 
 
 def choose_kernel(
-    *, device: torch.device, dtype: torch.dtype, dropout: bool, backward: bool, keys: int
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    dropout: bool,
+    backward: bool,
+    keys: int,
+    compiled: Callable[[], bool],
 ) -> str:
     """The cheaper kernel for a call, by the measured rule.
 
@@ -92,7 +99,9 @@ def choose_kernel(
     - dropout on: explicit 3.12-7.40x faster at all 27 shapes (geometric mean 4.26);
     - training without dropout: explicit 1.26-2.03x faster at the 18 shapes with k <= 256,
       a tie at k = 1024 (0.90-1.10x), so explicit up to k = 256 (and SDPA beyond: exact
-      attention, k = n, lost 30 % through the explicit kernel at n = 1024 in a bench run);
+      attention, k = n, lost 30 % through the explicit kernel at n = 1024 in a bench run),
+      and only where the compiled kernel runs: the PyTorch-ops one (no compiler) makes its
+      softmax in bf16, 3x SDPA's error, and was slower (9.0 against 7.6 ms at n 1024, k 256);
     - inference: SDPA's flash kernel faster at all 27 (explicit 0.41-0.69x).
 
     With AVX2 only (`bf16/avx2-emulated/`, n 1024, k 64-1024, head_dim 64; AVX-512 and AMX
@@ -112,6 +121,8 @@ def choose_kernel(
         dropout: whether attention dropout is on (dropout_p > 0).
         backward: whether a backward pass will follow (grad enabled, an input needing it).
         keys: the number of keys each query attends to (M).
+        compiled: whether the compiled explicit kernel runs here; called only where the rule
+            depends on it (the first call builds the kernels).
 
     Returns:
         "sdpa" or "explicit".
@@ -121,17 +132,22 @@ def choose_kernel(
     if dtype in (torch.float32, torch.float64):
         return "explicit" if dropout else "sdpa"
     if dtype == torch.bfloat16:
-        return "explicit" if dropout or (backward and keys <= 256) else "sdpa"
+        return "explicit" if dropout or (backward and keys <= 256 and compiled()) else "sdpa"
     return "sdpa"
 
 
 def compute_dtype(q: Tensor) -> torch.dtype:
-    """The dtype an attention call with queries q computes in: autocast's for float32 q
-    where autocast is on for q's device (as SDPA's autocast casts), else q's own."""
-    device = q.device.type
-    if q.dtype == torch.float32 and _autocast_on(device):
-        return torch.get_autocast_dtype(device)
+    """The dtype an attention call with queries q computes in: autocast's where autocast is
+    on for q's device and would cast q (floating, not float64: as it casts SDPA's inputs),
+    else q's own."""
+    if _autocast_casts(q):
+        return torch.get_autocast_dtype(q.device.type)
     return q.dtype
+
+
+def _autocast_casts(t: Tensor) -> bool:
+    """Whether autocast, on for t's device, casts t to its dtype (it leaves float64 alone)."""
+    return t.is_floating_point() and t.dtype != torch.float64 and _autocast_on(t.device.type)
 
 
 def _autocast_on(device: str) -> bool:
@@ -356,21 +372,22 @@ def dot_product_attention(
         raise ValueError("is_causal=True builds its own mask; got an attn_mask as well")
     dtype = compute_dtype(q)
     if kernel is None:
-        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         kernel = choose_kernel(
             device=q.device,
             dtype=dtype,
             dropout=dropout_p > 0.0,
-            backward=backward,
+            backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
             keys=k.shape[-2],
+            compiled=lambda: native_ops(q, dtype) is not None,
         )
     if kernel == "explicit":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        # Under autocast as SDPA is: in autocast's dtype, the kernel's own ops not cast again.
+        # Under autocast as SDPA is: its inputs cast as autocast casts them (float64 and
+        # mismatched dtypes are left to raise), the kernel's own ops not cast again.
         device = q.device.type
+        q, k, v = (t.to(dtype) if _autocast_casts(t) else t for t in (q, k, v))
         off = torch.autocast(device, enabled=False) if _autocast_on(device) else None
         with off or contextlib.nullcontext():
-            q, k, v = (t.to(dtype) for t in (q, k, v))
             ops = native_ops(q)
             if ops is not None:
                 return _fused_attention(q, k, v, attn_mask, dropout_p, scale, is_causal, ops)

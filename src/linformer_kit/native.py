@@ -111,6 +111,7 @@ def _register_python_side() -> None:
         batch, heads, seq_len, _ = q.shape
         out = q.new_empty(batch, seq_len, heads, v.shape[-1]).transpose(1, 2)
         # out: (B, H, N, Dv) over (B, N, H, Dv) memory; the logsumexp in the compute dtype
+        # (at::toOpMathType in attention_forward: float32 for bf16, else q's own)
         lse_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
         return out, q.new_empty(batch * heads, seq_len, dtype=lse_dtype)
 
