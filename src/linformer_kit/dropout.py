@@ -119,9 +119,9 @@ def native_ops(x: Tensor, dtype: torch.dtype | None = None) -> object | None:
 
 class Dropout(nn.Dropout):
     """`nn.Dropout` (same arguments, same state, `isinstance` of it) whose training pass on
-    CPU in fp32 / fp64 / bf16 runs the compiled kernel: the mask is made, applied and rescaled in
-    one pass, and made again in backward from its seed instead of being saved. Elsewhere,
-    and with `inplace=True`, it is `nn.Dropout` itself.
+    CPU in fp32 / fp64 / bf16 runs the compiled kernel: the mask is made, applied and
+    rescaled in one pass, and made again in backward from its seed instead of being saved.
+    Elsewhere, and with `inplace=True`, it is `nn.Dropout` itself.
 
     Why: on CPU `nn.Dropout` draws its mask with `bernoulli_` from torch's serial mt19937
     and keeps it for backward; on a (1, 4096, 256) activation (2 threads, idle) its forward
