@@ -4,6 +4,11 @@ documented dropout mask, all by torch ops) on any layout, mask and block cut; th
 laid out for the head merge; only the gradients asked for are computed; bad input is a
 clear error."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -93,6 +98,56 @@ def test_outputs_and_gradients_equal_the_float64_reference(
         assert a.dtype == dtype
         grad_tol = 10 * tol if dtype != torch.bfloat16 else 3 * tol
         torch.testing.assert_close(a.double(), b.double(), atol=grad_tol, rtol=grad_tol)
+
+
+BF16_CASES = [(None, False, 0.0), ("general", False, 0.3), (None, True, 0.3)]
+
+
+def bf16_results(path=None):
+    """The compiled kernel's bf16 outputs and gradients on fixed inputs, one per case of
+    BF16_CASES (mask, causal, dropout p); saved to `path` if given (a subprocess's answer)."""
+    g = torch.Generator().manual_seed(4)
+    q = heads_last((2, 3, 40, 16), torch.bfloat16, g)
+    k, v = (heads_last((2, 3, 24, 16), torch.bfloat16, g) for _ in range(2))
+    allowed = torch.rand(2, 3, 40, 24, generator=g) < 0.5
+    allowed[..., 0] = True
+    grad = torch.randn(2, 3, 40, 16, generator=g).bfloat16()
+    results = []
+    for mask, causal, p in BF16_CASES:
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(3)
+        attn_mask = allowed if mask else None
+        out = dot_product_attention(*inputs, attn_mask, p, kernel="explicit", is_causal=causal)
+        results.append([out, *torch.autograd.grad(out, inputs, grad)])
+    if path is not None:
+        torch.save([[t.detach() for t in r] for r in results], path)
+    return (q, k, v, allowed, grad), results
+
+
+def test_bf16_without_mkl_widens_to_fp32_and_gives_the_same_results(tmp_path):
+    # csrc/blas.h: where libtorch has no MKL bf16 GEMM (or LINFORMER_KIT_BF16_GEMM=widen,
+    # read once per process: hence a subprocess) the bf16 GEMMs widen their inputs to fp32
+    # for sgemm_. Both paths must give the float64 reference's results to bf16 rounding.
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from test_compiled_attention import bf16_results; bf16_results(sys.argv[2])"
+    )
+    env = {**os.environ, native.BF16_GEMM_SWITCH: "widen"}
+    path = tmp_path / "widened.pt"
+    argv = [sys.executable, "-c", code, str(Path(__file__).parent), str(path)]
+    subprocess.run(argv, env=env, check=True, timeout=300)
+    widened = torch.load(path)
+    (q, k, v, allowed, grad), direct = bf16_results()
+    for (mask, causal, p), ours, theirs in zip(BF16_CASES, direct, widened):
+        inputs = [t.double().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(3)
+        seed = dropout_seed(q.device).item() if p > 0 else 0
+        expected = reference(*inputs, allowed if mask else None, causal, 16**-0.5, seed, p)
+        wanted = [expected, *torch.autograd.grad(expected, inputs, grad.double())]
+        for a, b, c in zip(ours, theirs, wanted):
+            assert a.dtype == b.dtype == torch.bfloat16
+            torch.testing.assert_close(b.double(), c.detach(), atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(a.double(), c.detach(), atol=3e-2, rtol=3e-2)
 
 
 def test_softmax_of_extreme_scores_equals_torch():

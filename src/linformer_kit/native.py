@@ -34,6 +34,9 @@ SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp", CSRC / "autograd.cpp")
 HEADERS = (CSRC / "bits.h", CSRC / "blas.h")
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 MARCH_SWITCH = "LINFORMER_KIT_MARCH"
+# =widen: the bf16 GEMMs widen to fp32 for sgemm_ instead of calling MKL's bf16 GEMM (what a
+# libtorch without MKL runs; read by csrc/blas.h once per process).
+BF16_GEMM_SWITCH = "LINFORMER_KIT_BF16_GEMM"
 _loaded: dict[str, object] = {}
 _python_side = {"registered": False}  # fake kernels, double-backward error: once a process
 

@@ -2,7 +2,8 @@
 // in (Fortran interface, column-major: C^T = op(B)^T op(A)^T). Inputs of type S, products
 // in its compute type `Opmath<S>`: float and double as they are (`sgemm_`, `dgemm_`);
 // bfloat16 into float through MKL's `GEMM_BF16BF16F32` (AMX or AVX-512 BF16 where the CPU
-// has them), or, in a libtorch without MKL, by widening the inputs to float for `sgemm_`.
+// has them), or, in a libtorch without MKL (or with LINFORMER_KIT_BF16_GEMM=widen in the
+// environment, read once per process), by widening the inputs to float for `sgemm_`.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,6 +11,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -30,6 +33,17 @@ namespace linformer_kit {
 // The type a GEMM of S inputs accumulates and returns in: float for bfloat16.
 template <typename S>
 using Opmath = at::opmath_type<S>;
+
+// Whether bfloat16 GEMMs widen their inputs to float: no MKL bf16 GEMM in this libtorch, or
+// LINFORMER_KIT_BF16_GEMM=widen (the path a libtorch without MKL takes, for tests and as an
+// escape hatch).
+inline bool widen_bf16() {
+  static const bool widen = [] {
+    const char* value = std::getenv("LINFORMER_KIT_BF16_GEMM");
+    return GEMM_BF16BF16F32 == nullptr || (value != nullptr && std::string_view(value) == "widen");
+  }();
+  return widen;
+}
 
 // The rows x cols matrix at `a` (row stride ld) widened to float, contiguous, into `out`.
 inline const float* widened(const at::BFloat16* a, int64_t rows, int64_t cols, int64_t ld,
@@ -52,7 +66,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S>
   lda = std::max<int64_t>({lda, trans_a ? m : k, 1});
   ldb = std::max<int64_t>({ldb, trans_b ? k : n, 1});
   if constexpr (std::is_same_v<S, at::BFloat16>) {
-    if (GEMM_BF16BF16F32 == nullptr) {
+    if (widen_bf16()) {
       thread_local std::vector<float> a32, b32;
       const int64_t a_rows = trans_a ? k : m, b_rows = trans_b ? n : k;
       const float* wide_a = widened(a, a_rows, trans_a ? m : k, lda, a32);
