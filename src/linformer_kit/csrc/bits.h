@@ -1,4 +1,5 @@
-// The dropout mask's bits and the keep multiply, shared by dropout.cpp and attention.cpp.
+// The dropout mask's bits, the keep multiply and the bfloat16 <-> float conversions, shared by
+// dropout.cpp, attention.cpp and blas.h.
 //
 // Word w of row r (of all B x H x N rows of a call) is SplitMix64's output number
 // r * words_per_row + w + 1 for the call's seed, and its four 16-bit lanes, read as int16,
@@ -8,6 +9,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 
 #include <bit>
 #include <cstdint>
@@ -43,6 +45,11 @@ inline const int16_t* row_bits(uint64_t seed, int64_t row, int64_t words_per_row
   for (size_t w = 0; w < words.size(); ++w) words[w] = splitmix64(seed + (first + w) * kGolden);
   return reinterpret_cast<const int16_t*>(words.data());  // little-endian: lane j = bits 16j..
 }
+
+// The type S values are computed in (a GEMM's products, the dropout's multiply): float for
+// bfloat16.
+template <typename S>
+using Opmath = at::opmath_type<S>;
 
 // bfloat16 <-> float by their bits, in loops g++ vectorizes (c10::BFloat16's own conversions,
 // with the same rounding, leave them scalar: a 4096 x 256 dropout took 2.5x fp32's time):

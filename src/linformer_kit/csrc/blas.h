@@ -7,7 +7,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -15,6 +14,8 @@
 #include <string_view>
 #include <type_traits>
 #include <vector>
+
+#include "bits.h"  // Opmath, widen
 
 extern "C" {
 void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
@@ -29,10 +30,6 @@ void GEMM_BF16BF16F32(const char*, const char*, const int*, const int*, const in
 }
 
 namespace linformer_kit {
-
-// The type a GEMM of S inputs accumulates and returns in: float for bfloat16.
-template <typename S>
-using Opmath = at::opmath_type<S>;
 
 // Whether bfloat16 GEMMs widen their inputs to float: no MKL bf16 GEMM in this libtorch, or
 // LINFORMER_KIT_BF16_GEMM=widen (the path a libtorch without MKL takes, for tests and as an
@@ -50,7 +47,7 @@ inline const float* widened(const at::BFloat16* a, int64_t rows, int64_t cols, i
                             std::vector<float>& out) {
   out.resize(rows * cols);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = float(a[r * ld + c]);
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = widen(a[r * ld + c]);
   }
   return out.data();
 }

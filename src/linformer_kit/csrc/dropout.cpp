@@ -6,7 +6,6 @@
 // The bits: `bits.h`, row r of the input (seen as rows of its last dimension) owning
 // words r * ceil(cols / 4) + 1 onwards. Built on first use by `linformer_kit.native`.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -27,7 +26,7 @@ at::Tensor dropout_forward(const at::Tensor& x, const at::Tensor& seed, int64_t 
   const int64_t rows = cols ? x.numel() / cols : 0;
   at::Tensor kept = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "dropout_forward", [&] {
-    using T = at::opmath_type<scalar_t>;  // bfloat16: scaled in float, rounded once
+    using T = linformer_kit::Opmath<scalar_t>;  // bfloat16: scaled in float, rounded once
     const scalar_t* in = x.data_ptr<scalar_t>();
     scalar_t* out = kept.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
