@@ -5,10 +5,13 @@ the deadline (`--budget-s`, 540 s by default), and whatever they wrote is packed
 OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 
 1. `kernels.py`: the SDPA-vs-explicit table the CUDA rule of `kernels.choose_kernel` is to
-   be read from (fp32 and bf16, B 1 and 8, n 1024-65536, k 256, head_dim 64);
+   be read from (fp32 and bf16, B 1 and 8, n 1024-65536, k 64 / 256 / 1024, head_dim 64);
 2. `linformer bench --peers`, B 1: the 1.2x-the-faster-peer and 50 %-of-the-bf16-ceiling
    targets (fp32 and bf16, attention and encoder layer, headwise / kv / layerwise, exact
-   SDPA beside, n 4096-65536);
+   SDPA beside, n 4096-65536), ours on the rule's kernel (SDPA on a GPU until the table
+   says otherwise) and pinned to the explicit one (`--kernel rule,explicit`), so the
+   layer-level effect of a rule read off step 1 is measured in the same call; should
+   that step fail, it runs again on the rule's kernel alone;
 3. the same at B 8 (no exact baseline);
 4. `kernels_compile.py`: does torch.compile of a whole encoder pay on the GPU?
 
@@ -38,6 +41,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -53,24 +57,27 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
         compile_n, batch = ["--n", "256"], "2"
     else:
-        kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,16384,65536 --k 256 "
-        kernels += "--head-dim 64 --min-seconds 1"
+        kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,16384,65536 "
+        kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
         shape = "--dtype float32,bfloat16 --n 4096,8192,16384,32768,65536 --warmup 2 "
         shape += "--repeats 10 --min-time-s 1 --memory-budget-gb 60 --scope attention,layer "
         shape += "--sharing headwise,kv,layerwise"
         compile_n, batch = [], "8"
     bench = [*python, "-m", "linformer_kit.cli", "bench", *device, *shape.split(), "--peers"]
+    both = ["--kernel", "rule,explicit"]
     return [
         ("kernels", [*python, str(BENCHMARKS / "kernels.py"), *device, *kernels.split()]),
-        ("bench-b1", [*bench, "--exact", "sdpa"]),
-        ("bench-b8", [*bench, "--exact", "", "--batch-size", batch]),
+        ("bench-b1", [*bench, "--exact", "sdpa", *both]),
+        ("bench-b8", [*bench, "--exact", "", "--batch-size", batch, *both]),
         ("compile", [*python, str(BENCHMARKS / "kernels_compile.py"), *device, *compile_n]),
     ]
 
 
 def run_steps(work: Path, log: Path, *, smoke: bool, budget_s: float) -> list[str]:
     """Runs the steps, each into work/NAME, until the budget is spent; returns one line per
-    step: done, failed (its exit status), stopped at the deadline, or not started."""
+    step: done, failed (its exit status), stopped at the deadline, or not started. A bench
+    step that fails on `--kernel rule,explicit` runs again on the rule's kernel alone,
+    into work/NAME-rule."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     deadline, lines = time.monotonic() + budget_s, []
@@ -84,15 +91,26 @@ def run_steps(work: Path, log: Path, *, smoke: bool, budget_s: float) -> list[st
             out.write(f"\n== {name}: {' '.join(argv)}\n")
             out.flush()
             began = time.monotonic()
-            try:
-                code = subprocess.run(
-                    argv, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=left
-                ).returncode
-                status = "done" if code == 0 else f"failed (exit status {code})"
-            except subprocess.TimeoutExpired:
-                status = "stopped at the deadline"
+            status = _run(argv, out, env, deadline)
+            if status.startswith("failed") and argv[-4:-2] == ["--kernel", "rule,explicit"]:
+                fallback = [*argv[:-4], "--kernel", "rule", "--out", str(work / f"{name}-rule")]
+                out.write(f"\n== {name} again, on the rule's kernel alone: {' '.join(fallback)}\n")
+                out.flush()
+                status += ", then on the rule's kernel alone: " + _run(fallback, out, env, deadline)
             lines.append(f"{name}: {status} in {time.monotonic() - began:.0f} s")
     return lines
+
+
+def _run(argv: list[str], out: IO[str], env: dict[str, str], deadline: float) -> str:
+    """Runs one step's process into `out` until the deadline: done, failed or stopped."""
+    try:
+        code = subprocess.run(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+            timeout=max(1.0, deadline - time.monotonic()),
+        ).returncode  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "stopped at the deadline"
+    return "done" if code == 0 else f"failed (exit status {code})"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -88,9 +89,9 @@ def plot(rows: list[dict], path: Path) -> None:
     axes = fig.subplots(len(panels), len(MODES), squeeze=False)
     for (dtype, batch), line in zip(panels, axes):
         for axis, mode in zip(line, MODES):
-            cells = {(r["k"], r["head_dim"], r["n"]): r["explicit_speedup"] for r in rows
+            cells = {(r["k"], r["head_dim"], r["n"]): r.get("explicit_speedup") for r in rows
                      if (r["mode"], r["dtype"], r["batch"]) == (mode, dtype, batch)}  # fmt: skip
-            values = [[cells[(k, d, n)] for n in seq_lens] for k, d in shapes]
+            values = [[cells.get((k, d, n)) or math.nan for n in seq_lens] for k, d in shapes]
             axis.imshow(values, cmap="RdYlGn", vmin=0.25, vmax=1.75, aspect="auto")
             for i, cell_line in enumerate(values):
                 for j, value in enumerate(cell_line):
@@ -139,37 +140,53 @@ def main(argv: list[str] | None = None) -> None:
     if "bfloat16" in args.dtype:
         warn_if_bf16_is_slow(args.device, "--dtype float32")
     before, rows = machine(), []
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "PYTHONPATH=src python benchmarks/kernels.py " + " ".join(argv or sys.argv[1:])
     grid = list(itertools.product(args.dtype, args.batch, args.n, args.k, args.head_dim))
     for dtype, batch, n, k, d in tqdm(grid, desc="shapes"):
         torch.manual_seed(0)
-        steps = {
-            (mode, kernel): make_step((batch, n, k, d), mode, kernel, args.device,
-                                      getattr(torch, dtype))
-            for mode, kernel in itertools.product(MODES, KERNELS)
-        }  # fmt: skip
-        times = time_interleaved(
-            steps, warmup=WARMUP, repeats=REPEATS, device=args.device, min_seconds=args.min_seconds
-        )
+        cell = {"dtype": dtype, "batch": batch, "n": n, "k": k, "head_dim": d}
+        times, errors = time_shape((batch, n, k, d), args.device, getattr(torch, dtype), args)
         for mode in MODES:
-            sdpa, explicit = (statistics.median(times[(mode, kr)]) * 1e3 for kr in KERNELS)
-            rows.append(
-                {"mode": mode, "dtype": dtype, "batch": batch, "n": n, "k": k, "head_dim": d,
-                 "sdpa_ms": float(f"{sdpa:.4g}"), "explicit_ms": float(f"{explicit:.4g}"),
-                 "explicit_speedup": round(sdpa / explicit, 3)}
-            )  # fmt: skip
-            tqdm.write(json.dumps(rows[-1]))
-        del steps  # frees this shape's tensors before the next one's
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "command": "PYTHONPATH=src python benchmarks/kernels.py " + " ".join(argv or sys.argv[1:]),
-        "machine": before,
-        "device": args.device,
-        "heads": HEADS,
-        "threads": THREADS,
-        "rows": rows,
-    }
-    (args.out / "table.json").write_text(json.dumps(result, indent=2) + "\n")
+            row = {"mode": mode, **cell}
+            ms = {kr: statistics.median(times[(mode, kr)]) * 1e3 for kr in KERNELS
+                  if (mode, kr) in times}  # fmt: skip
+            row.update({f"{kr}_ms": float(f"{ms[kr]:.4g}") for kr in ms})
+            if len(ms) == len(KERNELS):
+                row["explicit_speedup"] = round(ms["sdpa"] / ms["explicit"], 3)
+            row.update({f"{kr}_error": e for (m, kr), e in errors.items() if m == mode})
+            rows.append(row)
+            tqdm.write(json.dumps(row))
+        # After every shape, so that a run stopped early keeps the shapes it finished.
+        result = {"command": command, "machine": before, "device": args.device,
+                  "heads": HEADS, "threads": THREADS, "rows": rows}  # fmt: skip
+        (args.out / "table.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, args.out / "table.png")
+
+
+def time_shape(
+    shape: tuple[int, int, int | str, int],
+    device: str,
+    dtype: torch.dtype,
+    args: argparse.Namespace,
+) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], str]]:
+    """The six (mode, kernel) steps of one shape, timed interleaved: seconds per call, and
+    the error of each step that failed its first call (out of memory, say), left out."""
+    steps, errors = {}, {}
+    for mode, kernel in itertools.product(MODES, KERNELS):
+        try:
+            step = make_step(shape, mode, kernel, device, dtype)
+            step()
+            steps[(mode, kernel)] = step
+        except RuntimeError as error:  # one step failing must not cost the table the rest
+            errors[(mode, kernel)] = str(error).splitlines()[0][:200]
+            tqdm.write(f"{shape} {mode} {kernel}: {errors[(mode, kernel)]}")
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    times = time_interleaved(
+        steps, warmup=WARMUP, repeats=REPEATS, device=device, min_seconds=args.min_seconds
+    )
+    return times, errors
 
 
 if __name__ == "__main__":

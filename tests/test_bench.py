@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from linformer_kit import precision
+from linformer_kit import kernels, precision
 from linformer_kit.bench import (
     BenchSettings,
     Call,
@@ -261,3 +261,34 @@ def test_attention_dropout_variants_drop_attention_weights_in_training(scope):
     x = torch.randn(SHAPE.batch_size, SHAPE.seq_len, SHAPE.dim)
     assert not torch.equal(module(x), module(x))  # fresh masks: the weights are dropped
     assert torch.equal(module.eval()(x), module(x))
+
+
+def test_ours_on_each_kernel_times_the_same_layer_through_that_kernel(tmp_path, monkeypatch):
+    # --kernel rule,explicit: ours twice per sharing, the second pinned to the explicit
+    # kernel (kernels.use_kernel), which without dropout the CPU rule does not pick.
+    names = [v.name for v in default_variants(sharings=("kv",), peers=False,
+                                              kernels=(None, "explicit"))]  # fmt: skip
+    assert names == ["linformer kv", "linformer kv [explicit]", "exact sdpa", "exact naive"]
+    seen = []  # the variant pinned at each explicit call
+    real = kernels._fused_attention, kernels._ExplicitAttention.apply
+    monkeypatch.setattr(kernels, "_fused_attention", lambda *a: seen.append(1) or real[0](*a))
+    monkeypatch.setattr(
+        kernels._ExplicitAttention, "apply", lambda *a: seen.append(1) or real[1](*a)
+    )
+    rows = run_bench(tiny_settings(tmp_path, n="64", kernel="rule,explicit", exact="sdpa"))["rows"]
+    assert {(r["variant"], r["kernel"]) for r in rows} == {
+        ("linformer headwise", None), ("linformer kv", None),
+        ("linformer headwise [explicit]", "explicit"), ("linformer kv [explicit]", "explicit"),
+        ("exact sdpa", None),
+    }  # fmt: skip
+    # Explicit calls, and only from the pinned variants (the rule takes SDPA here): 2 of
+    # them x 2 scopes x one timed call each (+ one settling call on CPU).
+    assert len(seen) == 8
+    x = torch.randn(SHAPE.batch_size, SHAPE.seq_len, SHAPE.dim)
+    pinned = Variant(name="kv", kind="ours", sharing="kv", kernel="explicit")
+    torch.manual_seed(0)
+    out = build_variant(pinned, SHAPE, "layer").eval()(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, build_variant(OURS["kv"], SHAPE, "layer").eval()(x))
+    with pytest.raises(ValueError, match="kernel"):
+        tiny_settings(tmp_path, kernel="rule,flash")

@@ -25,7 +25,7 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
     assert results["kernels"]["device"] == "cpu"
     assert results["bench-b8"]["settings"]["batch_size"] == 2
     variants = {row["variant"] for row in results["bench-b1"]["rows"]}
-    assert {"exact sdpa", "lucidrains", "linformer-pytorch"} <= variants
+    assert {"exact sdpa", "lucidrains", "linformer-pytorch", "linformer kv [explicit]"} <= variants
     assert set(results["compile"]["rows"]) == {"training", "inference"}
     summary = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in summary] == STEPS

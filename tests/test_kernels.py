@@ -390,6 +390,49 @@ def test_exact_causal_attention_with_dropout_on_cpu_takes_the_explicit_kernel(sw
 def test_unknown_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="kernel must be one of sdpa, explicit"):
         dot_product_attention(*qkv(), kernel="flash")
+    with pytest.raises(ValueError, match="kernel must be one of sdpa, explicit or None; got 'x'"):
+        with kernels.use_kernel("x"):
+            pass
+
+
+def test_use_kernel_pins_the_kernel_of_calls_that_leave_it_to_the_rule(monkeypatch):
+    # Without dropout the rule takes SDPA on CPU in fp32, with dropout the explicit kernel:
+    # use_kernel turns both round, nests, restores on exit (on error too), and a call that
+    # names its kernel keeps it.
+    ran = []
+    real_sdpa = kernels.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        kernels.F, "scaled_dot_product_attention",
+        lambda *a, **kw: ran.append("sdpa") or real_sdpa(*a, **kw),
+    )  # fmt: skip
+    real = kernels._fused_attention, kernels._ExplicitAttention.apply
+    for owner, name, call in zip((kernels, kernels._ExplicitAttention),
+                                 ("_fused_attention", "apply"), real):  # fmt: skip
+        monkeypatch.setattr(owner, name, lambda *a, call=call: ran.append("explicit") or call(*a))
+    q, k, v = qkv(torch.float32)
+
+    def kernel_of(**kw) -> str:
+        ran.clear()
+        dot_product_attention(q, k, v, **kw)
+        return ran.pop()
+
+    assert (kernel_of(), kernel_of(dropout_p=0.1)) == ("sdpa", "explicit")
+    with kernels.use_kernel("explicit"):
+        assert kernel_of() == "explicit"
+        with kernels.use_kernel("sdpa"):
+            assert kernel_of(dropout_p=0.1) == "sdpa"
+            with kernels.use_kernel(None):
+                assert kernel_of(dropout_p=0.1) == "explicit"
+            assert kernel_of(kernel="explicit") == "explicit"
+        assert kernel_of() == "explicit"
+        with pytest.raises(RuntimeError), kernels.use_kernel("sdpa"):
+            raise RuntimeError
+        assert kernel_of() == "explicit"
+    assert kernel_of() == "sdpa"
+    # The pinned kernel computes the same attention (the explicit one differs by rounding).
+    with kernels.use_kernel("explicit"):
+        pinned = attend(q, k, v)
+    torch.testing.assert_close(pinned, attend(q, k, v), atol=1e-5, rtol=1e-5)
 
 
 TABLE = BENCHMARKS / "kernels" / "table.json"
@@ -511,3 +554,28 @@ def test_the_table_script_times_every_shape_it_is_given(tmp_path):
     assert len(rows) == 6 and {row["k"] for row in rows} == {"n"} and causal and all(causal)
     with pytest.raises(SystemExit):
         script.main(["--causal", "--k", "8"])  # the keys are the n positions
+
+
+def test_the_table_script_records_a_failing_step_and_times_the_rest(tmp_path):
+    # One shot on a lent GPU: a step that fails (out of memory, say) is written down with
+    # its error, and the shape's other steps and the later shapes are still timed.
+    script = load_script(BENCHMARKS / "kernels.py")
+    make_step = script.make_step
+
+    def failing(shape, mode, kernel, *rest):
+        if (shape[1], mode, kernel) == (32, "inference", "explicit"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+        return make_step(shape, mode, kernel, *rest)
+
+    script.make_step = failing
+    args = "--n 16,32 --k 8 --head-dim 4 --min-seconds 0 --out".split()
+    script.main([*args, str(tmp_path)])
+    rows = {
+        (r["n"], r["mode"]): r for r in json.loads((tmp_path / "table.json").read_text())["rows"]
+    }
+    assert len(rows) == 6
+    failed = rows[(32, "inference")]
+    assert failed["explicit_error"].startswith("CUDA out of memory") and failed["sdpa_ms"] > 0
+    assert "explicit_ms" not in failed and "explicit_speedup" not in failed
+    assert all(r["explicit_speedup"] > 0 for key, r in rows.items() if key != (32, "inference"))
+    assert (tmp_path / "table.png").stat().st_size > 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,31 @@ _BLOCK_ROWS = (64, 512)
 # 512 rows took 4.32 / 4.13 / 4.08 / 4.42 ms at n = 1024, 17.3 / 16.4 / 16.6 / 17.0 ms at
 # 4096 and 69.5 / 63.7 / 62.4 / 68.0 ms at 16384.
 _FUSED_ROWS = 256
+# The kernel `use_kernel` sets for the calls that leave it to the rule (None: the rule).
+_forced: str | None = None
+
+
+@contextlib.contextmanager
+def use_kernel(kernel: str | None) -> Iterator[None]:
+    """Runs the attention calls inside on `kernel` instead of the rule's choice, as
+    `torch.nn.attention.sdpa_kernel` pins SDPA's backend: for a model's layers, which call
+    `dot_product_attention` without a `kernel` (a call that names one keeps it). Like
+    `sdpa_kernel` it sets process-wide state for the duration of the block.
+
+    Args:
+        kernel: "sdpa" or "explicit"; None follows the rule (`choose_kernel`).
+
+    Raises:
+        ValueError: for an unknown kernel.
+    """
+    global _forced
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)} or None; got {kernel!r}")
+    before, _forced = _forced, kernel
+    try:
+        yield
+    finally:
+        _forced = before
 
 
 def choose_kernel(
@@ -359,7 +384,8 @@ def dot_product_attention(
         attn_mask: optional bool, broadcastable to (..., N, M), True where allowed.
         dropout_p: dropout on the attention weights, in [0, 1).
         scale: softmax scale; default 1 / sqrt(D).
-        kernel: "sdpa" or "explicit" to override the rule; None to follow it.
+        kernel: "sdpa" or "explicit" to override the rule; None to follow it (or the
+            kernel of an enclosing `use_kernel`).
         is_causal: query i sees keys 0..i only, aligned top-left as SDPA's flag (with
             N > M the last queries see all M keys); attn_mask must be None.
 
@@ -372,6 +398,7 @@ def dot_product_attention(
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True builds its own mask; got an attn_mask as well")
     dtype = compute_dtype(q)
+    kernel = kernel or _forced
     if kernel is None:
         kernel = choose_kernel(
             device=q.device,

@@ -34,8 +34,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             (r for r in same if r["kind"] == "sdpa" and r["attention_dropout"] == dropout), None
         )
         undropped = next(
-            (r for r in same if (r["kind"], r["sharing"], r["k"], r["attention_dropout"])
-             == ("ours", row["sharing"], k, 0.0)),
+            (r for r in same if (r["kind"], r["sharing"], r.get("kernel"), r["k"],
+                                 r["attention_dropout"])
+             == ("ours", row["sharing"], row.get("kernel"), k, 0.0)),
             None,
         )  # fmt: skip
         half = index.get((scope, dtype, variant, k, n // 2))

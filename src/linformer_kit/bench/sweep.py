@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import check_choice
+from ..kernels import KERNELS
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
 from .flops import Shape, matmul_flops
@@ -79,6 +80,10 @@ class BenchSettings:
         default="0",
         metadata={"help": "attention dropout values for ours and exact SDPA, e.g. 0,0.1"},
     )
+    kernel: str = field(
+        default="rule",
+        metadata={"help": "attention kernels of ours: rule (choose_kernel's), sdpa, explicit"},
+    )
     peers: bool = field(default=False, metadata={"help": "also time the published packages"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     threads: int = field(default=0, metadata={"help": "CPU threads (0: torch's default)"})
@@ -112,6 +117,8 @@ class BenchSettings:
         for p in _floats(self.attention_dropout):
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"attention_dropout values must be in [0, 1); got {p}")
+        for kernel in _names(self.kernel):
+            check_choice("kernel", kernel, ("rule", *KERNELS))
         if not _ints(self.n) or not _ints(self.proj_dim) or self.repeats < 1:
             raise ValueError("n, proj_dim and repeats need at least one value each")
 
@@ -122,6 +129,7 @@ class BenchSettings:
             sharings=tuple(_names(self.sharing)),
             peers=self.peers,
             attention_dropouts=tuple(_floats(self.attention_dropout)),
+            kernels=tuple(None if k == "rule" else k for k in _names(self.kernel)),
         )
         return [v for v in chosen if not v.exact or v.kind in exact]
 
@@ -186,6 +194,7 @@ def _row(call: Call, ceiling: float | None, seconds: list[float] | None) -> dict
         "variant": call.variant.name,
         "kind": call.variant.kind,
         "sharing": call.variant.sharing,
+        "kernel": call.variant.kernel,
         "attention_dropout": call.variant.attention_dropout,
         "n": call.shape.seq_len,
         "k": call.shape.proj_dim,
@@ -261,6 +270,23 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     ceiling_steps = {f"matmul {d}": matmul_step(sizes[d], d, settings.device) for d in dtypes}
     seq_lens = _ints(settings.n)
     rows, ceilings = [], {}
+
+    def result() -> dict[str, Any]:
+        table = [row for _, row in rows]
+        _compare_to_exact(table)
+        return {
+            "settings": dataclasses.asdict(settings),
+            "machine": before,
+            "load_avg_after": os.getloadavg(),
+            "flop_convention": "matmul FLOPs (2 per multiply-add), backward = 2x forward; see "
+            "linformer_kit.bench.flops",
+            "ceiling_matmul_size": sizes,
+            "bf16": bf16.to_dict() if bf16 else None,
+            "ceiling_gflop_per_s": {str(n): c for n, c in ceilings.items()},
+            "summary": summarise(table),
+            "rows": table,
+        }
+
     rounds = len(seq_lens) * (settings.warmup + settings.repeats)
     with tqdm(total=rounds, desc="timing", unit="round") as bar:
         for seq_len in seq_lens:
@@ -295,28 +321,17 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
                 row = _row(call, None, None)
                 row.update(status="skipped", reason=reason)
                 rows.append((call, row))
+            # Written after each n, so a run stopped early keeps the lengths it finished.
+            write_outputs(result(), Path(settings.out))
     if settings.memory:
         measured = [(c, r) for c, r in rows if r["status"] == "ok"]
         for call, row in tqdm(measured, desc="peak memory", unit="config"):
             row["peak_mem_mb"] = peak_memory(call) / 2**20
-    table = [row for _, row in rows]
-    _compare_to_exact(table)
-    result = {
-        "settings": dataclasses.asdict(settings),
-        "machine": before,
-        "load_avg_after": os.getloadavg(),
-        "flop_convention": "matmul FLOPs (2 per multiply-add), backward = 2x forward; see "
-        "linformer_kit.bench.flops",
-        "ceiling_matmul_size": sizes,
-        "bf16": bf16.to_dict() if bf16 else None,
-        "ceiling_gflop_per_s": {str(n): c for n, c in ceilings.items()},
-        "summary": summarise(table),
-        "rows": table,
-    }
-    write_outputs(result, Path(settings.out))
-    plot_scaling(table, Path(settings.out) / "scaling.png", title=_title(settings))
-    plot_grid(table, Path(settings.out) / "grid.png", title=_title(settings))
-    return result
+    final = result()
+    write_outputs(final, Path(settings.out))
+    plot_scaling(final["rows"], Path(settings.out) / "scaling.png", title=_title(settings))
+    plot_grid(final["rows"], Path(settings.out) / "grid.png", title=_title(settings))
+    return final
 
 
 def _title(settings: BenchSettings) -> str:

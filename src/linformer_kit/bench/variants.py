@@ -17,6 +17,7 @@ from ..attention import LinformerSelfAttention
 from ..config import LinformerConfig, check_choice
 from ..encoder import LinformerEncoderLayer
 from ..functional import attention_weights
+from ..kernels import use_kernel
 from ..projection import build_sharing_plan
 from .flops import Shape, exact_attention_flops, linformer_attention_flops, total_flops
 
@@ -37,12 +38,15 @@ class Variant:
             F shared by the heads of a layer, E != F).
         attention_dropout: dropout on the attention weights in training (ours and exact
             SDPA; the peers run their default, none).
+        kernel: ours only: the attention kernel it runs on (`kernels.use_kernel`), None
+            for the rule's choice.
     """
 
     name: str
     kind: str
     sharing: str | None = None
     attention_dropout: float = 0.0
+    kernel: str | None = None
 
     @property
     def exact(self) -> bool:
@@ -51,15 +55,26 @@ class Variant:
 
 
 def default_variants(
-    *, sharings: tuple[str, ...], peers: bool, attention_dropouts: tuple[float, ...] = (0.0,)
+    *,
+    sharings: tuple[str, ...],
+    peers: bool,
+    attention_dropouts: tuple[float, ...] = (0.0,),
+    kernels: tuple[str | None, ...] = (None,),
 ) -> list[Variant]:
-    """Ours in each sharing mode and exact SDPA (each at every attention dropout), naive
-    exact and (optionally) the peers."""
+    """Ours in each sharing mode on each kernel (None: the rule's) and exact SDPA (each at
+    every attention dropout), naive exact and (optionally) the peers."""
     variants = []
     for p in attention_dropouts:
         suffix = f" attn-dropout {p:g}" if p else ""
         variants += [
-            Variant(name=f"linformer {s}{suffix}", kind="ours", sharing=s, attention_dropout=p)
+            Variant(
+                name=f"linformer {s}{f' [{kernel}]' if kernel else ''}{suffix}",
+                kind="ours",
+                sharing=s,
+                attention_dropout=p,
+                kernel=kernel,
+            )
+            for kernel in kernels
             for s in sharings
         ]
         variants.append(Variant(name=f"exact sdpa{suffix}", kind="sdpa", attention_dropout=p))
@@ -103,14 +118,16 @@ class NaiveAttention(nn.Module):
 
 
 class FirstOutput(nn.Module):
-    """Keeps the first output of a module that returns (output, extra)."""
+    """Keeps the first output of a module that returns (output, extra), its attention run
+    on `kernel` (None: the rule's choice)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, kernel: str | None = None) -> None:
         super().__init__()
-        self.module = module
+        self.module, self.kernel = module, kernel
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.module(x)[0]
+        with use_kernel(self.kernel):
+            return self.module(x)[0]
 
 
 def _ours(variant: Variant, shape: Shape, scope: str) -> nn.Module:
@@ -138,7 +155,7 @@ def _ours(variant: Variant, shape: Shape, scope: str) -> nn.Module:
         )
         if variant.kind == "naive":
             attention = NaiveAttention(dim=shape.dim, num_heads=shape.num_heads)
-        return FirstOutput(attention)
+        return FirstOutput(attention, variant.kernel)
     layer = LinformerEncoderLayer(
         dim=shape.dim,
         num_heads=shape.num_heads,
@@ -150,7 +167,7 @@ def _ours(variant: Variant, shape: Shape, scope: str) -> nn.Module:
     )
     if variant.kind == "naive":
         layer.attn = NaiveAttention(dim=shape.dim, num_heads=shape.num_heads)
-    return FirstOutput(layer)
+    return FirstOutput(layer, variant.kernel)
 
 
 def _lucidrains(shape: Shape, scope: str) -> nn.Module:
