@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device,
         "threads": THREADS,
         "rows": rows,
+        # Where dynamo split the graphs (reason: count): each break costs a call to eager.
+        "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
     }
     (args.out / "compile.json").write_text(json.dumps(result, indent=2) + "\n")
 

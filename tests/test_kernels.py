@@ -462,7 +462,9 @@ def test_the_rule_picks_the_kernel_the_table_measured_faster(table, dtype, mode)
                 dtype=dtype,
                 dropout=dropout,
                 backward=backward,
+                queries=4096,
                 keys=k,
+                groups=4,
                 compiled=lambda: True,  # the tables measured the compiled kernel
             )
             assert picked == ("explicit" if geomean > 1.05 else "sdpa"), (k, geomean)
@@ -475,7 +477,9 @@ def test_the_rule_keeps_sdpa_off_the_measured_cases():
             dtype=dtype,
             dropout=dropout,
             backward=backward,
+            queries=1024,
             keys=64,
+            groups=4,
             compiled=lambda: compiled,
         )
 

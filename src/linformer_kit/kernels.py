@@ -93,7 +93,9 @@ def choose_kernel(
     dtype: torch.dtype,
     dropout: bool,
     backward: bool,
+    queries: int,
     keys: int,
+    groups: int,
     compiled: Callable[[], bool],
 ) -> str:
     """The cheaper kernel for a call, by the measured rule.
@@ -137,22 +139,54 @@ def choose_kernel(
     is worth using (`precision` warns against it elsewhere): at k = 1024 in training without
     dropout it keeps SDPA, which is 5.7x slower with AVX2 only.
 
-    n and head_dim did not change the winner anywhere, and k only bf16 training without
-    dropout. On a GPU, and for fp16 (not measured for the explicit kernel yet), SDPA is
-    kept.
+    n and head_dim did not change the winner anywhere on CPU, and k only bf16 training
+    without dropout.
+
+    CUDA: `benchmarks/kernels/cuda/table.json` (H200, torch 2.11, fp32 and bf16, B 1 and 8,
+    H = 4, n 1024-65536, k 64 / 256 / 1024, head_dim 64; the explicit kernel by PyTorch ops,
+    one block). Calls of a few ms cost kernel launches more than arithmetic: the explicit
+    kernel's launches (about 1.1-1.5 ms fwd+bwd against SDPA's 0.5) lose below n = 4096.
+    SDPA's fp32 backward (its memory-efficient kernel) runs one block per 64 keys of each
+    (batch, head), each over all n queries: with groups x keys (B H M) small it uses a few
+    of the GPU's 132 SMs, and its time grows with n whatever k.
+
+    - inference: SDPA everywhere (explicit 0.25-0.82x);
+    - fp32 training without dropout: explicit 1.27-2.56x from n = 16384 where B H M <= 8192
+      (B 1, and B 8 up to k 256), a tie at B 8, k 1024 (1.01-1.02); the encoder and
+      attention layers of `benchmarks/kernels/cuda/pinned-explicit/` ran 1.05-1.27x faster pinned to explicit
+      at n = 8192 (B 1 and 8), and lost up to 20 % at n = 4096: explicit from n = 8192;
+    - fp32 training with dropout: explicit 1.13-2.35x from n = 16384 where B H M <= 4096,
+      0.62-0.83x above: explicit from n = 16384 up to B H M = 4096;
+    - bf16 training without dropout: explicit 1.37-1.43x only at n = 65536 with B H M <=
+      1024 (0.93 at 2048, 0.51 at n = 16384): explicit from n = 65536 up to B H M = 1024;
+    - bf16 with dropout: SDPA (explicit faster at one shape, B 1, k 64, n 65536: 1.19x).
+
+    fp16 and fp64 (not measured for the explicit kernel), and other devices, keep SDPA.
 
     Args:
         device: where the call runs.
         dtype: the dtype the call computes in (`compute_dtype`).
         dropout: whether attention dropout is on (dropout_p > 0).
         backward: whether a backward pass will follow (grad enabled, an input needing it).
+        queries: the number of queries (N).
         keys: the number of keys each query attends to (M).
+        groups: the number of (N, M) attention matrices: the product of the leading
+            dimensions (B x H).
         compiled: returns whether the compiled explicit kernel runs here; called only where
             the rule depends on it (its first call builds the kernels).
 
     Returns:
         "sdpa" or "explicit".
     """
+    if device.type == "cuda":
+        if not backward:
+            return "sdpa"
+        if dtype == torch.float32:
+            from_n, up_to = (16384, 4096) if dropout else (8192, 8192)
+            return "explicit" if queries >= from_n and groups * keys <= up_to else "sdpa"
+        if dtype == torch.bfloat16 and not dropout:
+            return "explicit" if queries >= 65536 and groups * keys <= 1024 else "sdpa"
+        return "sdpa"
     if device.type != "cpu":
         return "sdpa"
     if dtype in (torch.float32, torch.float64):
@@ -177,8 +211,11 @@ def _autocast_casts(t: Tensor) -> bool:
 
 
 def _autocast_on(device: str) -> bool:
-    """Whether autocast is on for a device type (False for those it has none for: meta)."""
-    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    """Whether autocast is on for a device type (False for those it has none for: meta).
+    CPU and CUDA are known to have it: torch.compile (2.11) cannot trace the availability
+    check and broke the graph there, in every attention call."""
+    known = device in ("cpu", "cuda")
+    return (known or torch.amp.is_autocast_available(device)) and torch.is_autocast_enabled(device)
 
 
 def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None, scale: float) -> Tensor:
@@ -405,7 +442,9 @@ def dot_product_attention(
             dtype=dtype,
             dropout=dropout_p > 0.0,
             backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            queries=q.shape[-2],
             keys=k.shape[-2],
+            groups=math.prod(q.shape[:-2]),
             compiled=lambda: native_ops(q, dtype) is not None,
         )
     if kernel == "explicit":
