@@ -142,24 +142,23 @@ def choose_kernel(
     n and head_dim did not change the winner anywhere on CPU, and k only bf16 training
     without dropout.
 
-    CUDA: `benchmarks/kernels/cuda/table.json` (H200, torch 2.11, fp32 and bf16, B 1 and 8,
-    H = 4, n 1024-65536, k 64 / 256 / 1024, head_dim 64; the explicit kernel by PyTorch ops,
-    one block). Calls of a few ms cost kernel launches more than arithmetic: the explicit
-    kernel's launches (about 1.1-1.5 ms fwd+bwd against SDPA's 0.5) lose below n = 4096.
-    SDPA's fp32 backward (its memory-efficient kernel) runs one block per 64 keys of each
-    (batch, head), each over all n queries: with groups x keys (B H M) small it uses a few
-    of the GPU's 132 SMs, and its time grows with n whatever k.
+    CUDA: `benchmarks/kernels/cuda/table.json` and `table-mid/table.json` (H200, torch
+    2.11, fp32 and bf16, B 1 and 8, H = 4, n 1024-65536, k 64 / 256 / 1024, head_dim 64; the
+    explicit kernel by PyTorch ops, one block). A call of a few ms costs kernel launches
+    more than arithmetic: the explicit kernel's (1.1-1.5 ms fwd+bwd against SDPA's 0.5)
+    lose below n = 8192. SDPA's fp32 backward runs a block per 64 keys of each (batch,
+    head), each over all n queries: with B x H x M small it keeps few of the 132 SMs busy
+    and its time grows with n, while the explicit kernel's GEMMs use them all.
 
-    - inference: SDPA everywhere (explicit 0.25-0.82x);
-    - fp32 training without dropout: explicit 1.27-2.56x from n = 16384 where B H M <= 8192
-      (B 1, and B 8 up to k 256), a tie at B 8, k 1024 (1.01-1.02); the encoder and
-      attention layers of `benchmarks/kernels/cuda/pinned-explicit/` ran 1.05-1.27x faster pinned to explicit
-      at n = 8192 (B 1 and 8), and lost up to 20 % at n = 4096: explicit from n = 8192;
-    - fp32 training with dropout: explicit 1.13-2.35x from n = 16384 where B H M <= 4096,
-      0.62-0.83x above: explicit from n = 16384 up to B H M = 4096;
-    - bf16 training without dropout: explicit 1.37-1.43x only at n = 65536 with B H M <=
-      1024 (0.93 at 2048, 0.51 at n = 16384): explicit from n = 65536 up to B H M = 1024;
-    - bf16 with dropout: SDPA (explicit faster at one shape, B 1, k 64, n 65536: 1.19x).
+    - inference: SDPA everywhere (explicit 0.26-0.85x);
+    - fp32 training: explicit from n = 8192 where B H M <= 8192 (4096 with dropout):
+      1.17-2.56x without dropout, 1.01-2.35x with; above that SDPA (without dropout
+      0.97-1.03x at B H M = 32768; with dropout 0.60-0.83x at 8192 and more); at n = 4096
+      SDPA (explicit 0.89-1.10x without dropout, 0.59-0.79x with). The layers agree
+      (`cuda/pinned-explicit/`, `cuda/bench-b1`, `bench-b8`: ours on each kernel);
+    - bf16 training without dropout: explicit only from n = 65536 where B H M <= 1024
+      (1.37-1.43x; 0.93x at 2048, 0.72-0.96x at n = 32768);
+    - bf16 with dropout: SDPA (explicit ahead at one shape only: B 1, k 64, n 65536, 1.19x).
 
     fp16 and fp64 (not measured for the explicit kernel), and other devices, keep SDPA.
 
@@ -182,8 +181,8 @@ def choose_kernel(
         if not backward:
             return "sdpa"
         if dtype == torch.float32:
-            from_n, up_to = (16384, 4096) if dropout else (8192, 8192)
-            return "explicit" if queries >= from_n and groups * keys <= up_to else "sdpa"
+            up_to = 4096 if dropout else 8192
+            return "explicit" if queries >= 8192 and groups * keys <= up_to else "sdpa"
         if dtype == torch.bfloat16 and not dropout:
             return "explicit" if queries >= 65536 and groups * keys <= 1024 else "sdpa"
         return "sdpa"
