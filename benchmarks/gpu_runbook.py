@@ -4,14 +4,14 @@ command): the steps run in order of priority, each as its own process, each stop
 the deadline (`--budget-s`, 540 s by default), and whatever they wrote is packed into
 OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 
-1. `kernels.py`: the SDPA-vs-explicit table the CUDA rule of `kernels.choose_kernel` is to
-   be read from (fp32 and bf16, B 1 and 8, n 1024-65536, k 64 / 256 / 1024, head_dim 64);
+1. `kernels.py`: the SDPA-vs-explicit table the CUDA rule of `kernel_rule.choose_kernel` is
+   read from (fp32 and bf16, B 1 and 8, n 1024-65536, k 64 / 256 / 1024, head_dim 64);
 2. `linformer bench --peers`, B 1: the 1.2x-the-faster-peer and 50 %-of-the-bf16-ceiling
    targets (fp32 and bf16, attention and encoder layer, headwise / kv / layerwise, exact
-   SDPA beside, n 4096-65536), ours on the rule's kernel (SDPA on a GPU until the table
-   says otherwise) and pinned to the explicit one (`--kernel rule,explicit`), so the
-   layer-level effect of a rule read off step 1 is measured in the same call; should
-   that step fail, it runs again on the rule's kernel alone;
+   SDPA beside, n 4096-65536), ours on the rule's kernel and pinned to each kernel
+   (`--kernel rule,sdpa,explicit`), so that the layers say what the rule gains and where
+   a new table would move it; should that step fail, it runs again on the rule's kernel
+   alone;
 3. the same at B 8 (no exact baseline);
 4. `kernels_compile.py`: does torch.compile of a whole encoder pay on the GPU?
 
@@ -57,18 +57,18 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
         compile_n, batch = ["--n", "256"], "2"
     else:
-        kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,16384,65536 "
+        kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192,16384,32768,65536 "
         kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
         shape = "--dtype float32,bfloat16 --n 4096,8192,16384,32768,65536 --warmup 2 "
         shape += "--repeats 10 --min-time-s 1 --memory-budget-gb 60 --scope attention,layer "
         shape += "--sharing headwise,kv,layerwise"
         compile_n, batch = [], "8"
     bench = [*python, "-m", "linformer_kit.cli", "bench", *device, *shape.split(), "--peers"]
-    both = ["--kernel", "rule,explicit"]
+    pinned = ["--kernel", "rule,sdpa,explicit"]
     return [
         ("kernels", [*python, str(BENCHMARKS / "kernels.py"), *device, *kernels.split()]),
-        ("bench-b1", [*bench, "--exact", "sdpa", *both]),
-        ("bench-b8", [*bench, "--exact", "", "--batch-size", batch, *both]),
+        ("bench-b1", [*bench, "--exact", "sdpa", *pinned]),
+        ("bench-b8", [*bench, "--exact", "", "--batch-size", batch, *pinned]),
         ("compile", [*python, str(BENCHMARKS / "kernels_compile.py"), *device, *compile_n]),
     ]
 
@@ -76,8 +76,8 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
 def run_steps(work: Path, log: Path, *, smoke: bool, budget_s: float) -> list[str]:
     """Runs the steps, each into work/NAME, until the budget is spent; returns one line per
     step: done, failed (its exit status), stopped at the deadline, or not started. A bench
-    step that fails on `--kernel rule,explicit` runs again on the rule's kernel alone,
-    into work/NAME-rule."""
+    step that fails with kernels pinned runs again on the rule's kernel alone, into
+    work/NAME-rule."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     deadline, lines = time.monotonic() + budget_s, []
@@ -92,7 +92,7 @@ def run_steps(work: Path, log: Path, *, smoke: bool, budget_s: float) -> list[st
             out.flush()
             began = time.monotonic()
             status = _run(argv, out, env, deadline)
-            if status.startswith("failed") and argv[-4:-2] == ["--kernel", "rule,explicit"]:
+            if status.startswith("failed") and argv[-4] == "--kernel" and argv[-3] != "rule":
                 fallback = [*argv[:-4], "--kernel", "rule", "--out", str(work / f"{name}-rule")]
                 out.write(f"\n== {name} again, on the rule's kernel alone: {' '.join(fallback)}\n")
                 out.flush()

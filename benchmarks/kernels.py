@@ -1,4 +1,4 @@
-"""The table behind `linformer_kit.kernels.choose_kernel`: SDPA vs the explicit kernel.
+"""The table behind `linformer_kit.kernel_rule.choose_kernel`: SDPA vs the explicit kernel.
 
 One attention call (H = 4) at each batch x n x k x head_dim, in three modes: training with
 attention dropout 0.1, training without, and inference (forward only). For each shape the

@@ -40,3 +40,21 @@ def test_steps_past_the_budget_are_not_started(tmp_path, capsys):
     ]
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
         assert tar.getnames() == ["results"]
+
+
+def test_a_bench_step_that_fails_with_kernels_pinned_runs_again_on_the_rule_alone(tmp_path):
+    runbook = load_script(BENCHMARKS / "gpu_runbook.py")
+    calls = []
+
+    def run(argv, out, env, deadline):
+        calls.append(argv)
+        return "failed (exit status 1)" if "rule,sdpa,explicit" in argv else "done"
+
+    runbook._run = run
+    lines = runbook.run_steps(tmp_path, tmp_path / "log.txt", smoke=True, budget_s=60)
+    assert [argv[argv.index("--kernel") + 1] for argv in calls if "--kernel" in argv] == [
+        "rule,sdpa,explicit", "rule", "rule,sdpa,explicit", "rule",
+    ]  # fmt: skip
+    assert calls[2][-1] == str(tmp_path / "bench-b1-rule")
+    assert lines[1].startswith("bench-b1: failed (exit status 1), then on the rule's kernel")
+    assert lines[0].startswith("kernels: done") and lines[3].startswith("compile: done")

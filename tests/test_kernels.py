@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from reference import causal_block_attention, softmax_attention
 from script_helpers import BENCHMARKS, load_script
 
-from linformer_kit import kernels, native
+from linformer_kit import kernel_rule, kernels, native
 from linformer_kit.causal import causal_attention
 from linformer_kit.functional import attend, attendable, attention_weights, linformer_attention
-from linformer_kit.kernels import choose_kernel, dot_product_attention
+from linformer_kit.kernel_rule import choose_kernel
+from linformer_kit.kernels import dot_product_attention
 
 B, H, N, M, D = 2, 3, 7, 5, 4
 CPU = torch.device("cpu")
@@ -391,7 +392,7 @@ def test_unknown_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="kernel must be one of sdpa, explicit"):
         dot_product_attention(*qkv(), kernel="flash")
     with pytest.raises(ValueError, match="kernel must be one of sdpa, explicit or None; got 'x'"):
-        with kernels.use_kernel("x"):
+        with kernel_rule.use_kernel("x"):
             pass
 
 
@@ -417,20 +418,20 @@ def test_use_kernel_pins_the_kernel_of_calls_that_leave_it_to_the_rule(monkeypat
         return ran.pop()
 
     assert (kernel_of(), kernel_of(dropout_p=0.1)) == ("sdpa", "explicit")
-    with kernels.use_kernel("explicit"):
+    with kernel_rule.use_kernel("explicit"):
         assert kernel_of() == "explicit"
-        with kernels.use_kernel("sdpa"):
+        with kernel_rule.use_kernel("sdpa"):
             assert kernel_of(dropout_p=0.1) == "sdpa"
-            with kernels.use_kernel(None):
+            with kernel_rule.use_kernel(None):
                 assert kernel_of(dropout_p=0.1) == "explicit"
             assert kernel_of(kernel="explicit") == "explicit"
         assert kernel_of() == "explicit"
-        with pytest.raises(RuntimeError), kernels.use_kernel("sdpa"):
+        with pytest.raises(RuntimeError), kernel_rule.use_kernel("sdpa"):
             raise RuntimeError
         assert kernel_of() == "explicit"
     assert kernel_of() == "sdpa"
     # The pinned kernel computes the same attention (the explicit one differs by rounding).
-    with kernels.use_kernel("explicit"):
+    with kernel_rule.use_kernel("explicit"):
         pinned = attend(q, k, v)
     torch.testing.assert_close(pinned, attend(q, k, v), atol=1e-5, rtol=1e-5)
 
@@ -540,9 +541,9 @@ def test_the_rule_keeps_sdpa_off_the_measured_cases():
 def test_autocast_casts_what_it_casts_for_sdpa_and_mismatched_dtypes_still_raise():
     q64, k64, v64 = qkv()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert kernels.compute_dtype(q64.float()) == torch.bfloat16
-        assert kernels.compute_dtype(q64.half()) == torch.bfloat16
-        assert kernels.compute_dtype(q64) == torch.float64  # autocast leaves float64 alone
+        assert kernel_rule.compute_dtype(q64.float()) == torch.bfloat16
+        assert kernel_rule.compute_dtype(q64.half()) == torch.bfloat16
+        assert kernel_rule.compute_dtype(q64) == torch.float64  # autocast leaves float64 alone
     for kernel in kernels.KERNELS:  # no autocast: no silent cast, as SDPA
         with pytest.raises(RuntimeError):
             dot_product_attention(q64.float(), k64, v64, dropout_p=0.1, kernel=kernel)
@@ -637,8 +638,8 @@ def test_autocast_check_is_traceable_on_cpu_and_cuda(monkeypatch):
     def untraceable(device):
         raise AssertionError(f"is_autocast_available({device!r}) called")
 
-    assert not kernels._autocast_on("meta")
+    assert not kernel_rule.autocast_on("meta")
     monkeypatch.setattr(torch.amp, "is_autocast_available", untraceable)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert kernels._autocast_on("cpu")
-    assert not kernels._autocast_on("cpu") and not kernels._autocast_on("cuda")
+        assert kernel_rule.autocast_on("cpu")
+    assert not kernel_rule.autocast_on("cpu") and not kernel_rule.autocast_on("cuda")

@@ -163,7 +163,7 @@ def attend(
     kernel: str | None = None,
 ) -> Tensor:
     """Softmax attention, safe for empty rows, through the cheaper of SDPA and explicit GEMMs
-    (`kernels.choose_kernel`).
+    (`kernel_rule.choose_kernel`).
 
     Args:
         q: (B, H, N, D).

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import check_choice
-from ..kernels import KERNELS
+from ..kernel_rule import KERNELS
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
 from .flops import Shape, matmul_flops

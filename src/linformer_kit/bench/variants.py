@@ -17,7 +17,7 @@ from ..attention import LinformerSelfAttention
 from ..config import LinformerConfig, check_choice
 from ..encoder import LinformerEncoderLayer
 from ..functional import attention_weights
-from ..kernels import use_kernel
+from ..kernel_rule import use_kernel
 from ..projection import build_sharing_plan
 from .flops import Shape, exact_attention_flops, linformer_attention_flops, total_flops
 
@@ -38,7 +38,7 @@ class Variant:
             F shared by the heads of a layer, E != F).
         attention_dropout: dropout on the attention weights in training (ours and exact
             SDPA; the peers run their default, none).
-        kernel: ours only: the attention kernel it runs on (`kernels.use_kernel`), None
+        kernel: ours only: the attention kernel it runs on (`kernel_rule.use_kernel`), None
             for the rule's choice.
     """
 
