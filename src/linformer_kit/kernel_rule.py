@@ -110,7 +110,7 @@ def choose_kernel(
     head), each over all n queries: with B x H x M small it keeps few of the 132 SMs busy
     and its time grows with n, while the explicit kernel's GEMMs use them all.
 
-    - inference: SDPA everywhere (explicit 0.26-0.85x);
+    - inference: SDPA everywhere (explicit 0.25-0.85x);
     - fp32 training: explicit from n = 8192 where B H M <= 8192 (4096 with dropout):
       1.17-2.56x without dropout, 1.01-2.35x with; above that SDPA (without dropout
       0.97-1.03x at B H M = 32768; with dropout 0.60-0.83x at 8192 and more); at n = 4096
