@@ -463,6 +463,7 @@ def test_the_rule_picks_the_kernel_the_table_measured_faster(table, dtype, mode)
                 dtype=dtype,
                 dropout=dropout,
                 backward=backward,
+                causal=False,
                 queries=4096,
                 keys=k,
                 groups=4,
@@ -490,6 +491,7 @@ def test_the_cuda_rule_loses_nowhere_the_h200_tables_measured_by_more_than_a_tie
             dtype=getattr(torch, row["dtype"]),
             dropout=dropout,
             backward=backward,
+            causal=False,
             queries=row["n"],
             keys=row["k"],
             groups=4 * row["batch"],  # H = 4
@@ -508,6 +510,7 @@ def test_the_rule_keeps_sdpa_off_the_measured_cases():
             dtype=dtype,
             dropout=dropout,
             backward=backward,
+            causal=False,
             queries=1024,
             keys=64,
             groups=4,
@@ -518,20 +521,14 @@ def test_the_rule_keeps_sdpa_off_the_measured_cases():
         for dropout, backward in MODES.values():
             assert pick(device, dtype, dropout, backward) == "sdpa"
     gpu = torch.device("cuda")
-    for dtype in (torch.float16, torch.float64):  # not measured on a GPU
-        assert (
-            choose_kernel(
-                device=gpu,
-                dtype=dtype,
-                dropout=False,
-                backward=True,
-                queries=65536,
-                keys=64,
-                groups=4,
-                compiled=lambda: False,
-            )
-            == "sdpa"
-        )
+    # Not measured on a GPU: fp16, fp64, exact causal (at n 8192 with one head B H M is
+    # 8192, within the fp32 bound, which the same call without causal takes).
+    kw = dict(dropout=False, backward=True, queries=8192, keys=8192, groups=1)
+    for dtype, causal in [(torch.float16, False), (torch.float64, False), (torch.float32, True)]:
+        assert choose_kernel(device=gpu, dtype=dtype, causal=causal, **kw, compiled=None) == "sdpa"
+    assert choose_kernel(device=gpu, dtype=torch.float32, causal=False, **kw, compiled=None) == (
+        "explicit"
+    )
     # bf16 training without dropout was measured with the compiled kernel only: without it
     # (no compiler) SDPA; with dropout the PyTorch-ops kernel still beats SDPA's fallback.
     assert pick(CPU, torch.bfloat16, False, True, compiled=False) == "sdpa"

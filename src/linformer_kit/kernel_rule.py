@@ -53,6 +53,7 @@ def choose_kernel(
     dtype: torch.dtype,
     dropout: bool,
     backward: bool,
+    causal: bool,
     queries: int,
     keys: int,
     groups: int,
@@ -118,7 +119,8 @@ def choose_kernel(
       (`cuda/pinned-explicit/`, `cuda/bench-b1`, `bench-b8`: ours on each kernel);
     - bf16 training without dropout: explicit only from n = 65536 where B H M <= 1024
       (1.37-1.43x; 0.93x at 2048, 0.72-0.96x at n = 32768);
-    - bf16 with dropout: SDPA (explicit ahead at one shape only: B 1, k 64, n 65536, 1.19x).
+    - bf16 with dropout: SDPA (explicit ahead at one shape only: B 1, k 64, n 65536, 1.19x);
+    - exact causal attention (not measured on a GPU): SDPA.
 
     fp16 and fp64 (not measured for the explicit kernel), and other devices, keep SDPA.
 
@@ -127,6 +129,7 @@ def choose_kernel(
         dtype: the dtype the call computes in (`compute_dtype`).
         dropout: whether attention dropout is on (dropout_p > 0).
         backward: whether a backward pass will follow (grad enabled, an input needing it).
+        causal: whether the call is exact causal attention (`is_causal`).
         queries: the number of queries (N).
         keys: the number of keys each query attends to (M).
         groups: the number of (N, M) attention matrices: the product of the leading
@@ -138,7 +141,7 @@ def choose_kernel(
         "sdpa" or "explicit".
     """
     if device.type == "cuda":
-        if not backward:
+        if not backward or causal:  # causal: not measured on a GPU
             return "sdpa"
         if dtype == torch.float32:
             up_to = 4096 if dropout else 8192

@@ -292,6 +292,7 @@ def dot_product_attention(
             dtype=dtype,
             dropout=dropout_p > 0.0,
             backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            causal=is_causal,
             queries=q.shape[-2],
             keys=k.shape[-2],
             groups=math.prod(q.shape[:-2]),
