@@ -529,6 +529,12 @@ def test_the_rule_keeps_sdpa_off_the_measured_cases():
     assert choose_kernel(device=gpu, dtype=torch.float32, causal=False, **kw, compiled=None) == (
         "explicit"
     )
+    # ... and under torch.compile, where Inductor's Triton code for the explicit kernel's
+    # dropout bits failed to build (torch 2.11), SDPA.
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        assert choose_kernel(
+            device=gpu, dtype=torch.float32, causal=False, **kw, compiled=None
+        ) == ("sdpa")
     # bf16 training without dropout was measured with the compiled kernel only: without it
     # (no compiler) SDPA; with dropout the PyTorch-ops kernel still beats SDPA's fallback.
     assert pick(CPU, torch.bfloat16, False, True, compiled=False) == "sdpa"

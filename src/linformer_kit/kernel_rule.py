@@ -120,7 +120,11 @@ def choose_kernel(
     - bf16 training without dropout: explicit only from n = 65536 where B H M <= 1024
       (1.37-1.43x; 0.93x at 2048, 0.72-0.96x at n = 32768);
     - bf16 with dropout: SDPA (explicit ahead at one shape only: B 1, k 64, n 65536, 1.19x);
-    - exact causal attention (not measured on a GPU): SDPA.
+    - exact causal attention (not measured on a GPU): SDPA;
+    - under torch.compile: SDPA. Compiling a 2-layer encoder (default dropouts) at n =
+      16384 for training failed once the explicit kernel ran there (Inductor typed the
+      dropout bits' 64-bit multiplier as int32 in Triton, torch 2.11;
+      `benchmarks/kernels/cuda/compile-16384/`); the CPU compiled kernel is unaffected.
 
     fp16 and fp64 (not measured for the explicit kernel), and other devices, keep SDPA.
 
@@ -141,7 +145,9 @@ def choose_kernel(
         "sdpa" or "explicit".
     """
     if device.type == "cuda":
-        if not backward or causal:  # causal: not measured on a GPU
+        # Under torch.compile SDPA: Inductor's Triton code for the explicit kernel's dropout
+        # bits failed to compile (torch 2.11: an int64 constant typed int32).
+        if not backward or causal or torch.compiler.is_compiling():
             return "sdpa"
         if dtype == torch.float32:
             up_to = 4096 if dropout else 8192
