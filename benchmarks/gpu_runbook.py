@@ -92,8 +92,10 @@ def run_steps(work: Path, log: Path, *, smoke: bool, budget_s: float) -> list[st
             out.flush()
             began = time.monotonic()
             status = _run(argv, out, env, deadline)
-            if status.startswith("failed") and argv[-4] == "--kernel" and argv[-3] != "rule":
-                fallback = [*argv[:-4], "--kernel", "rule", "--out", str(work / f"{name}-rule")]
+            kernel = argv.index("--kernel") if "--kernel" in argv else None
+            if status.startswith("failed") and kernel and argv[kernel + 1] != "rule":
+                fallback = [*argv]
+                fallback[kernel + 1], fallback[-1] = "rule", str(work / f"{name}-rule")  # --out
                 out.write(f"\n== {name} again, on the rule's kernel alone: {' '.join(fallback)}\n")
                 out.flush()
                 status += ", then on the rule's kernel alone: " + _run(fallback, out, env, deadline)

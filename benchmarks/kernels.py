@@ -30,7 +30,8 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from linformer_kit.bench.timing import time_interleaved
-from linformer_kit.kernels import KERNELS, dot_product_attention
+from linformer_kit.kernel_rule import KERNELS
+from linformer_kit.kernels import dot_product_attention
 from linformer_kit.precision import warn_if_bf16_is_slow
 from linformer_kit.training.compare import machine
 
@@ -181,8 +182,9 @@ def time_shape(
         except RuntimeError as error:  # one step failing must not cost the table the rest
             errors[(mode, kernel)] = str(error).splitlines()[0][:200]
             tqdm.write(f"{shape} {mode} {kernel}: {errors[(mode, kernel)]}")
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        step = None  # a failed step's tensors are freed before the next step is built
+        if device == "cuda" and (mode, kernel) in errors:
+            torch.cuda.empty_cache()
     times = time_interleaved(
         steps, warmup=WARMUP, repeats=REPEATS, device=device, min_seconds=args.min_seconds
     )

@@ -21,6 +21,7 @@ from linformer_kit.bench import (
     default_variants,
     peak_memory,
     run_bench,
+    sweep,
     time_interleaved,
     variant_flops,
 )
@@ -177,6 +178,23 @@ def test_sweep_writes_json_csv_and_plots(tmp_path, monkeypatch):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_sweep_stopped_early_keeps_the_lengths_it_finished(tmp_path, monkeypatch):
+    # bench.json is rewritten after every n: a run killed at a deadline (the GPU runbook's)
+    # keeps what it timed.
+    real = sweep.make_step
+
+    def failing(call):
+        if call.shape.seq_len == 64:
+            raise RuntimeError("stopped")
+        return real(call)
+
+    monkeypatch.setattr(sweep, "make_step", failing)
+    with pytest.raises(RuntimeError, match="stopped"):
+        run_bench(tiny_settings(tmp_path))
+    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert {r["n"] for r in saved["rows"]} == {32} and set(saved["ceiling_gflop_per_s"]) == {"32"}
+
+
 def test_budgets_skip_with_a_stated_reason(tmp_path):
     settings = tiny_settings(tmp_path, n="16,64", scope="attention", memory_budget_gb=1e-4)
     rows = run_bench(settings)["rows"]
@@ -190,10 +208,11 @@ def test_budgets_skip_with_a_stated_reason(tmp_path):
 
 
 def test_summary_reads_the_targets_off_the_rows():
-    def row(kind, variant, n, ms, mem, k=8, dropout=0.0):
+    def row(kind, variant, n, ms, mem, k=8, dropout=0.0, kernel=None):
         return dict(
             min_ms=ms / 2,
             sharing="kv" if kind == "ours" else None,
+            kernel=kernel,
             attention_dropout=dropout,
             scope="attention",
             dtype="float32",
@@ -227,6 +246,23 @@ def test_summary_reads_the_targets_off_the_rows():
     dropped = summarise(rows)["attention"]["float32"]["linformer kv attn-dropout 0.1 k=8"][64]
     assert dropped["time_vs_no_attention_dropout"] == pytest.approx(1.1)
     assert dropped["memory_vs_sdpa"] == pytest.approx(21.0 / 40.0)  # against SDPA with dropout
+    # Ours pinned to a kernel is compared with the same kernel without dropout.
+    rows += [
+        row("ours", "linformer kv [sdpa]", 64, 4.0, 19.0, kernel="sdpa"),
+        row(
+            "ours",
+            "linformer kv [sdpa] attn-dropout 0.1",
+            64,
+            10.0,
+            21.0,
+            dropout=0.1,
+            kernel="sdpa",
+        ),
+    ]
+    pinned = summarise(rows)["attention"]["float32"]["linformer kv [sdpa] attn-dropout 0.1 k=8"]
+    assert pinned[64]["time_vs_no_attention_dropout"] == pytest.approx(2.5)
+    dropped = summarise(rows)["attention"]["float32"]["linformer kv attn-dropout 0.1 k=8"][64]
+    assert dropped["time_vs_no_attention_dropout"] == pytest.approx(1.1)
 
 
 def test_settings_reject_unknown_choices(tmp_path):
@@ -265,7 +301,7 @@ def test_attention_dropout_variants_drop_attention_weights_in_training(scope):
 
 def test_ours_on_each_kernel_times_the_same_layer_through_that_kernel(tmp_path, monkeypatch):
     # --kernel rule,explicit: ours twice per sharing, the second pinned to the explicit
-    # kernel (kernels.use_kernel), which without dropout the CPU rule does not pick.
+    # kernel (kernel_rule.use_kernel), which without dropout the CPU rule does not pick.
     names = [v.name for v in default_variants(sharings=("kv",), peers=False,
                                               kernels=(None, "explicit"))]  # fmt: skip
     assert names == ["linformer kv", "linformer kv [explicit]", "exact sdpa", "exact naive"]

@@ -24,7 +24,9 @@ def use_kernel(kernel: str | None) -> Iterator[None]:
     """Runs the attention calls inside on `kernel` instead of the rule's choice, as
     `torch.nn.attention.sdpa_kernel` pins SDPA's backend: for a model's layers, which call
     `dot_product_attention` without a `kernel` (a call that names one keeps it). Like
-    `sdpa_kernel` it sets process-wide state for the duration of the block.
+    `sdpa_kernel` it sets process-wide state for the duration of the block. On a GPU under
+    torch.compile "explicit" with attention dropout can fail to compile (torch 2.11; see
+    `choose_kernel`), which is why the rule keeps SDPA there.
 
     Args:
         kernel: "sdpa" or "explicit"; None follows the rule (`choose_kernel`).
@@ -33,13 +35,18 @@ def use_kernel(kernel: str | None) -> Iterator[None]:
         ValueError: for an unknown kernel.
     """
     global _pinned
-    if kernel is not None and kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(KERNELS)} or None; got {kernel!r}")
+    check_kernel(kernel)
     before, _pinned = _pinned, kernel
     try:
         yield
     finally:
         _pinned = before
+
+
+def check_kernel(kernel: str | None) -> None:
+    """Raises a ValueError unless `kernel` is one of `KERNELS` or None."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)} or None; got {kernel!r}")
 
 
 def pinned_kernel() -> str | None:
@@ -104,29 +111,35 @@ def choose_kernel(
     without dropout.
 
     CUDA: `benchmarks/kernels/cuda/table.json` and `table-mid/table.json` (H200, torch
-    2.11, fp32 and bf16, B 1 and 8, H = 4, n 1024-65536, k 64 / 256 / 1024, head_dim 64; the
-    explicit kernel by PyTorch ops, one block). A call of a few ms costs kernel launches
-    more than arithmetic: the explicit kernel's (1.1-1.5 ms fwd+bwd against SDPA's 0.5)
-    lose below n = 8192. SDPA's fp32 backward runs a block per 64 keys of each (batch,
-    head), each over all n queries: with B x H x M small it keeps few of the 132 SMs busy
-    and its time grows with n, while the explicit kernel's GEMMs use them all.
+    2.11, fp32 without TF32 and bf16, B 1 and 8, H = 4, n 1024-65536, k 64 / 256 / 1024,
+    head_dim 64; the explicit kernel by PyTorch ops, one block; read as holding for any
+    CUDA GPU until another is measured). A call of a few ms costs kernel launches more than
+    arithmetic: the explicit kernel's (1.1-1.5 ms fwd+bwd against SDPA's 0.5) lose below
+    n = 8192. SDPA's fp32 backward runs a block per 64 keys of each (batch, head), each
+    over all n queries: with B x H x M small it keeps few of the 132 SMs busy and its time
+    grows with n, while the explicit kernel's GEMMs use them all.
 
     - inference: SDPA everywhere (explicit 0.25-0.85x);
     - fp32 training: explicit from n = 8192 where B H M <= 8192 (4096 with dropout):
       1.17-2.56x without dropout, 1.01-2.35x with; above that SDPA (without dropout
       0.97-1.03x at B H M = 32768; with dropout 0.60-0.83x at 8192 and more); at n = 4096
       SDPA (explicit 0.89-1.10x without dropout, 0.59-0.79x with). The layers agree
-      (`cuda/pinned-explicit/`, `cuda/bench-b1`, `bench-b8`: ours on each kernel);
-    - bf16 training without dropout: explicit only from n = 65536 where B H M <= 1024
-      (1.37-1.43x; 0.93x at 2048, 0.72-0.96x at n = 32768);
-    - bf16 with dropout: SDPA (explicit ahead at one shape only: B 1, k 64, n 65536, 1.19x);
+      (`cuda/pinned-explicit/`, `cuda/bench-b1`, `bench-b8`: ours on each kernel). The
+      price is memory: the explicit kernel keeps the N x M weights for backward, so from
+      n = 8192 the attention layer's peak was 1.9-2.2x (B 1) and 2.5-2.6x (B 8) that on
+      SDPA, the encoder layer's 1.16-1.19x; `use_kernel("sdpa")` keeps the low-memory path;
+    - bf16: SDPA. The explicit kernel was faster in the table only at n = 65536 with
+      B H M <= 1024 (1.37-1.43x without dropout; 1.19x with, at k 64), but not in the
+      layers (0.93x / 1.04x at n 65536, `cuda/bench-b1`), and its bf16 softmax was the less
+      accurate one on CPU;
     - exact causal attention (not measured on a GPU): SDPA;
     - under torch.compile: SDPA. Compiling a 2-layer encoder (default dropouts) at n =
       16384 for training failed once the explicit kernel ran there (Inductor typed the
       dropout bits' 64-bit multiplier as int32 in Triton, torch 2.11;
       `benchmarks/kernels/cuda/compile-16384/`); the CPU compiled kernel is unaffected.
 
-    fp16 and fp64 (not measured for the explicit kernel), and other devices, keep SDPA.
+    On CUDA fp16 and fp64 (not measured for the explicit kernel) keep SDPA, as do other
+    devices.
 
     Args:
         device: where the call runs.
@@ -149,12 +162,9 @@ def choose_kernel(
         # bits failed to compile (torch 2.11: an int64 constant typed int32).
         if not backward or causal or torch.compiler.is_compiling():
             return "sdpa"
-        if dtype == torch.float32:
-            up_to = 4096 if dropout else 8192
-            return "explicit" if queries >= 8192 and groups * keys <= up_to else "sdpa"
-        if dtype == torch.bfloat16 and not dropout:
-            return "explicit" if queries >= 65536 and groups * keys <= 1024 else "sdpa"
-        return "sdpa"
+        up_to = 4096 if dropout else 8192
+        long_and_few = queries >= 8192 and groups * keys <= up_to
+        return "explicit" if dtype == torch.float32 and long_and_few else "sdpa"
     if device.type != "cpu":
         return "sdpa"
     if dtype in (torch.float32, torch.float64):

@@ -43,9 +43,9 @@ from .dropout import (
     threshold,
 )
 from .kernel_rule import (
-    KERNELS,
     autocast_casts,
     autocast_on,
+    check_kernel,
     choose_kernel,
     compute_dtype,
     pinned_kernel,
@@ -284,6 +284,7 @@ def dot_product_attention(
     """
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True builds its own mask; got an attn_mask as well")
+    check_kernel(kernel)
     dtype = compute_dtype(q)
     kernel = kernel or pinned_kernel()
     if kernel is None:
@@ -310,8 +311,6 @@ def dot_product_attention(
             if ops is not None:
                 return _fused_attention(q, k, v, attn_mask, dropout_p, scale, is_causal, ops)
             return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale, is_causal)
-    if kernel == "sdpa":
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
-    raise ValueError(f"kernel must be one of {', '.join(KERNELS)} or None; got {kernel!r}")
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+    )
