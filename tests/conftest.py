@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from linformer_kit import precision
+from linformer_kit import kernels, precision
 
 
 @pytest.fixture
@@ -33,3 +33,15 @@ def fresh_inductor_cache(tmp_path_factory):
     (say, the AVX2 emulation used to check this suite on every CPU) crash or fail a later run
     under another (measured: a segfault in test_export_compile)."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+
+
+@pytest.fixture
+def explicit_calls(monkeypatch):
+    """A list that gets "explicit" each time the explicit attention kernel runs (compiled or
+    by PyTorch ops), which then runs as it would."""
+    calls = []
+    real = kernels._fused_attention, kernels._ExplicitAttention.apply
+    for owner, name, call in zip((kernels, kernels._ExplicitAttention),
+                                 ("_fused_attention", "apply"), real):  # fmt: skip
+        monkeypatch.setattr(owner, name, lambda *a, call=call: calls.append("explicit") or call(*a))
+    return calls

@@ -24,20 +24,16 @@ def test_unknown_kernel_is_a_clear_error():
             pass
 
 
-def test_use_kernel_pins_the_kernel_of_calls_that_leave_it_to_the_rule(monkeypatch):
+def test_use_kernel_pins_the_kernel_of_calls_that_leave_it_to_the_rule(monkeypatch, explicit_calls):
     # Without dropout the rule takes SDPA on CPU in fp32, with dropout the explicit kernel:
     # use_kernel turns both round, nests, restores on exit (on error too), and a call that
     # names its kernel keeps it.
-    ran = []
+    ran = explicit_calls  # "explicit", and "sdpa" from the spy below
     real_sdpa = kernels.F.scaled_dot_product_attention
     monkeypatch.setattr(
         kernels.F, "scaled_dot_product_attention",
         lambda *a, **kw: ran.append("sdpa") or real_sdpa(*a, **kw),
     )  # fmt: skip
-    real = kernels._fused_attention, kernels._ExplicitAttention.apply
-    for owner, name, call in zip((kernels, kernels._ExplicitAttention),
-                                 ("_fused_attention", "apply"), real):  # fmt: skip
-        monkeypatch.setattr(owner, name, lambda *a, call=call: ran.append("explicit") or call(*a))
     q, k, v = qkv(torch.float32)
 
     def kernel_of(**kw) -> str:
@@ -69,6 +65,15 @@ BF16_TABLE = BENCHMARKS / "kernels" / "bf16" / "table.json"
 MODES = {"train dropout 0.1": (True, True), "train": (False, True), "inference": (False, False)}
 
 
+def pick(device, dtype, mode, *, queries=1024, keys=64, groups=4, causal=False,
+         compiled=lambda: True):  # fmt: skip
+    """`choose_kernel` for a call in one of the tables' modes (dropout, backward)."""
+    dropout, backward = MODES[mode]
+    return choose_kernel(device=device, dtype=dtype, dropout=dropout, backward=backward,
+                         causal=causal, queries=queries, keys=keys, groups=groups,
+                         compiled=compiled)  # fmt: skip
+
+
 @pytest.mark.parametrize(("table", "dtype"), [(TABLE, torch.float32), (BF16_TABLE, torch.bfloat16)])
 @pytest.mark.parametrize("mode", MODES)
 def test_the_rule_picks_the_kernel_the_table_measured_faster(table, dtype, mode):
@@ -79,28 +84,23 @@ def test_the_rule_picks_the_kernel_the_table_measured_faster(table, dtype, mode)
     # The bf16 rule also reads k: each k of the table is decided by its own shapes.
     rows = [r for r in json.loads(table.read_text())["rows"] if r["mode"] == mode]
     assert len(rows) == 27 and {r["dtype"] for r in rows} == {str(dtype).split(".")[1]}
-    dropout, backward = MODES[mode]
     cells = [rows] if dtype == torch.float32 else [
         [r for r in rows if r["k"] == k] for k in sorted({r["k"] for r in rows})
     ]  # fmt: skip
     for cell in cells:
         geomean = math.exp(sum(math.log(r["explicit_speedup"]) for r in cell) / len(cell))
         for k in {r["k"] for r in cell}:
-            picked = choose_kernel(
-                device=CPU,
-                dtype=dtype,
-                dropout=dropout,
-                backward=backward,
-                causal=False,
-                queries=4096,
-                keys=k,
-                groups=4,
-                compiled=lambda: True,  # the tables measured the compiled kernel
-            )
+            # The tables measured the compiled kernel (pick's default: it runs).
+            picked = pick(CPU, dtype, mode, queries=4096, keys=k)
             assert picked == ("explicit" if geomean > 1.05 else "sdpa"), (k, geomean)
 
 
 CUDA_TABLES = [BENCHMARKS / "kernels" / "cuda" / name / "table.json" for name in ("", "table-mid")]
+GPU = torch.device("cuda")
+
+
+def NOT_ON_A_GPU() -> bool:  # noqa: N802 (a constant callable)
+    pytest.fail("the rule asked whether the compiled CPU kernel runs, for a GPU call")
 
 
 def test_the_cuda_rule_loses_nowhere_the_h200_tables_measured_by_more_than_a_tie():
@@ -113,23 +113,14 @@ def test_the_cuda_rule_loses_nowhere_the_h200_tables_measured_by_more_than_a_tie
     assert len(rows) == 144 + 72 and {r["n"] for r in rows} >= {4096, 8192, 16384, 32768, 65536}
 
     def corner(row: dict) -> bool:
-        return (row["dtype"], row["n"]) == ("bfloat16", 65536) and 4 * row["batch"] * row[
-            "k"
-        ] <= 1024
+        groups_keys = 4 * row["batch"] * row["k"]  # H = 4
+        return (row["dtype"], row["n"]) == ("bfloat16", 65536) and groups_keys <= 1024
 
     for row in rows:
-        dropout, backward = MODES[row["mode"]]
-        picked = choose_kernel(
-            device=torch.device("cuda"),
-            dtype=getattr(torch, row["dtype"]),
-            dropout=dropout,
-            backward=backward,
-            causal=False,
-            queries=row["n"],
-            keys=row["k"],
-            groups=4 * row["batch"],  # H = 4
-            compiled=lambda: pytest.fail("no compiled kernel on a GPU"),
-        )
+        picked = pick(
+            GPU, getattr(torch, row["dtype"]), row["mode"], queries=row["n"], keys=row["k"],
+            groups=4 * row["batch"], compiled=NOT_ON_A_GPU,
+        )  # fmt: skip
         shape = (row["mode"], row["dtype"], row["batch"], row["k"], row["n"])
         loss = row[f"{picked}_ms"] / min(row["sdpa_ms"], row["explicit_ms"])
         assert loss <= 1.12 or corner(row), (shape, picked, loss)
@@ -137,42 +128,24 @@ def test_the_cuda_rule_loses_nowhere_the_h200_tables_measured_by_more_than_a_tie
 
 
 def test_the_rule_keeps_sdpa_off_the_measured_cases():
-    def pick(device, dtype, dropout, backward, compiled=True):
-        return choose_kernel(
-            device=device,
-            dtype=dtype,
-            dropout=dropout,
-            backward=backward,
-            causal=False,
-            queries=1024,
-            keys=64,
-            groups=4,
-            compiled=lambda: compiled,
-        )
-
-    for device, dtype in [(torch.device("cuda"), torch.float32), (CPU, torch.float16)]:
-        for dropout, backward in MODES.values():
-            assert pick(device, dtype, dropout, backward) == "sdpa"
-    gpu = torch.device("cuda")
+    for mode in MODES:
+        assert pick(GPU, torch.float32, mode, compiled=NOT_ON_A_GPU) == "sdpa"
+        assert pick(CPU, torch.float16, mode) == "sdpa"
     # Not measured on a GPU: fp16, fp64, exact causal (at n 8192 with one head B H M is
     # 8192, within the fp32 bound, which the same call without causal takes); and bf16.
-    kw = dict(dropout=False, backward=True, queries=8192, keys=8192, groups=1)
+    kw = dict(queries=8192, keys=8192, groups=1, compiled=NOT_ON_A_GPU)
     for dtype, causal in [(torch.float16, False), (torch.float64, False), (torch.float32, True),
                           (torch.bfloat16, False)]:  # fmt: skip
-        assert choose_kernel(device=gpu, dtype=dtype, causal=causal, **kw, compiled=None) == "sdpa"
-    assert choose_kernel(device=gpu, dtype=torch.float32, causal=False, **kw, compiled=None) == (
-        "explicit"
-    )
+        assert pick(GPU, dtype, "train", causal=causal, **kw) == "sdpa"
+    assert pick(GPU, torch.float32, "train", **kw) == "explicit"
     # ... and under torch.compile, where Inductor's Triton code for the explicit kernel's
     # dropout bits failed to build (torch 2.11), SDPA.
     with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
-        assert choose_kernel(
-            device=gpu, dtype=torch.float32, causal=False, **kw, compiled=None
-        ) == ("sdpa")
+        assert pick(GPU, torch.float32, "train", **kw) == "sdpa"
     # bf16 training without dropout was measured with the compiled kernel only: without it
     # (no compiler) SDPA; with dropout the PyTorch-ops kernel still beats SDPA's fallback.
-    assert pick(CPU, torch.bfloat16, False, True, compiled=False) == "sdpa"
-    assert pick(CPU, torch.bfloat16, True, True, compiled=False) == "explicit"
+    assert pick(CPU, torch.bfloat16, "train", compiled=lambda: False) == "sdpa"
+    assert pick(CPU, torch.bfloat16, "train dropout 0.1", compiled=lambda: False) == "explicit"
 
 
 def test_autocast_casts_what_it_casts_for_sdpa_and_mismatched_dtypes_still_raise():
