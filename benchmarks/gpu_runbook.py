@@ -14,6 +14,10 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    alone;
 3. the same at B 8 (no exact baseline);
 4. `kernels_compile.py`: does torch.compile of a whole encoder pay on the GPU?
+5. the same at n = 16384 with the explicit kernel pinned: whether Inductor now compiles its
+   dropout mask (`dropout.dropout_bits`, reordered for it) and whether compiled training
+   on it beats the compiled SDPA the rule keeps (compare with step 4 at that n, or
+   `cuda/compile-16384/`).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -55,21 +59,23 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         kernels = "--dtype float32 --batch 1 --n 64 --k 16 --head-dim 8 --min-seconds 0"
         shape = "--dtype float32 --n 64 --dim 32 --num-heads 2 --proj-dim 16 --warmup 0 "
         shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
-        compile_n, batch = ["--n", "256"], "2"
+        compile_n, explicit_n, batch = ["--n", "256"], ["--n", "256"], "2"
     else:
         kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192,16384,32768,65536 "
         kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
         shape = "--dtype float32,bfloat16 --n 4096,8192,16384,32768,65536 --warmup 2 "
         shape += "--repeats 10 --min-time-s 1 --memory-budget-gb 60 --scope attention,layer "
         shape += "--sharing headwise,kv,layerwise"
-        compile_n, batch = [], "8"
+        compile_n, explicit_n, batch = [], ["--n", "16384"], "8"
     bench = [*python, "-m", "linformer_kit.cli", "bench", *device, *shape.split(), "--peers"]
     pinned = ["--kernel", "rule,sdpa,explicit"]
+    compile = [*python, str(BENCHMARKS / "kernels_compile.py"), *device]
     return [
         ("kernels", [*python, str(BENCHMARKS / "kernels.py"), *device, *kernels.split()]),
         ("bench-b1", [*bench, "--exact", "sdpa", *pinned]),
         ("bench-b8", [*bench, "--exact", "", "--batch-size", batch, *pinned]),
-        ("compile", [*python, str(BENCHMARKS / "kernels_compile.py"), *device, *compile_n]),
+        ("compile", [*compile, *compile_n]),
+        ("compile-explicit", [*compile, *explicit_n, "--kernel", "explicit"]),
     ]
 
 

@@ -5,12 +5,15 @@ n = 4096 (`--n`), batch 1: training (forward + backward) and inference, eager an
 interleaved in one run (medians), plus the one-off compile time of each. On CPU the
 compiled kernels (`native.cpu_ops`) are built first, so the compiled graph calls them. On a
 GPU also `mode="reduce-overhead"` (CUDA graphs: at batch 1 a layer's time is mostly kernel
-launches), its error recorded if it fails.
+launches), its error recorded if it fails. `--kernel sdpa|explicit` pins the attention
+kernel of every call, eager and compiled (`kernel_rule.use_kernel`; default the rule's,
+which keeps SDPA under torch.compile on a GPU).
 Writes benchmarks/kernels/compile.json (CPU, one thread) or, with `--device cuda`,
 benchmarks/kernels/cuda/compile.json (CUDA-event timing); `--out` another folder.
 
     PYTHONPATH=src python benchmarks/kernels_compile.py
     PYTHONPATH=src python benchmarks/kernels_compile.py --device cuda --out benchmarks/kernels/cuda
+    PYTHONPATH=src python benchmarks/kernels_compile.py --device cuda --n 16384 --kernel explicit
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import nn
 
 from linformer_kit import LinformerConfig, LinformerEncoder, native
 from linformer_kit.bench.timing import time_interleaved
+from linformer_kit.kernel_rule import KERNELS, use_kernel
 from linformer_kit.training.compare import machine
 
 THREADS, WARMUP, REPEATS = 1, 1, 5
@@ -35,18 +39,22 @@ OUT = Path(__file__).parent / "kernels"
 COMMAND = "PYTHONPATH=src python benchmarks/kernels_compile.py"
 
 
-def step(module: nn.Module, training: bool, device: str, seq_len: int) -> Callable[[], None]:
-    """One call: forward + backward in training, forward under inference_mode otherwise."""
+def step(
+    module: nn.Module, training: bool, device: str, seq_len: int, kernel: str | None = None
+) -> Callable[[], None]:
+    """One call: forward + backward in training, forward under inference_mode otherwise,
+    attention on `kernel` (None: the rule's)."""
     x = torch.randn(1, seq_len, 256, device=device, requires_grad=training)
 
     def run() -> None:
-        if not training:
-            with torch.inference_mode():
-                module(x)
-            return
-        x.grad = None
-        module.zero_grad(set_to_none=True)
-        module(x)[0].square().mean().backward()
+        with use_kernel(kernel):
+            if not training:
+                with torch.inference_mode():
+                    module(x)
+                return
+            x.grad = None
+            module.zero_grad(set_to_none=True)
+            module(x)[0].square().mean().backward()
 
     return run
 
@@ -57,9 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--n", type=int, default=4096, help="sequence length")
     parser.add_argument(
+        "--kernel", choices=("rule", *KERNELS), default="rule", help="attention kernel"
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="writes compile.json there (default: per device)"
     )
     args = parser.parse_args(argv)
+    kernel = None if args.kernel == "rule" else args.kernel
     args.out = args.out or (OUT if args.device == "cpu" else OUT / args.device)
     torch.set_num_threads(THREADS)
     if args.device == "cpu":
@@ -76,10 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     for training in (True, False):
         encoder.train(training)
         mode = "training" if training else "inference"
-        steps[f"{mode} eager"] = step(encoder, training, args.device, args.n)
+        steps[f"{mode} eager"] = step(encoder, training, args.device, args.n, kernel)
         for kind, module in variants.items():
             name = f"{mode} {kind}"
-            steps[name] = step(module, training, args.device, args.n)
+            steps[name] = step(module, training, args.device, args.n, kernel)
             begin = time.perf_counter()
             try:
                 for _ in range(3 if "reduce-overhead" in kind else 1):  # graphs record on call 3
@@ -116,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(),
         "model": "LinformerEncoder depth 2, dim 256, 4 heads, k 256, kv, dropout 0.1 / 0.1",
         "seq_len": args.n,
+        "kernel": args.kernel,
         "device": args.device,
         "threads": THREADS,
         "rows": rows,

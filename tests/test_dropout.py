@@ -1,5 +1,6 @@
 """Dropout masks and `dropout.Dropout`. The bits are SplitMix64 outputs laid out by
-position, uniform in every lane and independent of how rows are cut; the compiled kernel is
+position, uniform in every lane and independent of how rows are cut, and compile under
+Inductor (no 64-bit constant times positions alone); the compiled kernel is
 optional and says why it is missing; `Dropout` (the models' nn.Dropout through the compiled
 CPU kernel) applies the documented mask once, forward and backward, with the same
 rescaling, and everywhere the kernel does not apply it is nn.Dropout itself; the benchmark
@@ -12,6 +13,7 @@ import pytest
 import torch
 from script_helpers import BENCHMARKS, load_script
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import cpp_extension
 
 from linformer_kit import LinformerConfig, LinformerModel, kernels, native
@@ -172,11 +174,12 @@ def splitmix64_reference(seed: int, count: int) -> list[int]:
 
 @pytest.mark.parametrize("seed", [0, 12345, -(2**63), 2**63 - 1])
 def test_dropout_bits_are_splitmix64_outputs_laid_out_by_position(seed):
-    # Row r of the call's rows owns outputs r * words_per_row + 1 onwards; lane j of a word
-    # is bits 16j..16j+15 (int16). Block: rows 2..4 of 5 per matrix, 2 matrices, 6 keys
-    # (words of 4 + 2 weights), words_per_row 3 (the call's keys were 9..12).
+    # Row r of the call's rows owns outputs r * words_per_row + 1 onwards of the generator
+    # seeded with seed * GOLDEN; lane j of a word is bits 16j..16j+15 (int16). Block: rows
+    # 2..4 of 5 per matrix, 2 matrices, 6 keys (words of 4 + 2 weights), words_per_row 3
+    # (the call's keys were 9..12).
     bits = dropout_bits(torch.empty(2, 3, 6), seed, 2, 5, 3)
-    words = splitmix64_reference(seed, 2 * 5 * 3)
+    words = splitmix64_reference(seed * 0x9E3779B97F4A7C15, 2 * 5 * 3)
     for g in range(2):
         for i in range(3):
             row = g * 5 + 2 + i
@@ -191,6 +194,37 @@ def test_dropout_bits_do_not_depend_on_how_rows_are_cut():
     assert torch.equal(torch.cat(cut, 1), whole)
     fewer_keys = dropout_bits(torch.empty(3, 7, 5), 99, 0, 7, 4)  # a causal block
     assert torch.equal(fewer_keys, whole[..., :5])
+
+
+def test_dropout_bits_compile_under_inductor_to_the_eager_bits():
+    # The explicit kernel's mask on a GPU (and on CPU without the compiled kernels) is these
+    # PyTorch ops; under torch.compile Inductor generates their code.
+    torch._dynamo.reset()
+    weights, seed = torch.empty(2, 3, 40), torch.tensor(-(2**62) + 7)
+    compiled = torch.compile(dropout_bits, backend="inductor", fullgraph=True)
+    assert torch.equal(compiled(weights, seed, 5, 9, 12), dropout_bits(weights, seed, 5, 9, 12))
+
+
+def test_no_64_bit_constant_multiplies_positions_alone():
+    # Inductor (torch 2.11) made a product of positions (aranges) and a constant into an
+    # index expression in the Triton kernel's int32 index type: a constant beyond int32 did
+    # not compile (pytorch/pytorch#183901). Every such product must involve the seed.
+    graph = make_fx(lambda w, s: dropout_bits(w, s, 5, 9, 12))(
+        torch.empty(2, 3, 40), torch.tensor(7)
+    ).graph
+    seed = [node for node in graph.nodes if node.op == "placeholder"][1]
+
+    def involves_seed(node):
+        return node is seed or any(involves_seed(n) for n in node.all_input_nodes)
+
+    products = [
+        node
+        for node in graph.nodes
+        if node.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.mul_.Tensor)
+        and any(isinstance(a, int) and not -(2**31) <= a < 2**31 for a in node.args)
+    ]
+    assert len(products) == 3  # GOLDEN and SplitMix64's two multipliers
+    assert all(involves_seed(node) for node in products)
 
 
 def test_the_compiled_kernel_is_optional_and_says_why_it_is_missing(monkeypatch):

@@ -11,7 +11,7 @@ from script_helpers import BENCHMARKS, load_script
 
 pytest.importorskip("linformer")  # the peers (dev extra): the bench steps time them
 pytest.importorskip("linformer_pytorch")
-STEPS = ["kernels", "bench-b1", "bench-b8", "compile"]  # in order of priority
+STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit"]  # by priority
 
 
 def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
@@ -27,6 +27,13 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
     variants = {row["variant"] for row in results["bench-b1"]["rows"]}
     assert {"exact sdpa", "lucidrains", "linformer-pytorch", "linformer kv [explicit]"} <= variants
     assert set(results["compile"]["rows"]) == {"training", "inference"}
+    assert (results["compile"]["kernel"], results["compile-explicit"]["kernel"]) == (
+        "rule",
+        "explicit",
+    )
+    assert all(
+        "error" not in key for row in results["compile-explicit"]["rows"].values() for key in row
+    )
     summary = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in summary] == STEPS
     assert all(": done in " in line for line in summary), summary
@@ -35,7 +42,7 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
 def test_steps_past_the_budget_are_not_started(tmp_path, capsys):
     runbook = load_script(BENCHMARKS / "gpu_runbook.py")
     runbook.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path)])
-    assert capsys.readouterr().out.split("\n")[:4] == [
+    assert capsys.readouterr().out.split("\n")[: len(STEPS)] == [
         f"{name}: not started (budget spent)" for name in STEPS
     ]
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
@@ -53,7 +60,7 @@ def test_a_bench_step_that_fails_with_kernels_pinned_runs_again_on_the_rule_alon
     runbook._run = run
     lines = runbook.run_steps(tmp_path, tmp_path / "log.txt", smoke=True, budget_s=60)
     assert [argv[argv.index("--kernel") + 1] for argv in calls if "--kernel" in argv] == [
-        "rule,sdpa,explicit", "rule", "rule,sdpa,explicit", "rule",
+        "rule,sdpa,explicit", "rule", "rule,sdpa,explicit", "rule", "explicit",
     ]  # fmt: skip
     assert calls[2][-1] == str(tmp_path / "bench-b1-rule")
     assert lines[1].startswith("bench-b1: failed (exit status 1), then on the rule's kernel")

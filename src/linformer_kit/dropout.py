@@ -38,7 +38,7 @@ def _shift_right(words: Tensor, bits: int) -> Tensor:
 def splitmix64(states: Tensor) -> Tensor:
     """SplitMix64's output function (Steele et al. 2014; Java's SplittableRandom) on int64
     states, wrapping as uint64 arithmetic: output i of the generator seeded with s is
-    `splitmix64(s + i * GOLDEN)`."""
+    `splitmix64(s + i * GOLDEN)`; `dropout_bits` seeds it with seed * GOLDEN."""
     states = (states ^ _shift_right(states, 30)) * _MIX[0]
     states = (states ^ _shift_right(states, 27)) * _MIX[1]
     return states ^ _shift_right(states, 31)
@@ -61,11 +61,18 @@ def dropout_bits(
     """16 uniform random bits (int16) per weight of a block (..., rows, keys), the draw
     `drop` compares with p: a pure function of the seed and each weight's position.
 
-    Row r of all the call's (..., seq_len) rows owns SplitMix64 outputs
-    r * words_per_row + 1 onwards; the four 16-bit lanes of each 64-bit word serve four
-    consecutive weights. So a weight's bits do not depend on how the rows are cut into
-    blocks, nor on how many of its row's keys a causal block computes, and the compiled CPU
-    kernels (`csrc/bits.h`) make the same bits without storing them.
+    Row r of all the call's (..., seq_len) rows owns outputs r * words_per_row + 1 onwards
+    of the SplitMix64 generator seeded with seed * GOLDEN; the four 16-bit lanes of each
+    64-bit word serve four consecutive weights. So a weight's bits do not depend on how the
+    rows are cut into blocks, nor on how many of its row's keys a causal block computes, and
+    the compiled CPU kernels (`csrc/bits.h`) make the same bits without storing them.
+
+    Output i is splitmix64((seed + i) * GOLDEN), the seed added before the product: so
+    torch.compile does not see `arange * GOLDEN`, a product of positions alone, which
+    Inductor (torch 2.11) turned into an index expression and printed in the Triton
+    kernel's 32-bit index type, where the 64-bit constant does not fit ("Scalar
+    -7046029254386353131 is out of range for type int32", at n = 16384 on a GPU;
+    pytorch/pytorch#183901, fixed in later releases).
 
     Args:
         weights: the block, (..., rows, keys); only its shape and device are read.
@@ -82,7 +89,7 @@ def dropout_bits(
     row = torch.arange(row_first, row_first + rows, device=device)
     row = torch.arange(math.prod(lead), device=device)[:, None] * seq_len + row  # (G, rows)
     counters = (row * words_per_row + 1)[..., None] + torch.arange(words, device=device)
-    states = splitmix64(counters.mul_(GOLDEN).add_(seed))  # (G, rows, words)
+    states = splitmix64(counters.add_(seed).mul_(GOLDEN))  # (G, rows, words)
     return states.view(torch.int16)[..., :keys].reshape(weights.shape)
 
 

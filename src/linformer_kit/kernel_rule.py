@@ -25,7 +25,7 @@ def use_kernel(kernel: str | None) -> Iterator[None]:
     `torch.nn.attention.sdpa_kernel` pins SDPA's backend: for a model's layers, which call
     `dot_product_attention` without a `kernel` (a call that names one keeps it). Like
     `sdpa_kernel` it sets process-wide state for the duration of the block. On a GPU under
-    torch.compile "explicit" with attention dropout can fail to compile (torch 2.11; see
+    torch.compile "explicit" with attention dropout failed to compile (torch 2.11; see
     `choose_kernel`), which is why the rule keeps SDPA there.
 
     Args:
@@ -137,6 +137,9 @@ def choose_kernel(
       16384 for training failed once the explicit kernel ran there (Inductor typed the
       dropout bits' 64-bit multiplier as int32 in Triton, torch 2.11;
       `benchmarks/kernels/cuda/compile-16384/`); the CPU compiled kernel is unaffected.
+      The bits now add the seed before that product (`dropout.dropout_bits`); until
+      compiled training on the explicit kernel is measured on a GPU
+      (`benchmarks/gpu_runbook.py`, step 5) the rule stays with SDPA there.
 
     On CUDA fp16 and fp64 (not measured for the explicit kernel) keep SDPA, as do other
     devices.

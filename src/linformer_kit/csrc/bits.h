@@ -1,8 +1,9 @@
 // The dropout mask's bits, the keep multiply and the bfloat16 <-> float conversions, shared by
 // dropout.cpp, attention.cpp and blas.h.
 //
-// Word w of row r (of all B x H x N rows of a call) is SplitMix64's output number
-// r * words_per_row + w + 1 for the call's seed, and its four 16-bit lanes, read as int16,
+// Word w of row r (of all B x H x N rows of a call) is output number i = r * words_per_row +
+// w + 1 of SplitMix64 seeded with seed * golden, splitmix64((seed + i) * golden) (the order
+// `dropout.dropout_bits` needs under torch.compile), and its four 16-bit lanes, read as int16,
 // are the bits of the row's weights 4w .. 4w + 3 (`dropout.dropout_bits`, the PyTorch-ops
 // definition the tests hold these files to). A weight is kept where its bits are at least
 // `threshold`.
@@ -42,7 +43,7 @@ inline const int16_t* row_bits(uint64_t seed, int64_t row, int64_t words_per_row
                                std::vector<uint64_t>& words) {
   const uint64_t first = uint64_t(row) * uint64_t(words_per_row) + 1;
   words.resize((keys + 3) / 4);
-  for (size_t w = 0; w < words.size(); ++w) words[w] = splitmix64(seed + (first + w) * kGolden);
+  for (size_t w = 0; w < words.size(); ++w) words[w] = splitmix64((seed + first + w) * kGolden);
   return reinterpret_cast<const int16_t*>(words.data());  // little-endian: lane j = bits 16j..
 }
 
