@@ -17,7 +17,13 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 5. the same at n = 16384 with the explicit kernel pinned: whether Inductor now compiles its
    dropout mask (`dropout.dropout_bits`, reordered for it) and whether compiled training
    on it beats the compiled SDPA the rule keeps (compare with step 4 at that n, or
-   `cuda/compile-16384/`).
+   `cuda/compile-16384/`);
+6. `kernels.py` in fp16 (n 4096-65536) and 7. for exact causal attention (fp32 and bf16,
+   n 1024-8192): the cells the CUDA rule leaves to SDPA unmeasured.
+
+`--steps` runs only the named steps (still in this order): steps 1-4 were run on an H200
+(`benchmarks/kernels/cuda/`), so a later call can spend its minutes on the rest, e.g.
+`--steps compile-explicit,kernels-fp16,kernels-causal` (these need no peer wheels).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -31,8 +37,8 @@ then one device call with `carry: [".whl"]`, `timeout_s: 600`:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     PYTHONPATH=/tmp/site python3 benchmarks/gpu_runbook.py --out $OUT
 
-`--smoke` runs the same steps on CPU at tiny sizes in seconds (the tests do, so that the
-runbook still works when a GPU is lent).
+`--smoke` runs the same steps on CPU at tiny sizes in about a minute and a half (the tests
+do, so that the runbook still works when a GPU is lent).
 """
 
 from __future__ import annotations
@@ -51,8 +57,15 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
 
+STEPS = (
+    "kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "kernels-fp16",
+    "kernels-causal",
+)  # fmt: skip
+
+
 def steps(smoke: bool) -> list[tuple[str, list[str]]]:
-    """(name, argv) of each step, in order of priority; `smoke`: CPU, tiny sizes."""
+    """(name, argv) of each step of `STEPS`, in order of priority; `smoke`: CPU, tiny
+    sizes."""
     device = ["--device", "cpu" if smoke else "cuda"]
     python = [sys.executable]
     if smoke:
@@ -60,6 +73,8 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape = "--dtype float32 --n 64 --dim 32 --num-heads 2 --proj-dim 16 --warmup 0 "
         shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
         compile_n, explicit_n, batch = ["--n", "256"], ["--n", "256"], "2"
+        fp16 = kernels.replace("float32", "float16")
+        causal = "--dtype float32 --batch 1 --n 64 --head-dim 8 --min-seconds 0"
     else:
         kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192,16384,32768,65536 "
         kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
@@ -67,28 +82,39 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape += "--repeats 10 --min-time-s 1 --memory-budget-gb 60 --scope attention,layer "
         shape += "--sharing headwise,kv,layerwise"
         compile_n, explicit_n, batch = [], ["--n", "16384"], "8"
+        fp16 = "--dtype float16 --batch 1,8 --n 4096,16384,65536 --k 64,256,1024 --head-dim 64 "
+        fp16 += "--min-seconds 1"
+        causal = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192 --head-dim 64 "
+        causal += "--min-seconds 1"
     bench = [*python, "-m", "linformer_kit.cli", "bench", *device, *shape.split(), "--peers"]
     pinned = ["--kernel", "rule,sdpa,explicit"]
     compile = [*python, str(BENCHMARKS / "kernels_compile.py"), *device]
+    table = [*python, str(BENCHMARKS / "kernels.py"), *device]
     return [
-        ("kernels", [*python, str(BENCHMARKS / "kernels.py"), *device, *kernels.split()]),
+        ("kernels", [*table, *kernels.split()]),
         ("bench-b1", [*bench, "--exact", "sdpa", *pinned]),
         ("bench-b8", [*bench, "--exact", "", "--batch-size", batch, *pinned]),
         ("compile", [*compile, *compile_n]),
         ("compile-explicit", [*compile, *explicit_n, "--kernel", "explicit"]),
+        ("kernels-fp16", [*table, *fp16.split()]),
+        ("kernels-causal", [*table, "--causal", *causal.split()]),
     ]
 
 
-def run_steps(work: Path, log: Path, *, smoke: bool, budget_s: float) -> list[str]:
-    """Runs the steps, each into work/NAME, until the budget is spent; returns one line per
-    step: done, failed (its exit status), stopped at the deadline, or not started. A bench
-    step that fails with kernels pinned runs again on the rule's kernel alone, into
-    work/NAME-rule."""
+def run_steps(
+    work: Path, log: Path, *, smoke: bool, budget_s: float, only: tuple[str, ...] = STEPS
+) -> list[str]:
+    """Runs the steps named in `only`, each into work/NAME, until the budget is spent;
+    returns one line per step: done, failed (its exit status), stopped at the deadline, or
+    not started. A bench step that fails with kernels pinned runs again on the rule's
+    kernel alone, into work/NAME-rule."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     deadline, lines = time.monotonic() + budget_s, []
     with log.open("a") as out:
         for name, argv in steps(smoke):
+            if name not in only:
+                continue
             left = deadline - time.monotonic()
             if left < 5:
                 lines.append(f"{name}: not started (budget spent)")
@@ -127,13 +153,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="results.tar.gz, log.txt")
     parser.add_argument("--budget-s", type=float, default=540.0, help="all steps together")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
+    parser.add_argument(
+        "--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}"
+    )
     args = parser.parse_args(argv)
+    only = tuple(args.steps.split(","))
+    unknown = [name for name in only if name not in STEPS]
+    if unknown:
+        parser.error(f"--steps: unknown {', '.join(unknown)}; the steps are {', '.join(STEPS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "log.txt"
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "results"
         work.mkdir()
-        lines = run_steps(work, log, smoke=args.smoke, budget_s=args.budget_s)
+        lines = run_steps(work, log, smoke=args.smoke, budget_s=args.budget_s, only=only)
         with tarfile.open(args.out / "results.tar.gz", "w:gz") as tar:
             tar.add(work, arcname="results")
     with log.open("a") as out:

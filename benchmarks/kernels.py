@@ -38,6 +38,7 @@ from linformer_kit.training.compare import machine
 # n per device: a GPU reaches the lengths where issue 17 saw SDPA's fp32 kernel lose.
 SEQ_LENS = {"cpu": "1024,4096,16384", "cuda": "1024,4096,16384,65536"}
 PROJ_DIMS, HEAD_DIMS = "64,256,1024", "32,64,128"
+DTYPES = ("float32", "bfloat16", "float16")
 MODES = {"train dropout 0.1": (True, 0.1), "train": (True, 0.0), "inference": (False, 0.0)}
 HEADS, WARMUP, REPEATS, MIN_SECONDS = 4, 1, 5, 2.0
 # One thread: on a shared, oversubscribed machine a 2-thread OpenMP region waits for its
@@ -108,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The device, dtypes, shapes and output folder of a run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", default="float32", help="comma-separated: float32,bfloat16")
+    parser.add_argument("--dtype", default="float32", help=f"comma-separated, of {DTYPES}")
     parser.add_argument("--batch", default="1", help="comma-separated batch sizes")
     parser.add_argument("--n", default="", help="comma-separated n (default: per device)")
     parser.add_argument("--k", default=PROJ_DIMS, help="comma-separated k")
@@ -127,8 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.k = ["n"]
     args.dtype = args.dtype.split(",")
     for name in args.dtype:
-        if name not in ("float32", "bfloat16"):
-            parser.error(f"--dtype must be among float32, bfloat16; got {name!r}")
+        if name not in DTYPES:
+            parser.error(f"--dtype must be among {', '.join(DTYPES)}; got {name!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was asked for but torch sees no GPU")
     return args

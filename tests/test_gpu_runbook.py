@@ -11,7 +11,9 @@ from script_helpers import BENCHMARKS, load_script
 
 pytest.importorskip("linformer")  # the peers (dev extra): the bench steps time them
 pytest.importorskip("linformer_pytorch")
-STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit"]  # by priority
+# In order of priority.
+STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit"]
+STEPS += ["kernels-fp16", "kernels-causal"]
 
 
 def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
@@ -34,6 +36,8 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
     assert all(
         "error" not in key for row in results["compile-explicit"]["rows"].values() for key in row
     )
+    assert {row["dtype"] for row in results["kernels-fp16"]["rows"]} == {"float16"}
+    assert {row["k"] for row in results["kernels-causal"]["rows"]} == {"n"}  # n keys
     summary = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in summary] == STEPS
     assert all(": done in " in line for line in summary), summary
@@ -47,6 +51,20 @@ def test_steps_past_the_budget_are_not_started(tmp_path, capsys):
     ]
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
         assert tar.getnames() == ["results"]
+
+
+def test_steps_names_the_steps_to_run_and_refuses_others(tmp_path, capsys):
+    runbook = load_script(BENCHMARKS / "gpu_runbook.py")
+    assert list(runbook.STEPS) == STEPS
+    calls = []
+    runbook._run = lambda argv, out, env, deadline: calls.append(argv) or "done"
+    only = ("compile-explicit", "kernels-causal")
+    lines = runbook.run_steps(tmp_path, tmp_path / "log.txt", smoke=True, budget_s=60, only=only)
+    assert [argv[-1] for argv in calls] == [str(tmp_path / name) for name in only]  # --out
+    assert [line.split(":")[0] for line in lines] == list(only)
+    with pytest.raises(SystemExit):
+        runbook.main(["--smoke", "--steps", "compile,gpu", "--out", str(tmp_path)])
+    assert "--steps: unknown gpu; the steps are kernels, bench-b1" in capsys.readouterr().err
 
 
 def test_a_bench_step_that_fails_with_kernels_pinned_runs_again_on_the_rule_alone(tmp_path):
