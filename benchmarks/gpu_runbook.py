@@ -14,16 +14,16 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    alone;
 3. the same at B 8 (no exact baseline);
 4. `kernels_compile.py`: does torch.compile of a whole encoder pay on the GPU?
-5. the same at n = 16384 with the explicit kernel pinned: whether Inductor now compiles its
-   dropout mask (`dropout.dropout_bits`, reordered for it) and whether compiled training
-   on it beats the compiled SDPA the rule keeps (compare with step 4 at that n, or
-   `cuda/compile-16384/`);
-6. `kernels.py` in fp16 (n 4096-65536) and 7. for exact causal attention (fp32 and bf16,
+5. and 6. the same at n = 16384 with the explicit kernel pinned, then SDPA: whether Inductor
+   now compiles the explicit kernel's dropout mask (`dropout.dropout_bits`, reordered for
+   it) and whether compiled training on it beats compiled SDPA, which the rule keeps;
+7. `kernels.py` in fp16 (n 4096-65536) and 8. for exact causal attention (fp32 and bf16,
    n 1024-8192): the cells the CUDA rule leaves to SDPA unmeasured.
 
-`--steps` runs only the named steps (still in this order): steps 1-4 were run on an H200
-(`benchmarks/kernels/cuda/`), so a later call can spend its minutes on the rest, e.g.
-`--steps compile-explicit,kernels-fp16,kernels-causal` (these need no peer wheels).
+Steps 5-8 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+named steps (still in this order): steps 1-4 were run on an H200 (`benchmarks/kernels/cuda/`),
+so a later call can spend its minutes on the rest,
+`--steps compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -58,8 +58,8 @@ BENCHMARKS = ROOT / "benchmarks"
 
 
 STEPS = (
-    "kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "kernels-fp16",
-    "kernels-causal",
+    "kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "compile-sdpa",
+    "kernels-fp16", "kernels-causal",
 )  # fmt: skip
 
 
@@ -72,7 +72,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         kernels = "--dtype float32 --batch 1 --n 64 --k 16 --head-dim 8 --min-seconds 0"
         shape = "--dtype float32 --n 64 --dim 32 --num-heads 2 --proj-dim 16 --warmup 0 "
         shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
-        compile_n, explicit_n, batch = ["--n", "256"], ["--n", "256"], "2"
+        compile_n, long_n, batch = ["--n", "256"], ["--n", "256"], "2"
         fp16 = kernels.replace("float32", "float16")
         causal = "--dtype float32 --batch 1 --n 64 --head-dim 8 --min-seconds 0"
     else:
@@ -81,7 +81,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape = "--dtype float32,bfloat16 --n 4096,8192,16384,32768,65536 --warmup 2 "
         shape += "--repeats 10 --min-time-s 1 --memory-budget-gb 60 --scope attention,layer "
         shape += "--sharing headwise,kv,layerwise"
-        compile_n, explicit_n, batch = [], ["--n", "16384"], "8"
+        compile_n, long_n, batch = [], ["--n", "16384"], "8"
         fp16 = "--dtype float16 --batch 1,8 --n 4096,16384,65536 --k 64,256,1024 --head-dim 64 "
         fp16 += "--min-seconds 1"
         causal = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192 --head-dim 64 "
@@ -95,7 +95,8 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         ("bench-b1", [*bench, "--exact", "sdpa", *pinned]),
         ("bench-b8", [*bench, "--exact", "", "--batch-size", batch, *pinned]),
         ("compile", [*compile, *compile_n]),
-        ("compile-explicit", [*compile, *explicit_n, "--kernel", "explicit"]),
+        ("compile-explicit", [*compile, *long_n, "--kernel", "explicit"]),
+        ("compile-sdpa", [*compile, *long_n, "--kernel", "sdpa"]),
         ("kernels-fp16", [*table, *fp16.split()]),
         ("kernels-causal", [*table, "--causal", *causal.split()]),
     ]
@@ -106,8 +107,8 @@ def run_steps(
 ) -> list[str]:
     """Runs the steps named in `only`, each into work/NAME, until the budget is spent;
     returns one line per step: done, failed (its exit status), stopped at the deadline, or
-    not started. A bench step that fails with kernels pinned runs again on the rule's
-    kernel alone, into work/NAME-rule."""
+    not started. A bench step that fails with several kernels pinned runs again on the
+    rule's kernel alone, into work/NAME-rule."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     deadline, lines = time.monotonic() + budget_s, []
@@ -125,7 +126,7 @@ def run_steps(
             began = time.monotonic()
             status = _run(argv, out, env, deadline)
             kernel = argv.index("--kernel") if "--kernel" in argv else None
-            if status.startswith("failed") and kernel and argv[kernel + 1] != "rule":
+            if status.startswith("failed") and kernel and "," in argv[kernel + 1]:
                 fallback = [*argv]
                 fallback[kernel + 1], fallback[-1] = "rule", str(work / f"{name}-rule")  # --out
                 out.write(f"\n== {name} again, on the rule's kernel alone: {' '.join(fallback)}\n")
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         "--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}"
     )
     args = parser.parse_args(argv)
-    only = tuple(args.steps.split(","))
+    only = tuple(name for name in args.steps.split(",") if name)
     unknown = [name for name in only if name not in STEPS]
     if unknown:
         parser.error(f"--steps: unknown {', '.join(unknown)}; the steps are {', '.join(STEPS)}")

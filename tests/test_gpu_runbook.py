@@ -12,7 +12,7 @@ from script_helpers import BENCHMARKS, load_script
 pytest.importorskip("linformer")  # the peers (dev extra): the bench steps time them
 pytest.importorskip("linformer_pytorch")
 # In order of priority.
-STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit"]
+STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "compile-sdpa"]
 STEPS += ["kernels-fp16", "kernels-causal"]
 
 
@@ -29,13 +29,13 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
     variants = {row["variant"] for row in results["bench-b1"]["rows"]}
     assert {"exact sdpa", "lucidrains", "linformer-pytorch", "linformer kv [explicit]"} <= variants
     assert set(results["compile"]["rows"]) == {"training", "inference"}
-    assert (results["compile"]["kernel"], results["compile-explicit"]["kernel"]) == (
-        "rule",
-        "explicit",
-    )
-    assert all(
-        "error" not in key for row in results["compile-explicit"]["rows"].values() for key in row
-    )
+    for name, kernel in [
+        ("compile", "rule"),
+        ("compile-explicit", "explicit"),
+        ("compile-sdpa", "sdpa"),
+    ]:
+        assert results[name]["kernel"] == kernel
+        assert all("error" not in key for row in results[name]["rows"].values() for key in row)
     assert {row["dtype"] for row in results["kernels-fp16"]["rows"]} == {"float16"}
     assert {row["k"] for row in results["kernels-causal"]["rows"]} == {"n"}  # n keys
     summary = capsys.readouterr().out.splitlines()
@@ -73,13 +73,16 @@ def test_a_bench_step_that_fails_with_kernels_pinned_runs_again_on_the_rule_alon
 
     def run(argv, out, env, deadline):
         calls.append(argv)
-        return "failed (exit status 1)" if "rule,sdpa,explicit" in argv else "done"
+        failing = {"rule,sdpa,explicit", "explicit"} & set(argv)
+        return "failed (exit status 1)" if failing else "done"
 
     runbook._run = run
     lines = runbook.run_steps(tmp_path, tmp_path / "log.txt", smoke=True, budget_s=60)
+    # A step with one kernel pinned (compile-explicit) has no fallback.
     assert [argv[argv.index("--kernel") + 1] for argv in calls if "--kernel" in argv] == [
-        "rule,sdpa,explicit", "rule", "rule,sdpa,explicit", "rule", "explicit",
+        "rule,sdpa,explicit", "rule", "rule,sdpa,explicit", "rule", "explicit", "sdpa",
     ]  # fmt: skip
+    assert lines[4] == "compile-explicit: failed (exit status 1) in 0 s"
     assert calls[2][-1] == str(tmp_path / "bench-b1-rule")
     assert lines[1].startswith("bench-b1: failed (exit status 1), then on the rule's kernel")
     assert lines[0].startswith("kernels: done") and lines[3].startswith("compile: done")

@@ -72,7 +72,8 @@ def dropout_bits(
     Inductor (torch 2.11) turned into an index expression and printed in the Triton
     kernel's 32-bit index type, where the 64-bit constant does not fit ("Scalar
     -7046029254386353131 is out of range for type int32", at n = 16384 on a GPU;
-    pytorch/pytorch#183901, fixed in later releases).
+    pytorch/pytorch#183901; torch 2.13's Inductor computes such values in their own dtype,
+    `value_expr`).
 
     Args:
         weights: the block, (..., rows, keys); only its shape and device are read.
