@@ -139,7 +139,7 @@ def choose_kernel(
       `benchmarks/kernels/cuda/compile-16384/`); the CPU compiled kernel is unaffected.
       The bits now add the seed before that product (`dropout.dropout_bits`); until
       compiled training on the explicit kernel is measured on a GPU
-      (`benchmarks/gpu_runbook.py`, step 5) the rule stays with SDPA there.
+      (`benchmarks/gpu_runbook.py`, steps 5 and 6) the rule stays with SDPA there.
 
     On CUDA fp16 and fp64 (not measured for the explicit kernel) keep SDPA, as do other
     devices.
