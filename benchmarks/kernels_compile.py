@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         "--kernel", choices=("rule", *KERNELS), default="rule", help="attention kernel"
     )
     parser.add_argument(
+        "--backend", default="inductor", help="torch.compile backend (aot_eager: no codegen)"
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="writes compile.json there (default: per device)"
     )
     args = parser.parse_args(argv)
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         max_seq_len=args.n, dim=256, depth=2, num_heads=4, proj_dim=256, sharing="kv"
     )
     encoder = LinformerEncoder(config).to(args.device)
-    variants = {"compiled": torch.compile(encoder)}
+    variants = {"compiled": torch.compile(encoder, backend=args.backend)}
     if args.device == "cuda":
         variants["compiled reduce-overhead"] = torch.compile(encoder, mode="reduce-overhead")
     steps, compile_s, errors = {}, {}, {}
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": "LinformerEncoder depth 2, dim 256, 4 heads, k 256, kv, dropout 0.1 / 0.1",
         "seq_len": args.n,
         "kernel": args.kernel,
+        "backend": args.backend,
         "device": args.device,
         "threads": THREADS,
         "rows": rows,
