@@ -57,15 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
 
-STEPS = (
-    "kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "compile-sdpa",
-    "kernels-fp16", "kernels-causal",
-)  # fmt: skip
-
-
 def steps(smoke: bool) -> list[tuple[str, list[str]]]:
-    """(name, argv) of each step of `STEPS`, in order of priority; `smoke`: CPU, tiny
-    sizes."""
+    """(name, argv) of each step, in order of priority; `smoke`: CPU, tiny sizes."""
     device = ["--device", "cpu" if smoke else "cuda"]
     python = [sys.executable]
     if smoke:
@@ -102,6 +95,9 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         ("kernels-fp16", [*table, *fp16.split()]),
         ("kernels-causal", [*table, "--causal", *causal.split()]),
     ]
+
+
+STEPS = tuple(name for name, _ in steps(smoke=True))  # the same names at either size
 
 
 def run_steps(
