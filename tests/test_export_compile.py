@@ -88,11 +88,11 @@ def test_compiled_training_with_attention_dropout_does_not_recompile_for_every_l
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16 autocast"])
 def test_compiled_training_with_dropout_runs_the_compiled_cpu_kernels_as_eager_does(bf16):
-    # The C++ dropout and attention kernels are custom ops with fake kernels: torch.compile
-    # traces them as graph nodes, with no graph break, and (aot_eager draws the seeds from
-    # the same generator as eager) the same masks give the same outputs and gradients. Under
-    # bf16 autocast the attention kernel runs in bf16 (its logsumexp float32, as the fake
-    # kernel says).
+    # The C++ dropout, attention and feed-forward kernels are custom ops with fake kernels:
+    # torch.compile traces them as graph nodes, with no graph break, and (aot_eager draws the
+    # seeds from the same generator as eager) the same masks give the same outputs and
+    # gradients. Under bf16 autocast the attention kernel runs in bf16 (its logsumexp
+    # float32, as the fake kernel says) and the feed-forward block as PyTorch's modules.
     from linformer_kit import native
 
     if native.cpu_ops() is None:
@@ -105,7 +105,9 @@ def test_compiled_training_with_dropout_runs_the_compiled_cpu_kernels_as_eager_d
         explained = torch._dynamo.explain(encoder)(x, mask)
     assert explained.graph_break_count == 0
     ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
-    assert {"linformer_kit.attention_forward", "linformer_kit.dropout_forward"} <= ops
+    kernels = {"attention_forward", "dropout_forward"}
+    kernels |= set() if bf16 else {"feedforward_forward"}
+    assert {f"linformer_kit.{name}" for name in kernels} <= ops
     compiled = torch.compile(encoder, backend="aot_eager")
     results = []
     for run in (encoder, compiled):

@@ -11,14 +11,23 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import CausalState, LinformerSelfAttention
 from .config import LinformerConfig
-from .dropout import Dropout
+from .dropout import Dropout, native_ops
 from .projection import SequenceProjection, build_sharing_plan
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
+# The compiled kernel's code for each activation (`csrc/feedforward.cpp`).
+_KERNEL_ACTIVATIONS = {"gelu": 0, "relu": 1}
 
 
 class FeedForward(nn.Module):
     """Position-wise two-layer MLP: Linear -> activation -> Linear.
+
+    On CPU in float32 / float64 without autocast it runs the compiled kernel
+    (`csrc/feedforward.cpp`, eager or under torch.compile as one graph node): blocks of rows
+    whose hidden activations never leave the thread's cache, only the pre-activation kept
+    for backward (PyTorch's modules keep it and the activation). The same results to float
+    rounding; elsewhere (a GPU, bf16, autocast), or where the kernels cannot be built, the
+    three modules in turn.
 
     Args:
         dim: model width.
@@ -31,10 +40,30 @@ class FeedForward(nn.Module):
         self.up = nn.Linear(dim, hidden_dim)
         self.act = ACTIVATIONS[activation]()
         self.down = nn.Linear(hidden_dim, dim)
+        self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, N, dim) -> (B, N, dim)."""
-        return self.down(self.act(self.up(x)))
+        ops = self._kernel(x)
+        if ops is None:
+            return self.down(self.act(self.up(x)))
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        weights = (self.up.weight, self.up.bias, self.down.weight, self.down.bias)
+        code = _KERNEL_ACTIVATIONS[self.activation]
+        out, _ = ops.feedforward_forward(rows, *weights, code, False)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _kernel(self, x: Tensor) -> object | None:
+        """The compiled kernels where they run this call, else None."""
+        fits = (
+            x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.float64)
+            and x.dim() > 0
+            and x.numel() > 0
+            and not torch.is_autocast_enabled("cpu")
+            and all(p.dtype == x.dtype for p in self.parameters())
+        )
+        return native_ops(x) if fits else None
 
 
 class LinformerEncoderLayer(nn.Module):

@@ -30,8 +30,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "dropout.cpp", CSRC / "attention.cpp", CSRC / "autograd.cpp")
-HEADERS = (CSRC / "bits.h", CSRC / "blas.h")
+SOURCES = tuple(
+    CSRC / name for name in ("dropout.cpp", "attention.cpp", "feedforward.cpp", "autograd.cpp")
+)
+HEADERS = (CSRC / "bits.h", CSRC / "blas.h", CSRC / "vmath.h")
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 MARCH_SWITCH = "LINFORMER_KIT_MARCH"
 # =widen: the bf16 GEMMs widen to fp32 for sgemm_ instead of calling MKL's bf16 GEMM (what a
@@ -124,18 +126,34 @@ def _register_python_side() -> None:
     ):  # noqa: ANN001, ANN202, ARG001
         return tuple(torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs))
 
-    def no_double_backward(ctx, *grads):  # noqa: ANN001, ANN002, ANN202, ARG001
-        raise RuntimeError(
-            "linformer-kit: the compiled attention kernel's backward is not differentiable "
-            "(no double backward); for higher-order gradients use kernel='sdpa' or "
-            f"{ENV_SWITCH}=0"
+    @torch.library.register_fake("linformer_kit::feedforward_forward")
+    def _feedforward_shapes(x, w1, b1, w2, b2, activation, keep_hidden):  # noqa: ANN001, ANN202, ARG001
+        return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(x.shape[0], w1.shape[0])
+
+    @torch.library.register_fake("linformer_kit::feedforward_backward")
+    def _feedforward_gradients(grad, x, w1, w2, hidden, activation):  # noqa: ANN001, ANN202, ARG001
+        return (
+            torch.empty_like(x),
+            torch.empty_like(w1),
+            w1.new_empty(w1.shape[0]),
+            torch.empty_like(w2),
+            w2.new_empty(w2.shape[0]),
         )
 
-    torch.library.register_autograd(
-        "linformer_kit::attention_backward",
-        no_double_backward,
-        setup_context=lambda ctx, inputs, output: None,  # noqa: ARG005
-    )
+    hints = {"attention": f"kernel='sdpa' or {ENV_SWITCH}=0", "feedforward": f"{ENV_SWITCH}=0"}
+    for kernel, hint in hints.items():
+
+        def no_double_backward(ctx, *grads, kernel=kernel, hint=hint):  # noqa: ANN001, ANN002, ANN202, ARG001
+            raise RuntimeError(
+                f"linformer-kit: the compiled {kernel} kernel's backward is not differentiable "
+                f"(no double backward); for higher-order gradients use {hint}"
+            )
+
+        torch.library.register_autograd(
+            f"linformer_kit::{kernel}_backward",
+            no_double_backward,
+            setup_context=lambda ctx, inputs, output: None,  # noqa: ARG005
+        )
 
 
 def cpu_ops() -> object | None:

@@ -36,6 +36,7 @@
 
 #include "bits.h"
 #include "blas.h"
+#include "vmath.h"
 
 namespace {
 
@@ -76,36 +77,16 @@ void gemm_into(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opma
 }
 
 // exp(s[c] - shift) in place over a row, returning the row's sum; -inf gives 0, nan stays
-// nan. float: Cephes' expf (range reduction by ln 2 in two parts, a degree-6 polynomial,
-// relative error about 1e-7) in a loop g++ vectorizes (with -fno-trapping-math: else it
-// makes the clamp a branch and gives up); results below exp(-87) are 0.
-inline float exp_sum(float* s, int64_t count, float shift) {
-  float sum = 0.0f;
+// nan (`exp_clamped`: results below exp(-87) are 0).
+template <typename T>
+inline T exp_sum(T* s, int64_t count, T shift) {
+  T sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t c = 0; c < count; ++c) {
-    const float x = s[c] - shift;
-    const float xc = x < -87.0f ? -87.0f : x;
-    const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-    const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const float power = std::bit_cast<float>((int32_t(n) + 127) << 23);  // 2^n
-    const int32_t keep = -int32_t(!(x < -87.0f));  // 0 below exp(-87) and at -inf
-    const float e = std::bit_cast<float>(std::bit_cast<int32_t>(p * power) & keep);
+    const T e = linformer_kit::exp_clamped(s[c] - shift);
     s[c] = e;
     sum += e;
   }
-  return sum;
-}
-
-inline double exp_sum(double* s, int64_t count, double shift) {
-  double sum = 0.0;
-  for (int64_t c = 0; c < count; ++c) sum += (s[c] = std::exp(s[c] - shift));
   return sum;
 }
 

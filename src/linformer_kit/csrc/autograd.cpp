@@ -7,8 +7,9 @@
 // torch.compile (fake kernels, `native._register_python_side`) traces the same nodes.
 //
 // dropout_forward: backward is the same mask from the seed, times the same scale (the op
-// itself, so it is differentiable again). attention_forward: backward is attention_backward,
-// whose own autograd kernel (Python, `native`) refuses a double backward with a clear error.
+// itself, so it is differentiable again). attention_forward and feedforward_forward: backward
+// is attention_backward / feedforward_backward, whose own autograd kernels (Python, `native`)
+// refuse a double backward with a clear error.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -118,9 +119,65 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(
   return {outputs[0], outputs[1]};
 }
 
+std::tuple<at::Tensor, at::Tensor> call_feedforward(const at::Tensor& x, const at::Tensor& w1,
+                                                    const at::Tensor& b1, const at::Tensor& w2,
+                                                    const at::Tensor& b2, int64_t activation,
+                                                    bool keep_hidden) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("linformer_kit::feedforward_forward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, int64_t, bool)>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(x, w1, b1, w2, b2, activation, keep_hidden);
+}
+
+class FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
+                               const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                               int64_t activation) {
+    auto [out, hidden] = call_feedforward(x, w1, b1, w2, b2, activation, true);
+    ctx->save_for_backward({x, w1, w2, hidden});
+    ctx->saved_data["activation"] = activation;
+    ctx->mark_non_differentiable({hidden});
+    return {out, hidden};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("linformer_kit::feedforward_backward", "")
+            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                const at::Tensor&, int64_t)>();
+    const variable_list saved = ctx->get_saved_variables();
+    auto [grad_x, grad_w1, grad_b1, grad_w2, grad_b2] =
+        op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3],
+                ctx->saved_data["activation"].toInt());
+    const at::Tensor none;
+    return {grad_x, grad_w1, grad_b1, grad_w2, grad_b2, none};
+  }
+};
+
+// Records a backward (keeping the hidden activations for it, whatever `keep_hidden` says)
+// where grad mode is on and an input needs its gradient; else the plain kernel.
+std::tuple<at::Tensor, at::Tensor> feedforward_autograd(
+    const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+    const at::Tensor& b2, int64_t activation, bool keep_hidden) {
+  const bool record = at::GradMode::is_enabled() &&
+                      (x.requires_grad() || w1.requires_grad() || b1.requires_grad() ||
+                       w2.requires_grad() || b2.requires_grad());
+  if (!record) return call_feedforward(x, w1, b1, w2, b2, activation, keep_hidden);
+  const variable_list outputs = FeedForwardFunction::apply(x, w1, b1, w2, b2, activation);
+  return {outputs[0], outputs[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(linformer_kit, Autograd, m) {
   m.impl("dropout_forward", &dropout_autograd);
   m.impl("attention_forward", &attention_autograd);
+  m.impl("feedforward_forward", &feedforward_autograd);
 }

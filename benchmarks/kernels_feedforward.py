@@ -1,0 +1,73 @@
+"""The compiled feed-forward kernel against PyTorch's modules, A/B in one process: the block
+alone (dim 256, hidden 1024, GELU; fwd+bwd and inference) and one encoder layer without
+dropout (4 heads, k 256, kv sharing, as `linformer bench --scope layer` builds it), with the
+kernel and with `LINFORMER_KIT_NATIVE=0` (then only the feed-forward block changes: without
+dropout the attention runs SDPA either way). Same weights, interleaved rounds. Writes
+OUT/ab.json.
+
+    PYTHONPATH=src python benchmarks/kernels_feedforward.py --out benchmarks/kernels/feedforward
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import torch
+from kernels_fused import median_ms, parse_ab_args, with_torch_ops, write_report
+from torch import nn
+
+from linformer_kit.bench.flops import Shape
+from linformer_kit.bench.variants import Variant, build_variant
+from linformer_kit.encoder import FeedForward
+from linformer_kit.training.compare import machine
+
+DIM, HIDDEN, HEADS, PROJ_DIM = 256, 1024, 4, 256
+
+
+def make_step(module: nn.Module, n: int, backward: bool) -> Callable[[], None]:
+    """Forward + backward of (1, n, dim) inputs with a random output gradient, or forward
+    only under inference mode."""
+    x = torch.randn(1, n, DIM, requires_grad=backward)
+    grad = torch.randn(1, n, DIM)
+
+    def step() -> None:
+        if not backward:
+            with torch.inference_mode():
+                module(x)
+            return
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        module(x).backward(grad)
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_ab_args(__doc__, argv, "benchmarks/kernels/feedforward", 20.0)
+    rows, before = [], machine()
+    for n in (int(x) for x in args.n.split(",")):
+        torch.manual_seed(0)
+        ffn = FeedForward(dim=DIM, hidden_dim=HIDDEN)
+        k = min(PROJ_DIM, n)  # (tiny n: the tests)
+        shape = Shape(batch_size=1, seq_len=n, dim=DIM, num_heads=HEADS, proj_dim=k, ffn_dim=HIDDEN)
+        layer = build_variant(Variant(name="kv", kind="ours", sharing="kv"), shape, "layer")
+        kernel = {
+            "feed-forward": make_step(ffn, n, True),
+            "feed-forward inference": make_step(ffn, n, False),
+            "encoder layer": make_step(layer, n, True),
+        }
+        steps = {}
+        for name, step in kernel.items():
+            steps[f"{name}, kernel"] = step
+            steps[f"{name}, modules"] = with_torch_ops(step)
+        ms, rounds = median_ms(steps, args.min_seconds)
+        speedup = {name: ms[f"{name}, modules"] / ms[f"{name}, kernel"] for name in kernel}
+        row = {"n": n, "median_ms": ms, "rounds": rounds, "kernel_speedup": speedup}
+        print(json.dumps(row))
+        rows.append(row)
+    write_report(args, before, rows)
+
+
+if __name__ == "__main__":
+    main()

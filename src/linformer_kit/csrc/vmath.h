@@ -1,0 +1,57 @@
+// Elementwise math in plain loops g++ vectorizes (`#pragma omp simd`, -fno-trapping-math):
+// the exp of attention.cpp's softmax and the activations of feedforward.cpp.
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+namespace linformer_kit {
+
+// exp(x); 0 below exp(-87) and at -inf, nan stays nan. Cephes' expf: range reduction by
+// ln 2 in two parts, a degree-6 polynomial, relative error about 1e-7. Without
+// -fno-trapping-math g++ makes the clamp a branch and leaves the loop scalar.
+inline float exp_clamped(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float power = std::bit_cast<float>((int32_t(n) + 127) << 23);  // 2^n
+  const int32_t keep = -int32_t(!(x < -87.0f));  // 0 below exp(-87) and at -inf
+  return std::bit_cast<float>(std::bit_cast<int32_t>(p * power) & keep);
+}
+
+inline double exp_clamped(double x) { return std::exp(x); }
+
+// GELU (exact, erf form) of x, and its derivative into `slope` when asked for. float: erf
+// by Abramowitz and Stegun 7.1.26 (absolute error <= 1.5e-7), as ATen's vectorized CPU
+// GELU computes it; the derivative 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
+// shares its exp.
+inline float gelu(float x, float* slope) {
+  const float z = std::fabs(x) * 0.70710678118654752f;
+  const float t = 1.0f / (1.0f + 0.3275911f * z);
+  float p = 1.061405429f;
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  const float e = exp_clamped(-z * z);
+  const float erf_abs = 1.0f - p * t * e;
+  const float cdf = 0.5f + 0.5f * (x < 0.0f ? -erf_abs : erf_abs);  // Phi(x)
+  if (slope != nullptr) *slope = cdf + x * e * 0.39894228040143268f;
+  return x * cdf;
+}
+
+inline double gelu(double x, double* slope) {
+  const double cdf = 0.5 * std::erfc(-x * 0.70710678118654752);
+  if (slope != nullptr) *slope = cdf + x * std::exp(-0.5 * x * x) * 0.39894228040143268;
+  return x * cdf;
+}
+
+}  // namespace linformer_kit

@@ -1,0 +1,156 @@
+"""The compiled CPU feed-forward kernel (csrc/feedforward.cpp, `encoder.FeedForward`): outputs
+and every gradient equal the PyTorch modules' own (Linear -> GELU / ReLU -> Linear) on any
+number of rows, block cut and thread count; without grad nothing is kept; where it does not
+apply (autocast, bf16) the modules run; a double backward and bad input are clear errors.
+Under torch.compile: `test_export_compile.py`."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from linformer_kit import native
+from linformer_kit.encoder import FeedForward
+
+
+@pytest.fixture(autouse=True)
+def compiled():
+    if native.cpu_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled kernel cannot be built")
+
+
+def modules_path(ffn, x):
+    """The block as PyTorch's modules compute it (the reference)."""
+    return ffn.down(ffn.act(ffn.up(x)))
+
+
+def outputs_and_grads(ffn, x, grad, forward):
+    """The output and the gradients of x and every parameter, from a fresh backward."""
+    x = x.detach().requires_grad_()
+    ffn.zero_grad(set_to_none=True)
+    out = forward(x)
+    out.backward(grad)
+    return [out.detach(), x.grad] + [p.grad for p in ffn.parameters()]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.sampled_from([1, 2, 127, 128, 129, 300, 600]),
+    lead=st.sampled_from([(), (2,), (1, 3)]),
+    widths=st.sampled_from([(8, 32), (5, 7), (16, 3)]),
+    activation=st.sampled_from(["gelu", "relu"]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    threads=st.sampled_from([1, 2]),
+)
+def test_outputs_and_gradients_equal_the_modules(rows, lead, widths, activation, dtype, threads):
+    torch.manual_seed(rows)
+    dim, hidden = widths
+    ffn = FeedForward(dim=dim, hidden_dim=hidden, activation=activation).to(dtype)
+    x = torch.randn(*lead, rows, dim, dtype=dtype) * 2
+    grad = torch.randn(*lead, rows, dim, dtype=dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = outputs_and_grads(ffn, x, grad, ffn)
+    finally:
+        torch.set_num_threads(previous)
+    wanted = outputs_and_grads(ffn, x, grad, lambda t: modules_path(ffn, t))
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    for name, a, b in zip(["out", "x", "w1", "b1", "w2", "b2"], got, wanted):
+        torch.testing.assert_close(a, b, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_gelu_is_exact_erf_gelu_across_its_range():
+    """The kernel's float erf (Abramowitz-Stegun, with its own exp) against torch's exact
+    GELU in float64, from where it is 0 to where it is x, through the slope's extremes."""
+    ffn = FeedForward(dim=1, hidden_dim=1)
+    with torch.no_grad():
+        ffn.up.weight.fill_(1.0), ffn.up.bias.zero_(), ffn.down.weight.fill_(1.0)
+        ffn.down.bias.zero_()
+    x = torch.linspace(-12, 12, 4801).unsqueeze(-1).requires_grad_()
+    out = ffn(x)
+    (slope,) = torch.autograd.grad(out.sum(), x)
+    exact = x.detach().double().requires_grad_()
+    wanted = torch.nn.functional.gelu(exact)
+    (wanted_slope,) = torch.autograd.grad(wanted.sum(), exact)
+    torch.testing.assert_close(out.double(), wanted.detach(), atol=3e-7, rtol=1e-6)
+    torch.testing.assert_close(slope.double(), wanted_slope, atol=3e-7, rtol=1e-6)
+
+
+def test_runs_the_kernel_and_keeps_only_the_pre_activation(monkeypatch):
+    """The kernel is called (not the modules), with the hidden activations kept only where a
+    backward is recorded."""
+    ops = native.cpu_ops()
+    calls = []
+    real = ops.feedforward_forward
+
+    def spy(*args):
+        out, hidden = real(*args)
+        calls.append(tuple(hidden.shape))
+        return out, hidden
+
+    class Ops:
+        feedforward_forward = staticmethod(spy)
+
+    monkeypatch.setattr("linformer_kit.encoder.native_ops", lambda x: Ops)
+    ffn = FeedForward(dim=4, hidden_dim=6)
+    x = torch.randn(2, 3, 4)
+    with torch.no_grad():
+        ffn(x)
+    ffn(x).sum().backward()
+    with torch.inference_mode():
+        ffn(x)
+    assert calls == [(0, 6), (6, 6), (0, 6)]
+    assert ffn.up.weight.grad is not None
+
+
+def test_where_it_does_not_apply_the_modules_run(monkeypatch):
+    """bf16 and autocast take the modules' path (autocast then casts as it does for
+    nn.Linear)."""
+    monkeypatch.setattr(
+        "linformer_kit.encoder.native_ops", lambda x: pytest.fail("the kernel was used")
+    )
+    ffn = FeedForward(dim=4, hidden_dim=6)
+    x = torch.randn(2, 3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ffn(x)
+    assert out.dtype == torch.bfloat16
+    ffn.to(torch.bfloat16)(x.bfloat16())
+
+
+def test_double_backward_is_a_clear_error_not_a_wrong_answer():
+    ffn = FeedForward(dim=4, hidden_dim=6).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(ffn(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="feedforward kernel's backward is not differentiable"):
+        grad.sum().backward()
+
+
+def test_bad_input_is_a_clear_error():
+    ops = native.cpu_ops()
+    x, w1, b1 = torch.randn(3, 4), torch.randn(6, 4), torch.randn(6)
+    w2, b2 = torch.randn(4, 6), torch.randn(4)
+    with pytest.raises(RuntimeError, match="do not match"):
+        ops.feedforward_forward(x, w1, b1, w2.t().contiguous(), b2, 0, False)
+    with pytest.raises(RuntimeError, match="activation must be 0"):
+        ops.feedforward_forward(x, w1, b1, w2, b2, 2, False)
+    with pytest.raises(RuntimeError, match="contiguous CPU tensors of one dtype"):
+        ops.feedforward_forward(x.double(), w1, b1, w2, b2, 0, False)
+
+
+def test_the_ab_script_times_the_kernel_against_the_modules(tmp_path, monkeypatch):
+    # benchmarks/kernels_feedforward.py: its "modules" variants must really run without the
+    # kernel and its "kernel" variants with it.
+    from test_dropout import run_ab_script
+
+    from linformer_kit import encoder
+
+    args = ("kernels_feedforward.py", encoder, (16, 32), tmp_path, monkeypatch)
+    rows, paths, _ = run_ab_script(*args)
+    assert paths == {True, False}
+    for row in rows:
+        ms = row["median_ms"]
+        for name, speedup in row["kernel_speedup"].items():
+            assert speedup == pytest.approx(ms[f"{name}, modules"] / ms[f"{name}, kernel"])
+        blocks = {"feed-forward", "feed-forward inference", "encoder layer"}
+        assert set(row["kernel_speedup"]) == blocks
