@@ -1,16 +1,18 @@
 """The compiled CPU kernels (`csrc/`), built on first use: `dropout_forward` (`csrc/dropout.cpp`,
-for `dropout.Dropout`) and `attention_forward` / `attention_backward` (`csrc/attention.cpp`,
-the explicit attention kernel with its dropout, `kernels._fused_attention`), their backward
-formulas (`csrc/autograd.cpp`) and fake kernels (torch.compile, `_register_python_side`).
+for `dropout.Dropout`), `attention_forward` / `attention_backward` (`csrc/attention.cpp`,
+the explicit attention kernel with its dropout, `kernels._fused_attention`) and
+`feedforward_forward` / `feedforward_backward` (`csrc/feedforward.cpp`, for
+`encoder.FeedForward`), their backward formulas (`csrc/autograd.cpp`) and fake kernels
+(torch.compile, `_register_python_side`).
 
 `cpu_ops()` compiles the C++ files with torch's `cpp_extension` (g++ and ninja; about
 20 s once per machine, then loaded from torch's extension cache) and returns
 `torch.ops.linformer_kit`, or None where it cannot: no compiler, a failed build, or
 `LINFORMER_KIT_NATIVE=0` in the environment (`LINFORMER_KIT_MARCH` sets the instruction
-set, `target_arch`). None is never an error: `Dropout` is then `nn.Dropout`, and the
-explicit attention kernel runs by PyTorch ops with the same dropout mask
-(`dropout.dropout_bits`), the same outputs to rounding, only slower. The attention kernel's
-GEMMs call the BLAS that torch's CPU wheel links in (`csrc/blas.h`: `sgemm_` / `dgemm_`, and
+set, `target_arch`). None is never an error: `Dropout` is then `nn.Dropout`, `FeedForward`
+its three modules, and the explicit attention kernel runs by PyTorch ops with the same
+dropout mask (`dropout.dropout_bits`), the same outputs to rounding, only slower. The
+attention and feed-forward kernels' GEMMs call the BLAS that torch's CPU wheel links in (`csrc/blas.h`: `sgemm_` / `dgemm_`, and
 MKL's bf16 GEMM where the wheel has it).
 """
 
@@ -157,8 +159,8 @@ def _register_python_side() -> None:
 
 
 def cpu_ops() -> object | None:
-    """`torch.ops.linformer_kit` with `dropout_forward`, `attention_forward` and
-    `attention_backward`, or None if the kernels are switched off (`LINFORMER_KIT_NATIVE=0`)
+    """`torch.ops.linformer_kit` with `dropout_forward`, `attention_forward` /
+    `attention_backward` and `feedforward_forward` / `feedforward_backward`, or None if the kernels are switched off (`LINFORMER_KIT_NATIVE=0`)
     or cannot be built here (a warning says why, once per process).
 
     Under torch.compile it never builds (a build traced by Dynamo would break the graph

@@ -1,4 +1,4 @@
-// Row-major GEMMs for attention.cpp, single-threaded calls into the BLAS libtorch_cpu links
+// Row-major GEMMs for attention.cpp and feedforward.cpp, single-threaded calls into the BLAS libtorch_cpu links
 // in (Fortran interface, column-major: C^T = op(B)^T op(A)^T). Inputs of type S, products
 // in its compute type `Opmath<S>`: float and double as they are (`sgemm_`, `dgemm_`);
 // bfloat16 into float through MKL's `GEMM_BF16BF16F32` (AMX or AVX-512 BF16 where the CPU
