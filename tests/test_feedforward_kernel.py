@@ -55,7 +55,8 @@ def test_outputs_and_gradients_equal_the_modules(rows, lead, widths, activation,
     finally:
         torch.set_num_threads(previous)
     wanted = outputs_and_grads(ffn, x, grad, lambda t: modules_path(ffn, t))
-    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    # fp32: two sums of up to 600 rows, each rounded its own way
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
     for name, a, b in zip(["out", "x", "w1", "b1", "w2", "b2"], got, wanted):
         torch.testing.assert_close(a, b, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
