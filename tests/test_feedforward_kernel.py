@@ -137,6 +137,29 @@ def test_bad_input_is_a_clear_error():
         ops.feedforward_forward(x, w1, b1, w2, b2, 2, False)
     with pytest.raises(RuntimeError, match="contiguous CPU tensors of one dtype"):
         ops.feedforward_forward(x.double(), w1, b1, w2, b2, 0, False)
+    with pytest.raises(RuntimeError, match="biases"):
+        ops.feedforward_forward(x, w1, b2, w2, b1, 0, False)
+    with pytest.raises(RuntimeError, match=r"grad \[2, 4\] and hidden \[3, 6\] do not match"):
+        ops.feedforward_backward(torch.randn(2, 4), x, w1, w2, torch.randn(3, 6), 0)
+
+
+def test_weight_gradients_do_not_depend_on_which_thread_ends_first():
+    """Each thread's sums are added in the order of their rows: with four threads the
+    gradients of repeated calls are the same bits."""
+    ops = native.cpu_ops()
+    torch.manual_seed(0)
+    x, grad = torch.randn(4096, 16), torch.randn(4096, 16)
+    w1, w2 = torch.randn(64, 16), torch.randn(16, 64)
+    _, hidden = ops.feedforward_forward(x, w1, torch.randn(64), w2, torch.randn(16), 0, True)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        runs = [ops.feedforward_backward(grad, x, w1, w2, hidden, 0) for _ in range(8)]
+    finally:
+        torch.set_num_threads(previous)
+    for run in runs[1:]:
+        for got, first in zip(run, runs[0]):
+            assert torch.equal(got, first)
 
 
 def test_the_ab_script_times_the_kernel_against_the_modules(tmp_path, monkeypatch):

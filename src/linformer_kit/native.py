@@ -12,8 +12,8 @@ the explicit attention kernel with its dropout, `kernels._fused_attention`) and
 set, `target_arch`). None is never an error: `Dropout` is then `nn.Dropout`, `FeedForward`
 its three modules, and the explicit attention kernel runs by PyTorch ops with the same
 dropout mask (`dropout.dropout_bits`), the same outputs to rounding, only slower. The
-attention and feed-forward kernels' GEMMs call the BLAS that torch's CPU wheel links in (`csrc/blas.h`: `sgemm_` / `dgemm_`, and
-MKL's bf16 GEMM where the wheel has it).
+attention and feed-forward kernels' GEMMs call the BLAS that torch's CPU wheel links in
+(`csrc/blas.h`: `sgemm_` / `dgemm_`, and MKL's bf16 GEMM where the wheel has it).
 """
 
 from __future__ import annotations
@@ -129,11 +129,11 @@ def _register_python_side() -> None:
         return tuple(torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs))
 
     @torch.library.register_fake("linformer_kit::feedforward_forward")
-    def _feedforward_shapes(x, w1, b1, w2, b2, activation, keep_hidden):  # noqa: ANN001, ANN202, ARG001
+    def _feedforward_shapes(x, w1, b1, w2, b2, *rest):  # noqa: ANN001, ANN002, ANN202, ARG001
         return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(x.shape[0], w1.shape[0])
 
     @torch.library.register_fake("linformer_kit::feedforward_backward")
-    def _feedforward_gradients(grad, x, w1, w2, hidden, activation):  # noqa: ANN001, ANN202, ARG001
+    def _feedforward_gradients(grad, x, w1, w2, *rest):  # noqa: ANN001, ANN002, ANN202, ARG001
         return (
             torch.empty_like(x),
             torch.empty_like(w1),
@@ -144,7 +144,7 @@ def _register_python_side() -> None:
 
     hints = {"attention": f"kernel='sdpa' or {ENV_SWITCH}=0", "feedforward": f"{ENV_SWITCH}=0"}
     for kernel, hint in hints.items():
-
+        # (kernel, hint: defaults bind each pass's values)
         def no_double_backward(ctx, *grads, kernel=kernel, hint=hint):  # noqa: ANN001, ANN002, ANN202, ARG001
             raise RuntimeError(
                 f"linformer-kit: the compiled {kernel} kernel's backward is not differentiable "
@@ -160,8 +160,9 @@ def _register_python_side() -> None:
 
 def cpu_ops() -> object | None:
     """`torch.ops.linformer_kit` with `dropout_forward`, `attention_forward` /
-    `attention_backward` and `feedforward_forward` / `feedforward_backward`, or None if the kernels are switched off (`LINFORMER_KIT_NATIVE=0`)
-    or cannot be built here (a warning says why, once per process).
+    `attention_backward` and `feedforward_forward` / `feedforward_backward`, or None if the
+    kernels are switched off (`LINFORMER_KIT_NATIVE=0`) or cannot be built here (a warning
+    says why, once per process).
 
     Under torch.compile it never builds (a build traced by Dynamo would break the graph
     apart): a graph traced before any eager call built the kernels uses the PyTorch-ops
@@ -176,8 +177,9 @@ def cpu_ops() -> object | None:
             _loaded["ops"] = _build()
         except Exception as error:  # noqa: BLE001 - any build failure means the fallback
             warnings.warn(
-                f"linformer-kit: the CPU kernels could not be built ({error}); dropout and "
-                f"the explicit attention kernel use PyTorch ops (same results, slower). Set "
+                f"linformer-kit: the CPU kernels could not be built ({error}); dropout, "
+                f"the feed-forward block and the explicit attention kernel use PyTorch ops "
+                f"(same results, slower). Set "
                 f"{ENV_SWITCH}=0 to skip the build.",
                 RuntimeWarning,
                 stacklevel=2,

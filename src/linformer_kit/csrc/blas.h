@@ -1,9 +1,9 @@
-// Row-major GEMMs for attention.cpp and feedforward.cpp, single-threaded calls into the BLAS libtorch_cpu links
-// in (Fortran interface, column-major: C^T = op(B)^T op(A)^T). Inputs of type S, products
-// in its compute type `Opmath<S>`: float and double as they are (`sgemm_`, `dgemm_`);
-// bfloat16 into float through MKL's `GEMM_BF16BF16F32` (AMX or AVX-512 BF16 where the CPU
-// has them), or, in a libtorch without MKL (or with LINFORMER_KIT_BF16_GEMM=widen in the
-// environment, read once per process), by widening the inputs to float for `sgemm_`.
+// Row-major GEMMs for attention.cpp and feedforward.cpp, single-threaded calls into the BLAS
+// libtorch_cpu links in (Fortran interface, column-major: C^T = op(B)^T op(A)^T). Inputs of
+// type S, products in its compute type `Opmath<S>`: float and double as they are (`sgemm_`,
+// `dgemm_`); bfloat16 into float through MKL's `GEMM_BF16BF16F32` (AMX or AVX-512 BF16 where
+// the CPU has them), or, in a libtorch without MKL (or with LINFORMER_KIT_BF16_GEMM=widen in
+// the environment, read once per process), by widening the inputs to float for `sgemm_`.
 #pragma once
 
 #include <ATen/ATen.h>

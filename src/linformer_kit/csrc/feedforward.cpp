@@ -4,21 +4,24 @@
 //
 // PyTorch runs the block as whole-tensor ops: the rows x hidden pre-activation, activation,
 // its gradient and the pre-activation's gradient are each a fresh tensor written to memory and
-// read back by the next op (16 MiB each at 4096 rows of 1024), which at n = 4096 left its
-// GEMMs at about half the machine's rate. Here, per block of `kRows` rows: H = X W1^T + b1
+// read back by the next op (16 MiB each at 4096 rows of 1024; in a profile at that size its
+// GEMMs took 8-9 ms each against 6.4 ms alone). Here, per block of `kRows` rows: H = X W1^T + b1
 // (one GEMM, kept for backward when asked), A = act(H) in the thread's buffer, Y = A W2^T + b2
 // (one GEMM into the output). Backward, per block: A and act'(H) again from the kept H,
 // dA = dY W2, dH = dA * act'(H), dX = dH W1, and the weight gradients dW2 += dY^T A,
-// dW1 += dH^T X, db1 += sum dH, db2 += sum dY into thread-local sums added once per thread
-// under a lock. Float and double; the GEMMs are single-threaded BLAS calls (`blas.h`).
+// dW1 += dH^T X, db1 += sum dH, db2 += sum dY into each thread's own sums, added in the
+// order of their rows once the loop is done (the same result whichever thread ends first).
+// Float and double; the GEMMs are single-threaded BLAS calls (`blas.h`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <mutex>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "blas.h"
@@ -86,23 +89,33 @@ void add_column_sums(const T* x, int64_t rows, int64_t cols, T* sums) {
   }
 }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1,
-                  const at::Tensor& w2, const at::Tensor& b2, int64_t activation) {
-  for (const at::Tensor* t : {&x, &w1, &b1, &w2, &b2}) {
+// x and the others: contiguous CPU tensors of x's dtype; x (rows, dim), w1 (hidden, dim) and
+// w2 (dim, hidden).
+void check_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                  std::initializer_list<const at::Tensor*> others) {
+  for (const at::Tensor* t : others) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == x.scalar_type(),
-                "fused feed-forward: x, weights and biases must be contiguous CPU tensors of "
-                "one dtype; got ", t->sizes(), " ", t->scalar_type(), " on ", t->device());
+                "fused feed-forward: inputs, weights, biases and gradients must be contiguous "
+                "CPU tensors of one dtype; got ", t->sizes(), " ", t->scalar_type(), " on ",
+                t->device());
   }
-  TORCH_CHECK(x.dim() == 2 && w1.dim() == 2 && w2.dim() == 2 && w1.size(1) == x.size(1) &&
-                  w2.sizes() == at::IntArrayRef({w1.size(1), w1.size(0)}) &&
-                  b1.sizes() == at::IntArrayRef({w1.size(0)}) &&
-                  b2.sizes() == at::IntArrayRef({w1.size(1)}),
-              "fused feed-forward: shapes x ", x.sizes(), ", w1 ", w1.sizes(), ", b1 ",
-              b1.sizes(), ", w2 ", w2.sizes(), ", b2 ", b2.sizes(),
-              " do not match (rows, dim), (hidden, dim), (hidden), (dim, hidden), (dim)");
+  TORCH_CHECK(x.dim() == 2 && w1.dim() == 2 && w1.size(1) == x.size(1) &&
+                  w2.sizes() == at::IntArrayRef({w1.size(1), w1.size(0)}),
+              "fused feed-forward: shapes x ", x.sizes(), ", w1 ", w1.sizes(), ", w2 ",
+              w2.sizes(), " do not match (rows, dim), (hidden, dim), (dim, hidden)");
+}
+
+void check_activation(int64_t activation) {
   TORCH_CHECK(activation == kGelu || activation == kRelu,
               "fused feed-forward: activation must be 0 (gelu) or 1 (relu); got ", activation);
 }
+
+// A thread's share of the weight and bias gradients, from the blocks begin .. end.
+template <typename T>
+struct Partial {
+  int64_t begin;
+  std::vector<T> w1, b1, w2, b2;
+};
 
 }  // namespace
 
@@ -111,7 +124,12 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b
 std::tuple<at::Tensor, at::Tensor> feedforward_forward(
     const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
     const at::Tensor& b2, int64_t activation, bool keep_hidden) {
-  check_inputs(x, w1, b1, w2, b2, activation);
+  check_inputs(x, w1, w2, {&x, &w1, &b1, &w2, &b2});
+  check_activation(activation);
+  TORCH_CHECK(b1.sizes() == at::IntArrayRef({w1.size(0)}) &&
+                  b2.sizes() == at::IntArrayRef({w1.size(1)}),
+              "fused feed-forward: biases ", b1.sizes(), ", ", b2.sizes(),
+              " do not match (hidden), (dim) of w1 ", w1.sizes());
   const int64_t rows = x.size(0), dim = x.size(1), hidden = w1.size(0);
   at::Tensor out = at::empty({rows, dim}, x.options());
   at::Tensor kept = at::empty({keep_hidden ? rows : 0, hidden}, x.options());
@@ -146,27 +164,28 @@ std::tuple<at::Tensor, at::Tensor> feedforward_forward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforward_backward(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
     const at::Tensor& hidden_in, int64_t activation) {
+  check_inputs(x, w1, w2, {&x, &w1, &w2, &grad, &hidden_in});
+  check_activation(activation);
   const int64_t rows = x.size(0), dim = x.size(1), hidden = w1.size(0);
-  TORCH_CHECK(grad.sizes() == x.sizes() && grad.is_contiguous() &&
-                  hidden_in.sizes() == at::IntArrayRef({rows, hidden}) &&
-                  hidden_in.is_contiguous() && grad.scalar_type() == x.scalar_type() &&
-                  hidden_in.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(grad.sizes() == x.sizes() && hidden_in.sizes() == at::IntArrayRef({rows, hidden}),
               "fused feed-forward backward: grad ", grad.sizes(), " and hidden ",
-              hidden_in.sizes(), " must be contiguous (rows, dim) and (rows, hidden) of x's dtype");
+              hidden_in.sizes(), " do not match (rows, dim) and (rows, hidden)");
   at::Tensor grad_x = at::empty_like(x), grad_w1 = at::zeros_like(w1),
              grad_w2 = at::zeros_like(w2);
   at::Tensor grad_b1 = at::zeros({hidden}, x.options()), grad_b2 = at::zeros({dim}, x.options());
-  std::mutex lock;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feedforward_backward", [&] {
     using T = scalar_t;
     const T *g_all = grad.data_ptr<T>(), *in = x.data_ptr<T>(), *h_all = hidden_in.data_ptr<T>();
     const T *weight1 = w1.data_ptr<T>(), *weight2 = w2.data_ptr<T>();
     T* dx = grad_x.data_ptr<T>();
     const int64_t blocks = (rows + kBackRows - 1) / kBackRows;
+    std::mutex lock;
+    std::vector<Partial<T>> partials;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<T> a(kBackRows * hidden), slope(kBackRows * hidden), dh(kBackRows * hidden);
-      std::vector<T> dw1(hidden * dim, T(0)), dw2(dim * hidden, T(0));
-      std::vector<T> db1(hidden, T(0)), db2(dim, T(0));
+      Partial<T> part{begin, std::vector<T>(hidden * dim, T(0)), std::vector<T>(hidden, T(0)),
+                      std::vector<T>(dim * hidden, T(0)), std::vector<T>(dim, T(0))};
+      std::vector<T>&dw1 = part.w1, &db1 = part.b1, &dw2 = part.w2, &db2 = part.b2;
       for (int64_t b = begin; b < end; ++b) {
         const int64_t first = b * kBackRows, count = std::min(kBackRows, rows - first);
         const T *g = g_all + first * dim, *h = h_all + first * hidden;
@@ -187,13 +206,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
                 T(1), dw1.data(), dim);  // dW1 += dH^T X
       }
       std::lock_guard<std::mutex> guard(lock);
-      const std::pair<T*, const std::vector<T>*> sums[] = {
-          {grad_w1.data_ptr<T>(), &dw1}, {grad_w2.data_ptr<T>(), &dw2},
-          {grad_b1.data_ptr<T>(), &db1}, {grad_b2.data_ptr<T>(), &db2}};
-      for (const auto& [total, part] : sums) {
-        for (size_t i = 0; i < part->size(); ++i) total[i] += (*part)[i];
-      }
+      partials.push_back(std::move(part));
     });
+    std::sort(partials.begin(), partials.end(),
+              [](const Partial<T>& p, const Partial<T>& q) { return p.begin < q.begin; });
+    for (const Partial<T>& part : partials) {
+      const std::pair<T*, const std::vector<T>*> sums[] = {
+          {grad_w1.data_ptr<T>(), &part.w1}, {grad_b1.data_ptr<T>(), &part.b1},
+          {grad_w2.data_ptr<T>(), &part.w2}, {grad_b2.data_ptr<T>(), &part.b2}};
+      for (const auto& [total, values] : sums) {
+        for (size_t i = 0; i < values->size(); ++i) total[i] += (*values)[i];
+      }
+    }
   });
   return {grad_x, grad_w1, grad_b1, grad_w2, grad_b2};
 }
