@@ -40,7 +40,7 @@ def outputs_and_grads(ffn, x, grad, forward):
     widths=st.sampled_from([(8, 32), (5, 7), (16, 3)]),
     activation=st.sampled_from(["gelu", "relu"]),
     dtype=st.sampled_from([torch.float32, torch.float64]),
-    threads=st.sampled_from([1, 2]),
+    threads=st.sampled_from([1, 2, 4]),
 )
 def test_outputs_and_gradients_equal_the_modules(rows, lead, widths, activation, dtype, threads):
     torch.manual_seed(rows)

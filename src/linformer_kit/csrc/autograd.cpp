@@ -82,6 +82,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->saved_data["factor"] = factor;
     ctx->saved_data["block_rows"] = block_rows;
     ctx->mark_non_differentiable({logsumexp});
+    ctx->set_materialize_grads(false);  // no zeros made for the logsumexp's gradient
     return {out, logsumexp};
   }
 
@@ -93,6 +94,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                 const std::optional<at::Tensor>&, const at::Tensor&, bool, double,
                 const at::Tensor&, int64_t, double, int64_t, std::array<bool, 3>)>();
+    if (!grads[0].defined()) return variable_list(10);  // (grads not materialized: none)
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& mask = saved[3];
     at::Tensor grad = grads[0].stride(-1) == 1 ? grads[0] : grads[0].contiguous();
@@ -142,6 +144,7 @@ class FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction
     ctx->save_for_backward({x, w1, w2, hidden});
     ctx->saved_data["activation"] = activation;
     ctx->mark_non_differentiable({hidden});
+    ctx->set_materialize_grads(false);  // no zeros made for the (rows, hidden) one's gradient
     return {out, hidden};
   }
 
@@ -152,6 +155,7 @@ class FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction
             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                 const at::Tensor&, int64_t)>();
+    if (!grads[0].defined()) return variable_list(6);  // (grads not materialized: none)
     const variable_list saved = ctx->get_saved_variables();
     auto [grad_x, grad_w1, grad_b1, grad_w2, grad_b2] =
         op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3],

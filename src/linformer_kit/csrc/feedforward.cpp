@@ -35,9 +35,18 @@ using linformer_kit::gemm;
 // 512 KiB) stay in L2. Measured at 4096 rows of width 256 / 1024, 2 threads (AVX-512 Xeon):
 // forward, the GEMMs alone, 32 / 64 / 128 rows took 26 / 21 / 18 ms; backward (three such
 // buffers a block, and the weight gradients' GEMMs summing over the block's rows) 128 / 256
-// / 512 rows 39-40 / 34-37 / 36-37 ms.
+// / 512 rows 39-40 / 34-37 / 36-37 ms; in an encoder layer (n 1024 / 4096) 128 to 512 rows
+// within 3 % of each other. Fewer rows where that leaves a thread without a block (at least
+// `kFewestRows`): every thread busy matters more than the GEMMs' best shape.
 constexpr int64_t kRows = 128;
 constexpr int64_t kBackRows = 256;
+constexpr int64_t kFewestRows = 32;
+
+// Rows per block for `rows` rows: `most`, or fewer so that each thread gets a block.
+int64_t block_rows(int64_t rows, int64_t most) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return std::clamp<int64_t>((rows + threads - 1) / threads, kFewestRows, most);
+}
 
 enum Activation : int64_t { kGelu = 0, kRelu = 1 };
 
@@ -113,6 +122,9 @@ void check_activation(int64_t activation) {
 // A thread's share of the weight and bias gradients, from the blocks begin .. end.
 template <typename T>
 struct Partial {
+  Partial(int64_t begin, int64_t hidden, int64_t dim)
+      : begin(begin), w1(hidden * dim), b1(hidden), w2(dim * hidden), b2(dim) {}  // zeros
+
   int64_t begin;
   std::vector<T> w1, b1, w2, b2;
 };
@@ -139,11 +151,11 @@ std::tuple<at::Tensor, at::Tensor> feedforward_forward(
     const T *weight1 = w1.data_ptr<T>(), *weight2 = w2.data_ptr<T>();
     T* y = out.data_ptr<T>();
     T* h_all = keep_hidden ? kept.data_ptr<T>() : nullptr;
-    const int64_t blocks = (rows + kRows - 1) / kRows;
+    const int64_t step = block_rows(rows, kRows), blocks = (rows + step - 1) / step;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<T> h_buffer(keep_hidden ? 0 : kRows * hidden), a(kRows * hidden);
+      std::vector<T> h_buffer(keep_hidden ? 0 : step * hidden), a(step * hidden);
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t first = b * kRows, count = std::min(kRows, rows - first);
+        const int64_t first = b * step, count = std::min(step, rows - first);
         T* h = keep_hidden ? h_all + first * hidden : h_buffer.data();
         gemm<T>(false, true, count, hidden, dim, T(1), in + first * dim, dim, weight1, dim, T(0),
                 h, hidden);
@@ -170,24 +182,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
   TORCH_CHECK(grad.sizes() == x.sizes() && hidden_in.sizes() == at::IntArrayRef({rows, hidden}),
               "fused feed-forward backward: grad ", grad.sizes(), " and hidden ",
               hidden_in.sizes(), " do not match (rows, dim) and (rows, hidden)");
-  at::Tensor grad_x = at::empty_like(x), grad_w1 = at::zeros_like(w1),
-             grad_w2 = at::zeros_like(w2);
-  at::Tensor grad_b1 = at::zeros({hidden}, x.options()), grad_b2 = at::zeros({dim}, x.options());
+  at::Tensor grad_x = at::empty_like(x), grad_w1 = at::empty_like(w1),
+             grad_w2 = at::empty_like(w2);
+  at::Tensor grad_b1 = at::empty({hidden}, x.options()), grad_b2 = at::empty({dim}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feedforward_backward", [&] {
     using T = scalar_t;
     const T *g_all = grad.data_ptr<T>(), *in = x.data_ptr<T>(), *h_all = hidden_in.data_ptr<T>();
     const T *weight1 = w1.data_ptr<T>(), *weight2 = w2.data_ptr<T>();
     T* dx = grad_x.data_ptr<T>();
-    const int64_t blocks = (rows + kBackRows - 1) / kBackRows;
+    const int64_t step = block_rows(rows, kBackRows), blocks = (rows + step - 1) / step;
     std::mutex lock;
     std::vector<Partial<T>> partials;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<T> a(kBackRows * hidden), slope(kBackRows * hidden), dh(kBackRows * hidden);
-      Partial<T> part{begin, std::vector<T>(hidden * dim, T(0)), std::vector<T>(hidden, T(0)),
-                      std::vector<T>(dim * hidden, T(0)), std::vector<T>(dim, T(0))};
+      std::vector<T> a(step * hidden), slope(step * hidden), dh(step * hidden);
+      Partial<T> part(begin, hidden, dim);
       std::vector<T>&dw1 = part.w1, &db1 = part.b1, &dw2 = part.w2, &db2 = part.b2;
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t first = b * kBackRows, count = std::min(kBackRows, rows - first);
+        const int64_t first = b * step, count = std::min(step, rows - first);
         const T *g = g_all + first * dim, *h = h_all + first * hidden;
         for (int64_t r = 0; r < count; ++r) {
           activate_with_slope(h + r * hidden, a.data() + r * hidden, slope.data() + r * hidden,
@@ -210,12 +221,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
     });
     std::sort(partials.begin(), partials.end(),
               [](const Partial<T>& p, const Partial<T>& q) { return p.begin < q.begin; });
-    for (const Partial<T>& part : partials) {
+    if (partials.empty()) partials.emplace_back(0, hidden, dim);  // no rows: zeros
+    // The first thread's sums copied (no zeroed totals: fresh pages cost as much), the
+    // others' added.
+    for (size_t p = 0; p < partials.size(); ++p) {
+      const Partial<T>& part = partials[p];
       const std::pair<T*, const std::vector<T>*> sums[] = {
           {grad_w1.data_ptr<T>(), &part.w1}, {grad_b1.data_ptr<T>(), &part.b1},
           {grad_w2.data_ptr<T>(), &part.w2}, {grad_b2.data_ptr<T>(), &part.b2}};
       for (const auto& [total, values] : sums) {
-        for (size_t i = 0; i < values->size(); ++i) total[i] += (*values)[i];
+        for (size_t i = 0; i < values->size(); ++i) {
+          total[i] = (p ? total[i] : T(0)) + (*values)[i];
+        }
       }
     }
   });
