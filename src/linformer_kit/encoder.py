@@ -3,6 +3,7 @@ activation checkpointing)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,8 +16,6 @@ from .dropout import Dropout, native_ops
 from .projection import SequenceProjection, build_sharing_plan
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
-# The compiled kernel's code for each activation (`csrc/feedforward.cpp`).
-_KERNEL_ACTIVATIONS = {"gelu": 0, "relu": 1}
 
 
 class FeedForward(nn.Module):
@@ -24,10 +23,11 @@ class FeedForward(nn.Module):
 
     On CPU in float32 / float64 without autocast it runs the compiled kernel
     (`csrc/feedforward.cpp`, eager or under torch.compile as one graph node): blocks of rows
-    whose hidden activations never leave the thread's cache, only the pre-activation kept
-    for backward (PyTorch's modules keep it and the activation). The same results to float
-    rounding; elsewhere (a GPU, bf16, autocast), or where the kernels cannot be built, the
-    three modules in turn.
+    whose hidden activations never leave the thread's cache; with GELU only the
+    pre-activation is kept for backward (PyTorch's modules keep it and the activation). The
+    same results to float rounding. Elsewhere the three modules run in turn: a GPU, bf16,
+    autocast, torch.export, functorch transforms and forward-mode AD, submodules replaced
+    or hooked (pruning, quantization), or where the kernels cannot be built.
 
     Args:
         dim: model width.
@@ -40,30 +40,61 @@ class FeedForward(nn.Module):
         self.up = nn.Linear(dim, hidden_dim)
         self.act = ACTIVATIONS[activation]()
         self.down = nn.Linear(hidden_dim, dim)
-        self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, N, dim) -> (B, N, dim)."""
-        ops = self._kernel(x)
-        if ops is None:
+        code = self._kernel_activation(x)
+        if code is None:
             return self.down(self.act(self.up(x)))
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         weights = (self.up.weight, self.up.bias, self.down.weight, self.down.bias)
-        code = _KERNEL_ACTIVATIONS[self.activation]
-        out, _ = ops.feedforward_forward(rows, *weights, code, False)
+        weights = tuple(w.contiguous() for w in weights)
+        out, _ = native_ops(x).feedforward_forward(rows, *weights, code, False)
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def _kernel(self, x: Tensor) -> object | None:
-        """The compiled kernels where they run this call, else None."""
-        fits = (
+    def _kernel_activation(self, x: Tensor) -> int | None:
+        """The compiled kernel's code for the activation (0 GELU, 1 ReLU) where the kernel
+        computes exactly what the three modules would for x, else None."""
+        if not (
             x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.float64)
             and x.dim() > 0
             and x.numel() > 0
             and not torch.is_autocast_enabled("cpu")
-            and all(p.dtype == x.dtype for p in self.parameters())
-        )
-        return native_ops(x) if fits else None
+            and not torch.compiler.is_exporting()  # exported graphs stay plain aten
+            and type(self.up) is nn.Linear
+            and type(self.down) is nn.Linear
+            and self.up.bias is not None
+            and self.down.bias is not None
+            and all(p.dtype == x.dtype and p.device == x.device for p in self.parameters())
+            and not any(_hooked(m) for m in (self.up, self.act, self.down))
+            and (torch.compiler.is_compiling() or not _transformed(x, self.parameters()))
+            and native_ops(x) is not None
+        ):
+            return None
+        if type(self.act) is nn.GELU and self.act.approximate == "none":
+            return 0
+        return 1 if type(self.act) is nn.ReLU else None
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether forward hooks (the module's or global ones) would run around `module`."""
+    hooks = nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or getattr(hooks, "_global_forward_hooks", None)
+        or getattr(hooks, "_global_forward_pre_hooks", None)
+    )
+
+
+def _transformed(x: Tensor, params: Iterator[Tensor]) -> bool:
+    """Whether a functorch transform (torch.func) wraps x or a parameter, or a forward-AD
+    dual level is open: the compiled kernel has neither batching nor forward-mode rules."""
+    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
+        return True
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return wrapped(x) or any(wrapped(p) for p in params)
 
 
 class LinformerEncoderLayer(nn.Module):

@@ -129,17 +129,15 @@ def _register_python_side() -> None:
         return tuple(torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs))
 
     @torch.library.register_fake("linformer_kit::feedforward_forward")
-    def _feedforward_shapes(x, w1, b1, w2, b2, *rest):  # noqa: ANN001, ANN002, ANN202, ARG001
-        return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(x.shape[0], w1.shape[0])
+    def _feedforward_shapes(x, w1, b1, w2, b2, activation, keep_hidden):  # noqa: ANN001, ANN202, ARG001
+        kept = x.shape[0] if keep_hidden else 0  # the pre-activation, when kept for backward
+        return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(kept, w1.shape[0])
 
     @torch.library.register_fake("linformer_kit::feedforward_backward")
-    def _feedforward_gradients(grad, x, w1, w2, *rest):  # noqa: ANN001, ANN002, ANN202, ARG001
-        return (
-            torch.empty_like(x),
-            torch.empty_like(w1),
-            w1.new_empty(w1.shape[0]),
-            torch.empty_like(w2),
-            w2.new_empty(w2.shape[0]),
+    def _feedforward_gradients(grad, x, w1, w2, hidden, activation, needs):  # noqa: ANN001, ANN202, ARG001
+        weights = (w1, w1.new_empty(w1.shape[0]), w2, w2.new_empty(w2.shape[0]))
+        return (torch.empty_like(x) if needs[0] else None,) + tuple(
+            torch.empty_like(t) if needs[1] else None for t in weights
         )
 
     hints = {"attention": f"kernel='sdpa' or {ENV_SWITCH}=0", "feedforward": f"{ENV_SWITCH}=0"}

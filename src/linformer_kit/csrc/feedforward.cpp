@@ -10,16 +10,19 @@
 // (one GEMM into the output). Backward, per block: A and act'(H) again from the kept H,
 // dA = dY W2, dH = dA * act'(H), dX = dH W1, and the weight gradients dW2 += dY^T A,
 // dW1 += dH^T X, db1 += sum dH, db2 += sum dY into each thread's own sums, added in the
-// order of their rows once the loop is done (the same result whichever thread ends first).
-// Float and double; the GEMMs are single-threaded BLAS calls (`blas.h`).
+// order of their rows once the loop is done (the same result whichever thread ends first),
+// only the gradients asked for computed. Float and double; the GEMMs are single-threaded
+// BLAS calls (`blas.h`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -172,30 +175,38 @@ std::tuple<at::Tensor, at::Tensor> feedforward_forward(
   return {out, kept};
 }
 
-// The gradients of x, w1, b1, w2, b2 from the output's gradient (rows, dim) and the kept H.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforward_backward(
+using Grad = std::optional<at::Tensor>;
+
+// The gradients of x and of w1, b1, w2, b2 from the output's gradient (rows, dim) and the
+// kept H: those `needs` asks for (x's; the weights and biases'), the others none.
+std::tuple<Grad, Grad, Grad, Grad, Grad> feedforward_backward(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-    const at::Tensor& hidden_in, int64_t activation) {
+    const at::Tensor& hidden_in, int64_t activation, std::array<bool, 2> needs) {
   check_inputs(x, w1, w2, {&x, &w1, &w2, &grad, &hidden_in});
   check_activation(activation);
   const int64_t rows = x.size(0), dim = x.size(1), hidden = w1.size(0);
   TORCH_CHECK(grad.sizes() == x.sizes() && hidden_in.sizes() == at::IntArrayRef({rows, hidden}),
               "fused feed-forward backward: grad ", grad.sizes(), " and hidden ",
               hidden_in.sizes(), " do not match (rows, dim) and (rows, hidden)");
-  at::Tensor grad_x = at::empty_like(x), grad_w1 = at::empty_like(w1),
-             grad_w2 = at::empty_like(w2);
-  at::Tensor grad_b1 = at::empty({hidden}, x.options()), grad_b2 = at::empty({dim}, x.options());
+  const auto [need_x, need_weights] = needs;
+  if (!need_x && !need_weights) return {};
+  at::Tensor grad_x = need_x ? at::empty_like(x) : at::Tensor();
+  at::Tensor grad_w1, grad_b1, grad_w2, grad_b2;
+  if (need_weights) {
+    grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
+    grad_b1 = at::empty({hidden}, x.options()), grad_b2 = at::empty({dim}, x.options());
+  }
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feedforward_backward", [&] {
     using T = scalar_t;
     const T *g_all = grad.data_ptr<T>(), *in = x.data_ptr<T>(), *h_all = hidden_in.data_ptr<T>();
     const T *weight1 = w1.data_ptr<T>(), *weight2 = w2.data_ptr<T>();
-    T* dx = grad_x.data_ptr<T>();
+    T* dx = need_x ? grad_x.data_ptr<T>() : nullptr;
     const int64_t step = block_rows(rows, kBackRows), blocks = (rows + step - 1) / step;
     std::mutex lock;
     std::vector<Partial<T>> partials;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<T> a(step * hidden), slope(step * hidden), dh(step * hidden);
-      Partial<T> part(begin, hidden, dim);
+      Partial<T> part(begin, need_weights ? hidden : 0, need_weights ? dim : 0);
       std::vector<T>&dw1 = part.w1, &db1 = part.b1, &dw2 = part.w2, &db2 = part.b2;
       for (int64_t b = begin; b < end; ++b) {
         const int64_t first = b * step, count = std::min(step, rows - first);
@@ -204,46 +215,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
           activate_with_slope(h + r * hidden, a.data() + r * hidden, slope.data() + r * hidden,
                               hidden, activation);
         }
-        gemm<T>(true, false, dim, hidden, count, T(1), g, dim, a.data(), hidden, T(1),
-                dw2.data(), hidden);  // dW2 += dY^T A
-        add_column_sums(g, count, dim, db2.data());
+        if (need_weights) {
+          gemm<T>(true, false, dim, hidden, count, T(1), g, dim, a.data(), hidden, T(1),
+                  dw2.data(), hidden);  // dW2 += dY^T A
+          add_column_sums(g, count, dim, db2.data());
+        }
         gemm<T>(false, false, count, hidden, dim, T(1), g, dim, weight2, hidden, T(0), dh.data(),
                 hidden);  // dA = dY W2
         for (int64_t c = 0; c < count * hidden; ++c) dh[c] *= slope[c];  // dH
-        add_column_sums(dh.data(), count, hidden, db1.data());
-        gemm<T>(false, false, count, dim, hidden, T(1), dh.data(), hidden, weight1, dim, T(0),
-                dx + first * dim, dim);  // dX = dH W1
-        gemm<T>(true, false, hidden, dim, count, T(1), dh.data(), hidden, in + first * dim, dim,
-                T(1), dw1.data(), dim);  // dW1 += dH^T X
+        if (need_x) {
+          gemm<T>(false, false, count, dim, hidden, T(1), dh.data(), hidden, weight1, dim, T(0),
+                  dx + first * dim, dim);  // dX = dH W1
+        }
+        if (need_weights) {
+          add_column_sums(dh.data(), count, hidden, db1.data());
+          gemm<T>(true, false, hidden, dim, count, T(1), dh.data(), hidden, in + first * dim,
+                  dim, T(1), dw1.data(), dim);  // dW1 += dH^T X
+        }
       }
       std::lock_guard<std::mutex> guard(lock);
       partials.push_back(std::move(part));
     });
+    if (!need_weights) return;
     std::sort(partials.begin(), partials.end(),
               [](const Partial<T>& p, const Partial<T>& q) { return p.begin < q.begin; });
-    if (partials.empty()) partials.emplace_back(0, hidden, dim);  // no rows: zeros
-    // The first thread's sums copied (no zeroed totals: fresh pages cost as much), the
-    // others' added.
-    for (size_t p = 0; p < partials.size(); ++p) {
-      const Partial<T>& part = partials[p];
-      const std::pair<T*, const std::vector<T>*> sums[] = {
-          {grad_w1.data_ptr<T>(), &part.w1}, {grad_b1.data_ptr<T>(), &part.b1},
-          {grad_w2.data_ptr<T>(), &part.w2}, {grad_b2.data_ptr<T>(), &part.b2}};
-      for (const auto& [total, values] : sums) {
-        for (size_t i = 0; i < values->size(); ++i) {
-          total[i] = (p ? total[i] : T(0)) + (*values)[i];
+    // Each total the sum of the threads' sums in the order of their rows, in parallel over
+    // its elements (no rows: zeros).
+    const std::pair<at::Tensor*, std::vector<T> Partial<T>::*> totals[] = {
+        {&grad_w1, &Partial<T>::w1}, {&grad_b1, &Partial<T>::b1},
+        {&grad_w2, &Partial<T>::w2}, {&grad_b2, &Partial<T>::b2}};
+    for (const auto& [total, member] : totals) {
+      T* out = total->data_ptr<T>();
+      at::parallel_for(0, total->numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          T sum = T(0);
+          for (const Partial<T>& part : partials) sum += (part.*member)[i];
+          out[i] = sum;
         }
-      }
+      });
     }
   });
-  return {grad_x, grad_w1, grad_b1, grad_w2, grad_b2};
+  const auto defined = [](const at::Tensor& t) { return t.defined() ? Grad(t) : std::nullopt; };
+  return {defined(grad_x), defined(grad_w1), defined(grad_b1), defined(grad_w2),
+          defined(grad_b2)};
 }
 
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
   m.def("feedforward_forward(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, "
         "int activation, bool keep_hidden) -> (Tensor, Tensor)");
   m.def("feedforward_backward(Tensor grad, Tensor x, Tensor w1, Tensor w2, Tensor hidden, "
-        "int activation) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int activation, bool[2] needs) -> (Tensor?, Tensor?, Tensor?, Tensor?, Tensor?)");
 }
 
 TORCH_LIBRARY_IMPL(linformer_kit, CPU, m) {

@@ -8,9 +8,10 @@
 
 namespace linformer_kit {
 
-// exp(x); 0 below exp(-87) and at -inf, nan stays nan. Cephes' expf: range reduction by
-// ln 2 in two parts, a degree-6 polynomial, relative error about 1e-7. Without
-// -fno-trapping-math g++ makes the clamp a branch and leaves the loop scalar.
+// exp(x) for x <= 0 (the callers' range: softmax scores minus their maximum, -x^2): 0 below
+// exp(-87) and at -inf, nan stays nan; above about 88 the power of two overflows. Cephes'
+// expf: range reduction by ln 2 in two parts, a degree-6 polynomial, relative error about
+// 1e-7. Without -fno-trapping-math g++ makes the clamp a branch and leaves the loop scalar.
 inline float exp_clamped(float x) {
   const float xc = x < -87.0f ? -87.0f : x;
   const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
@@ -27,7 +28,7 @@ inline float exp_clamped(float x) {
   return std::bit_cast<float>(std::bit_cast<int32_t>(p * power) & keep);
 }
 
-inline double exp_clamped(double x) { return std::exp(x); }
+inline double exp_clamped(double x) { return std::exp(x); }  // (double: std::exp itself)
 
 // GELU (exact, erf form) of x, and its derivative into `slope` when asked for. float: erf
 // by Abramowitz and Stegun 7.1.26 (absolute error <= 1.5e-7), as ATen's vectorized CPU
