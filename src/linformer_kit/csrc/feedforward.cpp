@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <initializer_list>
 #include <mutex>
-#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -175,11 +174,11 @@ std::tuple<at::Tensor, at::Tensor> feedforward_forward(
   return {out, kept};
 }
 
-using Grad = std::optional<at::Tensor>;
-
 // The gradients of x and of w1, b1, w2, b2 from the output's gradient (rows, dim) and the
-// kept H: those `needs` asks for (x's; the weights and biases'), the others none.
-std::tuple<Grad, Grad, Grad, Grad, Grad> feedforward_backward(
+// kept H: those `needs` asks for (x's; the weights and biases'), the others empty tensors
+// (not None: vmap, as in `jacobian(vectorize=True)`, has a fallback for ops returning
+// tensors, none for optional ones).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforward_backward(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
     const at::Tensor& hidden_in, int64_t activation, std::array<bool, 2> needs) {
   check_inputs(x, w1, w2, {&x, &w1, &w2, &grad, &hidden_in});
@@ -189,9 +188,10 @@ std::tuple<Grad, Grad, Grad, Grad, Grad> feedforward_backward(
               "fused feed-forward backward: grad ", grad.sizes(), " and hidden ",
               hidden_in.sizes(), " do not match (rows, dim) and (rows, hidden)");
   const auto [need_x, need_weights] = needs;
-  if (!need_x && !need_weights) return {};
-  at::Tensor grad_x = need_x ? at::empty_like(x) : at::Tensor();
-  at::Tensor grad_w1, grad_b1, grad_w2, grad_b2;
+  const auto none = [&] { return at::empty({0}, x.options()); };  // (one each: no aliases)
+  at::Tensor grad_x = need_x ? at::empty_like(x) : none();
+  at::Tensor grad_w1 = none(), grad_b1 = none(), grad_w2 = none(), grad_b2 = none();
+  if (!need_x && !need_weights) return {grad_x, grad_w1, grad_b1, grad_w2, grad_b2};
   if (need_weights) {
     grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
     grad_b1 = at::empty({hidden}, x.options()), grad_b2 = at::empty({dim}, x.options());
@@ -255,16 +255,14 @@ std::tuple<Grad, Grad, Grad, Grad, Grad> feedforward_backward(
       });
     }
   });
-  const auto defined = [](const at::Tensor& t) { return t.defined() ? Grad(t) : std::nullopt; };
-  return {defined(grad_x), defined(grad_w1), defined(grad_b1), defined(grad_w2),
-          defined(grad_b2)};
+  return {grad_x, grad_w1, grad_b1, grad_w2, grad_b2};
 }
 
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
   m.def("feedforward_forward(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, "
         "int activation, bool keep_hidden) -> (Tensor, Tensor)");
   m.def("feedforward_backward(Tensor grad, Tensor x, Tensor w1, Tensor w2, Tensor hidden, "
-        "int activation, bool[2] needs) -> (Tensor?, Tensor?, Tensor?, Tensor?, Tensor?)");
+        "int activation, bool[2] needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(linformer_kit, CPU, m) {
