@@ -43,18 +43,19 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, N, dim) -> (B, N, dim)."""
-        code = self._kernel_activation(x)
-        if code is None:
+        kernel = self._kernel(x)
+        if kernel is None:
             return self.down(self.act(self.up(x)))
+        ops, code = kernel
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         weights = (self.up.weight, self.up.bias, self.down.weight, self.down.bias)
         weights = tuple(w.contiguous() for w in weights)
-        out, _ = native_ops(x).feedforward_forward(rows, *weights, code, False)
+        out, _ = ops.feedforward_forward(rows, *weights, code, False)
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def _kernel_activation(self, x: Tensor) -> int | None:
-        """The compiled kernel's code for the activation (0 GELU, 1 ReLU) where the kernel
-        computes exactly what the three modules would for x, else None."""
+    def _kernel(self, x: Tensor) -> tuple[object, int] | None:
+        """The compiled kernels and the activation's code for them (0 GELU, 1 ReLU) where
+        they compute exactly what the three modules would for x, else None."""
         if not (
             x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.float64)
@@ -69,12 +70,16 @@ class FeedForward(nn.Module):
             and all(p.dtype == x.dtype and p.device == x.device for p in self.parameters())
             and not any(_hooked(m) for m in (self.up, self.act, self.down))
             and (torch.compiler.is_compiling() or not _transformed(x, self.parameters()))
-            and native_ops(x) is not None
         ):
             return None
         if type(self.act) is nn.GELU and self.act.approximate == "none":
-            return 0
-        return 1 if type(self.act) is nn.ReLU else None
+            code = 0
+        elif type(self.act) is nn.ReLU:
+            code = 1
+        else:
+            return None
+        ops = native_ops(x)
+        return None if ops is None else (ops, code)
 
 
 def _hooked(module: nn.Module) -> bool:
