@@ -23,40 +23,18 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from linformer_kit import LinformerConfig, LinformerEncoder, native
-from linformer_kit.bench.timing import time_interleaved
-from linformer_kit.kernel_rule import KERNELS, use_kernel
+from linformer_kit.bench.timing import module_step, time_interleaved
+from linformer_kit.kernel_rule import KERNELS
 from linformer_kit.training.compare import machine
 
 THREADS, WARMUP, REPEATS = 1, 1, 5
 OUT = Path(__file__).parent / "kernels"
 COMMAND = "PYTHONPATH=src python benchmarks/kernels_compile.py"
-
-
-def step(
-    module: nn.Module, training: bool, device: str, seq_len: int, kernel: str | None = None
-) -> Callable[[], None]:
-    """One call: forward + backward in training, forward under inference_mode otherwise,
-    attention on `kernel` (None: the rule's)."""
-    x = torch.randn(1, seq_len, 256, device=device, requires_grad=training)
-
-    def run() -> None:
-        with use_kernel(kernel):
-            if not training:
-                with torch.inference_mode():
-                    module(x)
-                return
-            x.grad = None
-            module.zero_grad(set_to_none=True)
-            module(x)[0].square().mean().backward()
-
-    return run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,10 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     for training in (True, False):
         encoder.train(training)
         mode = "training" if training else "inference"
-        steps[f"{mode} eager"] = step(encoder, training, args.device, args.n, kernel)
+        x = torch.randn(1, args.n, 256, device=args.device, requires_grad=training)
+        steps[f"{mode} eager"] = module_step(encoder, x, backward=training, kernel=kernel)
         for kind, module in variants.items():
             name = f"{mode} {kind}"
-            steps[name] = step(module, training, args.device, args.n, kernel)
+            steps[name] = module_step(module, x, backward=training, kernel=kernel)
             begin = time.perf_counter()
             try:
                 for _ in range(3 if "reduce-overhead" in kind else 1):  # graphs record on call 3

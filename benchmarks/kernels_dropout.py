@@ -21,6 +21,7 @@ from kernels_fused import median_ms, parse_ab_args, with_torch_ops, write_report
 from torch import nn
 
 from linformer_kit import LinformerConfig, LinformerEncoder
+from linformer_kit.bench.timing import module_step
 from linformer_kit.precision import warn_if_bf16_is_slow
 from linformer_kit.training.compare import machine
 
@@ -44,20 +45,10 @@ def encoder(n: int, dropout: float) -> nn.Module:
 
 
 def make_step(module: nn.Module, n: int, bf16: bool) -> Callable[[], None]:
-    """Forward (under bf16 autocast if `bf16`) + backward of (1, n, dim) inputs with a
-    random output gradient."""
+    """`module_step` in training (under bf16 autocast if `bf16`) on a (1, n, dim) input
+    that needs its gradient."""
     x = torch.randn(1, n, DIM, requires_grad=True)
-    grad = torch.randn(1, n, DIM)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-
-    def step() -> None:
-        x.grad = None
-        module.zero_grad(set_to_none=True)
-        with autocast:
-            out = module(x)[0]
-        out.backward(grad.to(out.dtype))
-
-    return step
+    return module_step(module, x, backward=True, autocast=torch.bfloat16 if bf16 else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from kernels_fused import median_ms, parse_ab_args, with_torch_ops, write_report
 from torch import nn
 
 from linformer_kit.bench.flops import Shape
+from linformer_kit.bench.timing import module_step
 from linformer_kit.bench.variants import Variant, build_variant
 from linformer_kit.encoder import FeedForward
 from linformer_kit.training.compare import machine
@@ -26,21 +27,9 @@ DIM, HIDDEN, HEADS, PROJ_DIM = 256, 1024, 4, 256
 
 
 def make_step(module: nn.Module, n: int, backward: bool) -> Callable[[], None]:
-    """Forward + backward of (1, n, dim) inputs with a random output gradient, or forward
-    only under inference mode."""
+    """`module_step` on a (1, n, dim) input that needs its gradient in training."""
     x = torch.randn(1, n, DIM, requires_grad=backward)
-    grad = torch.randn(1, n, DIM)
-
-    def step() -> None:
-        if not backward:
-            with torch.inference_mode():
-                module(x)
-            return
-        x.grad = None
-        module.zero_grad(set_to_none=True)
-        module(x).backward(grad)
-
-    return step
+    return module_step(module, x, backward=backward)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,8 +27,9 @@ from linformer_kit.bench import (
 )
 from linformer_kit.bench.flops import exact_attention_flops, linformer_attention_flops
 from linformer_kit.bench.summary import summarise
-from linformer_kit.bench.timing import size_ceiling_matmul
+from linformer_kit.bench.timing import module_step, size_ceiling_matmul
 from linformer_kit.bench.variants import NaiveAttention
+from linformer_kit.kernel_rule import pinned_kernel
 
 SHAPE = Shape(batch_size=2, seq_len=64, dim=32, num_heads=4, proj_dim=16, ffn_dim=128)
 OURS = {v.sharing: v for v in default_variants(sharings=("none", "headwise", "kv"), peers=False)}
@@ -322,3 +323,38 @@ def test_ours_on_each_kernel_times_the_same_layer_through_that_kernel(tmp_path, 
     torch.testing.assert_close(out, build_variant(OURS["kv"], SHAPE, "layer").eval()(x))
     with pytest.raises(ValueError, match="kernel"):
         tiny_settings(tmp_path, kernel="rule,flash")
+
+
+class _Recorder(torch.nn.Module):
+    """A linear layer returning a tuple, recording the kernel pin, autocast and grad mode of
+    each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.calls: list[tuple] = []
+
+    def forward(self, x):
+        self.calls.append(
+            (pinned_kernel(), torch.is_autocast_enabled("cpu"), torch.is_inference_mode_enabled())
+        )
+        return self.linear(x), None
+
+
+def test_module_step_clears_gradients_and_applies_its_settings():
+    module = _Recorder()
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    step = module_step(module, x, backward=True, kernel="explicit")
+    step()
+    first = (x.grad.clone(), module.linear.weight.grad.clone())
+    step()  # the same fixed gradient again: equal, not accumulated
+    torch.testing.assert_close(x.grad, first[0])
+    torch.testing.assert_close(module.linear.weight.grad, first[1])
+    assert module.calls == [("explicit", False, False)] * 2
+    module_step(module, x, backward=True, autocast=torch.bfloat16)()
+    assert module.calls[-1] == (None, True, False)
+    x.grad = None
+    module.zero_grad(set_to_none=True)
+    module_step(module, x, backward=False)()
+    assert module.calls[-1] == (None, False, True)
+    assert x.grad is None and module.linear.weight.grad is None

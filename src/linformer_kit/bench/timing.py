@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
 
+from ..kernel_rule import use_kernel
 from .flops import Shape
 from .variants import Variant, build_variant
 
@@ -34,51 +36,74 @@ class Call:
     seed: int = 0
 
 
-def _autocast(call: Call) -> contextlib.AbstractContextManager:
-    if call.dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(call.device, dtype=DTYPES[call.dtype])
-
-
 def make_step(call: Call) -> Callable[[], None]:
-    """Builds the variant and its input and returns one call to time.
-
-    In inference the module is in eval mode under `torch.inference_mode`; with backward
-    the input requires its gradient (as the input of a layer inside a network does) and the
-    gradients are cleared before each call, so calls never accumulate into `.grad`.
-    """
+    """Builds the variant and its input and returns one call to time (`module_step`); in
+    inference the module is in eval mode."""
     torch.manual_seed(call.seed)
     module = build_variant(call.variant, call.shape, call.scope).to(call.device)
     shape = (call.shape.batch_size, call.shape.seq_len, call.shape.dim)
     x = torch.randn(shape, device=call.device, requires_grad=call.backward)
-    grad = torch.randn(shape, device=call.device)
-    params = list(module.parameters())
     module.train(call.backward)
+    autocast = None if call.dtype == "float32" else DTYPES[call.dtype]
+    return module_step(module, x, backward=call.backward, autocast=autocast)
+
+
+def module_step(
+    module: nn.Module,
+    x: Tensor,
+    *,
+    backward: bool,
+    autocast: torch.dtype | None = None,
+    kernel: str | None = None,
+) -> Callable[[], None]:
+    """One call of `module` on x to time, as the benchmarks all make it.
+
+    With backward: forward, then backward of one fixed random gradient of the output's
+    shape (the first output where the module returns a tuple), the gradients of x and of
+    the module's parameters cleared before each call so calls never accumulate into
+    `.grad`; give x `requires_grad` to time its gradient as well, as the input of a layer
+    inside a network needs it. Without: the forward under `torch.inference_mode`.
+
+    Args:
+        module: the module (or compiled module) to call; its train/eval mode is the caller's.
+        x: its input.
+        backward: forward + backward (training) or forward only (inference).
+        autocast: run the forward under autocast to this dtype (None: as x is).
+        kernel: pin the attention kernel of every call (`kernel_rule.use_kernel`; None: the
+            rule's).
+    """
+    grad = torch.randn_like(x)
+
+    def forward() -> Tensor:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(use_kernel(kernel))
+            if autocast is not None:
+                stack.enter_context(torch.autocast(x.device.type, dtype=autocast))
+            out = module(x)
+        return out[0] if isinstance(out, tuple) else out
 
     def step() -> None:
-        if call.backward:
-            x.grad = None
-            for p in params:
-                p.grad = None
-            with _autocast(call):
-                out = module(x)
-            out.backward(grad.to(out.dtype))
-        else:
-            with torch.inference_mode(), _autocast(call):
-                module(x)
+        if not backward:
+            with torch.inference_mode():
+                forward()
+            return
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        out = forward()
+        out.backward(grad.to(out.dtype))
 
     return step
 
 
 def autocast_error(call: Call) -> float:
     """Relative error ||y - y32|| / ||y32|| of the forward output under the call's autocast
-    dtype against float32, same weights and input."""
+    dtype (not float32) against float32, same weights and input."""
     torch.manual_seed(call.seed)
     module = build_variant(call.variant, call.shape, call.scope).to(call.device).eval()
     x = torch.randn(call.shape.batch_size, call.shape.seq_len, call.shape.dim, device=call.device)
     with torch.inference_mode():
         reference = module(x)
-        with _autocast(call):
+        with torch.autocast(call.device, dtype=DTYPES[call.dtype]):
             low = module(x).float()
     return float((low - reference).norm() / reference.norm())
 
