@@ -92,8 +92,18 @@ def _build() -> object:
     load(
         name=f"linformer_kit_cpu_{_build_tag(arch)}",
         sources=[str(path) for path in SOURCES],
-        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp
-        extra_cflags=["-O3", f"-march={arch}", "-fopenmp", "-fno-trapping-math"],
+        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp;
+        # 512-bit vectors where the target has AVX-512 (g++ defaults to 256 bits on Intel
+        # targets; MKL's GEMMs beside these loops use 512 already): the attention kernel's
+        # forward (fp32, 1 thread, n 4096, 4 heads, M 256, head_dim 64) 10.1 -> 9.1 ms,
+        # backward 20.4 -> 20.3 (median of 3 alternating processes each; AVX-512 Xeon)
+        extra_cflags=[
+            "-O3",
+            f"-march={arch}",
+            "-fopenmp",
+            "-fno-trapping-math",
+            "-mprefer-vector-width=512",
+        ],
         is_python_module=False,
         verbose=False,
     )

@@ -90,19 +90,13 @@ inline T exp_sum(T* s, int64_t count, T shift) {
   return sum;
 }
 
-// The largest of s[0 .. count), -inf if none: 16 running maxima g++ keeps in vector
-// registers (a max reduction it does not vectorize: one dependent max per element).
+// The largest of s[0 .. count), -inf if none (a max reduction g++ vectorizes).
 template <typename T>
 T row_max(const T* s, int64_t count) {
-  constexpr int64_t kLanes = 16;
-  T lanes[kLanes];
-  std::fill(lanes, lanes + kLanes, -std::numeric_limits<T>::infinity());
-  int64_t c = 0;
-  for (; c + kLanes <= count; c += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] = lanes[j] > s[c + j] ? lanes[j] : s[c + j];
-  }
-  for (; c < count; ++c) lanes[0] = lanes[0] > s[c] ? lanes[0] : s[c];
-  return *std::max_element(lanes, lanes + kLanes);
+  T top = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : top)
+  for (int64_t c = 0; c < count; ++c) top = s[c] > top ? s[c] : top;
+  return top;
 }
 
 // The scores' gradient of one row of softmax weights followed by dropout, in place of the
