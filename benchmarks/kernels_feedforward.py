@@ -1,9 +1,8 @@
 """The compiled feed-forward kernel against PyTorch's modules, A/B in one process: the block
 alone (dim 256, hidden 1024, GELU; fwd+bwd and inference) and one encoder layer without
 dropout (4 heads, k 256, kv sharing, as `linformer bench --scope layer` builds it), with the
-kernel and with `LINFORMER_KIT_NATIVE=0` (then only the feed-forward block changes: without
-dropout the attention runs SDPA either way). Same weights, interleaved rounds. Writes
-OUT/ab.json.
+kernel and with `LINFORMER_KIT_NATIVE=0`, the attention pinned to SDPA in both (so only the
+feed-forward block changes). Same weights, interleaved rounds. Writes OUT/ab.json.
 
     PYTHONPATH=src python benchmarks/kernels_feedforward.py --out benchmarks/kernels/feedforward
 """
@@ -27,9 +26,10 @@ DIM, HIDDEN, HEADS, PROJ_DIM = 256, 1024, 4, 256
 
 
 def make_step(module: nn.Module, n: int, backward: bool) -> Callable[[], None]:
-    """`module_step` on a (1, n, dim) input that needs its gradient in training."""
+    """`module_step` on a (1, n, dim) input that needs its gradient in training, any
+    attention on SDPA."""
     x = torch.randn(1, n, DIM, requires_grad=backward)
-    return module_step(module, x, backward=backward)
+    return module_step(module, x, backward=backward, kernel="sdpa")
 
 
 def main(argv: list[str] | None = None) -> None:

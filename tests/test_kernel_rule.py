@@ -81,18 +81,32 @@ def test_the_rule_picks_the_kernel_the_table_measured_faster(table, dtype, mode)
     # SDPA time / explicit time decides each mode; the rule must pick the explicit kernel
     # where it wins by more than 5 %, and SDPA (torch's own kernel: nothing to build) where
     # it does not: a closer call is a tie, within the run-to-run spread of the table.
-    # The bf16 rule also reads k: each k of the table is decided by its own shapes.
+    # Each k of a table is decided by its own shapes. One exception: fp32 training without
+    # dropout, where the table favours explicit at k <= 256 (1.11-1.21) but the layers tie
+    # (benchmarks/kernels/vector512/), so SDPA stays.
     rows = [r for r in json.loads(table.read_text())["rows"] if r["mode"] == mode]
     assert len(rows) == 27 and {r["dtype"] for r in rows} == {str(dtype).split(".")[1]}
-    cells = [rows] if dtype == torch.float32 else [
-        [r for r in rows if r["k"] == k] for k in sorted({r["k"] for r in rows})
-    ]  # fmt: skip
-    for cell in cells:
+    for k in sorted({r["k"] for r in rows}):
+        cell = [r for r in rows if r["k"] == k]
         geomean = math.exp(sum(math.log(r["explicit_speedup"]) for r in cell) / len(cell))
-        for k in {r["k"] for r in cell}:
-            # The tables measured the compiled kernel (pick's default: it runs).
-            picked = pick(CPU, dtype, mode, queries=4096, keys=k)
-            assert picked == ("explicit" if geomean > 1.05 else "sdpa"), (k, geomean)
+        layers_tie = (dtype, mode) == (torch.float32, "train")
+        # The tables measured the compiled kernel (pick's default: it runs).
+        picked = pick(CPU, dtype, mode, queries=4096, keys=k)
+        expected = "explicit" if geomean > 1.05 and not layers_tie else "sdpa"
+        assert picked == expected, (k, geomean)
+        if layers_tie:
+            assert geomean < 1.25, (k, geomean)  # a re-measured table past this: look again
+
+
+def test_cpu_bf16_training_without_dropout_needs_the_compiled_kernel():
+    # bf16 training without dropout was measured with the compiled kernel only: without it
+    # (no compiler, LINFORMER_KIT_NATIVE=0) the PyTorch-ops kernel is no faster than SDPA
+    # there, so SDPA; with dropout it still beats SDPA's math fallback. Beyond k = 256, SDPA.
+    without = lambda: False  # noqa: E731
+    assert pick(CPU, torch.bfloat16, "train", keys=256, compiled=without) == "sdpa"
+    assert pick(CPU, torch.bfloat16, "train dropout 0.1", keys=256, compiled=without) == "explicit"
+    assert pick(CPU, torch.bfloat16, "train", keys=256) == "explicit"
+    assert pick(CPU, torch.bfloat16, "train", keys=257) == "sdpa"
 
 
 CUDA_TABLES = [BENCHMARKS / "kernels" / "cuda" / name / "table.json" for name in ("", "table-mid")]
@@ -142,10 +156,6 @@ def test_the_rule_keeps_sdpa_off_the_measured_cases():
     # dropout bits failed to build (torch 2.11), SDPA.
     with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
         assert pick(GPU, torch.float32, "train", **kw) == "sdpa"
-    # bf16 training without dropout was measured with the compiled kernel only: without it
-    # (no compiler) SDPA; with dropout the PyTorch-ops kernel still beats SDPA's fallback.
-    assert pick(CPU, torch.bfloat16, "train", compiled=lambda: False) == "sdpa"
-    assert pick(CPU, torch.bfloat16, "train dropout 0.1", compiled=lambda: False) == "explicit"
 
 
 def test_autocast_casts_what_it_casts_for_sdpa_and_mismatched_dtypes_still_raise():

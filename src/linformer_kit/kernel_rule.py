@@ -70,18 +70,22 @@ def choose_kernel(
 
     float32 / float64: `benchmarks/kernels/table.json` (CPU, fp32, one thread, B = 1, H = 4;
     n 1024-16384, k 64-1024, head_dim 32-128, fwd+bwd with and without dropout, forward
-    only; the explicit kernel compiled, on an AVX-512 Xeon):
+    only; the explicit kernel compiled with 512-bit vectors, on an AVX-512 Xeon):
 
     - dropout on: explicit beats SDPA's math fallback at all 27 shapes (SDPA time /
-      explicit time 1.67-5.33, geometric mean 2.70), so CPU attention with dropout goes
+      explicit time 1.72-5.48, geometric mean 2.83), so CPU attention with dropout goes
       explicit (fp32 measured; fp64 takes the same path);
-    - dropout off: a tie. Geometric mean 1.03 in training (explicit ahead by more than 5 %
-      at 10 shapes, 8 of them at k = 64, by up to 1.26x; SDPA ahead at 5, by up to 1.16x)
-      and 0.97 in inference (SDPA ahead by more than 5 % at 12 shapes). The explicit kernel
-      is chosen only where its geometric mean wins by more than 5 % (a second run of the
-      table, `compiled-attention/table/`, gave 1.03 and 0.97 again), so SDPA (torch's own
-      kernel, nothing to build) keeps these cases; k = 64 in training alone would favour
-      explicit (1.05-1.26x), a corner of a non-default config not worth a rule.
+    - training without dropout: the table favours explicit at k <= 256 (1.05-1.40x at all
+      18 shapes; geometric mean 1.21 at k = 64, 1.11 at k = 256; 0.97 at k = 1024), but the
+      layers do not (`linformer bench --kernel explicit,sdpa`, 2 threads, n 1024 / 4096 /
+      16384, `benchmarks/kernels/vector512/`: SDPA time / explicit time 0.93 / 1.00 / 1.04
+      for the attention layer, 1.01 / 1.00 / 1.01 for the encoder layer; the call is a sixth
+      of the layer), so SDPA (torch's own kernel, nothing to build) keeps it, as on a GPU
+      in bf16. Before the kernel's softmax was vectorised at 512 bits the table itself was
+      a tie (1.03 over all 27 shapes, `compiled-attention/table/`);
+    - inference: a tie (1.05 / 1.01 / 0.97 at k = 64 / 256 / 1024): SDPA. The explicit
+      kernel is taken only where it wins a k's geometric mean by more than 5 % and the
+      layers agree.
 
     Exact causal attention (`benchmarks/kernels/compiled-attention/causal/`, n 1024-4096,
     head_dim 64) agrees: explicit 4.6-7.0x faster with dropout (its blocks skip the keys no
@@ -107,8 +111,8 @@ def choose_kernel(
     is worth using (`precision` warns against it elsewhere): at k = 1024 in training without
     dropout it keeps SDPA, which is 5.7x slower with AVX2 only.
 
-    n and head_dim did not change the winner anywhere on CPU, and k only bf16 training
-    without dropout.
+    n and head_dim did not change the winner anywhere on CPU, and k only training without
+    dropout (in the rule, only bf16's).
 
     CUDA: `benchmarks/kernels/cuda/table.json` and `table-mid/table.json` (H200, torch
     2.11, fp32 without TF32 and bf16, B 1 and 8, H = 4, n 1024-65536, k 64 / 256 / 1024,
