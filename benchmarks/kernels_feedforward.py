@@ -26,10 +26,9 @@ DIM, HIDDEN, HEADS, PROJ_DIM = 256, 1024, 4, 256
 
 
 def make_step(module: nn.Module, n: int, backward: bool) -> Callable[[], None]:
-    """`module_step` on a (1, n, dim) input that needs its gradient in training, any
-    attention on SDPA."""
+    """`module_step` on a (1, n, dim) input that needs its gradient in training."""
     x = torch.randn(1, n, DIM, requires_grad=backward)
-    return module_step(module, x, backward=backward, kernel="sdpa")
+    return module_step(module, x, backward=backward)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         ffn = FeedForward(dim=DIM, hidden_dim=HIDDEN)
         k = min(PROJ_DIM, n)  # (tiny n: the tests)
         shape = Shape(batch_size=1, seq_len=n, dim=DIM, num_heads=HEADS, proj_dim=k, ffn_dim=HIDDEN)
-        layer = build_variant(Variant(name="kv", kind="ours", sharing="kv"), shape, "layer")
+        variant = Variant(name="kv", kind="ours", sharing="kv", kernel="sdpa")
+        layer = build_variant(variant, shape, "layer")
         kernel = {
             "feed-forward": make_step(ffn, n, True),
             "feed-forward inference": make_step(ffn, n, False),

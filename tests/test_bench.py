@@ -29,7 +29,7 @@ from linformer_kit.bench.flops import exact_attention_flops, linformer_attention
 from linformer_kit.bench.summary import summarise
 from linformer_kit.bench.timing import module_step, size_ceiling_matmul
 from linformer_kit.bench.variants import NaiveAttention
-from linformer_kit.kernel_rule import pinned_kernel
+from linformer_kit.kernel_rule import pinned_kernel, use_kernel
 
 SHAPE = Shape(batch_size=2, seq_len=64, dim=32, num_heads=4, proj_dim=16, ffn_dim=128)
 OURS = {v.sharing: v for v in default_variants(sharings=("none", "headwise", "kv"), peers=False)}
@@ -358,3 +358,6 @@ def test_module_step_clears_gradients_and_applies_its_settings():
     module_step(module, x, backward=False)()
     assert module.calls[-1] == (None, False, True)
     assert x.grad is None and module.linear.weight.grad is None
+    with use_kernel("sdpa"):  # no kernel of its own: the pin around it holds
+        module_step(module, x, backward=False)()
+    assert module.calls[-1] == ("sdpa", False, True)

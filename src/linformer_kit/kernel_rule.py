@@ -75,14 +75,15 @@ def choose_kernel(
     - dropout on: explicit beats SDPA's math fallback at all 27 shapes (SDPA time /
       explicit time 1.72-5.48, geometric mean 2.83), so CPU attention with dropout goes
       explicit (fp32 measured; fp64 takes the same path);
-    - training without dropout: the table favours explicit at k <= 256 (1.05-1.40x at all
-      18 shapes; geometric mean 1.21 at k = 64, 1.11 at k = 256; 0.97 at k = 1024), but the
+    - training without dropout: the table favours explicit at k <= 256 (1.04-1.40x at all
+      18 shapes; geometric mean 1.21 at k = 64, 1.11 at k = 256; 0.96 at k = 1024), but the
       layers do not (`linformer bench --kernel explicit,sdpa`, 2 threads, n 1024 / 4096 /
-      16384, `benchmarks/kernels/vector512/`: SDPA time / explicit time 0.93 / 1.00 / 1.04
-      for the attention layer, 1.01 / 1.00 / 1.01 for the encoder layer; the call is a sixth
-      of the layer), so SDPA (torch's own kernel, nothing to build) keeps it, as on a GPU
-      in bf16. Before the kernel's softmax was vectorised at 512 bits the table itself was
-      a tie (1.03 over all 27 shapes, `compiled-attention/table/`);
+      16384, `benchmarks/kernels/vector512/`: SDPA time / explicit time at k = 256 0.93 /
+      1.00 / 1.04 for the attention layer, 1.01 / 1.00 / 1.00 for the encoder layer; at
+      k = 64, `vector512/k64/`, 0.91 / 0.99 / 1.03 and 0.98 / 1.01 / 1.02; the call is about
+      a sixth of the encoder layer's time), so SDPA (torch's own kernel, nothing to build)
+      keeps it, as on a GPU in bf16. Before the kernel's softmax was vectorised at 512 bits
+      the table itself was a tie (1.03 over all 27 shapes, `compiled-attention/table/`);
     - inference: a tie (1.05 / 1.01 / 0.97 at k = 64 / 256 / 1024): SDPA. The explicit
       kernel is taken only where it wins a k's geometric mean by more than 5 % and the
       layers agree.

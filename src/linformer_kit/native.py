@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import sys
@@ -82,6 +83,15 @@ def _build_tag(arch: str) -> str:
     return hashlib.sha1((arch + flags + headers).encode()).hexdigest()[:10]
 
 
+def _x86_flags() -> list[str]:
+    """512-bit vectors where the target has AVX-512 (g++ defaults to 256 bits on Intel
+    targets; the MKL GEMMs beside these loops use 512 already): the attention kernel's
+    forward (fp32, 1 thread, n 4096, 4 heads, M 256, head_dim 64) took 10.1 -> 9.1 ms,
+    backward 20.4 -> 20.3 (medians of 3 alternating processes each; AVX-512 Xeon). An x86
+    option only: other g++ targets reject it."""
+    return ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
+
+
 def _build() -> object:
     from torch.utils.cpp_extension import load  # imports setuptools: only when building
 
@@ -92,18 +102,8 @@ def _build() -> object:
     load(
         name=f"linformer_kit_cpu_{_build_tag(arch)}",
         sources=[str(path) for path in SOURCES],
-        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp;
-        # 512-bit vectors where the target has AVX-512 (g++ defaults to 256 bits on Intel
-        # targets; MKL's GEMMs beside these loops use 512 already): the attention kernel's
-        # forward (fp32, 1 thread, n 4096, 4 heads, M 256, head_dim 64) 10.1 -> 9.1 ms,
-        # backward 20.4 -> 20.3 (median of 3 alternating processes each; AVX-512 Xeon)
-        extra_cflags=[
-            "-O3",
-            f"-march={arch}",
-            "-fopenmp",
-            "-fno-trapping-math",
-            "-mprefer-vector-width=512",
-        ],
+        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp
+        extra_cflags=["-O3", f"-march={arch}", "-fopenmp", "-fno-trapping-math", *_x86_flags()],
         is_python_module=False,
         verbose=False,
     )

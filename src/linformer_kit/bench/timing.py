@@ -58,25 +58,29 @@ def module_step(
 ) -> Callable[[], None]:
     """One call of `module` on x to time, as the benchmarks all make it.
 
-    With backward: forward, then backward of one fixed random gradient of the output's
-    shape (the first output where the module returns a tuple), the gradients of x and of
-    the module's parameters cleared before each call so calls never accumulate into
-    `.grad`; give x `requires_grad` to time its gradient as well, as the input of a layer
-    inside a network needs it. Without: the forward under `torch.inference_mode`.
+    With backward: forward, then backward of one fixed random gradient shaped like x (the
+    module's output, or its first output where it returns a tuple, must have x's shape),
+    the gradients of x and of the module's parameters cleared before each call so calls
+    never accumulate into `.grad`; give x `requires_grad` to time its gradient as well, as
+    the input of a layer inside a network needs it. Without: the forward under
+    `torch.inference_mode`.
 
     Args:
         module: the module (or compiled module) to call; its train/eval mode is the caller's.
         x: its input.
         backward: forward + backward (training) or forward only (inference).
         autocast: run the forward under autocast to this dtype (None: as x is).
-        kernel: pin the attention kernel of every call (`kernel_rule.use_kernel`; None: the
-            rule's).
+        kernel: pin the attention kernel of every call (`kernel_rule.use_kernel`; None: as
+            pinned around the call, else the rule's). A module that pins its own (the
+            bench's `FirstOutput`, built from a `Variant`) overrides it.
     """
     grad = torch.randn_like(x)
+    params = list(module.parameters())
 
     def forward() -> Tensor:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(use_kernel(kernel))
+            if kernel is not None:
+                stack.enter_context(use_kernel(kernel))
             if autocast is not None:
                 stack.enter_context(torch.autocast(x.device.type, dtype=autocast))
             out = module(x)
@@ -88,7 +92,8 @@ def module_step(
                 forward()
             return
         x.grad = None
-        module.zero_grad(set_to_none=True)
+        for p in params:
+            p.grad = None
         out = forward()
         out.backward(grad.to(out.dtype))
 
