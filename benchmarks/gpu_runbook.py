@@ -15,15 +15,16 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 3. the same at B 8 (no exact baseline);
 4. `kernels_compile.py`: does torch.compile of a whole encoder pay on the GPU?
 5. and 6. the same at n = 16384 with the explicit kernel pinned, then SDPA: whether Inductor
-   now compiles the explicit kernel's dropout mask (`dropout.dropout_bits`, reordered for
-   it) and whether compiled training on it beats compiled SDPA, which the rule keeps;
+   compiles the explicit kernel's dropout mask (`dropout.dropout_bits`, reordered for it)
+   and whether compiled training on it beats compiled SDPA;
 7. `kernels.py` in fp16 (n 4096-65536) and 8. for exact causal attention (fp32 and bf16,
-   n 1024-8192): the cells the CUDA rule leaves to SDPA unmeasured.
+   n 1024-8192): the cells the CUDA rule had left to SDPA unmeasured.
 
 Steps 5-8 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
-named steps (still in this order): steps 1-4 were run on an H200 (`benchmarks/kernels/cuda/`),
-so a later call can spend its minutes on the rest,
-`--steps compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed).
+named steps (still in this order), e.g. `--steps
+compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). All
+eight have run on an H200 (`benchmarks/kernels/cuda/`, steps 5-8 in 144 s); a new GPU or
+torch version is the reason to run them again.
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 

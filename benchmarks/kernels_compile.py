@@ -1,13 +1,14 @@
 """Does `torch.compile` of a whole encoder pay on CPU? Eager vs compiled, same weights.
 
-A 2-layer encoder (dim 256, 4 heads, k 256, kv sharing, the default dropouts 0.1 / 0.1) at
-n = 4096 (`--n`), batch 1: training (forward + backward) and inference, eager and compiled timed
-interleaved in one run (medians), plus the one-off compile time of each. On CPU the
-compiled kernels (`native.cpu_ops`) are built first, so the compiled graph calls them. On a
+A 2-layer encoder (dim 256, 4 heads, k 256, kv sharing, the default dropouts 0.1 / 0.1, the
+attention's `--attention-dropout`) at n = 4096 (`--n`), batch 1 (`--batch`): training
+(forward + backward) and inference, eager and compiled timed interleaved in one run
+(medians), plus the one-off compile time of each. On CPU the compiled kernels
+(`native.cpu_ops`) are built first, so the compiled graph calls them. On a
 GPU also `mode="reduce-overhead"` (CUDA graphs: at batch 1 a layer's time is mostly kernel
 launches), its error recorded if it fails. `--kernel sdpa|explicit` pins the attention
 kernel of every call, eager and compiled (`kernel_rule.use_kernel`; default the rule's,
-which keeps SDPA under torch.compile on a GPU).
+whose compiled CUDA cells were read off such pinned runs, `cuda/compiled/`).
 Writes benchmarks/kernels/compile.json (CPU, one thread) or, with `--device cuda`,
 benchmarks/kernels/cuda/compile.json (CUDA-event timing); `--out` another folder.
 
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--n", type=int, default=4096, help="sequence length")
+    parser.add_argument("--batch", type=int, default=1, help="batch size")
+    parser.add_argument(
+        "--attention-dropout", type=float, default=0.1, help="dropout on the attention weights"
+    )
     parser.add_argument(
         "--kernel", choices=("rule", *KERNELS), default="rule", help="attention kernel"
     )
@@ -59,7 +64,13 @@ def main(argv: list[str] | None = None) -> None:
         native.cpu_ops()  # built before tracing, as any eager step would: the graph calls them
     torch.manual_seed(0)
     config = LinformerConfig(
-        max_seq_len=args.n, dim=256, depth=2, num_heads=4, proj_dim=256, sharing="kv"
+        max_seq_len=args.n,
+        dim=256,
+        depth=2,
+        num_heads=4,
+        proj_dim=256,
+        sharing="kv",
+        attention_dropout=args.attention_dropout,
     )
     encoder = LinformerEncoder(config).to(args.device)
     variants = {"compiled": torch.compile(encoder, backend=args.backend)}
@@ -69,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     for training in (True, False):
         encoder.train(training)
         mode = "training" if training else "inference"
-        x = torch.randn(1, args.n, 256, device=args.device, requires_grad=training)
+        x = torch.randn(args.batch, args.n, 256, device=args.device, requires_grad=training)
         steps[f"{mode} eager"] = module_step(encoder, x, backward=training, kernel=kernel)
         for kind, module in variants.items():
             name = f"{mode} {kind}"
@@ -108,8 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine(),
-        "model": "LinformerEncoder depth 2, dim 256, 4 heads, k 256, kv, dropout 0.1 / 0.1",
+        "model": "LinformerEncoder depth 2, dim 256, 4 heads, k 256, kv, dropout 0.1 / "
+        f"{args.attention_dropout} (hidden / attention)",
         "seq_len": args.n,
+        "batch": args.batch,
+        "attention_dropout": args.attention_dropout,
         "kernel": args.kernel,
         "backend": args.backend,
         "device": args.device,

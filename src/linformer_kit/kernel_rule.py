@@ -137,17 +137,22 @@ def choose_kernel(
       B H M <= 1024 (1.37-1.43x without dropout; 1.19x with, at k 64), but not in the
       layers (0.93x / 1.04x at n 65536, `cuda/bench-b1`), and its bf16 softmax was the less
       accurate one on CPU;
-    - exact causal attention (not measured on a GPU): SDPA;
-    - under torch.compile: SDPA. Compiling a 2-layer encoder (default dropouts) at n =
-      16384 for training failed once the explicit kernel ran there (Inductor typed the
-      dropout bits' 64-bit multiplier as int32 in Triton, torch 2.11;
-      `benchmarks/kernels/cuda/compile-16384/`); the CPU compiled kernel is unaffected.
-      The bits now add the seed before that product (`dropout.dropout_bits`); until
-      compiled training on the explicit kernel is measured on a GPU
-      (`benchmarks/gpu_runbook.py`, steps 5 and 6) the rule stays with SDPA there.
+    - exact causal attention (`cuda/table-causal/`, fp32 and bf16, B 1 and 8, n 1024-8192):
+      SDPA, explicit 0.05-0.71x;
+    - fp16 (`cuda/table-fp16/`, n 4096-65536): SDPA. As in bf16, explicit won only in
+      training at n = 65536 with B H M <= 1024 (1.23-1.44x), lost everywhere else
+      (0.11-0.92x);
+    - under torch.compile (`cuda/compiled/`: a 2-layer encoder, k 256, H 4, compiled on
+      each kernel; Inductor fuses the explicit kernel's softmax, mask and dropout bits),
+      fp32 training: explicit from n = 4096 where B H M <= 8192, with or without dropout.
+      It won at all six measured shapes (B 1 and 8, n 4096-65536): 1.51-1.94x at
+      n >= 16384, B 1, where the eager rule takes it too, and 1.06-1.13x where the eager
+      rule keeps SDPA (n 4096; B 8 with dropout). Inference and bf16 stay with SDPA
+      (compiled inference 0.62-0.95x on explicit). The bits add the seed before the
+      64-bit product (`dropout.dropout_bits`): the first form failed to compile there
+      (torch 2.11, `cuda/compile-16384/`).
 
-    On CUDA fp16 and fp64 (not measured for the explicit kernel) keep SDPA, as do other
-    devices.
+    CUDA fp64 (not measured) keeps SDPA, as do other devices.
 
     Args:
         device: where the call runs.
@@ -166,13 +171,12 @@ def choose_kernel(
         "sdpa" or "explicit".
     """
     if device.type == "cuda":
-        # Under torch.compile SDPA: Inductor's Triton code for the explicit kernel's dropout
-        # bits failed to compile (torch 2.11: an int64 constant typed int32).
-        if not backward or causal or torch.compiler.is_compiling():
+        if not backward or causal or dtype != torch.float32:
             return "sdpa"
+        if torch.compiler.is_compiling():
+            return "explicit" if queries >= 4096 and groups * keys <= 8192 else "sdpa"
         up_to = 4096 if dropout else 8192
-        long_and_few = queries >= 8192 and groups * keys <= up_to
-        return "explicit" if dtype == torch.float32 and long_and_few else "sdpa"
+        return "explicit" if queries >= 8192 and groups * keys <= up_to else "sdpa"
     if device.type != "cpu":
         return "sdpa"
     if dtype in (torch.float32, torch.float64):
