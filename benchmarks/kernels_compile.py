@@ -1,14 +1,16 @@
-"""Does `torch.compile` of a whole encoder pay on CPU? Eager vs compiled, same weights.
+"""Does `torch.compile` of a whole encoder pay? Eager vs compiled, same weights.
 
 A 2-layer encoder (dim 256, 4 heads, k 256, kv sharing, the default dropouts 0.1 / 0.1, the
 attention's `--attention-dropout`) at n = 4096 (`--n`), batch 1 (`--batch`): training
 (forward + backward) and inference, eager and compiled timed interleaved in one run
 (medians), plus the one-off compile time of each. On CPU the compiled kernels
-(`native.cpu_ops`) are built first, so the compiled graph calls them. On a
-GPU also `mode="reduce-overhead"` (CUDA graphs: at batch 1 a layer's time is mostly kernel
-launches), its error recorded if it fails. `--kernel sdpa|explicit` pins the attention
-kernel of every call, eager and compiled (`kernel_rule.use_kernel`; default the rule's,
-whose compiled CUDA cells were read off such pinned runs, `cuda/compiled/`).
+(`native.cpu_ops`) are built first, so the compiled graph calls them. On a GPU also
+`mode="reduce-overhead"` (CUDA graphs: at batch 1 a layer's time is mostly kernel
+launches), its error recorded if it fails, and the peak memory of one eager and one
+compiled step. `--autocast bf16` runs the forwards under bf16 autocast. `--kernel
+sdpa|explicit` pins the attention kernel of every call, eager and compiled
+(`kernel_rule.use_kernel`; default the rule's, whose compiled CUDA cells were read off
+such pinned runs, `cuda/compiled/`).
 Writes benchmarks/kernels/compile.json (CPU, one thread) or, with `--device cuda`,
 benchmarks/kernels/cuda/compile.json (CUDA-event timing); `--out` another folder.
 
@@ -24,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,6 +51,9 @@ def main(argv: list[str] | None = None) -> None:
         "--attention-dropout", type=float, default=0.1, help="dropout on the attention weights"
     )
     parser.add_argument(
+        "--autocast", choices=("none", "bf16"), default="none", help="forward under autocast"
+    )
+    parser.add_argument(
         "--kernel", choices=("rule", *KERNELS), default="rule", help="attention kernel"
     )
     parser.add_argument(
@@ -58,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     kernel = None if args.kernel == "rule" else args.kernel
+    autocast = torch.bfloat16 if args.autocast == "bf16" else None
     args.out = args.out or (OUT if args.device == "cpu" else OUT / args.device)
     torch.set_num_threads(THREADS)
     if args.device == "cpu":
@@ -81,10 +88,14 @@ def main(argv: list[str] | None = None) -> None:
         encoder.train(training)
         mode = "training" if training else "inference"
         x = torch.randn(args.batch, args.n, 256, device=args.device, requires_grad=training)
-        steps[f"{mode} eager"] = module_step(encoder, x, backward=training, kernel=kernel)
+        steps[f"{mode} eager"] = module_step(
+            encoder, x, backward=training, autocast=autocast, kernel=kernel
+        )
         for kind, module in variants.items():
             name = f"{mode} {kind}"
-            steps[name] = module_step(module, x, backward=training, kernel=kernel)
+            steps[name] = module_step(
+                module, x, backward=training, autocast=autocast, kernel=kernel
+            )
             begin = time.perf_counter()
             try:
                 for _ in range(3 if "reduce-overhead" in kind else 1):  # graphs record on call 3
@@ -104,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         times = time_interleaved(pair, warmup=WARMUP, repeats=REPEATS, device=args.device)
         eager = statistics.median(times[f"{mode} eager"])
         rows[mode] = {"eager_ms": round(eager * 1e3, 1)}
+        if args.device == "cuda":
+            rows[mode]["eager_peak_mib"] = _peak_mib(steps[f"{mode} eager"])
         for kind in variants:
             name, key = f"{mode} {kind}", kind.replace("compiled", "").strip(" ")
             prefix = f"{key.replace('-', '_')}_" if key else ""
@@ -114,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
             rows[mode][f"{prefix}compiled_ms"] = round(fast * 1e3, 1)
             rows[mode][f"{prefix}speedup"] = round(eager / fast, 3)
             rows[mode][f"{prefix}compile_s"] = round(compile_s[name], 1)
+            if args.device == "cuda" and not prefix:  # a CUDA graph's pool is not counted
+                rows[mode]["compiled_peak_mib"] = _peak_mib(steps[name])
         print(mode, rows[mode], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
@@ -123,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.attention_dropout} (hidden / attention)",
         "seq_len": args.n,
         "batch": args.batch,
+        "autocast": args.autocast,
         "attention_dropout": args.attention_dropout,
         "kernel": args.kernel,
         "backend": args.backend,
@@ -133,6 +149,15 @@ def main(argv: list[str] | None = None) -> None:
         "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),
     }
     (args.out / "compile.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _peak_mib(step: Callable[[], None]) -> float:
+    """Peak CUDA memory allocated during one call of `step`, in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return round(torch.cuda.max_memory_allocated() / 2**20, 1)
 
 
 if __name__ == "__main__":

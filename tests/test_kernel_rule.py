@@ -171,13 +171,18 @@ def test_the_cuda_rule_loses_nowhere_the_h200_tables_measured_by_more_than_a_tie
 
 def test_the_cuda_rule_under_torch_compile_takes_the_kernel_compiled_training_ran_faster():
     # benchmarks/kernels_compile.py --device cuda --kernel explicit|sdpa (H200): a 2-layer
-    # encoder (H 4, k 256) compiled on each kernel, at six shapes. In training the rule's
-    # kernel is the faster compiled one at every shape (explicit 1.06-1.94x); in inference
-    # it keeps SDPA, which ran faster compiled at every shape.
+    # encoder (H 4, k 256) compiled on each kernel, at six shapes in fp32 and one under bf16
+    # autocast (`bf16/`, attention dropout 0.1). In fp32 training the rule's kernel is the
+    # faster compiled one at every shape (explicit 1.06-1.94x); in bf16 training and in
+    # inference it keeps SDPA, which ran faster compiled at every shape.
     runs = sorted((CUDA / "compiled").glob("n*-b*-p*-explicit"))  # n, batch, attention dropout
     assert len(runs) == 6
-    for run in runs:
-        n, batch, dropout = re.fullmatch(r"n(\d+)-b(\d+)-p([\d.]+)-explicit", run.name).groups()
+    bf16 = sorted((CUDA / "compiled" / "bf16").glob("n*-b*-explicit"))
+    assert len(bf16) == 1
+    for run in runs + bf16:
+        dtype = torch.bfloat16 if run.parent.name == "bf16" else torch.float32
+        shape = re.fullmatch(r"n(\d+)-b(\d+)(?:-p([\d.]+))?-explicit", run.name)
+        n, batch, dropout = shape.groups(default="0.1")
         times = {
             kernel: json.loads(
                 (run.with_name(run.name.replace("explicit", kernel)) / "compile.json").read_text()
@@ -188,7 +193,7 @@ def test_the_cuda_rule_under_torch_compile_takes_the_kernel_compiled_training_ra
             ms = {kernel: rows[mode]["compiled_ms"] for kernel, rows in times.items()}
             with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
                 picked = choose_kernel(
-                    device=GPU, dtype=torch.float32, dropout=float(dropout) > 0,
+                    device=GPU, dtype=dtype, dropout=float(dropout) > 0,
                     backward=mode == "training", causal=False, queries=int(n), keys=256,
                     groups=4 * int(batch), compiled=NOT_ON_A_GPU,
                 )  # fmt: skip

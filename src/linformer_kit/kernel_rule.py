@@ -147,8 +147,10 @@ def choose_kernel(
       fp32 training: explicit from n = 4096 where B H M <= 8192, with or without dropout.
       It won at all six measured shapes (B 1 and 8, n 4096-65536): 1.51-1.94x at
       n >= 16384, B 1, where the eager rule takes it too, and 1.06-1.13x where the eager
-      rule keeps SDPA (n 4096; B 8 with dropout). Inference and bf16 stay with SDPA
-      (compiled inference 0.62-0.95x on explicit). The bits add the seed before the
+      rule keeps SDPA (n 4096; B 8 with dropout), at 1.46x the compiled step's peak
+      memory on SDPA (B 8, n 16384, `cuda/compiled/memory/`). Inference and bf16 stay
+      with SDPA (compiled inference 0.62-0.95x on explicit; compiled bf16 training 0.40x,
+      B 1, n 16384, `cuda/compiled/bf16/`). The bits add the seed before the
       64-bit product (`dropout.dropout_bits`): the first form failed to compile there
       (torch 2.11, `cuda/compile-16384/`).
 
