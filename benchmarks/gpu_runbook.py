@@ -23,7 +23,7 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 Steps 5-8 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). All
-eight have run on an H200 (`benchmarks/kernels/cuda/`, steps 5-8 in 144 s); a new GPU or
+eight have run on an H200 (`benchmarks/kernels/cuda/`, steps 5-8 in 136 s); a new GPU or
 torch version is the reason to run them again.
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:

@@ -24,9 +24,7 @@ def use_kernel(kernel: str | None) -> Iterator[None]:
     """Runs the attention calls inside on `kernel` instead of the rule's choice, as
     `torch.nn.attention.sdpa_kernel` pins SDPA's backend: for a model's layers, which call
     `dot_product_attention` without a `kernel` (a call that names one keeps it). Like
-    `sdpa_kernel` it sets process-wide state for the duration of the block. On a GPU under
-    torch.compile "explicit" with attention dropout failed to compile (torch 2.11; see
-    `choose_kernel`), which is why the rule keeps SDPA there.
+    `sdpa_kernel` it sets process-wide state for the duration of the block.
 
     Args:
         kernel: "sdpa" or "explicit"; None follows the rule (`choose_kernel`).
@@ -148,9 +146,11 @@ def choose_kernel(
       It won at all six measured shapes (B 1 and 8, n 4096-65536): 1.51-1.94x at
       n >= 16384, B 1, where the eager rule takes it too, and 1.06-1.13x where the eager
       rule keeps SDPA (n 4096; B 8 with dropout), at 1.46x the compiled step's peak
-      memory on SDPA (B 8, n 16384, `cuda/compiled/memory/`). Inference and bf16 stay
-      with SDPA (compiled inference 0.62-0.95x on explicit; compiled bf16 training 0.40x,
-      B 1, n 16384, `cuda/compiled/bf16/`). The bits add the seed before the
+      memory on SDPA (B 8, n 16384, `cuda/compiled/memory/`). Not measured compiled: B 8
+      at n 4096 with dropout (eager explicit 0.59-0.79x there), n 8192, k other than 256.
+      Inference and bf16 stay with SDPA (compiled inference 0.63-0.95x on explicit; bf16
+      as eager: in the one compiled bf16 pair, `cuda/compiled/bf16/`, the explicit run had
+      18 graph breaks, since fixed, so it does not count). The bits add the seed before the
       64-bit product (`dropout.dropout_bits`): the first form failed to compile there
       (torch 2.11, `cuda/compile-16384/`).
 

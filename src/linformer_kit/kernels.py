@@ -306,7 +306,9 @@ def dot_product_attention(
         device = q.device.type
         q, k, v = (t.to(dtype) if autocast_casts(t) else t for t in (q, k, v))
         off = torch.autocast(device, enabled=False) if autocast_on(device) else None
-        with off or contextlib.nullcontext():
+        # `is not None`: torch 2.11's dynamo cannot take the truth of an autocast object
+        # (a graph break per call, "attempted to jump with AutocastModeVariable()").
+        with off if off is not None else contextlib.nullcontext():
             ops = native_ops(q)
             if ops is not None:
                 return _fused_attention(q, k, v, attn_mask, dropout_p, scale, is_causal, ops)
