@@ -18,13 +18,18 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    compiles the explicit kernel's dropout mask (`dropout.dropout_bits`, reordered for it)
    and whether compiled training on it beats compiled SDPA;
 7. `kernels.py` in fp16 (n 4096-65536) and 8. for exact causal attention (fp32 and bf16,
-   n 1024-8192): the cells the CUDA rule had left to SDPA unmeasured.
+   n 1024-8192): the cells the CUDA rule had left to SDPA unmeasured;
+9. and 10. `kernels_compile.py` at n = 16384 under bf16 autocast on each kernel (the
+   first such pair had graph breaks in its explicit run, since fixed), and 11. and 12. at
+   B 8, n = 4096 with the default dropout (a cell the compiled CUDA rule gives the
+   explicit kernel unmeasured).
 
-Steps 5-8 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+Steps 5-12 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
-compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). All
-eight have run on an H200 (`benchmarks/kernels/cuda/`, steps 5-8 in 136 s); a new GPU or
-torch version is the reason to run them again.
+compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
+1-8 have run on an H200 (`benchmarks/kernels/cuda/`, steps 5-8 in 136 s); the next call's
+are `--steps compile-bf16-explicit,compile-bf16-sdpa,compile-b8-explicit,compile-b8-sdpa`
+(about 180 s).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -67,7 +72,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape = "--dtype float32 --n 64 --dim 32 --num-heads 2 --proj-dim 16 --warmup 0 "
         shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
         # aot_eager: the smoke checks the plumbing, not Inductor's C++ builds (slow on CPU)
-        compile_n = long_n = ["--n", "256", "--backend", "aot_eager"]
+        compile_n = long_n = short_n = ["--n", "256", "--backend", "aot_eager"]
         batch = "2"
         fp16 = kernels.replace("float32", "float16")
         causal = "--dtype float32 --batch 1 --n 64 --head-dim 8 --min-seconds 0"
@@ -77,7 +82,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape = "--dtype float32,bfloat16 --n 4096,8192,16384,32768,65536 --warmup 2 "
         shape += "--repeats 10 --min-time-s 1 --memory-budget-gb 60 --scope attention,layer "
         shape += "--sharing headwise,kv,layerwise"
-        compile_n, long_n, batch = [], ["--n", "16384"], "8"
+        compile_n, long_n, short_n, batch = [], ["--n", "16384"], ["--n", "4096"], "8"
         fp16 = "--dtype float16 --batch 1,8 --n 4096,16384,65536 --k 64,256,1024 --head-dim 64 "
         fp16 += "--min-seconds 1"
         causal = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192 --head-dim 64 "
@@ -86,6 +91,8 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
     pinned = ["--kernel", "rule,sdpa,explicit"]
     compile = [*python, str(BENCHMARKS / "kernels_compile.py"), *device]
     table = [*python, str(BENCHMARKS / "kernels.py"), *device]
+    bf16 = [*compile, *long_n, "--autocast", "bf16"]
+    b8 = [*compile, *short_n, "--batch", batch]
     return [
         ("kernels", [*table, *kernels.split()]),
         ("bench-b1", [*bench, "--exact", "sdpa", *pinned]),
@@ -95,6 +102,10 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         ("compile-sdpa", [*compile, *long_n, "--kernel", "sdpa"]),
         ("kernels-fp16", [*table, *fp16.split()]),
         ("kernels-causal", [*table, "--causal", *causal.split()]),
+        ("compile-bf16-explicit", [*bf16, "--kernel", "explicit"]),
+        ("compile-bf16-sdpa", [*bf16, "--kernel", "sdpa"]),
+        ("compile-b8-explicit", [*b8, "--kernel", "explicit"]),
+        ("compile-b8-sdpa", [*b8, "--kernel", "sdpa"]),
     ]
 
 

@@ -13,7 +13,8 @@ pytest.importorskip("linformer")  # the peers (dev extra): the bench steps time 
 pytest.importorskip("linformer_pytorch")
 # In order of priority.
 STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "compile-sdpa"]
-STEPS += ["kernels-fp16", "kernels-causal"]
+STEPS += ["kernels-fp16", "kernels-causal", "compile-bf16-explicit", "compile-bf16-sdpa"]
+STEPS += ["compile-b8-explicit", "compile-b8-sdpa"]
 
 
 def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
@@ -33,11 +34,17 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
         ("compile", "rule"),
         ("compile-explicit", "explicit"),
         ("compile-sdpa", "sdpa"),
+        ("compile-bf16-explicit", "explicit"),
+        ("compile-bf16-sdpa", "sdpa"),
+        ("compile-b8-explicit", "explicit"),
+        ("compile-b8-sdpa", "sdpa"),
     ]:
         assert results[name]["kernel"] == kernel
         assert all("error" not in key for row in results[name]["rows"].values() for key in row)
     assert {row["dtype"] for row in results["kernels-fp16"]["rows"]} == {"float16"}
     assert {row["k"] for row in results["kernels-causal"]["rows"]} == {"n"}  # n keys
+    assert results["compile-bf16-sdpa"]["autocast"] == "bf16"
+    assert results["compile-b8-sdpa"]["batch"] == 2
     summary = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in summary] == STEPS
     assert all(": done in " in line for line in summary), summary
@@ -81,6 +88,7 @@ def test_a_bench_step_that_fails_with_kernels_pinned_runs_again_on_the_rule_alon
     # A step with one kernel pinned (compile-explicit) has no fallback.
     assert [argv[argv.index("--kernel") + 1] for argv in calls if "--kernel" in argv] == [
         "rule,sdpa,explicit", "rule", "rule,sdpa,explicit", "rule", "explicit", "sdpa",
+        "explicit", "sdpa", "explicit", "sdpa",
     ]  # fmt: skip
     assert lines[4] == "compile-explicit: failed (exit status 1) in 0 s"
     assert calls[2][-1] == str(tmp_path / "bench-b1-rule")
