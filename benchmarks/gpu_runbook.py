@@ -22,14 +22,17 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 9. and 10. `kernels_compile.py` at n = 16384 under bf16 autocast on each kernel (the
    first such pair had graph breaks in its explicit run, since fixed), and 11. and 12. at
    B 8, n = 4096 with the default dropout (a cell the compiled CUDA rule gives the
-   explicit kernel unmeasured).
+   explicit kernel unmeasured);
+13. `linformer bench --peers --compile inductor,reduce-overhead`, B 1, n = 4096, the
+   encoder layer (kv), fp32: the B 1 peer target with every variant also compiled, with
+   and without CUDA graphs (eager, B 1 is launch-bound).
 
-Steps 5-12 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+Steps 5-13 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
 1-8 have run on an H200 (`benchmarks/kernels/cuda/`, steps 5-8 in 136 s); the next call's
-are `--steps compile-bf16-explicit,compile-bf16-sdpa,compile-b8-explicit,compile-b8-sdpa`
-(about 180 s).
+are `--steps compile-bf16-explicit,compile-bf16-sdpa,compile-b8-explicit,compile-b8-sdpa,
+bench-b1-compiled` (about 180 s, then step 13's nine compiles; it needs the peer wheels).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -72,6 +75,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape = "--dtype float32 --n 64 --dim 32 --num-heads 2 --proj-dim 16 --warmup 0 "
         shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
         # aot_eager: the smoke checks the plumbing, not Inductor's C++ builds (slow on CPU)
+        compiled = shape + " --compile aot_eager"
         compile_n = long_n = short_n = ["--n", "256", "--backend", "aot_eager"]
         batch = "2"
         fp16 = kernels.replace("float32", "float16")
@@ -82,12 +86,15 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape = "--dtype float32,bfloat16 --n 4096,8192,16384,32768,65536 --warmup 2 "
         shape += "--repeats 10 --min-time-s 1 --memory-budget-gb 60 --scope attention,layer "
         shape += "--sharing headwise,kv,layerwise"
+        compiled = "--dtype float32 --n 4096 --warmup 2 --repeats 10 --min-time-s 1 --no-memory "
+        compiled += "--scope layer --sharing kv --compile inductor,reduce-overhead"
         compile_n, long_n, short_n, batch = [], ["--n", "16384"], ["--n", "4096"], "8"
         fp16 = "--dtype float16 --batch 1,8 --n 4096,16384,65536 --k 64,256,1024 --head-dim 64 "
         fp16 += "--min-seconds 1"
         causal = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192 --head-dim 64 "
         causal += "--min-seconds 1"
-    bench = [*python, "-m", "linformer_kit.cli", "bench", *device, *shape.split(), "--peers"]
+    cli = [*python, "-m", "linformer_kit.cli", "bench", *device, "--peers"]
+    bench = [*cli, *shape.split()]
     pinned = ["--kernel", "rule,sdpa,explicit"]
     compile = [*python, str(BENCHMARKS / "kernels_compile.py"), *device]
     table = [*python, str(BENCHMARKS / "kernels.py"), *device]
@@ -106,6 +113,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         ("compile-bf16-sdpa", [*bf16, "--kernel", "sdpa"]),
         ("compile-b8-explicit", [*b8, "--kernel", "explicit"]),
         ("compile-b8-sdpa", [*b8, "--kernel", "sdpa"]),
+        ("bench-b1-compiled", [*cli, *compiled.split(), "--exact", ""]),
     ]
 
 

@@ -325,6 +325,42 @@ def test_ours_on_each_kernel_times_the_same_layer_through_that_kernel(tmp_path, 
         tiny_settings(tmp_path, kernel="rule,flash")
 
 
+def test_compiled_variants_time_the_same_layers_under_torch_compile(tmp_path):
+    # --compile aot_eager: every variant again under torch.compile (aot_eager: no code
+    # generation, so the test stays fast), named apart; ours compiled inside its kernel pin.
+    names = [v.name for v in default_variants(sharings=("kv",), peers=False,
+                                              compiles=(None, "aot_eager"))]  # fmt: skip
+    assert names == ["linformer kv", "exact sdpa", "exact naive", "linformer kv [compiled "
+                     "aot_eager]", "exact sdpa [compiled aot_eager]",
+                     "exact naive [compiled aot_eager]"]  # fmt: skip
+    x = torch.randn(SHAPE.batch_size, SHAPE.seq_len, SHAPE.dim)
+    for variant in (OURS["kv"], SDPA):
+        torch.manual_seed(0)
+        eager = build_variant(variant, SHAPE, "layer").eval()
+        torch.manual_seed(0)
+        built = build_variant(dataclasses.replace(variant, compile="aot_eager"), SHAPE, "layer")
+        assert isinstance(built.module, torch._dynamo.eval_frame.OptimizedModule)
+        torch.testing.assert_close(built.eval()(x), eager(x))
+    settings = tiny_settings(tmp_path, n="64", scope="attention", sharing="kv", exact="sdpa",
+                             compile="aot_eager", memory=True)  # fmt: skip
+    rows = {r["variant"]: r for r in run_bench(settings)["rows"]}
+    assert {name: r["compile"] for name, r in rows.items()} == {
+        "linformer kv": None, "exact sdpa": None,
+        "linformer kv [compiled aot_eager]": "aot_eager",
+        "exact sdpa [compiled aot_eager]": "aot_eager",
+    }  # fmt: skip
+    # Each is compared with exact SDPA under the same setting; compiled rows have no peak
+    # memory (the compile's own would count on CPU).
+    compiled = " [compiled aot_eager]"
+    for name, sdpa in [("linformer kv", "exact sdpa"),
+                       ("linformer kv" + compiled, "exact sdpa" + compiled)]:  # fmt: skip
+        ratio = rows[sdpa]["median_ms"] / rows[name]["median_ms"]
+        assert rows[name]["speedup_vs_sdpa"] == pytest.approx(ratio)
+        assert (rows[name]["peak_mem_mb"] is None) == ("compiled" in name)
+    with pytest.raises(ValueError, match="compile must be one of inductor, reduce-overhead"):
+        tiny_settings(tmp_path, compile="aot_eager,tensorrt")
+
+
 class _Recorder(torch.nn.Module):
     """A linear layer returning a tuple, recording the kernel pin, autocast and grad mode of
     each call."""

@@ -14,7 +14,7 @@ pytest.importorskip("linformer_pytorch")
 # In order of priority.
 STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "compile-sdpa"]
 STEPS += ["kernels-fp16", "kernels-causal", "compile-bf16-explicit", "compile-bf16-sdpa"]
-STEPS += ["compile-b8-explicit", "compile-b8-sdpa"]
+STEPS += ["compile-b8-explicit", "compile-b8-sdpa", "bench-b1-compiled"]
 
 
 def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
@@ -45,6 +45,9 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
     assert {row["k"] for row in results["kernels-causal"]["rows"]} == {"n"}  # n keys
     assert results["compile-bf16-sdpa"]["autocast"] == "bf16"
     assert results["compile-b8-sdpa"]["batch"] == 2
+    compiled = {row["variant"] for row in results["bench-b1-compiled"]["rows"] if row["compile"]}
+    assert compiled == {f"{name} [compiled aot_eager]" for name in
+                        ("linformer kv", "lucidrains", "linformer-pytorch")}  # fmt: skip
     summary = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in summary] == STEPS
     assert all(": done in " in line for line in summary), summary

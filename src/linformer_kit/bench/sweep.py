@@ -33,6 +33,7 @@ from .timing import (
     time_interleaved,
 )
 from .variants import (
+    COMPILES,
     SCOPES,
     SHARINGS,
     Variant,
@@ -84,6 +85,13 @@ class BenchSettings:
         default="rule",
         metadata={"help": "attention kernels of ours: rule (choose_kernel's), sdpa, explicit"},
     )
+    compile: str = field(
+        default="",
+        metadata={
+            "help": "also time every variant under torch.compile: inductor, reduce-overhead "
+            "(Inductor with CUDA graphs) and/or aot_eager (no code generation); '': eager only"
+        },
+    )
     peers: bool = field(default=False, metadata={"help": "also time the published packages"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     threads: int = field(default=0, metadata={"help": "CPU threads (0: torch's default)"})
@@ -119,6 +127,8 @@ class BenchSettings:
                 raise ValueError(f"attention_dropout values must be in [0, 1); got {p}")
         for kernel in _names(self.kernel):
             check_choice("kernel", kernel, ("rule", *KERNELS))
+        for setting in _names(self.compile):
+            check_choice("compile", setting, COMPILES)
         if not _ints(self.n) or not _ints(self.proj_dim) or self.repeats < 1:
             raise ValueError("n, proj_dim and repeats need at least one value each")
 
@@ -130,6 +140,7 @@ class BenchSettings:
             peers=self.peers,
             attention_dropouts=tuple(_floats(self.attention_dropout)),
             kernels=tuple(None if k == "rule" else k for k in _names(self.kernel)),
+            compiles=(None, *_names(self.compile)),
         )
         return [v for v in chosen if not v.exact or v.kind in exact]
 
@@ -195,6 +206,7 @@ def _row(call: Call, ceiling: float | None, seconds: list[float] | None) -> dict
         "kind": call.variant.kind,
         "sharing": call.variant.sharing,
         "kernel": call.variant.kernel,
+        "compile": call.variant.compile,
         "attention_dropout": call.variant.attention_dropout,
         "n": call.shape.seq_len,
         "k": call.shape.proj_dim,
@@ -223,15 +235,16 @@ def _row(call: Call, ceiling: float | None, seconds: list[float] | None) -> dict
 
 def _compare_to_exact(rows: list[dict[str, Any]]) -> None:
     """Adds each row's speed-up and memory saving over exact SDPA (today's baseline) and over
-    naive exact attention (the paper's), at the same scope, n and attention dropout."""
+    naive exact attention (the paper's), at the same scope, n, attention dropout and
+    torch.compile setting."""
+
+    def key(r: dict[str, Any]) -> tuple:
+        return r["scope"], r["dtype"], r["n"], r["attention_dropout"], r.get("compile")
+
     for kind in ("sdpa", "naive"):
-        base = {
-            (r["scope"], r["dtype"], r["n"], r["attention_dropout"]): r
-            for r in rows
-            if r["kind"] == kind and r["status"] == "ok"
-        }
+        base = {key(r): r for r in rows if r["kind"] == kind and r["status"] == "ok"}
         for row in rows:
-            ref = base.get((row["scope"], row["dtype"], row["n"], row["attention_dropout"]))
+            ref = base.get(key(row))
             if ref is None or row["status"] != "ok":
                 continue
             row[f"speedup_vs_{kind}"] = ref["median_ms"] / row["median_ms"]
@@ -324,7 +337,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             # Written after each n, so a run stopped early keeps the lengths it finished.
             write_outputs(result(), Path(settings.out))
     if settings.memory:
-        measured = [(c, r) for c, r in rows if r["status"] == "ok"]
+        # Not the compiled variants: on CPU the compile's own memory would count.
+        measured = [(c, r) for c, r in rows if r["status"] == "ok" and not c.variant.compile]
         for call, row in tqdm(measured, desc="peak memory", unit="config"):
             row["peak_mem_mb"] = peak_memory(call) / 2**20
     final = result()

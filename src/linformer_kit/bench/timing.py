@@ -38,14 +38,19 @@ class Call:
 
 def make_step(call: Call) -> Callable[[], None]:
     """Builds the variant and its input and returns one call to time (`module_step`); in
-    inference the module is in eval mode."""
+    inference the module is in eval mode. A compiled variant is called three times first:
+    compiled, and its CUDA graphs recorded (reduce-overhead records on the third call),
+    before anything is timed."""
     torch.manual_seed(call.seed)
     module = build_variant(call.variant, call.shape, call.scope).to(call.device)
     shape = (call.shape.batch_size, call.shape.seq_len, call.shape.dim)
     x = torch.randn(shape, device=call.device, requires_grad=call.backward)
     module.train(call.backward)
     autocast = None if call.dtype == "float32" else DTYPES[call.dtype]
-    return module_step(module, x, backward=call.backward, autocast=autocast)
+    step = module_step(module, x, backward=call.backward, autocast=autocast)
+    for _ in range(3 if call.variant.compile else 0):
+        step()
+    return step
 
 
 def module_step(
@@ -102,9 +107,11 @@ def module_step(
 
 def autocast_error(call: Call) -> float:
     """Relative error ||y - y32|| / ||y32|| of the forward output under the call's autocast
-    dtype (not float32) against float32, same weights and input."""
+    dtype (not float32) against float32, same weights and input; eager (a compiled
+    variant's error is its eager one's, without two more compiles)."""
     torch.manual_seed(call.seed)
-    module = build_variant(call.variant, call.shape, call.scope).to(call.device).eval()
+    variant = dataclasses.replace(call.variant, compile=None)
+    module = build_variant(variant, call.shape, call.scope).to(call.device).eval()
     x = torch.randn(call.shape.batch_size, call.shape.seq_len, call.shape.dim, device=call.device)
     with torch.inference_mode():
         reference = module(x)

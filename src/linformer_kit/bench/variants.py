@@ -7,6 +7,7 @@ Every builder returns a module mapping x (B, N, dim) to a tensor (B, N, dim).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from .flops import Shape, exact_attention_flops, linformer_attention_flops, tota
 
 SCOPES = ("attention", "layer")
 SHARINGS = ("none", "headwise", "kv", "layerwise")
+# torch.compile settings a variant can run under (`compiled`).
+COMPILES = ("inductor", "reduce-overhead", "aot_eager")
 # Import name of each peer package (PyPI: linformer==0.2.3, linformer-pytorch==0.19.3).
 PEERS = {"lucidrains": "linformer", "linformer-pytorch": "linformer_pytorch"}
 
@@ -40,6 +43,9 @@ class Variant:
             SDPA; the peers run their default, none).
         kernel: ours only: the attention kernel it runs on (`kernel_rule.use_kernel`), None
             for the rule's choice.
+        compile: run under `torch.compile` (`compiled`), one of COMPILES: "inductor" (its
+            default), "reduce-overhead" (Inductor with CUDA graphs) or "aot_eager" (no code
+            generation); None: eager.
     """
 
     name: str
@@ -47,6 +53,7 @@ class Variant:
     sharing: str | None = None
     attention_dropout: float = 0.0
     kernel: str | None = None
+    compile: str | None = None
 
     @property
     def exact(self) -> bool:
@@ -60,9 +67,11 @@ def default_variants(
     peers: bool,
     attention_dropouts: tuple[float, ...] = (0.0,),
     kernels: tuple[str | None, ...] = (None,),
+    compiles: tuple[str | None, ...] = (None,),
 ) -> list[Variant]:
     """Ours in each sharing mode on each kernel (None: the rule's) and exact SDPA (each at
-    every attention dropout), naive exact and (optionally) the peers."""
+    every attention dropout), naive exact and (optionally) the peers; all of them eager
+    (None in `compiles`) and under each torch.compile setting there (see `Variant`)."""
     variants = []
     for p in attention_dropouts:
         suffix = f" attn-dropout {p:g}" if p else ""
@@ -81,7 +90,11 @@ def default_variants(
     variants.append(Variant(name="exact naive", kind="naive"))
     if peers:
         variants += [Variant(name=name, kind=name, sharing="headwise") for name in PEERS]
-    return variants
+    return [
+        dataclasses.replace(v, name=f"{v.name} [compiled {c}]" if c else v.name, compile=c)
+        for c in compiles
+        for v in variants
+    ]
 
 
 def peer_available(kind: str) -> bool:
@@ -199,19 +212,38 @@ def _linformer_pytorch(shape: Shape, scope: str) -> nn.Module:
 
 
 def build_variant(variant: Variant, shape: Shape, scope: str) -> nn.Module:
-    """One attention layer (`scope="attention"`) or encoder layer (`"layer"`) of a variant.
+    """One attention layer (`scope="attention"`) or encoder layer (`"layer"`) of a variant,
+    under `torch.compile` where the variant says (compiled on its first call; ours inside
+    the kernel pin, which `FirstOutput` sets around the compiled module).
 
     Raises:
         ValueError: for an unknown scope or kind.
     """
     check_choice("scope", scope, SCOPES)
     if variant.kind in ("ours", "sdpa", "naive"):
-        return _ours(variant, shape, scope)
+        module = _ours(variant, shape, scope)
+        if variant.compile:
+            module.module = compiled(module.module, variant.compile)
+        return module
     if variant.kind == "lucidrains":
-        return _lucidrains(shape, scope)
-    if variant.kind == "linformer-pytorch":
-        return _linformer_pytorch(shape, scope)
-    raise ValueError(f"unknown variant kind {variant.kind!r}")
+        module = _lucidrains(shape, scope)
+    elif variant.kind == "linformer-pytorch":
+        module = _linformer_pytorch(shape, scope)
+    else:
+        raise ValueError(f"unknown variant kind {variant.kind!r}")
+    return compiled(module, variant.compile) if variant.compile else module
+
+
+def compiled(module: nn.Module, setting: str) -> nn.Module:
+    """`torch.compile(module)` by a `Variant.compile` setting (one of COMPILES).
+
+    Raises:
+        ValueError: for another setting.
+    """
+    check_choice("compile", setting, COMPILES)
+    if setting == "reduce-overhead":
+        return torch.compile(module, mode="reduce-overhead")
+    return torch.compile(module, backend=setting)
 
 
 def variant_flops(variant: Variant, shape: Shape, scope: str, *, backward: bool) -> int:
@@ -219,8 +251,9 @@ def variant_flops(variant: Variant, shape: Shape, scope: str, *, backward: bool)
     if variant.exact:
         attention = exact_attention_flops(shape)
     elif variant.kind == "ours":
+        eager = dataclasses.replace(variant, compile=None)
         with torch.device("meta"):  # only the order is wanted: allocate nothing
-            module = build_variant(variant, shape, "attention").module
+            module = build_variant(eager, shape, "attention").module
         attention = linformer_attention_flops(
             shape,
             input_first=module.projects_input_first(shape.seq_len),
