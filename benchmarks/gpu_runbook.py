@@ -24,15 +24,15 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    B 8, n = 4096 with the default dropout (a cell the compiled CUDA rule gives the
    explicit kernel unmeasured);
 13. `linformer bench --peers --compile inductor,reduce-overhead`, B 1, n = 4096, the
-   encoder layer (kv), fp32: the B 1 peer target with every variant also compiled, with
-   and without CUDA graphs (eager, B 1 is launch-bound).
+   encoder layer (kv), fp32: the B 1 peer target with ours and the peers also compiled,
+   with and without CUDA graphs (eager at B 1 every variant is bound by kernel launches).
 
 Steps 5-13 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
 1-8 have run on an H200 (`benchmarks/kernels/cuda/`, steps 5-8 in 136 s); the next call's
 are `--steps compile-bf16-explicit,compile-bf16-sdpa,compile-b8-explicit,compile-b8-sdpa,
-bench-b1-compiled` (about 180 s, then step 13's nine compiles; it needs the peer wheels).
+bench-b1-compiled` (about 180 s, then step 13's six compiles; it needs the peer wheels).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 

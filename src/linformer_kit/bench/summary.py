@@ -8,12 +8,12 @@ PEER_KINDS = ("lucidrains", "linformer-pytorch")
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """For each of our variants: speed-up over the faster peer (eager or compiled, where
-    compiled peers were timed; by median and by best-of-rounds times), fraction of the
-    matmul ceiling, growth of time and peak memory from n/2 to n, speed-up and memory ratio
-    over exact SDPA (at the same attention dropout and torch.compile setting), time over
-    the same variant without attention dropout, and (for bfloat16) speed-up over float32
-    with the output's relative error.
+    """For each of our variants: speed-up over the faster peer (by median and by
+    best-of-rounds times), fraction of the matmul ceiling, growth of time and peak memory
+    from n/2 to n, speed-up and memory ratio over exact SDPA (at the same attention
+    dropout), time over the same variant without attention dropout, and (for bfloat16)
+    speed-up over float32 with the output's relative error. Peers, exact SDPA and the
+    undropped variant are taken under the same torch.compile setting (eager with eager).
 
     Returns:
         {scope: {dtype: {"variant k=K": {n: {metric: value}}}}}; a metric is absent where
@@ -28,19 +28,20 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for (scope, dtype, variant, k, n), row in index.items():
         if row["kind"] != "ours":
             continue
-        same = [r for key, r in index.items() if (key[0], key[1], key[4]) == (scope, dtype, n)]
+        # The rows it is compared with: same scope, dtype, n and torch.compile setting.
+        same = [
+            r for key, r in index.items()
+            if (key[0], key[1], key[4], r.get("compile")) == (scope, dtype, n, row.get("compile"))
+        ]  # fmt: skip
         peers = [r["median_ms"] for r in same if r["kind"] in PEER_KINDS and r["k"] == k]
         dropout = row["attention_dropout"]
-        compile = row.get("compile")
         sdpa = next(
-            (r for r in same if (r["kind"], r["attention_dropout"], r.get("compile"))
-             == ("sdpa", dropout, compile)),
-            None,
-        )  # fmt: skip
+            (r for r in same if r["kind"] == "sdpa" and r["attention_dropout"] == dropout), None
+        )
         undropped = next(
             (r for r in same if (r["kind"], r["sharing"], r.get("kernel"), r["k"],
-                                 r["attention_dropout"], r.get("compile"))
-             == ("ours", row["sharing"], row.get("kernel"), k, 0.0, compile)),
+                                 r["attention_dropout"])
+             == ("ours", row["sharing"], row.get("kernel"), k, 0.0)),
             None,
         )  # fmt: skip
         half = index.get((scope, dtype, variant, k, n // 2))

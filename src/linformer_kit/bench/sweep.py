@@ -4,6 +4,7 @@ rates, budget skipping and the JSON + CSV + PNG outputs."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import itertools
@@ -37,6 +38,7 @@ from .variants import (
     SCOPES,
     SHARINGS,
     Variant,
+    compile_limits,
     default_variants,
     estimate_bytes,
     peer_available,
@@ -129,6 +131,10 @@ class BenchSettings:
             check_choice("kernel", kernel, ("rule", *KERNELS))
         for setting in _names(self.compile):
             check_choice("compile", setting, COMPILES)
+            if setting == "reduce-overhead" and self.device != "cuda":
+                raise ValueError(
+                    "compile reduce-overhead records CUDA graphs: it needs --device cuda"
+                )
         if not _ints(self.n) or not _ints(self.proj_dim) or self.repeats < 1:
             raise ValueError("n, proj_dim and repeats need at least one value each")
 
@@ -301,7 +307,9 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         }
 
     rounds = len(seq_lens) * (settings.warmup + settings.repeats)
-    with tqdm(total=rounds, desc="timing", unit="round") as bar:
+    compiling = bool(_names(settings.compile))
+    limits = compile_limits() if compiling else contextlib.nullcontext()
+    with tqdm(total=rounds, desc="timing", unit="round") as bar, limits:
         for seq_len in seq_lens:
             runnable, skipped = [], []
             for call in _calls(settings, seq_len):
@@ -319,6 +327,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
                 tick=lambda: bar.update(1),
             )
             del steps
+            if compiling:
+                torch._dynamo.reset()  # this n's compiled code is not needed again
             flop_s = {
                 d: matmul_flops(sizes[d]) / statistics.median(times[f"matmul {d}"]) for d in dtypes
             }

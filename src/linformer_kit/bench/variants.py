@@ -7,6 +7,7 @@ Every builder returns a module mapping x (B, N, dim) to a tensor (B, N, dim).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
@@ -232,6 +233,21 @@ def build_variant(variant: Variant, shape: Shape, scope: str) -> nn.Module:
     else:
         raise ValueError(f"unknown variant kind {variant.kind!r}")
     return compiled(module, variant.compile) if variant.compile else module
+
+
+def compile_limits() -> contextlib.AbstractContextManager:
+    """Dynamo's settings for a sweep of compiled variants: every module of a class shares
+    one cache of compiled code per method (`LinformerSelfAttention.forward` gets an entry
+    per sharing, kernel pin, dtype, scope and setting), and past `recompile_limit` (8) dynamo
+    would run the rest eagerly under their "compiled" names. So the limits are raised and
+    a hit raises instead (`run_bench` also resets dynamo after each n)."""
+    limits = {
+        "recompile_limit": 1024,
+        "accumulated_recompile_limit": 4096,
+        "fail_on_recompile_limit_hit": True,
+    }
+    config = torch._dynamo.config
+    return config.patch(**{name: value for name, value in limits.items() if hasattr(config, name)})
 
 
 def compiled(module: nn.Module, setting: str) -> nn.Module:
