@@ -120,3 +120,34 @@ def test_compiled_training_with_dropout_runs_the_compiled_cpu_kernels_as_eager_d
     torch.testing.assert_close(c_x_grad, x_grad, **close)
     for name in grads:
         torch.testing.assert_close(c_grads[name], grads[name], **close, msg=name)
+
+
+def test_compiled_training_on_the_pytorch_ops_explicit_kernel_matches_eager(
+    monkeypatch, explicit_calls
+):
+    # What a GPU runs under torch.compile in fp32 training from n = 4096 (`kernel_rule`):
+    # the PyTorch-ops explicit kernel, its dropout mask by position and the padding mask,
+    # as Inductor generates them. Here on CPU with the compiled C++ kernels off and the
+    # kernel pinned; Inductor's random ops fall back to eager's, so one seed gives the same
+    # masks: the same outputs and gradients.
+    from linformer_kit import native
+    from linformer_kit.kernel_rule import use_kernel
+
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    torch._dynamo.reset()
+    encoder = LinformerEncoder(tiny(depth=1, attention_dropout=0.2)).train()
+    x, mask = encoder_inputs()
+    compiled = torch.compile(encoder)
+    results = []
+    with use_kernel("explicit"), torch._inductor.config.patch(fallback_random=True):
+        for run in (encoder, compiled):
+            torch.manual_seed(7)
+            results.append(forward_backward(encoder, run, x, mask))
+    (out, x_grad, grads), (c_out, c_x_grad, c_grads) = results
+    assert explicit_calls  # the pinned kernel ran (eager, and once more when traced) ...
+    assert not torch.equal(out, encoder(x, mask)[0])  # ... with dropout: new seed, new mask
+    close = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(c_out, out, **close)
+    torch.testing.assert_close(c_x_grad, x_grad, **close)
+    for name in grads:
+        torch.testing.assert_close(c_grads[name], grads[name], **close, msg=name)
