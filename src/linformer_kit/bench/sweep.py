@@ -315,7 +315,11 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             for call in _calls(settings, seq_len):
                 reason = _skip_reason(call, settings, first_ceiling[call.dtype])
                 (skipped if reason else runnable).append((call, reason))
-            steps = {_key(call): make_step(call) for call, _ in runnable}
+            steps = {}
+            for call, _ in runnable:
+                if call.variant.compile:  # seconds to a minute each: say what it is doing
+                    bar.set_postfix_str(f"n={seq_len}, compiling {_key(call)}")
+                steps[_key(call)] = make_step(call)
             steps.update(ceiling_steps)
             bar.set_postfix(n=seq_len)
             times = time_interleaved(
