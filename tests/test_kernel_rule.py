@@ -193,14 +193,12 @@ def test_the_cuda_rule_under_torch_compile_takes_the_kernel_compiled_training_ra
             assert (result["seq_len"], result.get("batch", 1)) == (n, batch), run.name
             assert f"dropout 0.1 / {dropout}" in result["model"], (run.name, result["model"])
             assert result["kernel"] == kernel and not result["graph_breaks"], run.name
-        for mode in ("training", "inference"):
+        training = "train dropout 0.1" if dropout else "train"  # (a MODES key)
+        for mode, table_mode in (("training", training), ("inference", "inference")):
             ms = {kernel: result["rows"][mode]["compiled_ms"] for kernel, result in results.items()}
             with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
-                picked = choose_kernel(
-                    device=GPU, dtype=torch.float32, dropout=dropout > 0,
-                    backward=mode == "training", causal=False, queries=n, keys=256,
-                    groups=4 * batch, compiled=NOT_ON_A_GPU,
-                )  # fmt: skip
+                picked = pick(GPU, torch.float32, table_mode, queries=n, keys=256,
+                              groups=4 * batch, compiled=NOT_ON_A_GPU)  # fmt: skip
             assert ms[picked] == min(ms.values()), (run.name, mode, picked, ms)
 
 
