@@ -17,6 +17,7 @@ comes from the same seconds of a shared machine. Writes OUT/table.json and OUT/t
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.kernel_rule import KERNELS
-from linformer_kit.kernels import dot_product_attention
+from linformer_kit.kernels import dot_product_attention, sdpa
 from linformer_kit.precision import warn_if_bf16_is_slow
 from linformer_kit.training.compare import machine
 
@@ -53,10 +54,16 @@ def make_step(
     kernel: str,
     device: str,
     dtype: torch.dtype,
+    splits: int | None = None,
 ) -> Callable[[], None]:
     """One attention call of (B, H, n, d) queries over k keys, as `attend` receives them:
     q, k, v are head-split views of (B, n, H * d) activations. `shape` is (B, n, k, d);
-    k = "n": exact causal attention over the n keys."""
+    k = "n": exact causal attention over the n keys. `splits`: instead of `kernel`, SDPA with
+    its queries cut into that many chunks (`kernels.sdpa`), not the rule's count."""
+    attention = dot_product_attention
+    if splits is not None:
+        attention = functools.partial(sdpa, splits=splits)
+        kernel = None
     backward, dropout_p = MODES[mode]
     batch, n, k, d = shape
     causal = k == "n"
@@ -66,16 +73,17 @@ def make_step(
     keys = torch.randn(batch, k, HEADS, d, **like, requires_grad=backward)
     values = torch.randn(batch, k, HEADS, d, **like, requires_grad=backward)
     grad = torch.randn(batch, HEADS, n, d, **like)
+    kernel_arg = {} if kernel is None else {"kernel": kernel}
 
     def step() -> None:
         args = (q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
         if not backward:
             with torch.inference_mode():
-                dot_product_attention(*args, kernel=kernel, is_causal=causal)
+                attention(*args, is_causal=causal, **kernel_arg)
             return
         for t in (q, keys, values):
             t.grad = None
-        out = dot_product_attention(*args, dropout_p=dropout_p, kernel=kernel, is_causal=causal)
+        out = attention(*args, dropout_p=dropout_p, is_causal=causal, **kernel_arg)
         out.backward(grad)
 
     return step

@@ -1,6 +1,7 @@
 """Which kernel an attention call runs: the measured rule against the tables it was read
 from (CPU fp32 / bf16, CUDA), `use_kernel`, the dtype under autocast, and the table script."""
 
+import ast
 import csv
 import json
 import math
@@ -14,7 +15,7 @@ from test_kernels import CPU, explicit, qkv, seeded
 
 from linformer_kit import kernel_rule, kernels
 from linformer_kit.functional import attend
-from linformer_kit.kernel_rule import choose_kernel
+from linformer_kit.kernel_rule import choose_kernel, choose_splits
 from linformer_kit.kernels import dot_product_attention
 
 
@@ -140,90 +141,141 @@ def NOT_ON_A_GPU() -> bool:  # noqa: N802 (a constant callable)
     pytest.fail("the rule asked whether the compiled CPU kernel runs, for a GPU call")
 
 
-def test_the_cuda_rule_loses_nowhere_the_h200_tables_measured_by_more_than_a_tie():
-    # benchmarks/kernels.py --device cuda (H200): at every measured shape the rule's kernel
-    # takes at most 12 % longer than the faster one (fp32, B 1, k 256, n 4096: explicit
-    # 1.10x here, slower in both layer benches), and where the explicit kernel wins by more
-    # than 25 % the rule takes it; except bf16 and fp16 at n = 65536, B H M <= 1024, left to
-    # SDPA (explicit 1.19-1.44x in the table, no faster in the bf16 layer benches, less
-    # accurate). Exact causal attention (keys = n) is timed in fp32 and bf16.
+def cut(dtype, mode, *, queries, keys, groups, causal=False):
+    """`choose_splits` for a call of a GPU table's mode."""
+    return choose_splits(device=GPU, dtype=dtype, backward=MODES[mode][1], causal=causal,
+                         queries=queries, keys=keys, groups=groups)  # fmt: skip
+
+
+def test_the_cuda_rule_loses_nowhere_the_h200_uncut_tables_measured_by_more_than_a_tie():
+    # benchmarks/kernels.py --device cuda (H200), SDPA uncut against explicit: wherever the
+    # rule runs SDPA uncut (inference, n 1024, exact causal, fp16, bf16 below n 8192) its
+    # kernel takes at most 12 % longer than the faster one, and where the explicit kernel
+    # wins by more than 25 % the rule takes it; except fp16 at n = 65536, B H M <= 1024,
+    # left to SDPA (explicit 1.23-1.44x there, as bf16's corner, which the bf16 layer
+    # benches did not confirm). The cut calls are the next test's.
     rows = [r for table in CUDA_TABLES for r in json.loads(table.read_text())["rows"]]
     assert len(rows) == 144 + 72 + 54 + 36
     assert {r["n"] for r in rows} >= {1024, 4096, 8192, 16384, 32768, 65536}
     assert {r["dtype"] for r in rows} == {"float32", "bfloat16", "float16"}
-
-    def corner(row: dict) -> bool:
-        if row["k"] == "n":  # exact causal attention
-            return False
-        groups_keys = 4 * row["batch"] * row["k"]  # H = 4
-        return row["dtype"] != "float32" and row["n"] == 65536 and groups_keys <= 1024
-
+    uncut = 0
     for row in rows:
         causal = row["k"] == "n"
-        picked = pick(
-            GPU, getattr(torch, row["dtype"]), row["mode"], queries=row["n"],
-            keys=row["n"] if causal else row["k"], groups=4 * row["batch"], causal=causal,
-            compiled=NOT_ON_A_GPU,
-        )  # fmt: skip
-        shape = (row["mode"], row["dtype"], row["batch"], row["k"], row["n"])
+        dtype, keys = getattr(torch, row["dtype"]), row["n"] if causal else row["k"]
+        shape = dict(queries=row["n"], keys=keys, groups=4 * row["batch"], causal=causal)
+        if cut(dtype, row["mode"], **shape) > 1:
+            continue
+        uncut += 1
+        picked = pick(GPU, dtype, row["mode"], **shape, compiled=NOT_ON_A_GPU)
         loss = row[f"{picked}_ms"] / min(row["sdpa_ms"], row["explicit_ms"])
-        assert loss <= 1.12 or corner(row), (shape, picked, loss)
-        assert picked == "explicit" or row["explicit_speedup"] < 1.25 or corner(row), shape
+        corner = row["dtype"] == "float16" and row["n"] == 65536 and 4 * row["batch"] * keys <= 1024
+        assert loss <= 1.12 or corner, (row, picked, loss)
+        assert picked == "explicit" or row["explicit_speedup"] < 1.25 or corner, row
+    assert uncut >= 200
+
+
+SPLIT_TABLE = CUDA / "split" / "table.json"
+
+
+def test_the_cuda_cut_beats_one_call_and_the_explicit_kernel_where_the_h200_measured():
+    # benchmarks/kernels_split.py --device cuda (H200; fp32, bf16; B 1, 8; n 1024-65536;
+    # k 64-1024; fwd+bwd with and without dropout): at every shape the rule's cut takes at
+    # most 6 % longer than one call (bf16, B 8, n 16384, k 256), within 10 % (fp32) and
+    # 21 % (bf16) of the best cut measured, and SDPA so cut is never more than 2.5 % slower
+    # than the explicit kernel (the eager CUDA rule's SDPA everywhere; 0.98x at B 8,
+    # n >= 16384, k 1024 without dropout). Never cutting fails it (B 1, n 16384, k 256:
+    # 4.45 ms uncut against 2.15 explicit), as does cutting at n 1024.
+    rows = json.loads(SPLIT_TABLE.read_text())["rows"]
+    assert len(rows) == 2 * 2 * 4 * 3 * 2
+    for row in rows:
+        dtype = getattr(torch, row["dtype"])
+        shape = dict(queries=row["n"], keys=row["k"], groups=4 * row["batch"])
+        ms = row["sdpa_ms"][str(cut(dtype, row["mode"], **shape))]
+        assert pick(GPU, dtype, row["mode"], **shape, compiled=NOT_ON_A_GPU) == "sdpa"
+        assert ms <= 1.06 * row["sdpa_ms"]["1"], row
+        assert ms <= (1.1 if dtype == torch.float32 else 1.21) * min(row["sdpa_ms"].values()), row
+        assert ms <= 1.025 * row["explicit_ms"], row
+
+
+def test_the_cut_is_a_power_of_two_dividing_n_and_only_where_measured():
+    train = dict(dtype=torch.float32, mode="train", keys=256)
+    assert cut(**train, queries=16384, groups=4) == 32  # 4 x 32 x 4 blocks of 64 keys = 512
+    assert cut(**train, queries=16384, groups=32) == 4
+    assert cut(**train, queries=4096 + 8, groups=4) == 8  # 4104 = 8 x 513: 32 does not divide
+    assert cut(**train, queries=4097, groups=4) == 1  # odd n: no cut divides it
+    assert cut(**train, queries=2048, groups=4) == 1
+    assert cut(**train, queries=16384, groups=4096) == 1  # already 16384 blocks
+    assert cut(**dict(train, dtype=torch.bfloat16), queries=4096, groups=4) == 1
+    assert cut(**dict(train, dtype=torch.bfloat16), queries=8192, groups=4) == 32
+    for dtype in (torch.float16, torch.float64):
+        assert cut(**dict(train, dtype=dtype), queries=16384, groups=4) == 1
+    assert cut(**dict(train, mode="inference"), queries=16384, groups=4) == 1
+    assert cut(**train, queries=16384, groups=4, causal=True) == 1
+    kw = dict(dtype=torch.float32, backward=True, causal=False, queries=16384, keys=256, groups=4)
+    assert choose_splits(device=CPU, **kw) == 1
+
+
+def compiled_ms(run) -> dict:
+    """A kernels_compile.py run's rows (training, inference): its compile.json, or the
+    `training {...}` / `inference {...}` lines of its log where the JSON did not come back
+    from the GPU machine."""
+    if (run / "compile.json").exists():
+        result = json.loads((run / "compile.json").read_text())
+        assert result["kernel"] in run.name and not result["graph_breaks"], run.name
+        assert f"--n {result['seq_len']} " in result["command"] + " ", run.name
+        return result["rows"]
+    lines = (run / "log.txt").read_text().splitlines()
+    return {
+        mode: ast.literal_eval(line.removeprefix(mode + " "))
+        for line in lines
+        for mode in ("training", "inference")
+        if line.startswith(mode + " {")
+    }
 
 
 def test_the_cuda_rule_under_torch_compile_takes_the_kernel_compiled_training_ran_faster():
-    # benchmarks/kernels_compile.py --device cuda --kernel explicit|sdpa (H200): a 2-layer
-    # encoder (H 4, k 256) compiled on each kernel, at six shapes, fp32. In training the
-    # rule's kernel is the faster compiled one at every shape (explicit 1.06-1.94x); in
-    # inference it keeps SDPA, which ran faster compiled at every shape. (`bf16/` is left
-    # out: its explicit run had graph breaks.)
-    runs = sorted((CUDA / "compiled").glob("n*-explicit"))  # nN-bB-pP-explicit
-    assert len(runs) == 6
+    # benchmarks/kernels_compile.py --device cuda --kernel explicit|sdpa (H200), SDPA cut:
+    # a 2-layer encoder (H 4, k 256, dropout 0.1) compiled on each kernel, fp32, at four
+    # shapes. The rule's kernel is the faster compiled one within 1 % (B 8, n 16384: 37.9
+    # against 37.7 ms, where SDPA's lower memory decides), in training and inference;
+    # explicit only at B 1, n 4096 (3.5 against 4.0 ms). The pre-cut pairs of `compiled/`
+    # (explicit 1.06-1.94x then) no longer apply.
+    runs = sorted((CUDA / "compiled-split").glob("n*-explicit"))  # nN-bB-p0.1-explicit
+    assert len(runs) == 4
     for run in runs:
-        shape = re.fullmatch(r"n(\d+)-b(\d+)-p([\d.]+)-explicit", run.name)
+        shape = re.fullmatch(r"n(\d+)-b(\d+)-p0.1-explicit", run.name)
         assert shape, run.name
-        n, batch, dropout = int(shape[1]), int(shape[2]), float(shape[3])
-        results = {
-            kernel: json.loads(
-                (run.with_name(run.name.replace("explicit", kernel)) / "compile.json").read_text()
-            )
-            for kernel in ("explicit", "sdpa")
-        }
-        for kernel, result in results.items():
-            assert (result["seq_len"], result.get("batch", 1)) == (n, batch), run.name
-            assert f"dropout 0.1 / {dropout}" in result["model"], (run.name, result["model"])
-            assert result["kernel"] == kernel and not result["graph_breaks"], run.name
-        training = "train dropout 0.1" if dropout else "train"  # (a MODES key)
-        for mode, table_mode in (("training", training), ("inference", "inference")):
-            ms = {kernel: result["rows"][mode]["compiled_ms"] for kernel, result in results.items()}
+        n, batch = int(shape[1]), int(shape[2])
+        rows = {kernel: compiled_ms(run.with_name(run.name.replace("explicit", kernel)))
+                for kernel in ("explicit", "sdpa")}  # fmt: skip
+        for mode, table_mode in (("training", "train dropout 0.1"), ("inference", "inference")):
+            ms = {kernel: rows[kernel][mode]["compiled_ms"] for kernel in rows}
             with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
                 picked = pick(GPU, torch.float32, table_mode, queries=n, keys=256,
                               groups=4 * batch, compiled=NOT_ON_A_GPU)  # fmt: skip
-            assert ms[picked] == min(ms.values()), (run.name, mode, picked, ms)
+            assert ms[picked] <= 1.01 * min(ms.values()), (run.name, mode, picked, ms)
 
 
 def test_the_cuda_rule_off_its_tables_and_under_torch_compile():
     for mode in MODES:
         assert pick(GPU, torch.float32, mode, compiled=NOT_ON_A_GPU) == "sdpa"
         assert pick(CPU, torch.float16, mode) == "sdpa"
-    # fp16, fp64, exact causal and bf16 keep SDPA (at n 8192 with one head B H M is 8192,
-    # within the fp32 bound, which the same call without causal takes) ...
-    kw = dict(queries=8192, keys=8192, groups=1, compiled=NOT_ON_A_GPU)
-    for dtype, causal in [(torch.float16, False), (torch.float64, False), (torch.float32, True),
-                          (torch.bfloat16, False)]:  # fmt: skip
-        assert pick(GPU, dtype, "train", causal=causal, **kw) == "sdpa"
-    assert pick(GPU, torch.float32, "train", **kw) == "explicit"
-    # ... also under torch.compile, which takes explicit for fp32 training from n = 4096,
-    # with dropout too, up to the B H M it measured (8192).
+    # Eager: SDPA for every dtype, length and batch (cut in training) ...
+    kw = dict(queries=65536, keys=64, groups=1, compiled=NOT_ON_A_GPU)
+    for dtype in (torch.float16, torch.float64, torch.float32, torch.bfloat16):
+        for mode in MODES:
+            assert pick(GPU, dtype, mode, **kw) == "sdpa"
+    # ... and under torch.compile but in fp32 training at 4096 <= n < 8192, B H M <= 1024.
     with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
-        for dtype, causal in [(torch.float16, False), (torch.float32, True),
-                              (torch.bfloat16, False)]:  # fmt: skip
-            assert pick(GPU, dtype, "train", causal=causal, **kw) == "sdpa"
-        shorter = dict(kw, queries=4096, keys=256, groups=32)
-        assert pick(GPU, torch.float32, "train dropout 0.1", **shorter) == "explicit"
-        assert pick(GPU, torch.float32, "train", **dict(shorter, queries=2048)) == "sdpa"
-        assert pick(GPU, torch.float32, "train", **dict(shorter, groups=64)) == "sdpa"
-        assert pick(GPU, torch.float32, "inference", **shorter) == "sdpa"
+        short = dict(kw, queries=4096, keys=256, groups=4)
+        assert pick(GPU, torch.float32, "train dropout 0.1", **short) == "explicit"
+        assert pick(GPU, torch.float32, "train", **dict(short, queries=8191)) == "explicit"
+        for other in (dict(queries=8192), dict(queries=2048), dict(groups=8)):
+            assert pick(GPU, torch.float32, "train", **dict(short, **other)) == "sdpa"
+        assert pick(GPU, torch.float32, "inference", **short) == "sdpa"
+        assert pick(GPU, torch.float32, "train", **short, causal=True) == "sdpa"
+        for dtype in (torch.float16, torch.float64, torch.bfloat16):
+            assert pick(GPU, dtype, "train", **short) == "sdpa"
 
 
 def test_autocast_casts_what_it_casts_for_sdpa_and_mismatched_dtypes_still_raise():

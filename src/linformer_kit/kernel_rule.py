@@ -9,6 +9,7 @@ The kernels themselves are in `kernels`; the tables the rule is read from are ma
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -113,46 +114,35 @@ def choose_kernel(
     n and head_dim did not change the winner anywhere on CPU, and k only training without
     dropout (in the rule, only bf16's).
 
-    CUDA: `benchmarks/kernels/cuda/table.json` and `table-mid/table.json` (H200, torch
-    2.11, fp32 without TF32 and bf16, B 1 and 8, H = 4, n 1024-65536, k 64 / 256 / 1024,
-    head_dim 64; the explicit kernel by PyTorch ops, one block; read as holding for any
-    CUDA GPU until another is measured). A call of a few ms costs kernel launches more than
-    arithmetic: the explicit kernel's (1.1-1.5 ms fwd+bwd against SDPA's 0.5) lose below
-    n = 8192. SDPA's fp32 backward runs a block per 64 keys of each (batch, head), each
-    over all n queries: with B x H x M small it keeps few of the 132 SMs busy and its time
-    grows with n, while the explicit kernel's GEMMs use them all.
+    CUDA (H200, torch 2.11, fp32 without TF32, bf16; read as holding for any CUDA GPU until
+    another is measured): SDPA, its queries cut into chunks in training (`choose_splits`),
+    but under torch.compile in fp32 training at 4096 <= n < 8192 with B H M <= 1024.
 
-    - inference: SDPA everywhere (explicit 0.25-0.85x);
-    - fp32 training: explicit from n = 8192 where B H M <= 8192 (4096 with dropout):
-      1.17-2.56x without dropout, 1.01-2.35x with; above that SDPA (without dropout
-      0.97-1.03x at B H M = 32768; with dropout 0.60-0.83x at 8192 and more); at n = 4096
-      SDPA (explicit 0.89-1.10x without dropout, 0.59-0.79x with). The layers agree
-      (`cuda/pinned-explicit/`, `cuda/bench-b1`, `bench-b8`: ours on each kernel). The
-      price is memory: the explicit kernel keeps the N x M weights for backward, so from
-      n = 8192 the attention layer's peak was 1.9-2.2x (B 1) and 2.5-2.6x (B 8) that on
-      SDPA, the encoder layer's 1.16-1.19x; `use_kernel("sdpa")` keeps the low-memory path;
-    - bf16: SDPA. The explicit kernel was faster in the table only at n = 65536 with
-      B H M <= 1024 (1.37-1.43x without dropout; 1.19x with, at k 64), but not in the
-      layers (0.93x / 1.04x at n 65536, `cuda/bench-b1`), and its bf16 softmax was the less
-      accurate one on CPU;
-    - exact causal attention (`cuda/table-causal/`, fp32 and bf16, B 1 and 8, n 1024-8192):
-      SDPA, explicit 0.05-0.71x;
-    - fp16 (`cuda/table-fp16/`, n 4096-65536): SDPA. As in bf16, explicit won only in
-      training at n = 65536 with B H M <= 1024 (1.23-1.44x), lost everywhere else
-      (0.11-0.92x);
-    - under torch.compile (`cuda/compiled/`: a 2-layer encoder, k 256, H 4, compiled on
-      each kernel; Inductor fuses the explicit kernel's softmax, mask and dropout bits),
-      fp32 training: explicit from n = 4096 where B H M <= 8192, with or without dropout.
-      It won at all six measured shapes (B 1 and 8, n 4096-65536): 1.51-1.94x at
-      n >= 16384, B 1, where the eager rule takes it too, and 1.06-1.13x where the eager
-      rule keeps SDPA (n 4096; B 8 with dropout), at 1.46x the compiled step's peak
-      memory on SDPA (B 8, n 16384, `cuda/compiled/memory/`). Not measured compiled: B 8
-      at n 4096 with dropout (eager explicit 0.59-0.79x there), n 8192, k other than 256.
-      Inference and bf16 stay with SDPA (compiled inference 0.63-0.95x on explicit; bf16
-      as eager: in the one compiled bf16 pair, `cuda/compiled/bf16/`, the explicit run had
-      18 graph breaks, since fixed, so it does not count). The bits add the seed before the
-      64-bit product (`dropout.dropout_bits`): the first form failed to compile there
-      (torch 2.11, `cuda/compile-16384/`).
+    - Eager: SDPA cut as `choose_splits` says beat the explicit kernel at every shape of
+      `cuda/split/table.json` (fp32 and bf16, B 1 and 8, n 1024-65536, k 64 / 256 / 1024,
+      fwd+bwd with and without dropout): explicit 1.01-7.6x slower, or a tie (0.98x, B 8,
+      n >= 16384, k 1024, fp32 without dropout). The layers agree (`cuda/bench-b1-split`,
+      `bench-b8-split`, k 256, ours on the rule's kernel and pinned to explicit): the rule
+      0.97-1.95x explicit's speed, the two cells below 1 (0.97x, 0.98x) B 1 and 8 at n 4096
+      in the fp32 attention layer. Before the cut (`cuda/table.json`, `table-mid/`: uncut SDPA
+      against explicit) the explicit kernel won fp32 training from n = 8192 at small
+      B H M, 1.17-2.56x, because SDPA's backward, one thread block per 64 keys of each
+      (batch, head), left most of the 132 SMs idle. Inference: SDPA everywhere (explicit
+      0.25-0.85x, uncut and cut alike: the forward is never cut). Exact causal
+      (`cuda/table-causal/`, explicit 0.05-0.71x) and fp16 (`cuda/table-fp16/`, explicit
+      0.11-0.92x but at n 65536 with B H M <= 1024, 1.23-1.44x in training, uncut) keep
+      SDPA too.
+    - Under torch.compile (`cuda/compiled-split/`: a 2-layer encoder, k 256, H 4, dropout
+      0.1, compiled on each kernel, fp32 training; Inductor fuses the explicit kernel's
+      softmax, mask and dropout bits): explicit 1.14x faster at B 1, n 4096 (3.5 against
+      4.0 ms); SDPA cut 1.37x faster at B 1, n 16384 (5.7 against 7.8 ms), a tie at B 8
+      (n 4096 10.5 against 10.6 ms, n 16384 37.9 against 37.7), where SDPA's lower memory
+      decides (5274 against 7647 MiB peak at n 16384). Not measured compiled: n 8192,
+      k other than 256, B H M between 1024 and 8192. Compiled inference and bf16 stay on
+      SDPA (`cuda/compiled/`: inference 0.63-0.95x on explicit; bf16 at B 1, n 16384,
+      4.2 ms explicit against 4.1 on uncut SDPA). The explicit kernel's dropout bits add
+      the seed before the 64-bit product (`dropout.dropout_bits`): the first form failed to
+      compile there (torch 2.11, `cuda/compile-16384/`).
 
     CUDA fp64 (not measured) keeps SDPA, as do other devices.
 
@@ -173,12 +163,10 @@ def choose_kernel(
         "sdpa" or "explicit".
     """
     if device.type == "cuda":
-        if not backward or causal or dtype != torch.float32:
-            return "sdpa"
-        if torch.compiler.is_compiling():
-            return "explicit" if queries >= 4096 and groups * keys <= 8192 else "sdpa"
-        up_to = 4096 if dropout else 8192
-        return "explicit" if queries >= 8192 and groups * keys <= up_to else "sdpa"
+        compiled_fp32 = torch.compiler.is_compiling() and dtype == torch.float32
+        if compiled_fp32 and backward and not causal and 4096 <= queries < 8192:
+            return "explicit" if groups * keys <= 1024 else "sdpa"
+        return "sdpa"
     if device.type != "cpu":
         return "sdpa"
     if dtype in (torch.float32, torch.float64):
@@ -186,6 +174,60 @@ def choose_kernel(
     if dtype == torch.bfloat16:
         return "explicit" if dropout or (backward and keys <= 256 and compiled()) else "sdpa"
     return "sdpa"
+
+
+def choose_splits(
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    backward: bool,
+    causal: bool,
+    queries: int,
+    keys: int,
+    groups: int,
+) -> int:
+    """Into how many chunks of queries an SDPA call is cut (`kernels.sdpa`): 1 but on a GPU
+    in training, where SDPA's backward has one thread block per (batch, head, block of
+    64 keys), each looping over all N queries, and Linformer's few keys leave most SMs idle.
+
+    `benchmarks/kernels/cuda/split/table.json` (`benchmarks/kernels_split.py`, H200, torch
+    2.11, fp32 and bf16, B 1 and 8, H 4, head_dim 64, n 1024-65536, k 64 / 256 / 1024,
+    fwd+bwd with and without dropout; 1, 2, 4, ... 64 chunks of at least 64 queries):
+
+    - fp32 (the mem-efficient kernel): from n = 4096 cutting won up to 20x (B 1, n 65536,
+      k 64); n 1024 was best uncut. The rule: as many chunks (a power of 2, at most 64,
+      each of at least 64 queries) as keep B x H x chunks x ceil(M / 64) <= 512, about four
+      blocks per SM: 0.91-1.00x the best cut measured at every shape (geometric mean 0.985),
+      never slower than one call; e.g. B 1, k 256, n 16384: 32 chunks, 0.71 ms against 4.45
+      uncut (and 2.15 on the explicit kernel);
+    - bf16 (flash): cutting costs its copies and launches (0.34 -> 0.47 ms at n 4096), so
+      from n = 8192 only (n 4096 was best uncut; 1.08-3.3x at n 16384-65536, B 1), by the
+      same bound: 0.83-1.00x the best cut, 0.94x one call at worst (B 8, n 16384, k 256);
+    - fp16 (the same kernels as bf16, not measured) and fp64 (SDPA's math path, whose
+      work does not depend on the cut) stay uncut.
+
+    Args:
+        device: where the call runs.
+        dtype: the dtype the call computes in (`compute_dtype`).
+        backward: whether a backward pass will follow.
+        causal: exact causal attention (never cut: its mask is aligned to the whole N).
+        queries, keys: N and M.
+        groups: B x H.
+
+    Returns:
+        A power of 2 dividing `queries`.
+    """
+    if device.type != "cuda" or not backward or causal:
+        return 1
+    if dtype not in (torch.float32, torch.bfloat16):
+        return 1
+    if queries < (4096 if dtype == torch.float32 else 8192):
+        return 1
+    blocks = groups * -(-keys // 64)
+    splits = 1
+    while splits < 64 and queries // (2 * splits) >= 64 and blocks * 2 * splits <= 512:
+        splits *= 2
+    return math.gcd(splits, queries)
 
 
 def compute_dtype(q: Tensor) -> torch.dtype:

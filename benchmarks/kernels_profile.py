@@ -1,0 +1,189 @@
+"""Where a training step's time goes: ours and the peers, kernel by kernel.
+
+One encoder layer (or attention layer, `--scope`) of the bench's shape (dim 256, 4 heads,
+k 256, feed-forward 1024, no dropout), forward + backward, profiled with `torch.profiler`
+for `--steps` steps after a warm-up: per variant the device time of every kernel (on a
+GPU; on CPU each operator's own CPU time), grouped by name, the kernel count per step, and
+the step's wall time timed outside the profiler. Ours runs on the rule's kernel and pinned
+to each (`--kernel`); `--compile inductor` adds every variant compiled (Inductor's
+generated kernels then appear by their names). The peers need their packages
+(`linformer==0.2.3`, `linformer-pytorch==0.19.3`); a missing one is skipped.
+
+Writes OUT/profile.json (default benchmarks/kernels/cuda/profile, or kernels/profile on
+CPU) and prints each variant's top kernels.
+
+    PYTHONPATH=src python benchmarks/kernels_profile.py --device cuda --n 4096 --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from linformer_kit.bench.flops import Shape
+from linformer_kit.bench.timing import module_step
+from linformer_kit.bench.variants import (
+    PEERS,
+    SCOPES,
+    Variant,
+    build_variant,
+    compile_limits,
+    peer_available,
+)
+from linformer_kit.kernel_rule import KERNELS
+from linformer_kit.training.compare import machine
+
+OUT = Path(__file__).parent / "kernels"
+COMMAND = "PYTHONPATH=src python benchmarks/kernels_profile.py"
+TOP = 15  # kernels listed per variant
+
+
+def variants(kernels: list[str], compiles: list[str]) -> list[Variant]:
+    """Ours (kv sharing) on each kernel ("rule": the rule's), the installed peers, each
+    eager and under each compile setting."""
+    eager = [
+        Variant(
+            name=f"linformer kv [{k}]", kind="ours", sharing="kv", kernel=None if k == "rule" else k
+        )
+        for k in kernels
+    ]
+    eager += [Variant(name=p, kind=p, sharing="headwise") for p in PEERS if peer_available(p)]
+    out = list(eager)
+    for c in compiles:
+        out += [dataclasses.replace(v, name=f"{v.name} [compiled {c}]", compile=c) for v in eager]
+    return out
+
+
+def profile_step(step: Any, *, device: str, steps: int) -> dict[str, Any]:
+    """Per-step device time of each kernel name (CPU: operator self time), summed over
+    `steps` profiled calls of `step`."""
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    if device == "cuda":
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                totals[event.name][0] += 1
+                totals[event.name][1] += event.device_time_total
+    else:
+        for event in prof.key_averages():
+            if event.self_cpu_time_total > 0:
+                totals[event.key][0] += event.count
+                totals[event.key][1] += event.self_cpu_time_total
+    rows = sorted(totals.items(), key=lambda item: -item[1][1])
+    return {
+        "kernels_per_step": sum(count for count, _ in totals.values()) / steps,
+        "kernel_ms_per_step": round(sum(us for _, us in totals.values()) / steps / 1e3, 4),
+        "top": [
+            {
+                "name": name[:160],
+                "calls_per_step": count / steps,
+                "ms_per_step": round(us / steps / 1e3, 4),
+            }
+            for name, (count, us) in rows[:TOP]
+        ],
+    }
+
+
+def wall_ms(step: Any, *, device: str, repeats: int) -> float:
+    """Median wall time of one call, synchronised on a GPU."""
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Profiles every variant in turn and writes profile.json."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--n", type=int, default=4096, help="sequence length")
+    parser.add_argument("--batch", type=int, default=1, help="batch size")
+    parser.add_argument("--dim", type=int, default=256, help="model width")
+    parser.add_argument("--proj-dim", type=int, default=256, help="k")
+    parser.add_argument("--scope", choices=SCOPES, default="layer")
+    parser.add_argument(
+        "--kernel", default="rule," + ",".join(KERNELS), help="ours: rule, sdpa, explicit"
+    )
+    parser.add_argument("--compile", default="", help="comma-separated: inductor, aot_eager")
+    parser.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="unprofiled steps first")
+    parser.add_argument("--out", type=Path, default=None, help="writes profile.json there")
+    args = parser.parse_args(argv)
+    kernels = [k for k in args.kernel.split(",") if k]
+    unknown = [k for k in kernels if k not in ("rule", *KERNELS)]
+    if unknown:
+        parser.error(
+            f"--kernel: unknown {', '.join(unknown)}; choose from rule, {', '.join(KERNELS)}"
+        )
+    compiles = [c for c in args.compile.split(",") if c]
+    out_dir = args.out or (OUT / "profile" if args.device == "cpu" else OUT / "cuda" / "profile")
+    shape = Shape(
+        batch_size=args.batch,
+        seq_len=args.n,
+        dim=args.dim,
+        num_heads=4,
+        proj_dim=args.proj_dim,
+        ffn_dim=4 * args.dim,
+    )
+    results = {}
+    with compile_limits():
+        for variant in variants(kernels, compiles):
+            torch.manual_seed(0)
+            module = build_variant(variant, shape, args.scope).to(args.device).train()
+            x = torch.randn(
+                shape.batch_size, shape.seq_len, shape.dim, device=args.device, requires_grad=True
+            )
+            step = module_step(module, x, backward=True)
+            for _ in range(args.warmup):
+                step()
+            row = {"wall_ms": wall_ms(step, device=args.device, repeats=max(args.steps, 5))}
+            row |= profile_step(step, device=args.device, steps=args.steps)
+            results[variant.name] = row
+            print(
+                f"{variant.name}: wall {row['wall_ms']} ms, kernels {row['kernel_ms_per_step']} ms "
+                f"in {row['kernels_per_step']:g} per step",
+                flush=True,
+            )
+            for top in row["top"][:8]:
+                print(
+                    f"    {top['ms_per_step']:8.3f} ms",
+                    f"x{top['calls_per_step']:<5g} {top['name'][:100]}",
+                )
+            torch._dynamo.reset()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {
+        "command": " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine(),
+        "shape": dataclasses.asdict(shape),
+        "scope": args.scope,
+        "variants": results,
+    }
+    (out_dir / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("wrote", out_dir / "profile.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The GPU measurement scripts behind the cut (`benchmarks/kernels_split.py`) and the
+kernel-by-kernel profile (`benchmarks/kernels_profile.py`), run on CPU at tiny sizes: a
+GPU call runs the same code with `--device cuda`."""
+
+import json
+
+import pytest
+from script_helpers import BENCHMARKS, load_script
+
+
+def test_the_split_script_times_every_cut_of_every_shape(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/kernels.py
+    script = load_script(BENCHMARKS / "kernels_split.py")
+    cuts, make_step = [], script.make_step
+    monkeypatch.setattr(
+        script, "make_step", lambda *a, **kw: cuts.append(kw.get("splits")) or make_step(*a, **kw)
+    )
+    args = "--device cpu --dtype float32 --batch 1,2 --n 128,256 --k 8 --head-dim 4"
+    script.main([*args.split(), "--max-splits", "4", "--min-seconds", "0", "--out", str(tmp_path)])
+    table = json.loads((tmp_path / "table.json").read_text())
+    rows = table["rows"]
+    assert table["device"] == "cpu" and len(rows) == 2 * 2 * len(script.MODES)
+    for row in rows:
+        # chunks of at least 64 queries: n 128 is cut in 2 at most, 256 in 4
+        assert list(row["sdpa_ms"]) == [str(s) for s in (1, 2, 4) if row["n"] // s >= 64]
+        best = min(row["sdpa_ms"].values())
+        assert row["sdpa_ms"][str(row["best_splits"])] == best
+        assert row["best_speedup"] == pytest.approx(row["sdpa_ms"]["1"] / best, rel=0.01)
+        assert row["best_vs_explicit"] == pytest.approx(row["explicit_ms"] / best, rel=0.01)
+    assert set(cuts) == {None, 1, 2, 4}  # None: the explicit kernel's step
+    assert (tmp_path / "table.png").stat().st_size > 0
+
+
+def test_the_profile_script_lists_each_variant_s_kernels(tmp_path):
+    script = load_script(BENCHMARKS / "kernels_profile.py")
+    args = "--n 64 --dim 32 --proj-dim 16 --scope attention --kernel rule,explicit --steps 1"
+    script.main([*args.split(), "--warmup", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "profile.json").read_text())
+    assert result["shape"]["seq_len"] == 64 and result["scope"] == "attention"
+    ours = ["linformer kv [rule]", "linformer kv [explicit]"]
+    assert list(result["variants"])[:2] == ours
+    for name, row in result["variants"].items():
+        assert row["wall_ms"] > 0 and row["kernel_ms_per_step"] > 0, name
+        assert row["top"] and all(top["ms_per_step"] >= 0 for top in row["top"]), name
+    # the explicit kernel shows up as its own operator (compiled) or as its GEMMs
+    names = " ".join(top["name"] for top in result["variants"][ours[1]]["top"])
+    assert "attention_forward" in names or "bmm" in names
+    with pytest.raises(SystemExit):
+        script.main(["--kernel", "flash"])

@@ -1,0 +1,106 @@
+"""SDPA with its queries cut into chunks (`kernels.sdpa`): the same attention as one call,
+values and gradients, with every mask shape SDPA takes, and the rule's cut reaching it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import softmax_attention
+
+from linformer_kit import kernels
+from linformer_kit.functional import attend
+from linformer_kit.kernels import dot_product_attention, sdpa
+
+
+def grads(fn, *inputs, seed=1):
+    """fn's output and the gradients of its inputs for one fixed random output gradient."""
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return (out, *torch.autograd.grad(out, inputs, grad))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    rows=st.integers(1, 9),
+    splits=st.sampled_from([1, 2, 3, 4, 8]),
+    keys=st.integers(1, 12),
+    mask=st.sampled_from([None, "keys", "rows", "2-d"]),
+    layout=st.sampled_from(["heads split", "contiguous"]),
+    seed=st.integers(0, 2**16),
+)
+def test_cut_queries_give_one_call_s_attention_and_gradients(
+    batch, heads, rows, splits, keys, mask, layout, seed
+):
+    # float64: the chunks' key and value gradients are summed by autograd, so the cut
+    # differs from one call by rounding only; q as `attend` gets it (a view of (B, N, H, D))
+    # or contiguous; the mask per key (B, 1, 1, M), per query and key (B, 1, N, M) or 2-D.
+    g = torch.Generator().manual_seed(seed)
+    n, d = rows * splits, 4
+    if layout == "heads split":
+        q = torch.randn(batch, n, heads, d, generator=g, dtype=torch.float64).transpose(1, 2)
+    else:
+        q = torch.randn(batch, heads, n, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, heads, keys, d, generator=g, dtype=torch.float64) for _ in "kv")
+    shapes = {"keys": (batch, 1, 1, keys), "rows": (batch, 1, n, keys), "2-d": (n, keys)}
+    attn_mask = None
+    if mask is not None:
+        attn_mask = torch.rand(shapes[mask], generator=g) < 0.7
+        attn_mask[..., 0] = True  # every row sees a key (SDPA gives NaN otherwise)
+    reference = grads(lambda *t: F.scaled_dot_product_attention(*t, attn_mask=attn_mask), q, k, v)
+    result = grads(lambda *t: sdpa(*t, attn_mask, splits=splits), q, k, v)
+    for got, want in zip(result, reference):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if mask in (None, "keys"):  # and the formula written out
+        padding = None if attn_mask is None else attn_mask[:, 0, 0]
+        torch.testing.assert_close(result[0], softmax_attention(q, k, v, padding))
+
+
+def test_a_cut_that_does_not_divide_n_is_a_clear_error():
+    q = k = v = torch.randn(1, 1, 6, 4)
+    for splits in (0, 4, -2):
+        with pytest.raises(ValueError, match=f"positive divisor of N = 6; got {splits}"):
+            sdpa(q, k, v, splits=splits)
+
+
+def test_causal_and_non_4d_calls_run_as_one_call():
+    q = torch.randn(2, 8, 4, dtype=torch.float64)  # (B, N, D): no heads dimension
+    torch.testing.assert_close(sdpa(q, q, q, splits=4), F.scaled_dot_product_attention(q, q, q))
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    torch.testing.assert_close(
+        sdpa(q, q, q, is_causal=True, splits=4),
+        F.scaled_dot_product_attention(q, q, q, is_causal=True),
+    )
+
+
+def test_attention_runs_the_rule_s_cut_with_a_padding_mask(monkeypatch):
+    # On a GPU in training `choose_splits` cuts; here it is made to cut on CPU, and SDPA
+    # must then see B x 4 batch entries of N / 4 queries, with `attend`'s key mask, and
+    # give the uncut call's output and gradients.
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        kernels.F, "scaled_dot_product_attention",
+        lambda q, *a, **kw: calls.append(tuple(q.shape)) or real(q, *a, **kw),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for n in (16, 5, 5))
+    kv_mask = torch.tensor([[True] * 5, [True, True, False, True, False]])
+    uncut = grads(lambda *t: attend(*t, kv_mask, kernel="sdpa"), q, k, v)
+    assert calls == [(2, 3, 16, 8)]
+    seen = {}
+    monkeypatch.setattr(kernels, "choose_splits", lambda **call: seen.update(call) or 4)
+    result = grads(lambda *t: attend(*t, kv_mask, kernel="sdpa"), q, k, v)
+    assert calls[1:] == [(8, 3, 4, 8)]
+    assert seen == dict(
+        device=q.device, dtype=torch.float64, backward=True, causal=False, queries=16, keys=5,
+        groups=6,
+    )  # fmt: skip
+    for got, want in zip(result, uncut):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        dot_product_attention(q, k, v, kernel="sdpa")
+    assert seen["backward"] is False
