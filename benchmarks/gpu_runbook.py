@@ -25,14 +25,20 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    explicit kernel unmeasured);
 13. `linformer bench --peers --compile inductor,reduce-overhead`, B 1, n = 4096, the
    encoder layer (kv), fp32: the B 1 peer target with ours and the peers also compiled,
-   with and without CUDA graphs (eager at B 1 every variant is bound by kernel launches).
+   with and without CUDA graphs (eager at B 1 every variant is bound by kernel launches);
+14. `kernels_split.py`: the table of SDPA cut into query chunks behind
+   `kernel_rule.choose_splits` (about 90 s);
+15. `kernels_profile.py`, B 1, n = 4096, eager and compiled: each variant's kernels;
+16. and 17. `kernels_compile.py` at n = 8192 on each kernel: the compiled cell between
+   the rule's explicit (n 4096) and SDPA (n 16384) measurements.
 
-Steps 5-13 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+Steps 5-17 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
-1-8 have run on an H200 (`benchmarks/kernels/cuda/`, steps 5-8 in 136 s); the next call's
-are `--steps compile-bf16-explicit,compile-bf16-sdpa,compile-b8-explicit,compile-b8-sdpa,
-bench-b1-compiled` (about 180 s, then step 13's six compiles; it needs the peer wheels).
+1-13 have run on an H200 (`benchmarks/kernels/cuda/`; 9-13 in 150 s), 14 and 15 by hand
+(`cuda/split/`, `cuda/profile/`). Since SDPA is cut into query chunks, steps 2 and 3 (the
+peer benches over n 4096-65536, all sharings; about 300 s, the peer wheels needed) and 16
+and 17 are the next call's: `--steps bench-b1,bench-b8,compile-8192-explicit,compile-8192-sdpa`.
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -76,8 +82,12 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
         # aot_eager: the smoke checks the plumbing, not Inductor's C++ builds (slow on CPU)
         compiled = shape + " --compile aot_eager"
-        compile_n = long_n = short_n = ["--n", "256", "--backend", "aot_eager"]
+        compile_n = long_n = short_n = mid_n = ["--n", "256", "--backend", "aot_eager"]
         batch = "2"
+        split = "--dtype float32 --batch 1 --n 128 --k 8 --head-dim 4 --max-splits 2 "
+        split += "--min-seconds 0"
+        profile = "--n 64 --dim 32 --proj-dim 16 --scope attention --steps 1 --warmup 1 "
+        profile += "--compile aot_eager"
         fp16 = kernels.replace("float32", "float16")
         causal = "--dtype float32 --batch 1 --n 64 --head-dim 8 --min-seconds 0"
     else:
@@ -89,6 +99,8 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         compiled = "--dtype float32 --n 4096 --warmup 2 --repeats 10 --min-time-s 1 --no-memory "
         compiled += "--scope layer --sharing kv --compile inductor,reduce-overhead"
         compile_n, long_n, short_n, batch = [], ["--n", "16384"], ["--n", "4096"], "8"
+        mid_n, split = ["--n", "8192"], ""
+        profile = "--n 4096 --batch 1 --compile inductor"
         fp16 = "--dtype float16 --batch 1,8 --n 4096,16384,65536 --k 64,256,1024 --head-dim 64 "
         fp16 += "--min-seconds 1"
         causal = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192 --head-dim 64 "
@@ -114,6 +126,10 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         ("compile-b8-explicit", [*b8, "--kernel", "explicit"]),
         ("compile-b8-sdpa", [*b8, "--kernel", "sdpa"]),
         ("bench-b1-compiled", [*cli, *compiled.split(), "--exact", ""]),
+        ("kernels-split", [*python, str(BENCHMARKS / "kernels_split.py"), *device, *split.split()]),
+        ("profile", [*python, str(BENCHMARKS / "kernels_profile.py"), *device, *profile.split()]),
+        ("compile-8192-explicit", [*compile, *mid_n, "--kernel", "explicit"]),
+        ("compile-8192-sdpa", [*compile, *mid_n, "--kernel", "sdpa"]),
     ]
 
 

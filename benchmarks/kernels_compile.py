@@ -10,7 +10,7 @@ launches), its error recorded if it fails, and the peak memory of one eager and 
 compiled step. `--autocast bf16` runs the forwards under bf16 autocast. `--kernel
 sdpa|explicit` pins the attention kernel of every call, eager and compiled
 (`kernel_rule.use_kernel`; default the rule's, whose compiled CUDA cells were read off
-such pinned runs, `cuda/compiled/`).
+such pinned runs, `cuda/compiled-split/`).
 Writes benchmarks/kernels/compile.json (CPU, one thread) or, with `--device cuda`,
 benchmarks/kernels/cuda/compile.json (CUDA-event timing); `--out` another folder.
 

@@ -14,7 +14,8 @@ pytest.importorskip("linformer_pytorch")
 # In order of priority.
 STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "compile-sdpa"]
 STEPS += ["kernels-fp16", "kernels-causal", "compile-bf16-explicit", "compile-bf16-sdpa"]
-STEPS += ["compile-b8-explicit", "compile-b8-sdpa", "bench-b1-compiled"]
+STEPS += ["compile-b8-explicit", "compile-b8-sdpa", "bench-b1-compiled", "kernels-split"]
+STEPS += ["profile", "compile-8192-explicit", "compile-8192-sdpa"]
 
 
 def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
@@ -38,6 +39,8 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
         ("compile-bf16-sdpa", "sdpa"),
         ("compile-b8-explicit", "explicit"),
         ("compile-b8-sdpa", "sdpa"),
+        ("compile-8192-explicit", "explicit"),
+        ("compile-8192-sdpa", "sdpa"),
     ]:
         assert results[name]["kernel"] == kernel
         assert all("error" not in key for row in results[name]["rows"].values() for key in row)
@@ -48,6 +51,8 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
     compiled = {row["variant"] for row in results["bench-b1-compiled"]["rows"] if row["compile"]}
     assert compiled == {f"{name} [compiled aot_eager]" for name in
                         ("linformer kv", "lucidrains", "linformer-pytorch")}  # fmt: skip
+    assert {row["best_splits"] for row in results["kernels-split"]["rows"]} <= {1, 2}
+    assert "lucidrains [compiled aot_eager]" in results["profile"]["variants"]
     summary = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in summary] == STEPS
     assert all(": done in " in line for line in summary), summary
@@ -91,7 +96,7 @@ def test_a_bench_step_that_fails_with_kernels_pinned_runs_again_on_the_rule_alon
     # A step with one kernel pinned (compile-explicit) has no fallback.
     assert [argv[argv.index("--kernel") + 1] for argv in calls if "--kernel" in argv] == [
         "rule,sdpa,explicit", "rule", "rule,sdpa,explicit", "rule", "explicit", "sdpa",
-        "explicit", "sdpa", "explicit", "sdpa",
+        "explicit", "sdpa", "explicit", "sdpa", "explicit", "sdpa",
     ]  # fmt: skip
     assert lines[4] == "compile-explicit: failed (exit status 1) in 0 s"
     assert calls[2][-1] == str(tmp_path / "bench-b1-rule")

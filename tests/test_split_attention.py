@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 from reference import softmax_attention
 
 from linformer_kit import kernels
+from linformer_kit.attention import LinformerSelfAttention
 from linformer_kit.functional import attend
 from linformer_kit.kernels import dot_product_attention, sdpa
+from linformer_kit.projection import MatrixProjection
 
 
 def grads(fn, *inputs, seed=1):
@@ -104,3 +106,28 @@ def test_attention_runs_the_rule_s_cut_with_a_padding_mask(monkeypatch):
     with torch.no_grad():
         dot_product_attention(q, k, v, kernel="sdpa")
     assert seen["backward"] is False
+
+
+def test_the_cut_compiles_in_one_graph(monkeypatch):
+    # What a GPU runs under torch.compile in training where the rule keeps SDPA: the cut
+    # traced with no graph break (aot_eager: the graph, no code generation), the same
+    # output and gradients as eager.
+    monkeypatch.setattr(kernels, "choose_splits", lambda **call: 4 if call["backward"] else 1)
+    torch.manual_seed(0)
+    projection = MatrixProjection(max_seq_len=32, proj_dim=8)
+    layer = LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=32, proj_k=projection)
+    x = torch.randn(2, 32, 16, dtype=torch.float64)
+    mask = torch.ones(2, 32, dtype=torch.bool)
+    mask[1, 20:] = False
+    layer = layer.double()
+    eager = grads(lambda t: layer(t, mask)[0], x)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    result = grads(lambda t: compiled(t, mask)[0], x)
+    for got, want in zip(result, eager):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    graphs = []  # and the traced graph's SDPA takes the 2 x 4 chunks
+    recorded = torch.compile(layer, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+    recorded(x.requires_grad_(), mask)
+    calls = [node for node in graphs[0].graph.nodes if "scaled_dot_product" in str(node.target)]
+    assert [tuple(node.meta["example_value"].shape) for node in calls] == [(8, 2, 8, 8)]
+    torch._dynamo.reset()

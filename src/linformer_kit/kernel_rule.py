@@ -120,7 +120,7 @@ def choose_kernel(
 
     - Eager: SDPA cut as `choose_splits` says beat the explicit kernel at every shape of
       `cuda/split/table.json` (fp32 and bf16, B 1 and 8, n 1024-65536, k 64 / 256 / 1024,
-      fwd+bwd with and without dropout): explicit 1.01-7.6x slower, or a tie (0.98x, B 8,
+      fwd+bwd with and without dropout): explicit 1.01-8.6x slower, or a tie (0.98x, B 8,
       n >= 16384, k 1024, fp32 without dropout). The layers agree (`cuda/bench-b1-split`,
       `bench-b8-split`, k 256, ours on the rule's kernel and pinned to explicit): the rule
       0.97-1.95x explicit's speed, the two cells below 1 (0.97x, 0.98x) B 1 and 8 at n 4096

@@ -21,7 +21,9 @@ mask:
 
 The rule (`kernel_rule.choose_kernel`) comes from the tables `benchmarks/kernels.py` makes
 (SDPA vs explicit, fwd+bwd and forward only, over n, k and head_dim, on CPU and on a GPU);
-it is never a per-call timing. `kernel_rule.use_kernel` pins one kernel over a block.
+it is never a per-call timing. `kernel_rule.use_kernel` pins one kernel over a block. On a
+GPU in training SDPA runs with its queries cut into chunks (`sdpa`, as many as
+`kernel_rule.choose_splits` says), so that its backward fills the SMs.
 """
 
 from __future__ import annotations
