@@ -335,7 +335,8 @@ def sdpa(
     A GPU's SDPA backward gives each block of keys of each (batch, head) to one thread
     block, which loops over all N queries: with Linformer's few keys (M = k), B x H x M / 64
     such blocks leave most SMs idle at small batches (B 1, H 4, k 256: 16 blocks on an
-    H200's 132 SMs, 1.0 ms of a 1.8 ms layer step at n = 4096). Chunks multiply the blocks
+    H200's 132 SMs; at n = 4096 1.0 ms of the 1.8 ms of GPU time in an encoder layer's
+    training step, `benchmarks/kernels/cuda/profile/`). Chunks multiply the blocks
     by `splits`; autograd sums the chunks' key and value gradients. Softmax rows are
     independent, so the output is the same to float rounding (with dropout, another draw of
     the same distribution). The forward, already one block per 64 queries, is unchanged.
