@@ -205,6 +205,8 @@ def test_the_cut_is_a_power_of_two_dividing_n_and_only_where_measured():
     assert cut(**train, queries=4097, groups=4) == 1  # odd n: no cut divides it
     assert cut(**train, queries=2048, groups=4) == 1
     assert cut(**train, queries=16384, groups=4096) == 1  # already 16384 blocks
+    assert cut(**dict(train, keys=1024), queries=16384, groups=4) == 8
+    assert cut(**dict(train, keys=4096), queries=4096, groups=1) == 1  # exact: not measured
     assert cut(**dict(train, dtype=torch.bfloat16), queries=4096, groups=4) == 1
     assert cut(**dict(train, dtype=torch.bfloat16), queries=8192, groups=4) == 32
     for dtype in (torch.float16, torch.float64):

@@ -203,8 +203,9 @@ def choose_splits(
     - bf16 (flash): cutting costs its copies and launches (0.34 -> 0.47 ms at n 4096), so
       from n = 8192 only (n 4096 was best uncut; 1.08-3.3x at n 16384-65536, B 1), by the
       same bound: 0.83-1.00x the best cut, 0.94x one call at worst (B 8, n 16384, k 256);
-    - fp16 (the same kernels as bf16, not measured) and fp64 (SDPA's math path, whose
-      work does not depend on the cut) stay uncut.
+    - fp16 (the same kernels as bf16, not measured), fp64 (SDPA's math path, whose work
+      does not depend on the cut) and more than 1024 keys (not measured; exact attention,
+      whose N keys already give the backward N / 64 blocks per head) stay uncut.
 
     Args:
         device: where the call runs.
@@ -219,7 +220,7 @@ def choose_splits(
     """
     if device.type != "cuda" or not backward or causal:
         return 1
-    if dtype not in (torch.float32, torch.bfloat16):
+    if dtype not in (torch.float32, torch.bfloat16) or keys > 1024:
         return 1
     if queries < (4096 if dtype == torch.float32 else 8192):
         return 1
