@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     """Times every shape, writes the table after each and the plot at the end."""
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "PYTHONPATH=src python benchmarks/kernels_split.py " + " ".join(argv or sys.argv[1:])
+    given = sys.argv[1:] if argv is None else argv
+    command = "PYTHONPATH=src python benchmarks/kernels_split.py " + " ".join(given)
     before, rows = machine(), []
     grid = list(itertools.product(args.dtype, args.batch, args.n, args.k, MODES))
     for dtype, batch, n, k, mode in tqdm(grid, desc="shapes"):

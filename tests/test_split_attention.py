@@ -1,5 +1,6 @@
 """SDPA with its queries cut into chunks (`kernels.sdpa`): the same attention as one call,
-values and gradients, with every mask shape SDPA takes, and the rule's cut reaching it."""
+values and gradients, with bool and float masks of every broadcast shape, and the rule's
+cut reaching it, eager and compiled."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import softmax_attention
 
-from linformer_kit import kernels
+from linformer_kit import kernel_rule, kernels
 from linformer_kit.attention import LinformerSelfAttention
 from linformer_kit.functional import attend
 from linformer_kit.kernels import dot_product_attention, sdpa
@@ -23,42 +24,81 @@ def grads(fn, *inputs, seed=1):
     return (out, *torch.autograd.grad(out, inputs, grad))
 
 
-@settings(max_examples=40, deadline=None)
+MASKS = {  # name -> shape, broadcast to (B, H, N, M)
+    "keys": lambda b, h, n, m: (b, 1, 1, m),  # `attend`'s key padding mask
+    "rows": lambda b, h, n, m: (b, 1, n, m),
+    "heads": lambda b, h, n, m: (1, h, n, m),
+    "head keys": lambda b, h, n, m: (b, h, 1, m),
+    "3-d": lambda b, h, n, m: (h, n, m),
+    "2-d": lambda b, h, n, m: (n, m),
+}
+
+
+@settings(max_examples=100, deadline=None)
 @given(
     batch=st.integers(1, 3),
     heads=st.integers(1, 3),
     rows=st.integers(1, 9),
     splits=st.sampled_from([1, 2, 3, 4, 8]),
     keys=st.integers(1, 12),
-    mask=st.sampled_from([None, "keys", "rows", "2-d"]),
+    mask=st.sampled_from([None, *MASKS]),
+    additive=st.booleans(),
     layout=st.sampled_from(["heads split", "contiguous"]),
+    broadcast=st.sampled_from([None, "q", "kv"]),
     seed=st.integers(0, 2**16),
 )
 def test_cut_queries_give_one_call_s_attention_and_gradients(
-    batch, heads, rows, splits, keys, mask, layout, seed
+    batch, heads, rows, splits, keys, mask, additive, layout, broadcast, seed
 ):
     # float64: the chunks' key and value gradients are summed by autograd, so the cut
-    # differs from one call by rounding only; q as `attend` gets it (a view of (B, N, H, D))
-    # or contiguous; the mask per key (B, 1, 1, M), per query and key (B, 1, N, M) or 2-D.
+    # differs from one call by rounding only. q as `attend` gets it (a view of (B, N, H, D))
+    # or contiguous; bool masks or additive float ones (their gradient too) of every
+    # broadcast shape; q or k and v with a batch of 1 that SDPA broadcasts.
     g = torch.Generator().manual_seed(seed)
     n, d = rows * splits, 4
+    q_batch = 1 if broadcast == "q" else batch
+    kv_batch = 1 if broadcast == "kv" else batch
     if layout == "heads split":
-        q = torch.randn(batch, n, heads, d, generator=g, dtype=torch.float64).transpose(1, 2)
+        q = torch.randn(q_batch, n, heads, d, generator=g, dtype=torch.float64).transpose(1, 2)
     else:
-        q = torch.randn(batch, heads, n, d, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(batch, heads, keys, d, generator=g, dtype=torch.float64) for _ in "kv")
-    shapes = {"keys": (batch, 1, 1, keys), "rows": (batch, 1, n, keys), "2-d": (n, keys)}
+        q = torch.randn(q_batch, heads, n, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(kv_batch, heads, keys, d, generator=g, dtype=torch.float64) for _ in "kv")
     attn_mask = None
     if mask is not None:
-        attn_mask = torch.rand(shapes[mask], generator=g) < 0.7
+        attn_mask = torch.rand(MASKS[mask](batch, heads, n, keys), generator=g) < 0.7
         attn_mask[..., 0] = True  # every row sees a key (SDPA gives NaN otherwise)
-    reference = grads(lambda *t: F.scaled_dot_product_attention(*t, attn_mask=attn_mask), q, k, v)
-    result = grads(lambda *t: sdpa(*t, attn_mask, splits=splits), q, k, v)
+        if additive:
+            bias = torch.randn(attn_mask.shape, generator=g, dtype=torch.float64)
+            attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
+
+    def one(q, k, v, m=attn_mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    def cut(q, k, v, m=attn_mask):
+        return sdpa(q, k, v, m, splits=splits)
+
+    differentiable = [q, k, v, attn_mask] if additive and mask else [q, k, v]
+    reference, result = grads(one, *differentiable), grads(cut, *differentiable)
     for got, want in zip(result, reference):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    if mask in (None, "keys"):  # and the formula written out
-        padding = None if attn_mask is None else attn_mask[:, 0, 0]
+    if mask in (None, "keys") and not additive and broadcast is None:  # the formula too
+        padding = None if mask is None else attn_mask[:, 0, 0]
         torch.testing.assert_close(result[0], softmax_attention(q, k, v, padding))
+
+
+@pytest.mark.parametrize("broadcast", ["q", "kv"])
+@pytest.mark.parametrize("splits", [2, 4])
+def test_a_batch_of_one_is_broadcast_as_sdpa_broadcasts_it(broadcast, splits):
+    g = torch.Generator().manual_seed(splits)
+    batches = {"q": (1, 3), "kv": (3, 1)}[broadcast]
+    q = torch.randn(batches[0], 2, 8, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batches[1], 2, 5, 4, generator=g, dtype=torch.float64) for _ in "kv")
+    mask = torch.rand(3, 1, 8, 5, generator=g) < 0.7
+    mask[..., 0] = True
+    reference = grads(lambda *t: F.scaled_dot_product_attention(*t, attn_mask=mask), q, k, v)
+    result = grads(lambda *t: sdpa(*t, mask, splits=splits), q, k, v)
+    for got, want in zip(result, reference):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_a_cut_that_does_not_divide_n_is_a_clear_error():
@@ -108,6 +148,22 @@ def test_attention_runs_the_rule_s_cut_with_a_padding_mask(monkeypatch):
     assert seen["backward"] is False
 
 
+def test_the_rule_s_cut_traces_with_n_symbolic():
+    # torch.compile makes N symbolic once it has seen a second length: the rule for a GPU
+    # call must trace without a graph break (math.gcd on N did not).
+    def splits(x):
+        n = x.shape[0]
+        call = dict(dtype=torch.float32, backward=True, causal=False, keys=256, groups=4)
+        return x * kernel_rule.choose_splits(device=torch.device("cuda"), queries=n, **call)
+
+    compiled = torch.compile(splits, dynamic=True, fullgraph=True, backend="eager")
+    try:
+        for n, expected in [(16384, 32), (4096 + 8, 8), (4097, 1), (2048, 1)]:
+            assert compiled(torch.ones(n))[0].item() == expected
+    finally:
+        torch._dynamo.reset()
+
+
 def test_the_cut_compiles_in_one_graph(monkeypatch):
     # What a GPU runs under torch.compile in training where the rule keeps SDPA: the cut
     # traced with no graph break (aot_eager: the graph, no code generation), the same
@@ -120,6 +176,15 @@ def test_the_cut_compiles_in_one_graph(monkeypatch):
     mask = torch.ones(2, 32, dtype=torch.bool)
     mask[1, 20:] = False
     layer = layer.double()
+    try:
+        check_compiled_cut(layer, x, mask)
+    finally:
+        torch._dynamo.reset()
+
+
+def check_compiled_cut(layer, x, mask):
+    """The layer compiled (aot_eager, one graph) gives eager's output and gradients, and its
+    traced SDPA takes the 2 x 4 chunks."""
     eager = grads(lambda t: layer(t, mask)[0], x)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     result = grads(lambda t: compiled(t, mask)[0], x)
@@ -130,4 +195,3 @@ def test_the_cut_compiles_in_one_graph(monkeypatch):
     recorded(x.requires_grad_(), mask)
     calls = [node for node in graphs[0].graph.nodes if "scaled_dot_product" in str(node.target)]
     assert [tuple(node.meta["example_value"].shape) for node in calls] == [(8, 2, 8, 8)]
-    torch._dynamo.reset()

@@ -9,7 +9,6 @@ The kernels themselves are in `kernels`; the tables the rule is read from are ma
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -137,8 +136,10 @@ def choose_kernel(
       softmax, mask and dropout bits): explicit 1.14x faster at B 1, n 4096 (3.5 against
       4.0 ms); SDPA cut 1.37x faster at B 1, n 16384 (5.7 against 7.8 ms), a tie at B 8
       (n 4096 10.5 against 10.6 ms, n 16384 37.9 against 37.7), where SDPA's lower memory
-      decides (5274 against 7647 MiB peak at n 16384). Not measured compiled: n 8192,
-      k other than 256, B H M between 1024 and 8192. Compiled inference and bf16 stay on
+      decides (5274 against 7647 MiB peak at n 16384). The explicit band rests on that
+      one cell; the B 8, n 4096 pair's two runs came from two calls (explicit's before
+      the cut, which does not touch it). Not measured compiled: n 8192, k other than 256,
+      B H M between 1024 and 8192. Compiled inference and bf16 stay on
       SDPA (`cuda/compiled/`: inference 0.63-0.95x on explicit; bf16 at B 1, n 16384,
       4.2 ms explicit against 4.1 on uncut SDPA). The explicit kernel's dropout bits add
       the seed before the 64-bit product (`dropout.dropout_bits`): the first form failed to
@@ -195,12 +196,14 @@ def choose_splits(
     fwd+bwd with and without dropout; 1, 2, 4, ... 64 chunks of at least 64 queries):
 
     - fp32 (the mem-efficient kernel): from n = 4096 cutting won up to 20x (B 1, n 65536,
-      k 64); n 1024 was best uncut. The rule: as many chunks (a power of 2, at most 64,
+      k 64); n 1024 was best uncut but in one cell (B 1, k 1024, dropout: 1.07x at 8
+      chunks). The rule: as many chunks (a power of 2, at most 64,
       each of at least 64 queries) as keep B x H x chunks x ceil(M / 64) <= 512, about four
       blocks per SM: 0.91-1.00x the best cut measured at every shape (geometric mean 0.985),
       never slower than one call; e.g. B 1, k 256, n 16384: 32 chunks, 0.71 ms against 4.45
       uncut (and 2.15 on the explicit kernel);
-    - bf16 (flash): cutting costs its copies and launches (0.34 -> 0.47 ms at n 4096), so
+    - bf16 (flash): cutting costs its copies and launches (B 1, n 4096, k 256 without
+      dropout: 0.34 ms uncut, 0.47 in 8 chunks), so
       from n = 8192 only (n 4096 was best uncut; 1.08-3.3x at n 16384-65536, B 1), by the
       same bound: 0.83-1.00x the best cut, 0.94x one call at worst (B 8, n 16384, k 256);
     - fp16 (the same kernels as bf16, not measured), fp64 (SDPA's math path, whose work
@@ -224,11 +227,16 @@ def choose_splits(
         return 1
     if queries < (4096 if dtype == torch.float32 else 8192):
         return 1
-    blocks = groups * -(-keys // 64)
-    splits = 1
-    while splits < 64 and queries // (2 * splits) >= 64 and blocks * 2 * splits <= 512:
+    blocks, splits = groups * -(-keys // 64), 1
+    # (divisibility in the loop, not math.gcd after it: dynamo traces this with N symbolic)
+    while (
+        splits < 64
+        and queries % (2 * splits) == 0
+        and queries // (2 * splits) >= 64
+        and blocks * 2 * splits <= 512
+    ):
         splits *= 2
-    return math.gcd(splits, queries)
+    return splits
 
 
 def compute_dtype(q: Tensor) -> torch.dtype:

@@ -267,6 +267,8 @@ def dot_product_attention(
 
     The contract of `F.scaled_dot_product_attention` with a bool mask; for the explicit
     kernel every row must have at least one allowed key (`functional.attendable` sees to it).
+    SDPA runs with its queries cut into as many chunks as `choose_splits` says (more than
+    one on a GPU in training only; `sdpa(..., splits=1)` is always one call).
 
     Args:
         q: (..., N, D).
@@ -300,8 +302,9 @@ def dot_product_attention(
     }
     kernel = kernel or pinned_kernel()
     if kernel is None:
-        compiled = lambda: native_ops(q, dtype) is not None  # noqa: E731
-        kernel = choose_kernel(**call, dropout=dropout_p > 0.0, compiled=compiled)
+        kernel = choose_kernel(
+            **call, dropout=dropout_p > 0.0, compiled=lambda: native_ops(q, dtype) is not None
+        )
     if kernel == "explicit":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         # Under autocast as SDPA is: its inputs cast as autocast casts them (float64 and
@@ -339,7 +342,10 @@ def sdpa(
     training step, `benchmarks/kernels/cuda/profile/`). Chunks multiply the blocks
     by `splits`; autograd sums the chunks' key and value gradients. Softmax rows are
     independent, so the output is the same to float rounding (with dropout, another draw of
-    the same distribution). The forward, already one block per 64 queries, is unchanged.
+    the same distribution). The forward's work, already one block per 64 queries, is
+    unchanged; the cut costs copies of the keys and values (and of a mask) per chunk where
+    the batch is over 1, of a mask with an N dimension always (an (N, M) mask becomes
+    B x N x M), and the sums of their gradients.
 
     Args:
         q: (B, H, N, D).
@@ -360,7 +366,8 @@ def sdpa(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
         )
-    batch = q.shape[0]
+    batch = max(t.shape[0] for t in (q, k, v))  # SDPA broadcasts a batch of 1
+    q, k, v = (t.expand(batch, *t.shape[1:]) for t in (q, k, v))
 
     def chunked(t: Tensor) -> Tensor:  # (B, H, N, D) -> (B * splits, H, N / splits, D)
         return t.unflatten(2, (splits, -1)).transpose(1, 2).flatten(0, 1)
