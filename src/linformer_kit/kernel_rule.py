@@ -206,6 +206,10 @@ def choose_splits(
       dropout: 0.34 ms uncut, 0.47 in 8 chunks), so
       from n = 8192 only (n 4096 was best uncut; 1.08-3.3x at n 16384-65536, B 1), by the
       same bound: 0.83-1.00x the best cut, 0.94x one call at worst (B 8, n 16384, k 256);
+    - CPU (`benchmarks/kernels/split-cpu/`, the same script with `--device cpu`, fp32,
+      2 threads, B 1, n 1024 / 4096, k 64 / 256; Intel Xeon): the best cut was 0.85-0.97x
+      one call at n 1024 and with dropout (which runs the explicit kernel anyway), and
+      1.04x / 1.14x in training without dropout at n 4096, a gain the rule leaves: uncut;
     - fp16 (the same kernels as bf16, not measured), fp64 (SDPA's math path, whose work
       does not depend on the cut) and more than 1024 keys (not measured; exact attention,
       whose N keys already give the backward N / 64 blocks per head) stay uncut.
