@@ -209,7 +209,8 @@ def choose_splits(
     - CPU (`benchmarks/kernels/split-cpu/`, the same script with `--device cpu`, fp32,
       2 threads, B 1, n 1024 / 4096, k 64 / 256; Intel Xeon): the best cut was 0.85-0.97x
       one call at n 1024 and with dropout (which runs the explicit kernel anyway), and
-      1.04x / 1.14x in training without dropout at n 4096, a gain the rule leaves: uncut;
+      1.04x / 1.14x in training without dropout at n 4096 (two cells of one run, not
+      checked in the layers, where the call is about a sixth of the time): uncut;
     - fp16 (the same kernels as bf16, not measured), fp64 (SDPA's math path, whose work
       does not depend on the cut) and more than 1024 keys (not measured; exact attention,
       whose N keys already give the backward N / 64 blocks per head) stay uncut.
