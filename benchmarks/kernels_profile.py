@@ -4,7 +4,8 @@ One encoder layer (or attention layer, `--scope`) of the bench's shape (dim 256,
 k 256, feed-forward 1024, no dropout), forward + backward, profiled with `torch.profiler`
 for `--steps` steps after a warm-up: per variant the device time of every kernel (on a
 GPU; on CPU each operator's own CPU time), grouped by name, the kernel count per step, and
-the step's wall time timed outside the profiler. Ours runs on the rule's kernel and pinned
+the step's wall time timed outside the profiler (`time_interleaved`: CUDA events on a
+GPU). Ours runs on the rule's kernel and pinned
 to each (`--kernel`); `--compile inductor` adds every variant compiled (Inductor's
 generated kernels then appear by their names). The peers need their packages
 (`linformer==0.2.3`, `linformer-pytorch==0.19.3`); a missing one is skipped.
@@ -22,7 +23,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from linformer_kit.bench.flops import Shape
-from linformer_kit.bench.timing import module_step
+from linformer_kit.bench.timing import module_step, time_interleaved
 from linformer_kit.bench.variants import (
     PEERS,
     SCOPES,
@@ -101,20 +101,6 @@ def profile_step(step: Any, *, device: str, steps: int) -> dict[str, Any]:
     }
 
 
-def wall_ms(step: Any, *, device: str, repeats: int) -> float:
-    """Median wall time of one call, synchronised on a GPU."""
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        begin = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - begin)
-    return round(statistics.median(times) * 1e3, 3)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Profiles every variant in turn and writes profile.json."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -159,7 +145,10 @@ def main(argv: list[str] | None = None) -> None:
             step = module_step(module, x, backward=True)
             for _ in range(args.warmup):
                 step()
-            row = {"wall_ms": wall_ms(step, device=args.device, repeats=max(args.steps, 5))}
+            wall = time_interleaved(
+                {"step": step}, warmup=0, repeats=max(args.steps, 5), device=args.device
+            )["step"]
+            row = {"wall_ms": round(statistics.median(wall) * 1e3, 3)}
             row |= profile_step(step, device=args.device, steps=args.steps)
             results[variant.name] = row
             print(
