@@ -6,8 +6,9 @@ for `--steps` steps after a warm-up: per variant the device time of every kernel
 GPU; on CPU each operator's own CPU time), grouped by name, the kernel count per step, and
 the step's wall time timed outside the profiler (`time_interleaved`: CUDA events on a
 GPU). Ours runs on the rule's kernel and pinned to each (`--kernel`); `--compile inductor`
-adds every variant compiled (Inductor's generated kernels then appear by their names). The peers need their packages
-(`linformer==0.2.3`, `linformer-pytorch==0.19.3`); a missing one is skipped.
+adds every variant compiled (Inductor's generated kernels then appear by their names). The
+peers need their packages (`linformer==0.2.3`, `linformer-pytorch==0.19.3`); a missing one
+is skipped.
 
 Writes OUT/profile.json (default benchmarks/kernels/cuda/profile, or kernels/profile on
 CPU) and prints each variant's top kernels.

@@ -143,6 +143,8 @@ def test_bad_input_is_a_clear_error():
         ops.feedforward_forward(x, w1, b2, w2, b1, 0, False)
     with pytest.raises(RuntimeError, match=r"grad \[2, 4\] and hidden \[3, 6\] do not match"):
         ops.feedforward_backward(torch.randn(2, 4), x, w1, w2, torch.randn(3, 6), 0, [True, True])
+    with pytest.raises(RuntimeError, match="weight_sums must be -1 .* got 2"):
+        ops.feedforward_backward(x, x, w1, w2, torch.randn(3, 6), 0, [True, True], 2)
 
 
 def test_weight_gradients_do_not_depend_on_which_thread_ends_first():
@@ -164,6 +166,55 @@ def test_weight_gradients_do_not_depend_on_which_thread_ends_first():
     for run in runs[1:]:
         for got, first in zip(run, runs[0]):
             assert torch.equal(got, first)
+
+
+def backward_of(ops, x, weights, grad, weight_sums):
+    """The kernel's five gradients (x, w1, b1, w2, b2) with the weight gradients summed
+    `weight_sums`'s way (-1 the rule, 0 each thread's sums, 1 over all rows)."""
+    w1, b1, w2, b2 = weights
+    _, hidden = ops.feedforward_forward(x, w1, b1, w2, b2, 0, True)
+    return ops.feedforward_backward(grad, x, w1, w2, hidden, 0, [True, True], weight_sums)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [0, 1, 40, 600])
+def test_both_ways_of_summing_the_weight_gradients_equal_the_modules(rows, threads):
+    ops = native.cpu_ops()
+    torch.manual_seed(rows)
+    ffn = FeedForward(dim=16, hidden_dim=64).double()
+    x = torch.randn(rows, 16, dtype=torch.float64) * 2
+    grad = torch.randn(rows, 16, dtype=torch.float64)
+    wanted = outputs_and_grads(ffn, x, grad, lambda t: modules_path(ffn, t))[1:]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for weight_sums in (0, 1, -1):
+            got = backward_of(ops, x, ffn_weights(ffn), grad, weight_sums)
+            for name, a, b in zip(["x", "w1", "b1", "w2", "b2"], got, wanted):
+                message = f"weight_sums {weight_sums}, {name}"
+                torch.testing.assert_close(a, b, msg=lambda m, message=message: f"{message}: {m}")
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(("rows", "chosen"), [(40, 1), (63, 1), (64, 0), (600, 0)])
+def test_the_rule_sums_over_all_rows_only_below_twice_threads_times_width(rows, chosen):
+    """Two threads, width 16: below 2 x 2 x 16 = 64 rows the weight gradients come from two
+    GEMMs over all rows (1), from there from each thread's sums (0). The two ways round
+    differently in float32, so the rule's bits tell which one ran."""
+    ops = native.cpu_ops()
+    torch.manual_seed(0)
+    x, grad = torch.randn(rows, 16), torch.randn(rows, 16)
+    weights = (torch.randn(64, 16), torch.randn(64), torch.randn(16, 64), torch.randn(16))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rule, *ways = (backward_of(ops, x, weights, grad, code) for code in (-1, 0, 1))
+    finally:
+        torch.set_num_threads(previous)
+    other = ways[1 - chosen]
+    assert all(torch.equal(a, b) for a, b in zip(rule, ways[chosen]))
+    assert not all(torch.equal(a, b) for a, b in zip(rule[1:], other[1:]))
 
 
 def test_the_ab_script_times_the_kernel_against_the_modules(tmp_path, monkeypatch):
@@ -218,8 +269,8 @@ def test_fake_kernels_agree_with_the_real_ones():
             ops.feedforward_forward, (x, w1, b1, w2, b2, 0, keep), test_utils=checks
         )
     hidden = ops.feedforward_forward(x, w1, b1, w2, b2, 0, True)[1]
-    for needs in ([True, True], [True, False], [False, True]):
-        args = (torch.randn(5, 4), x, w1, w2, hidden, 0, needs)
+    for needs, weight_sums in (([True, True], -1), ([True, False], 0), ([False, True], 1)):
+        args = (torch.randn(5, 4), x, w1, w2, hidden, 0, needs, weight_sums)
         torch.library.opcheck(ops.feedforward_backward, args, test_utils=checks)
 
 

@@ -1,6 +1,7 @@
-"""The GPU measurement scripts behind the cut (`benchmarks/kernels_split.py`) and the
-kernel-by-kernel profile (`benchmarks/kernels_profile.py`), run on CPU at tiny sizes: a
-GPU call runs the same code with `--device cuda`."""
+"""The measurement scripts behind the GPU cut (`benchmarks/kernels_split.py`), the
+kernel-by-kernel profile (`benchmarks/kernels_profile.py`) and the feed-forward kernel's
+weight-gradient rule (`benchmarks/kernels_feedforward_sums.py`), run on CPU at tiny sizes:
+a GPU call runs the first two with `--device cuda`."""
 
 import json
 
@@ -47,3 +48,21 @@ def test_the_profile_script_lists_each_variant_s_kernels(tmp_path):
     assert "attention_forward" in names or "bmm" in names
     with pytest.raises(SystemExit):
         script.main(["--kernel", "flash"])
+
+
+def test_the_feedforward_sums_script_times_each_way_against_the_modules(tmp_path):
+    script = load_script(BENCHMARKS / "kernels_feedforward_sums.py")
+    args = "--dim 8,16 --rows 32,64 --threads 1 --repeats 1"
+    script.main([*args.split(), "--out", str(tmp_path)])
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [(row["dim"], row["rows"]) for row in table["rows"]] == [
+        (8, 32), (8, 64), (16, 32), (16, 64)
+    ]  # fmt: skip
+    for row in table["rows"]:
+        ms = row["median_ms"]
+        assert set(ms) == {"thread sums", "all rows", "rule", "modules"}
+        assert all(t > 0 for t in ms.values())
+        assert row["rows_per_thread_width"] == row["rows"] / row["dim"]
+        ratio = ms["all rows"] / ms["thread sums"]
+        assert row["all_rows_over_thread_sums"] == pytest.approx(ratio, abs=0.002)
+    assert (tmp_path / "table.png").stat().st_size > 0

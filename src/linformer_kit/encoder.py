@@ -23,11 +23,13 @@ class FeedForward(nn.Module):
 
     On CPU in float32 / float64 without autocast it runs the compiled kernel
     (`csrc/feedforward.cpp`, eager or under torch.compile as one graph node): blocks of rows
-    whose hidden activations never leave the thread's cache; with GELU only the
-    pre-activation is kept for backward (PyTorch's modules keep it and the activation). The
-    same results to float rounding. Elsewhere the three modules run in turn: a GPU, bf16,
-    autocast, torch.export, functorch transforms and forward-mode AD, submodules replaced
-    or hooked (pruning, quantization), or where the kernels cannot be built.
+    whose hidden activations stay in the thread's cache (backward keeps them for every row
+    where rows are few for the threads and width, for the weight gradients' GEMMs); with GELU
+    only the pre-activation is kept for backward (PyTorch's modules keep it and the
+    activation). The same results to float rounding. Elsewhere the three modules run in
+    turn: a GPU, bf16, autocast, torch.export, functorch transforms and forward-mode AD,
+    submodules replaced or hooked (pruning, quantization), or where the kernels cannot be
+    built.
 
     Args:
         dim: model width.

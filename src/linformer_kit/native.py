@@ -144,7 +144,7 @@ def _register_python_side() -> None:
         return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(kept, w1.shape[0])
 
     @torch.library.register_fake("linformer_kit::feedforward_backward")
-    def _feedforward_gradients(grad, x, w1, w2, hidden, activation, needs):  # noqa: ANN001, ANN202, ARG001
+    def _feedforward_gradients(grad, x, w1, w2, hidden, activation, needs, weight_sums=-1):  # noqa: ANN001, ANN202, ARG001
         weights = (w1, w1.new_empty(w1.shape[0]), w2, w2.new_empty(w2.shape[0]))
         return (torch.empty_like(x) if needs[0] else x.new_empty(0),) + tuple(
             torch.empty_like(t) if needs[1] else t.new_empty(0) for t in weights

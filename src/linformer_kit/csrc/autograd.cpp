@@ -154,7 +154,7 @@ class FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction
             .findSchemaOrThrow("linformer_kit::feedforward_backward", "")
             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                const at::Tensor&, int64_t, std::array<bool, 2>)>();
+                const at::Tensor&, int64_t, std::array<bool, 2>, int64_t)>();
     if (!grads[0].defined()) return variable_list(6);  // (grads not materialized: none)
     const variable_list saved = ctx->get_saved_variables();
     const bool weights = ctx->needs_input_grad(1) || ctx->needs_input_grad(2) ||
@@ -162,7 +162,7 @@ class FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction
     const bool input = ctx->needs_input_grad(0);
     auto [grad_x, grad_w1, grad_b1, grad_w2, grad_b2] =
         op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3],
-                ctx->saved_data["activation"].toInt(), {input, weights});
+                ctx->saved_data["activation"].toInt(), {input, weights}, -1);
     const at::Tensor none;  // (the op's empty placeholders for the gradients not asked for)
     return {input ? grad_x : none, weights ? grad_w1 : none, weights ? grad_b1 : none,
             weights ? grad_w2 : none, weights ? grad_b2 : none, none};

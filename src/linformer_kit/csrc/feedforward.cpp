@@ -10,9 +10,11 @@
 // (one GEMM into the output). Backward, per block: A and act'(H) again from the kept H,
 // dA = dY W2, dH = dA * act'(H), dX = dH W1, and the weight gradients dW2 += dY^T A,
 // dW1 += dH^T X, db1 += sum dH, db2 += sum dY into each thread's own sums, added in the
-// order of their rows once the loop is done (the same result whichever thread ends first),
-// only the gradients asked for computed. Float and double; the GEMMs are single-threaded
-// BLAS calls (`blas.h`).
+// order of their rows once the loop is done (the same result whichever thread ends first);
+// or, where those copies would cost more (few rows for the threads and width, `all_rows`),
+// A and dH kept for every row and the weight gradients as two GEMMs over all rows after the
+// loop. Only the gradients asked for are computed. Float and double; the GEMMs in the loop
+// are single-threaded BLAS calls (`blas.h`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -121,6 +123,26 @@ void check_activation(int64_t activation) {
               "fused feed-forward: activation must be 0 (gelu) or 1 (relu); got ", activation);
 }
 
+// How backward sums the weight gradients over the rows (`weight_sums`): each thread into its
+// own dim x hidden copies, added once the loop is done (kThreadSums), or from A and dH kept
+// for every row, by two GEMMs over all rows that the BLAS threads (kAllRows). The copies cost
+// about threads x dim x hidden whatever the row count (zeroed, summed into, read back), the
+// kept rows 2 x rows x hidden. Timed by `benchmarks/kernels_feedforward_sums.py`
+// (`benchmarks/kernels/feedforward/sums/`: fwd+bwd, hidden 4 dim, dims 256-1024, 512-4096
+// rows, 2 threads, AVX-512 Xeon): all rows took 0.73-0.96x the thread sums' time below
+// rows = 2 x threads x dim and 1.02-1.20x from there, but for the two cells at dim 1024 nearest
+// the line (1.01x, 0.99x); the rule picked the faster way in 14 of 16 cells, within 1 % in the
+// other two. With 1 thread (`sums/threads1/`) in 9 of 12, within 1 / 1 / 5 % in the others.
+// With 16 threads, dim 768 and 2048 rows, backward's extra peak memory went 411 -> 97 MiB.
+enum WeightSums : int64_t { kRule = -1, kThreadSums = 0, kAllRows = 1 };
+
+bool all_rows(int64_t weight_sums, int64_t rows, int64_t dim, int64_t blocks) {
+  if (weight_sums != kRule) return weight_sums == kAllRows;
+  // the threads that get blocks: each one makes its own copies
+  const int64_t threads = std::min<int64_t>(std::max(1, at::get_num_threads()), blocks);
+  return rows < 2 * threads * dim;
+}
+
 // A thread's share of the weight and bias gradients, from the blocks begin .. end.
 template <typename T>
 struct Partial {
@@ -180,9 +202,13 @@ std::tuple<at::Tensor, at::Tensor> feedforward_forward(
 // tensors, none for optional ones).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforward_backward(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-    const at::Tensor& hidden_in, int64_t activation, std::array<bool, 2> needs) {
+    const at::Tensor& hidden_in, int64_t activation, std::array<bool, 2> needs,
+    int64_t weight_sums) {
   check_inputs(x, w1, w2, {&x, &w1, &w2, &grad, &hidden_in});
   check_activation(activation);
+  TORCH_CHECK(weight_sums >= kRule && weight_sums <= kAllRows,
+              "fused feed-forward backward: weight_sums must be -1 (the rule), 0 (each "
+              "thread's sums) or 1 (over all rows); got ", weight_sums);
   const int64_t rows = x.size(0), dim = x.size(1), hidden = w1.size(0);
   TORCH_CHECK(grad.sizes() == x.sizes() && hidden_in.sizes() == at::IntArrayRef({rows, hidden}),
               "fused feed-forward backward: grad ", grad.sizes(), " and hidden ",
@@ -196,47 +222,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
     grad_w1 = at::empty_like(w1), grad_w2 = at::empty_like(w2);
     grad_b1 = at::empty({hidden}, x.options()), grad_b2 = at::empty({dim}, x.options());
   }
+  const int64_t step = block_rows(rows, kBackRows), blocks = (rows + step - 1) / step;
+  const bool over_all_rows = need_weights && all_rows(weight_sums, rows, dim, blocks);
+  // A and dH of every row, for the weight gradients' GEMMs over all rows after the loop
+  at::Tensor a_all = over_all_rows ? at::empty({rows, hidden}, x.options()) : at::Tensor();
+  at::Tensor dh_all = over_all_rows ? at::empty({rows, hidden}, x.options()) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feedforward_backward", [&] {
     using T = scalar_t;
     const T *g_all = grad.data_ptr<T>(), *in = x.data_ptr<T>(), *h_all = hidden_in.data_ptr<T>();
     const T *weight1 = w1.data_ptr<T>(), *weight2 = w2.data_ptr<T>();
     T* dx = need_x ? grad_x.data_ptr<T>() : nullptr;
-    const int64_t step = block_rows(rows, kBackRows), blocks = (rows + step - 1) / step;
+    T* a_rows = over_all_rows ? a_all.data_ptr<T>() : nullptr;
+    T* dh_rows = over_all_rows ? dh_all.data_ptr<T>() : nullptr;
+    const bool thread_sums = need_weights && !over_all_rows;
     std::mutex lock;
     std::vector<Partial<T>> partials;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<T> a(step * hidden), slope(step * hidden), dh(step * hidden);
-      Partial<T> part(begin, need_weights ? hidden : 0, need_weights ? dim : 0);
+      std::vector<T> slope(step * hidden), a(over_all_rows ? 0 : step * hidden);
+      std::vector<T> dh(over_all_rows ? 0 : step * hidden);
+      Partial<T> part(begin, thread_sums ? hidden : 0, thread_sums ? dim : 0);
       std::vector<T>&dw1 = part.w1, &db1 = part.b1, &dw2 = part.w2, &db2 = part.b2;
       for (int64_t b = begin; b < end; ++b) {
         const int64_t first = b * step, count = std::min(step, rows - first);
         const T *g = g_all + first * dim, *h = h_all + first * hidden;
+        T* ab = over_all_rows ? a_rows + first * hidden : a.data();
+        T* dhb = over_all_rows ? dh_rows + first * hidden : dh.data();
         for (int64_t r = 0; r < count; ++r) {
-          activate_with_slope(h + r * hidden, a.data() + r * hidden, slope.data() + r * hidden,
+          activate_with_slope(h + r * hidden, ab + r * hidden, slope.data() + r * hidden,
                               hidden, activation);
         }
-        if (need_weights) {
-          gemm<T>(true, false, dim, hidden, count, T(1), g, dim, a.data(), hidden, T(1),
+        if (thread_sums) {
+          gemm<T>(true, false, dim, hidden, count, T(1), g, dim, ab, hidden, T(1),
                   dw2.data(), hidden);  // dW2 += dY^T A
           add_column_sums(g, count, dim, db2.data());
         }
-        gemm<T>(false, false, count, hidden, dim, T(1), g, dim, weight2, hidden, T(0), dh.data(),
+        gemm<T>(false, false, count, hidden, dim, T(1), g, dim, weight2, hidden, T(0), dhb,
                 hidden);  // dA = dY W2
-        for (int64_t c = 0; c < count * hidden; ++c) dh[c] *= slope[c];  // dH
+        for (int64_t c = 0; c < count * hidden; ++c) dhb[c] *= slope[c];  // dH
         if (need_x) {
-          gemm<T>(false, false, count, dim, hidden, T(1), dh.data(), hidden, weight1, dim, T(0),
+          gemm<T>(false, false, count, dim, hidden, T(1), dhb, hidden, weight1, dim, T(0),
                   dx + first * dim, dim);  // dX = dH W1
         }
-        if (need_weights) {
-          add_column_sums(dh.data(), count, hidden, db1.data());
-          gemm<T>(true, false, hidden, dim, count, T(1), dh.data(), hidden, in + first * dim,
+        if (thread_sums) {
+          add_column_sums(dhb, count, hidden, db1.data());
+          gemm<T>(true, false, hidden, dim, count, T(1), dhb, hidden, in + first * dim,
                   dim, T(1), dw1.data(), dim);  // dW1 += dH^T X
         }
       }
       std::lock_guard<std::mutex> guard(lock);
       partials.push_back(std::move(part));
     });
-    if (!need_weights) return;
+    if (!thread_sums) return;
     std::sort(partials.begin(), partials.end(),
               [](const Partial<T>& p, const Partial<T>& q) { return p.begin < q.begin; });
     // Each total the sum of the threads' sums in the order of their rows, in parallel over
@@ -255,6 +291,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
       });
     }
   });
+  if (over_all_rows) {  // the weight gradients as GEMMs over all rows, threaded by the BLAS
+    at::mm_out(grad_w2, grad.t(), a_all);
+    at::mm_out(grad_w1, dh_all.t(), x);
+    at::sum_out(grad_b1, dh_all, 0);
+    at::sum_out(grad_b2, grad, 0);
+  }
   return {grad_x, grad_w1, grad_b1, grad_w2, grad_b2};
 }
 
@@ -262,7 +304,8 @@ TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
   m.def("feedforward_forward(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, "
         "int activation, bool keep_hidden) -> (Tensor, Tensor)");
   m.def("feedforward_backward(Tensor grad, Tensor x, Tensor w1, Tensor w2, Tensor hidden, "
-        "int activation, bool[2] needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int activation, bool[2] needs, int weight_sums=-1) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(linformer_kit, CPU, m) {
