@@ -15,7 +15,7 @@ pytest.importorskip("linformer_pytorch")
 STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "compile-sdpa"]
 STEPS += ["kernels-fp16", "kernels-causal", "compile-bf16-explicit", "compile-bf16-sdpa"]
 STEPS += ["compile-b8-explicit", "compile-b8-sdpa", "bench-b1-compiled", "kernels-split"]
-STEPS += ["profile", "compile-8192-explicit", "compile-8192-sdpa"]
+STEPS += ["profile", "compile-8192-explicit", "compile-8192-sdpa", "feedforward-sums"]
 
 
 def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
@@ -53,6 +53,10 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
                         ("linformer kv", "lucidrains", "linformer-pytorch")}  # fmt: skip
     assert {row["best_splits"] for row in results["kernels-split"]["rows"]} <= {1, 2}
     assert "lucidrains [compiled aot_eager]" in results["profile"]["variants"]
+    sums = results["feedforward-sums"]
+    assert [(row["dim"], row["rows"], row["threads"]) for row in sums["rows"]] == [
+        (8, 32, 2), (8, 64, 2)
+    ]  # fmt: skip
     summary = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in summary] == STEPS
     assert all(": done in " in line for line in summary), summary
