@@ -4,8 +4,8 @@ backward sums the weight gradients over the rows.
 Per width (hidden = 4 x dim, GELU) and row count, one fwd+bwd of the compiled kernel with
 each thread summing its blocks into its own dim x hidden copies (`thread sums`), with A and
 dH kept for every row and two GEMMs over all rows (`all rows`), with the rule's choice, and
-of PyTorch's three modules, timed interleaved (medians). The copies cost about threads x
-dim x hidden however few the rows; the kept rows cost rows x hidden. Writes OUT/table.json
+of PyTorch's three modules, timed interleaved (medians). The copies cost 2 x threads x dim
+x hidden however few the rows; the kept rows 2 x rows x hidden. Writes OUT/table.json
 and OUT/table.png (all rows over thread sums against rows / (threads x dim)).
 
     PYTHONPATH=src python benchmarks/kernels_feedforward_sums.py
@@ -65,7 +65,8 @@ def steps(ops: object, dim: int, rows: int) -> dict[str, Callable[[], None]]:
 
     def modules() -> None:
         inputs = x.detach().requires_grad_()
-        down(torch.nn.functional.gelu(up(inputs))).backward(grad)
+        out = down(torch.nn.functional.gelu(up(inputs)))
+        torch.autograd.grad(out, [inputs, *up.parameters(), *down.parameters()], grad)
 
     return {name: kernel(code) for name, code in SUMS.items()} | {"modules": modules}
 

@@ -147,20 +147,20 @@ def test_bad_input_is_a_clear_error():
         ops.feedforward_backward(x, x, w1, w2, torch.randn(3, 6), 0, [True, True], 2)
 
 
-def test_weight_gradients_do_not_depend_on_which_thread_ends_first():
-    """Each thread's sums are added in the order of their rows: with four threads the
-    gradients of repeated calls are the same bits."""
+@pytest.mark.parametrize("weight_sums", [0, 1])
+def test_weight_gradients_do_not_depend_on_which_thread_ends_first(weight_sums):
+    """Each thread's sums are added in the order of their rows, and the GEMMs over all rows
+    are the BLAS's: with four threads the gradients of repeated calls are the same bits."""
     ops = native.cpu_ops()
     torch.manual_seed(0)
     x, grad = torch.randn(4096, 16), torch.randn(4096, 16)
     w1, w2 = torch.randn(64, 16), torch.randn(16, 64)
     _, hidden = ops.feedforward_forward(x, w1, torch.randn(64), w2, torch.randn(16), 0, True)
+    args = (grad, x, w1, w2, hidden, 0, [True, True], weight_sums)
     previous = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        runs = [
-            ops.feedforward_backward(grad, x, w1, w2, hidden, 0, [True, True]) for _ in range(8)
-        ]
+        runs = [ops.feedforward_backward(*args) for _ in range(8)]
     finally:
         torch.set_num_threads(previous)
     for run in runs[1:]:
@@ -176,32 +176,66 @@ def backward_of(ops, x, weights, grad, weight_sums):
     return ops.feedforward_backward(grad, x, w1, w2, hidden, 0, [True, True], weight_sums)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [0, 1, 40, 600])
-def test_both_ways_of_summing_the_weight_gradients_equal_the_modules(rows, threads):
+def test_both_ways_of_summing_the_weight_gradients_equal_the_modules(rows, threads, dtype):
     ops = native.cpu_ops()
     torch.manual_seed(rows)
-    ffn = FeedForward(dim=16, hidden_dim=64).double()
-    x = torch.randn(rows, 16, dtype=torch.float64) * 2
-    grad = torch.randn(rows, 16, dtype=torch.float64)
+    ffn = FeedForward(dim=16, hidden_dim=64).to(dtype)
+    x = torch.randn(rows, 16, dtype=dtype) * 2
+    grad = torch.randn(rows, 16, dtype=dtype)
     wanted = outputs_and_grads(ffn, x, grad, lambda t: modules_path(ffn, t))[1:]
+    _, hidden = ops.feedforward_forward(x, *ffn_weights(ffn), 0, True)
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for weight_sums in (0, 1, -1):
-            got = backward_of(ops, x, ffn_weights(ffn), grad, weight_sums)
-            for name, a, b in zip(["x", "w1", "b1", "w2", "b2"], got, wanted):
-                message = f"weight_sums {weight_sums}, {name}"
-                torch.testing.assert_close(a, b, msg=lambda m, message=message: f"{message}: {m}")
+            for needs in ([True, True], [True, False], [False, True]):
+                args = (grad, x, ffn.up.weight, ffn.down.weight, hidden, 0, needs, weight_sums)
+                got = ops.feedforward_backward(*args)
+                asked = [needs[0]] + [needs[1]] * 4
+                for name, a, b, need in zip(["x", "w1", "b1", "w2", "b2"], got, wanted, asked):
+                    message = f"weight_sums {weight_sums}, needs {needs}, {name}"
+                    if not need:
+                        assert a.numel() == 0, message
+                        continue
+                    torch.testing.assert_close(
+                        a, b, **tolerance, msg=lambda m, message=message: f"{message}: {m}"
+                    )
     finally:
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize(("rows", "chosen"), [(40, 1), (63, 1), (64, 0), (600, 0)])
-def test_the_rule_sums_over_all_rows_only_below_twice_threads_times_width(rows, chosen):
+def test_the_weight_gradients_keep_fp32_whatever_the_matmul_precision_setting():
+    """Both ways run the kernel's own GEMMs: `torch.set_float32_matmul_precision("medium")`
+    (bf16 GEMMs on a CPU with AMX, under `torch.mm`) must not lower the weight gradients of
+    the all-rows way only, and so with the row count."""
+    ops = native.cpu_ops()
+    torch.manual_seed(0)
+    x, grad = torch.randn(512, 256), torch.randn(512, 256)
+    weights = (torch.randn(1024, 256) / 16, torch.randn(1024), torch.randn(256, 1024) / 32)
+    weights += (torch.randn(256),)
+    wanted = backward_of(ops, x.double(), [w.double() for w in weights], grad.double(), 0)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        got = backward_of(ops, x, weights, grad, 1)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    for a, b in zip(got[1:], wanted[1:]):
+        torch.testing.assert_close(a, b.float(), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("rows", "chosen"), [(31, 1), (32, 0), (40, 1), (63, 1), (64, 0), (600, 0)]
+)
+def test_the_rule_sums_over_all_rows_only_below_twice_copies_times_width(rows, chosen):
     """Two threads, width 16: below 2 x 2 x 16 = 64 rows the weight gradients come from two
-    GEMMs over all rows (1), from there from each thread's sums (0). The two ways round
-    differently in float32, so the rule's bits tell which one ran."""
+    GEMMs over all rows (1), from there from each thread's sums (0); up to 32 rows (one
+    block, so one copy) the line is at 2 x 1 x 16 = 32. The two ways round differently in
+    float32, so the rule's bits tell which one ran."""
     ops = native.cpu_ops()
     torch.manual_seed(0)
     x, grad = torch.randn(rows, 16), torch.randn(rows, 16)

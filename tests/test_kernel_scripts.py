@@ -1,12 +1,16 @@
 """The measurement scripts behind the GPU cut (`benchmarks/kernels_split.py`), the
 kernel-by-kernel profile (`benchmarks/kernels_profile.py`) and the feed-forward kernel's
-weight-gradient rule (`benchmarks/kernels_feedforward_sums.py`), run on CPU at tiny sizes:
-a GPU call runs the first two with `--device cuda`."""
+weight-gradient rule (`benchmarks/kernels_feedforward_sums.py`), and the check of a fused
+CPU attention sub-layer (`benchmarks/kernels_sublayer.py`), run on CPU at small sizes: a GPU
+call runs the first two with `--device cuda`."""
 
 import json
 
 import pytest
+import torch
 from script_helpers import BENCHMARKS, load_script
+
+from linformer_kit.kernel_rule import use_kernel
 
 
 def test_the_split_script_times_every_cut_of_every_shape(tmp_path, monkeypatch):
@@ -66,3 +70,20 @@ def test_the_feedforward_sums_script_times_each_way_against_the_modules(tmp_path
         ratio = ms["all rows"] / ms["thread sums"]
         assert row["all_rows_over_thread_sums"] == pytest.approx(ratio, abs=0.002)
     assert (tmp_path / "table.png").stat().st_size > 0
+
+
+def test_the_sublayer_script_s_one_backward_equals_the_module(tmp_path):
+    script = load_script(BENCHMARKS / "kernels_sublayer.py")
+    x, norm, attn, weights = script.sublayer(300)  # two blocks of queries, one part-full
+    with use_kernel("explicit"):
+        wanted = torch.autograd.grad((x + attn(norm(x))[0]).square().sum(), [x, *weights])
+    got = torch.autograd.grad(
+        (x + script.OneBackward.apply(norm(x), *weights)).square().sum(), [x, *weights]
+    )
+    for a, b in zip(got, wanted, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    script.main(["--n", "300", "--repeats", "1", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "table.json").read_text())["rows"]
+    assert row["n"] == 300 and row["one backward / module"] == pytest.approx(
+        row["one backward"] / row["module"], abs=0.002
+    )

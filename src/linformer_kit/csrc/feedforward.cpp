@@ -46,10 +46,11 @@ constexpr int64_t kRows = 128;
 constexpr int64_t kBackRows = 256;
 constexpr int64_t kFewestRows = 32;
 
+int64_t threads() { return std::max<int64_t>(1, at::get_num_threads()); }
+
 // Rows per block for `rows` rows: `most`, or fewer so that each thread gets a block.
 int64_t block_rows(int64_t rows, int64_t most) {
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  return std::clamp<int64_t>((rows + threads - 1) / threads, kFewestRows, most);
+  return std::clamp<int64_t>((rows + threads() - 1) / threads(), kFewestRows, most);
 }
 
 enum Activation : int64_t { kGelu = 0, kRelu = 1 };
@@ -124,23 +125,28 @@ void check_activation(int64_t activation) {
 }
 
 // How backward sums the weight gradients over the rows (`weight_sums`): each thread into its
-// own dim x hidden copies, added once the loop is done (kThreadSums), or from A and dH kept
-// for every row, by two GEMMs over all rows that the BLAS threads (kAllRows). The copies cost
-// about threads x dim x hidden whatever the row count (zeroed, summed into, read back), the
-// kept rows 2 x rows x hidden. Timed by `benchmarks/kernels_feedforward_sums.py`
+// own copies of dW1 and dW2 (2 x dim x hidden), added once the loop is done (kThreadSums), or
+// from A and dH kept for every row (2 x rows x hidden), by two GEMMs over all rows that the
+// BLAS threads (kAllRows). The copies cost the same however few the rows (zeroed, summed into,
+// read back). Timed by `benchmarks/kernels_feedforward_sums.py`
 // (`benchmarks/kernels/feedforward/sums/`: fwd+bwd, hidden 4 dim, dims 256-1024, 512-4096
-// rows, 2 threads, AVX-512 Xeon): all rows took 0.73-0.96x the thread sums' time below
-// rows = 2 x threads x dim and 1.02-1.20x from there, but for the two cells at dim 1024 nearest
-// the line (1.01x, 0.99x); the rule picked the faster way in 14 of 16 cells, within 1 % in the
-// other two. With 1 thread (`sums/threads1/`) in 9 of 12, within 1 / 1 / 5 % in the others.
-// With 16 threads, dim 768 and 2048 rows, backward's extra peak memory went 411 -> 97 MiB.
+// rows, 2 threads, AVX-512 Xeon): all rows took 0.71-0.99x the thread sums' time below
+// rows = 2 x threads x dim and 1.03-1.20x from there, but for the two cells at dim 1024 nearest
+// the line (1.02x, 0.98x); the rule picked the faster way in 14 of 16 cells, 2 % slower in the
+// other two. With 1 thread (`sums/threads1/`) in 11 of 12. The noise is as large: the same
+// way timed twice in a cell differed by up to 11 %. With 16 threads, dim 768 and 2048 rows,
+// backward's extra peak memory went 411 -> 97 MiB. Between threads x dim and 2 x threads x
+// dim rows all rows holds more memory than the copies (up to about twice): speed decides.
 enum WeightSums : int64_t { kRule = -1, kThreadSums = 0, kAllRows = 1 };
 
 bool all_rows(int64_t weight_sums, int64_t rows, int64_t dim, int64_t blocks) {
   if (weight_sums != kRule) return weight_sums == kAllRows;
-  // the threads that get blocks: each one makes its own copies
-  const int64_t threads = std::min<int64_t>(std::max(1, at::get_num_threads()), blocks);
-  return rows < 2 * threads * dim;
+  if (blocks == 0) return false;
+  // The copies: one per call of at::parallel_for's function, each call given
+  // ceil(blocks / threads) blocks.
+  const int64_t per_call = (blocks + threads() - 1) / threads();
+  const int64_t copies = (blocks + per_call - 1) / per_call;
+  return rows < 2 * copies * dim;
 }
 
 // A thread's share of the weight and bias gradients, from the blocks begin .. end.
@@ -292,8 +298,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
     }
   });
   if (over_all_rows) {  // the weight gradients as GEMMs over all rows, threaded by the BLAS
-    at::mm_out(grad_w2, grad.t(), a_all);
-    at::mm_out(grad_w1, dh_all.t(), x);
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feedforward_weight_sums", [&] {
+      using T = scalar_t;  // (blas.h, as in the loop: not at::mm, whose fp32 precision may be
+                           // lowered by torch.set_float32_matmul_precision)
+      gemm<T>(true, false, dim, hidden, rows, T(1), grad.data_ptr<T>(), dim,
+              a_all.data_ptr<T>(), hidden, T(0), grad_w2.data_ptr<T>(), hidden);  // dY^T A
+      gemm<T>(true, false, hidden, dim, rows, T(1), dh_all.data_ptr<T>(), hidden,
+              x.data_ptr<T>(), dim, T(0), grad_w1.data_ptr<T>(), dim);  // dH^T X
+    });
     at::sum_out(grad_b1, dh_all, 0);
     at::sum_out(grad_b2, grad, 0);
   }
