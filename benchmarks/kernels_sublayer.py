@@ -43,12 +43,12 @@ NO_DROPOUT = -32768  # the kernel's dropout threshold that keeps every weight
 
 class OneBackward(torch.autograd.Function):
     """The attention sub-layer's attention (q, kv-shared projection E, explicit kernel,
-    output layer) with its backward written out: h (B, N, dim) -> (B, N, dim)."""
+    output layer) with its backward written out: h (B, N, dim) -> (B, N, dim), E (N, k)."""
 
     @staticmethod
     def forward(ctx, h, wq, bq, wk, bk, wv, bv, wo, bo, e):  # noqa: ANN001, ANN205
         ops, (batch, n, dim) = native.cpu_ops(), h.shape
-        e, head = e[:n], dim // HEADS
+        head = dim // HEADS
         q = torch.addmm(bq, h.reshape(-1, dim), wq.t()).view(batch, n, HEADS, head)
         p = torch.matmul(e.t(), h)  # (B, K, dim)
         ones = e.sum(0)  # E 1: the rows' weights of the key / value biases
