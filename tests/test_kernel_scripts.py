@@ -1,8 +1,8 @@
 """The measurement scripts behind the GPU cut (`benchmarks/kernels_split.py`), the
-kernel-by-kernel profile (`benchmarks/kernels_profile.py`) and the feed-forward kernel's
-weight-gradient rule (`benchmarks/kernels_feedforward_sums.py`), and the check of a fused
-CPU attention sub-layer (`benchmarks/kernels_sublayer.py`), run on CPU at small sizes: a GPU
-call runs the first two with `--device cuda`."""
+kernel-by-kernel profile (`benchmarks/kernels_profile.py`), the feed-forward kernel's
+weight-gradient rule (`benchmarks/kernels_feedforward_sums.py`) and the check of a fused CPU
+attention sub-layer (`benchmarks/kernels_sublayer.py`), run on CPU at small sizes: a GPU call
+runs the first two with `--device cuda`."""
 
 import json
 
