@@ -275,9 +275,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
                   dim, T(1), dw1.data(), dim);  // dW1 += dH^T X
         }
       }
+      if (!thread_sums) return;
       std::lock_guard<std::mutex> guard(lock);
       partials.push_back(std::move(part));
     });
+    if (over_all_rows) {  // the weight gradients as GEMMs over all rows, threaded by the BLAS
+      // (blas.h, as in the loop: not at::mm, whose fp32 precision
+      // torch.set_float32_matmul_precision may lower)
+      gemm<T>(true, false, dim, hidden, rows, T(1), g_all, dim, a_rows, hidden, T(0),
+              grad_w2.data_ptr<T>(), hidden);  // dY^T A
+      gemm<T>(true, false, hidden, dim, rows, T(1), dh_rows, hidden, in, dim, T(0),
+              grad_w1.data_ptr<T>(), dim);  // dH^T X
+      at::sum_out(grad_b1, dh_all, 0);
+      at::sum_out(grad_b2, grad, 0);
+    }
     if (!thread_sums) return;
     std::sort(partials.begin(), partials.end(),
               [](const Partial<T>& p, const Partial<T>& q) { return p.begin < q.begin; });
@@ -297,18 +308,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
       });
     }
   });
-  if (over_all_rows) {  // the weight gradients as GEMMs over all rows, threaded by the BLAS
-    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feedforward_weight_sums", [&] {
-      using T = scalar_t;  // (blas.h, as in the loop: not at::mm, whose fp32 precision may be
-                           // lowered by torch.set_float32_matmul_precision)
-      gemm<T>(true, false, dim, hidden, rows, T(1), grad.data_ptr<T>(), dim,
-              a_all.data_ptr<T>(), hidden, T(0), grad_w2.data_ptr<T>(), hidden);  // dY^T A
-      gemm<T>(true, false, hidden, dim, rows, T(1), dh_all.data_ptr<T>(), hidden,
-              x.data_ptr<T>(), dim, T(0), grad_w1.data_ptr<T>(), dim);  // dH^T X
-    });
-    at::sum_out(grad_b1, dh_all, 0);
-    at::sum_out(grad_b2, grad, 0);
-  }
   return {grad_x, grad_w1, grad_b1, grad_w2, grad_b2};
 }
 
