@@ -3,6 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from linformer_kit import (
     LinformerForMaskedLM,
@@ -77,6 +79,47 @@ def test_mlm_loss_ignores_minus_100():
     scored = labels != -100
     assert 0 < scored.sum() < scored.numel()
     torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[scored], labels[scored]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(["exact", "linear"]),
+    rate=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_scored_only_head_matches_the_full_head(name, rate, seed):
+    """`scored_only` runs the LM head at the labelled positions alone: the same loss (nan
+    for no scored position, as the full head's mean over nothing), those positions' logits
+    and the same gradients; padded rows included."""
+    model = LinformerForMaskedLM(tiny(**kind(name)))
+    ids, mask = inputs(seed)
+    labels = mlm_labels(ids, seed, rate)
+    full = model(ids, mask, labels=labels)
+    full.loss.backward()
+    expected = grads(model)
+    model.zero_grad()
+    scored = model(ids, mask, labels=labels, scored_only=True)
+    chosen = labels != -100
+    assert scored.logits.shape == (int(chosen.sum()), VOCAB)
+    torch.testing.assert_close(scored.logits, full.logits[chosen])
+    torch.testing.assert_close(scored.loss, full.loss, equal_nan=True)
+    if chosen.any():
+        scored.loss.backward()
+        torch.testing.assert_close(grads(model), expected)
+    torch.testing.assert_close(scored.last_hidden_state, full.last_hidden_state)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(scored_only=True), "scored_only=True needs labels"),
+        (dict(labels=torch.zeros(B, N - 1, dtype=torch.long)), r"shape \(3, 20\), got \(3, 19\)"),
+    ],
+)
+def test_masked_lm_rejects_bad_labels(kwargs, message):
+    ids, mask = inputs()
+    with pytest.raises(ValueError, match=message):
+        LinformerForMaskedLM(tiny())(ids, mask, **kwargs)
 
 
 def test_decoder_is_tied_to_token_embeddings():

@@ -6,7 +6,9 @@ import pytest
 import torch
 from train_helpers import tiny_run
 
+from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, lr_factor, pretrain
+from linformer_kit.training.batches import language_model_loss
 from linformer_kit.training.distributed import resolve_device
 
 
@@ -27,6 +29,27 @@ def test_tiny_pretraining_lowers_validation_loss(tmp_path, capsys):
     assert val[-1] < val[0] - 0.3
     start = torch.log(torch.tensor(300.0)).item()  # a uniform guess over the vocabulary
     assert val[-1] < start - 1.5
+
+
+def test_language_model_loss_runs_the_masked_head_on_scored_positions_only(monkeypatch):
+    """The trainers' loss: a masked LM's with `scored_only` (the loss unchanged), a causal
+    LM's as the model computes it (it has no such argument)."""
+    config = LinformerConfig(
+        vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8
+    )
+    ids = torch.randint(5, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(16) % 4 == 0, ids, -100)
+    mlm = LinformerForMaskedLM(config).eval()
+    calls = []
+    monkeypatch.setattr(
+        mlm, "forward", lambda **kw: calls.append(kw) or type(mlm).forward(mlm, **kw)
+    )
+    loss = language_model_loss(mlm, {"input_ids": ids, "labels": labels}, causal=False)
+    assert calls[-1]["scored_only"] is True
+    torch.testing.assert_close(loss, type(mlm).forward(mlm, ids, labels=labels).loss)
+    clm = LinformerForCausalLM(config.replace(causal=True)).eval()
+    batch = {"input_ids": ids, "labels": ids}
+    torch.testing.assert_close(language_model_loss(clm, batch, causal=True), clm(**batch).loss)
 
 
 def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):

@@ -72,6 +72,12 @@ class RowSchedule:
         return {"epoch": epoch, "offset": offset}
 
 
+def language_model_loss(model: nn.Module, batch: dict[str, Tensor], *, causal: bool) -> Tensor:
+    """The loss of a causal or masked LM on `batch` (input_ids, labels, ...); a masked LM's
+    head runs only at the scored positions (`LinformerForMaskedLM`'s `scored_only`)."""
+    return model(**batch, **({} if causal else {"scored_only": True})).loss
+
+
 @dataclass
 class LMBatches:
     """Packed blocks for language modelling: fresh RoBERTa masking per step (dynamic masking),
@@ -103,6 +109,10 @@ class LMBatches:
             mlm_probability=self.mlm_probability,
         )
         return {"input_ids": inputs, "labels": labels}
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        """The model's loss on one of these batches (`language_model_loss`)."""
+        return language_model_loss(model, batch, causal=self.causal)
 
     def scored(self, labels: Tensor) -> int:
         """How many tokens the loss on `labels` averages over (a causal model has no target
@@ -136,7 +146,7 @@ class LMEvaluator:
             generator = torch.Generator().manual_seed(mix_seed(EVAL_SEED, index))
             batch = self.batches.label(blocks.batch(rows), generator)
             n = self.batches.scored(batch["labels"])
-            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+            loss = self.batches.loss(model, {k: v.to(device) for k, v in batch.items()})
             total += float(loss) * n
             scored += n
         loss = total / max(scored, 1)

@@ -24,6 +24,7 @@ from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
 from ..models import LinformerForMaskedLM
 from ..precision import cpu_features
+from .batches import language_model_loss
 from .loop import TrainResult
 from .pretrain import pretrain
 from .process import in_fresh_process
@@ -152,7 +153,8 @@ def seconds_per_step(settings: ComparisonSettings) -> float:
         times = []
         for _ in range(3):
             begin = time.perf_counter()
-            model(input_ids=ids, labels=labels).loss.backward()
+            batch = {"input_ids": ids, "labels": labels}
+            language_model_loss(model, batch, causal=run.model.causal).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - begin)

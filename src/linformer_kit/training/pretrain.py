@@ -52,6 +52,7 @@ def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> T
         dist=dist,
         run_config=run,
         tokenizer=data.tokenizer,
+        loss_fn=batches.loss,
     )
 
 

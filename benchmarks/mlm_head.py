@@ -1,0 +1,125 @@
+"""What running the masked LM's head at the scored positions alone saves a training step.
+
+`LinformerForMaskedLM(..., scored_only=True)` (what the trainers call) applies the LM head
+(dense, GELU, LayerNorm, the tied vocab_size-way decoder) and the loss to the positions
+with a label, 15 % of them under RoBERTa masking, instead of to all B x N. Per model: one
+optimiser step (forward, loss, backward, AdamW, zeroed gradients) with the head at every
+position (`full`) and at the scored ones (`scored`), same weights and batch, timed
+interleaved (medians), and each way's loss on the batch in eval mode (they must agree).
+Models: the demo's masked-LM pair (vocabulary 4096, n 1024, dim 128, 4 layers, batch 4;
+Linformer k 128 layerwise, and exact attention), and a BERT-base-width one (vocabulary
+30522, dim 768, 12 heads, 2 layers, n 512, batch 2, Linformer k 128 kv). Writes
+OUT/ab.json.
+
+    PYTHONPATH=src python benchmarks/mlm_head.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from linformer_kit import LinformerConfig, LinformerForMaskedLM
+from linformer_kit.bench.timing import time_interleaved
+from linformer_kit.training.compare import machine
+
+OUT = Path(__file__).parent / "mlm_head"
+DEMO = dict(vocab_size=4096, max_seq_len=1024, dim=128, depth=4, num_heads=4, dropout=0.0)
+BASE = dict(vocab_size=30522, max_seq_len=512, dim=768, depth=2, num_heads=12, dropout=0.0)
+MODELS = {  # name -> (config fields, batch size)
+    "demo Linformer (k 128, layerwise)": (dict(DEMO, proj_dim=128, sharing="layerwise"), 4),
+    "demo Transformer (exact)": (dict(DEMO, proj_dim=None), 4),
+    "BERT-base width, 2 layers (k 128, kv)": (dict(BASE, proj_dim=128, sharing="kv"), 2),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Rounds, threads and output folder of a run."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved timed rounds")
+    parser.add_argument("--mlm-probability", type=float, default=0.15, help="scored share")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--out", type=Path, default=OUT, help="writes ab.json there")
+    return parser.parse_args(argv)
+
+
+def steps(
+    fields: dict, batch: int, probability: float
+) -> tuple[dict[str, Callable[[], None]], dict[str, float]]:
+    """One training step per way of running the head, and each way's eval-mode loss."""
+    torch.manual_seed(0)
+    model = LinformerForMaskedLM(LinformerConfig(**fields))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    shape = (batch, fields["max_seq_len"])
+    ids = torch.randint(5, fields["vocab_size"], shape)
+    labels = torch.where(torch.rand(shape) < probability, ids, -100)
+
+    def step(scored_only: bool) -> Callable[[], None]:
+        def run() -> None:
+            model(ids, labels=labels, scored_only=scored_only).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return run
+
+    with torch.no_grad():
+        model.eval()
+        losses = {
+            way: float(model(ids, labels=labels, scored_only=way == "scored").loss)
+            for way in ("full", "scored")
+        }
+        model.train()
+    return {"full": step(False), "scored": step(True)}, losses
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Times every model both ways and writes ab.json."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name, (fields, batch) in tqdm(MODELS.items(), desc="models"):
+        calls, losses = steps(fields, batch, args.mlm_probability)
+        times = time_interleaved(calls, warmup=1, repeats=args.repeats, device="cpu")
+        median = {way: statistics.median(seconds) * 1e3 for way, seconds in times.items()}
+        rows.append(
+            {
+                "model": name,
+                "config": fields,
+                "batch_size": batch,
+                "median_ms": median,
+                "speedup": median["full"] / median["scored"],
+                "eval_loss": losses,
+                "times_ms": {way: [s * 1e3 for s in seconds] for way, seconds in times.items()},
+            }
+        )
+        print(
+            f"{name}: full {median['full']:.1f} ms, scored {median['scored']:.1f} ms "
+            f"({rows[-1]['speedup']:.2f}x); eval loss {losses['full']:.5f} / "
+            f"{losses['scored']:.5f}",
+            flush=True,
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "command": " ".join(
+            [
+                "PYTHONPATH=src python benchmarks/mlm_head.py",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        ),
+        "machine": machine(),
+        "mlm_probability": args.mlm_probability,
+        "rows": rows,
+    }
+    (args.out / "ab.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("wrote", args.out / "ab.json")
+
+
+if __name__ == "__main__":
+    main()
