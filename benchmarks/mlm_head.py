@@ -6,6 +6,11 @@ with a label, 15 % of them under RoBERTa masking, instead of to all B x N. Per m
 optimiser step (forward, loss, backward, AdamW, zeroed gradients) with the head at every
 position (`full`) and at the scored ones (`scored`), same weights and batch, timed
 interleaved (medians), and each way's loss on the batch in eval mode (they must agree).
+Then, per way, `--memory-steps` steps in a fresh process with a new mask every step, as in
+training, and its resident peak (VmHWM) after 5 steps and after all: the head at every
+position, at the scored ones (their count rounded up to 64 rows, `SCORED_ROWS_MULTIPLE`),
+and at exactly the scored ones (`scored exact`, whose new row count every step fragments
+the heap).
 Models: the demo's masked-LM pair (vocabulary 4096, n 1024, dim 128, 4 layers, batch 4;
 Linformer k 128 layerwise, and exact attention), and a BERT-base-width one (vocabulary
 30522, dim 768, 12 heads, 2 layers, n 512, batch 2, Linformer k 128 kv). Writes
@@ -26,9 +31,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from linformer_kit import LinformerConfig, LinformerForMaskedLM
+from linformer_kit import LinformerConfig, LinformerForMaskedLM, models
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.training.compare import machine
+from linformer_kit.training.process import in_fresh_process
 
 OUT = Path(__file__).parent / "mlm_head"
 DEMO = dict(vocab_size=4096, max_seq_len=1024, dim=128, depth=4, num_heads=4, dropout=0.0)
@@ -46,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timed rounds")
     parser.add_argument("--mlm-probability", type=float, default=0.15, help="scored share")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument(
+        "--memory-steps", type=int, default=30, help="steps per way in a fresh process (0: none)"
+    )
     parser.add_argument("--out", type=Path, default=OUT, help="writes ab.json there")
     return parser.parse_args(argv)
 
@@ -79,6 +88,30 @@ def steps(
     return {"full": step(False), "scored": step(True)}, losses
 
 
+def resident_peaks(
+    fields: dict, batch: int, probability: float, way: str, steps: int, threads: int
+) -> list[float]:
+    """VmHWM in MiB after 5 training steps and after `steps`, a new mask every step (run it
+    in a fresh process: the peak is the process's)."""
+    torch.set_num_threads(threads)
+    if way == "scored exact":
+        models.SCORED_ROWS_MULTIPLE = 1  # this process's only
+    torch.manual_seed(0)
+    model = LinformerForMaskedLM(LinformerConfig(**fields))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    shape, peaks = (batch, fields["max_seq_len"]), []
+    for step in range(steps):
+        ids = torch.randint(5, fields["vocab_size"], shape)
+        labels = torch.where(torch.rand(shape) < probability, ids, -100)
+        model(ids, labels=labels, scored_only=way != "full").loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step + 1 in (5, steps):
+            status = Path("/proc/self/status").read_text().splitlines()
+            peaks.append(next(int(x.split()[1]) / 1024 for x in status if x.startswith("VmHWM")))
+    return peaks
+
+
 def main(argv: list[str] | None = None) -> None:
     """Times every model both ways and writes ab.json."""
     args = parse_args(argv)
@@ -99,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
                 "times_ms": {way: [s * 1e3 for s in seconds] for way, seconds in times.items()},
             }
         )
+        if args.memory_steps:
+            run = (fields, batch, args.mlm_probability)
+            rows[-1]["resident_peak_mib_after_5_and_all_steps"] = {
+                way: in_fresh_process(resident_peaks, *run, way, args.memory_steps, args.threads)
+                for way in ("full", "scored", "scored exact")
+            }
         print(
             f"{name}: full {median['full']:.1f} ms, scored {median['scored']:.1f} ms "
             f"({rows[-1]['speedup']:.2f}x); eval loss {losses['full']:.5f} / "
@@ -115,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         "machine": machine(),
         "mlm_probability": args.mlm_probability,
+        "memory_steps": args.memory_steps,
         "rows": rows,
     }
     (args.out / "ab.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -1,10 +1,13 @@
 """Whole models: outputs, heads, losses, masks, variants, checkpointing, training, bf16."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from script_helpers import BENCHMARKS, load_script
 
 from linformer_kit import (
     LinformerForMaskedLM,
@@ -107,6 +110,34 @@ def test_scored_only_head_matches_the_full_head(name, rate, seed):
         scored.loss.backward()
         torch.testing.assert_close(grads(model), expected)
     torch.testing.assert_close(scored.last_hidden_state, full.last_hidden_state)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.05, 0.3, 0.5, 1.0])
+def test_scored_only_head_rows_are_a_multiple_of_64(rate):
+    """The head runs on the S scored rows and unscored ones up to a multiple of 64 rows (all
+    B x N at most): the loss and the returned logits are the scored rows' alone."""
+    model = LinformerForMaskedLM(tiny()).eval()
+    ids = torch.randint(2, VOCAB // 2, (3, 64), generator=torch.Generator().manual_seed(1))
+    labels = mlm_labels(ids, 1, rate)
+    seen = []
+    model.head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    scored = model(ids, labels=labels, scored_only=True)
+    count = int((labels != -100).sum())
+    assert seen == [min(ids.numel(), -(-count // 64) * 64)]
+    full = model(ids, labels=labels)
+    torch.testing.assert_close(scored.logits, full.logits[labels != -100])
+    torch.testing.assert_close(scored.loss, full.loss, equal_nan=True)
+
+
+def test_the_mlm_head_script_times_both_ways_on_one_batch(tmp_path, monkeypatch):
+    script = load_script(BENCHMARKS / "mlm_head.py")
+    fields = dict(vocab_size=VOCAB, max_seq_len=N, dim=DIM, depth=1, num_heads=4, proj_dim=8)
+    monkeypatch.setattr(script, "MODELS", {"tiny": (fields, 2)})
+    script.main(["--repeats", "2", "--threads", "1", "--memory-steps", "0", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [len(row["times_ms"][way]) for way in ("full", "scored")] == [2, 2]
+    assert row["speedup"] == row["median_ms"]["full"] / row["median_ms"]["scored"]
+    assert row["eval_loss"]["scored"] == pytest.approx(row["eval_loss"]["full"], rel=1e-5)
 
 
 @pytest.mark.parametrize(
