@@ -67,8 +67,9 @@ for _output in (LinformerOutput, MaskedLMOutput, SequenceClassifierOutput):
 
 # With `scored_only` the masked LM's head runs on the scored positions and, after them, on
 # unscored ones (label -100: no loss) up to a multiple of this many rows: a few recurring
-# shapes, which the CPU allocator reuses. A new row count every step fragmented glibc's heap:
-# the demo's exact Transformer grew from 539 to 902 MB resident over 100 steps (590 flat so).
+# shapes, which the CPU allocator reuses. A new row count every step fragmented glibc's heap
+# (`benchmarks/mlm_head.py`: the demo's exact Transformer went from 546 MiB resident after 5
+# steps to 676 after 30, against 537 and 549 so; the head at every position: 693, 697).
 SCORED_ROWS_MULTIPLE = 64
 
 
