@@ -106,9 +106,10 @@ def resident_peaks(
         model(ids, labels=labels, scored_only=way != "full").loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step + 1 in (5, steps):
-            status = Path("/proc/self/status").read_text().splitlines()
-            peaks.append(next(int(x.split()[1]) / 1024 for x in status if x.startswith("VmHWM")))
+        for mark in (min(5, steps), steps):  # both entries even where they are one step
+            if step + 1 == mark:
+                status = Path("/proc/self/status").read_text().splitlines()
+                peaks += [next(int(x.split()[1]) / 1024 for x in status if "VmHWM" in x)]
     return peaks
 
 

@@ -77,10 +77,9 @@ def scored_rows(labels: Tensor) -> tuple[Tensor, int]:
     """Flat (B x N) indices of the labelled positions in order, then of unlabelled ones up to
     a multiple of `SCORED_ROWS_MULTIPLE` rows (or all), and how many are labelled."""
     labelled = labels.flatten() != -100
-    rows = labelled.nonzero().squeeze(1)
-    total = min(labelled.numel(), -(-rows.numel() // SCORED_ROWS_MULTIPLE) * SCORED_ROWS_MULTIPLE)
-    extra = (~labelled).nonzero().squeeze(1)[: total - rows.numel()]
-    return torch.cat([rows, extra]), rows.numel()
+    count = int(labelled.sum())
+    total = min(labelled.numel(), -(-count // SCORED_ROWS_MULTIPLE) * SCORED_ROWS_MULTIPLE)
+    return torch.argsort(~labelled, stable=True)[:total], count  # labelled first, in order
 
 
 def sinusoidal_positions(max_seq_len: int, dim: int) -> Tensor:
@@ -356,7 +355,7 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
                 f"{tuple(labels.shape)}"
             )
         if scored_only and labels is None:
-            raise ValueError("scored_only=True needs labels: it keeps the positions labelled")
+            raise ValueError("scored_only=True needs labels: the head runs where label != -100")
         out = self.linformer(
             input_ids, key_padding_mask, token_type_ids, output_hidden_states, output_attentions
         )
