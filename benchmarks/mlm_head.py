@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from linformer_kit import LinformerConfig, LinformerForMaskedLM, models
+from linformer_kit import LinformerConfig, LinformerForMaskedLM, masked_lm
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.training.compare import machine
 from linformer_kit.training.process import in_fresh_process
@@ -95,7 +95,7 @@ def resident_peaks(
     in a fresh process: the peak is the process's)."""
     torch.set_num_threads(threads)
     if way == "scored exact":
-        models.SCORED_ROWS_MULTIPLE = 1  # this process's only
+        masked_lm.SCORED_ROWS_MULTIPLE = 1  # this process's only
     torch.manual_seed(0)
     model = LinformerForMaskedLM(LinformerConfig(**fields))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -5,7 +5,7 @@ import pytest
 from train_helpers import flip_last_byte, tiny_run
 
 from linformer_kit.hub import IntegrityError
-from linformer_kit.models import LinformerForMaskedLM
+from linformer_kit.masked_lm import LinformerForMaskedLM
 from linformer_kit.training import checkpoint as checkpoint_module
 from linformer_kit.training import latest_checkpoint, load_checkpoint, pretrain
 

@@ -11,7 +11,7 @@ from train_helpers import tiny_run
 
 from linformer_kit import hub
 from linformer_kit.data import prepare_pretraining_data
-from linformer_kit.models import LinformerForMaskedLM
+from linformer_kit.masked_lm import LinformerForMaskedLM
 from linformer_kit.training.distributed import setup_distributed, teardown_distributed
 from linformer_kit.training.pretrain import build_trainer, prepare_data
 

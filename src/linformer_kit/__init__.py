@@ -13,13 +13,12 @@ from .config import (
 from .cross_attention import LinformerCrossAttention, MemoryCache, cross_attention
 from .encoder import FeedForward, LinformerEncoder, LinformerEncoderLayer
 from .functional import exact_attention, linformer_attention
+from .masked_lm import LinformerForMaskedLM, MaskedLMOutput
 from .models import (
-    LinformerForMaskedLM,
     LinformerForSequenceClassification,
     LinformerModel,
     LinformerOutput,
     LinformerPreTrainedModel,
-    MaskedLMOutput,
     SequenceClassifierOutput,
 )
 from .precision import Bf16Support, bf16_support

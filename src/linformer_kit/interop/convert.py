@@ -13,12 +13,8 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from ..models import (
-    LinformerForMaskedLM,
-    LinformerForSequenceClassification,
-    LinformerModel,
-    LinformerPreTrainedModel,
-)
+from ..masked_lm import LinformerForMaskedLM
+from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel
 from .bert import convert_hf_model
 from .projection_init import DEFAULT_INIT, init_projections
 from .report import TOKENIZER_NAME, calibration_ids

@@ -22,7 +22,7 @@ from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
-from ..models import LinformerForMaskedLM
+from ..masked_lm import LinformerForMaskedLM
 from ..precision import cpu_features
 from .batches import language_model_loss
 from .loop import TrainResult

@@ -18,7 +18,8 @@ from ..data.cache import PackedBlocks
 from ..data.classification import ClassificationData, load_classification
 from ..data.corpus import JSONL_SUFFIXES, iter_documents, iter_jsonl
 from ..data.tokenizer import TextTokenizer, load_tokenizer
-from ..models import LinformerForMaskedLM, LinformerForSequenceClassification
+from ..masked_lm import LinformerForMaskedLM
+from ..models import LinformerForSequenceClassification
 from .batches import ClassificationEvaluator, LMBatches, LMEvaluator, RowSchedule
 from .distributed import resolve_device
 from .settings import RUN_CONFIG_NAME, check_threads, use_threads

@@ -9,7 +9,7 @@ import torch
 
 from ..causal_lm import LinformerForCausalLM
 from ..data.pipeline import PretrainingData, prepare_pretraining_data
-from ..models import LinformerForMaskedLM
+from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
