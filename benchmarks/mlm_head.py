@@ -22,6 +22,7 @@ OUT/ab.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -29,11 +30,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from linformer_kit import LinformerConfig, LinformerForMaskedLM, masked_lm
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.training.compare import machine
+from linformer_kit.training.loop import peak_memory_mb
 from linformer_kit.training.process import in_fresh_process
 
 OUT = Path(__file__).parent / "mlm_head"
@@ -59,25 +62,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def model_and_optimizer(fields: dict) -> tuple[LinformerForMaskedLM, torch.optim.Optimizer]:
+    """A masked LM of `fields` (seed 0) and its AdamW."""
+    torch.manual_seed(0)
+    model = LinformerForMaskedLM(LinformerConfig(**fields))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def masked_batch(fields: dict, batch: int, probability: float) -> tuple[Tensor, Tensor]:
+    """Random input_ids (batch, max_seq_len) and labels scoring a `probability` share."""
+    shape = (batch, fields["max_seq_len"])
+    ids = torch.randint(5, fields["vocab_size"], shape)
+    return ids, torch.where(torch.rand(shape) < probability, ids, -100)
+
+
+def train_step(
+    model: LinformerForMaskedLM,
+    optimizer: torch.optim.Optimizer,
+    ids: Tensor,
+    labels: Tensor,
+    scored_only: bool,
+) -> None:
+    """Forward, loss, backward, optimiser step, gradients cleared."""
+    model(ids, labels=labels, scored_only=scored_only).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def steps(
     fields: dict, batch: int, probability: float
 ) -> tuple[dict[str, Callable[[], None]], dict[str, float]]:
     """One training step per way of running the head, and each way's eval-mode loss."""
-    torch.manual_seed(0)
-    model = LinformerForMaskedLM(LinformerConfig(**fields))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    shape = (batch, fields["max_seq_len"])
-    ids = torch.randint(5, fields["vocab_size"], shape)
-    labels = torch.where(torch.rand(shape) < probability, ids, -100)
-
-    def step(scored_only: bool) -> Callable[[], None]:
-        def run() -> None:
-            model(ids, labels=labels, scored_only=scored_only).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return run
-
+    model, optimizer = model_and_optimizer(fields)
+    ids, labels = masked_batch(fields, batch, probability)
     with torch.no_grad():
         model.eval()
         losses = {
@@ -85,7 +102,11 @@ def steps(
             for way in ("full", "scored")
         }
         model.train()
-    return {"full": step(False), "scored": step(True)}, losses
+    calls = {
+        way: functools.partial(train_step, model, optimizer, ids, labels, way == "scored")
+        for way in ("full", "scored")
+    }
+    return calls, losses
 
 
 def resident_peaks(
@@ -96,20 +117,13 @@ def resident_peaks(
     torch.set_num_threads(threads)
     if way == "scored exact":
         masked_lm.SCORED_ROWS_MULTIPLE = 1  # this process's only
-    torch.manual_seed(0)
-    model = LinformerForMaskedLM(LinformerConfig(**fields))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    shape, peaks = (batch, fields["max_seq_len"]), []
+    model, optimizer = model_and_optimizer(fields)
+    peaks = []
     for step in range(steps):
-        ids = torch.randint(5, fields["vocab_size"], shape)
-        labels = torch.where(torch.rand(shape) < probability, ids, -100)
-        model(ids, labels=labels, scored_only=way != "full").loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, *masked_batch(fields, batch, probability), way != "full")
         for mark in (min(5, steps), steps):  # both entries even where they are one step
             if step + 1 == mark:
-                status = Path("/proc/self/status").read_text().splitlines()
-                peaks += [next(int(x.split()[1]) / 1024 for x in status if "VmHWM" in x)]
+                peaks.append(peak_memory_mb(torch.device("cpu")))
     return peaks
 
 
