@@ -143,6 +143,30 @@ def test_shifted_loss_scores_the_next_token_and_skips_minus_100():
     assert model.linformer.embeddings.tokens.weight.grad is not None  # tied head trains them
 
 
+@pytest.mark.parametrize("proj_dim", [6, None])
+def test_loss_without_logits_equals_the_full_logits_loss(proj_dim):
+    """`return_logits=False` (the trainers' call): the same shifted loss and gradients from
+    the chunked head, with padding and label -100; no logits; labels required."""
+    ids = torch.randint(0, 50, (2, 11), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[1, 3] = -100
+    grads, losses = [], []
+    for return_logits in (True, False):
+        torch.manual_seed(0)
+        model = LinformerForCausalLM(tiny(proj_dim=proj_dim)).double()
+        out = model(ids, MASK, labels=labels, return_logits=return_logits)
+        assert (out.logits is None) is not return_logits
+        out.loss.backward()
+        losses.append(out.loss)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(losses[1], losses[0])
+    assert grads[1].keys() == grads[0].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+    with pytest.raises(ValueError, match="return_logits=False needs labels"):
+        model(ids, return_logits=False)
+
+
 @pytest.mark.parametrize("kind", CAUSAL_KINDS, ids=lambda k: k[0])
 @pytest.mark.parametrize("sharing", ["none", "layerwise"])
 @pytest.mark.parametrize("prompt", [1, BLOCK, 2 * BLOCK + 3])

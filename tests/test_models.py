@@ -129,6 +129,26 @@ def test_scored_only_head_rows_are_a_multiple_of_64(rate):
     torch.testing.assert_close(scored.loss, full.loss, equal_nan=True)
 
 
+@pytest.mark.parametrize("scored_only", [False, True])
+@pytest.mark.parametrize("name", ["exact", "linear"])
+def test_masked_lm_loss_without_logits_equals_the_full_logits_loss(name, scored_only):
+    """`return_logits=False` (the trainers' call): the decoder and loss in chunks of rows,
+    the same loss and gradients (decoder bias included), no logits."""
+    model = LinformerForMaskedLM(tiny(**kind(name))).double()
+    ids, mask = inputs(2)
+    labels = mlm_labels(ids, 2, 0.4)
+    full = model(ids, mask, labels=labels, scored_only=scored_only)
+    full.loss.backward()
+    expected = grads(model)
+    model.zero_grad()
+    out = model(ids, mask, labels=labels, scored_only=scored_only, return_logits=False)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, full.loss)
+    out.loss.backward()
+    assert "decoder_bias" in expected
+    torch.testing.assert_close(grads(model), expected)
+
+
 def test_the_mlm_head_script_times_both_ways_on_one_batch(tmp_path, monkeypatch):
     script = load_script(BENCHMARKS / "mlm_head.py")
     fields = dict(vocab_size=VOCAB, max_seq_len=N, dim=DIM, depth=1, num_heads=4, proj_dim=8)
@@ -143,7 +163,8 @@ def test_the_mlm_head_script_times_both_ways_on_one_batch(tmp_path, monkeypatch)
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(scored_only=True), "scored_only=True needs labels"),
+        (dict(scored_only=True), "scored_only=True and return_logits=False need labels"),
+        (dict(return_logits=False), "scored_only=True and return_logits=False need labels"),
         (dict(labels=torch.zeros(B, N - 1, dtype=torch.long)), r"shape \(3, 20\), got \(3, 19\)"),
     ],
 )

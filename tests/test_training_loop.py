@@ -31,25 +31,27 @@ def test_tiny_pretraining_lowers_validation_loss(tmp_path, capsys):
     assert val[-1] < start - 1.5
 
 
-def test_language_model_loss_runs_the_masked_head_on_scored_positions_only(monkeypatch):
-    """The trainers' loss: a masked LM's with `scored_only` (the loss unchanged), a causal
-    LM's as the model computes it (it has no such argument)."""
+def test_language_model_loss_runs_the_heads_without_logits(monkeypatch):
+    """The trainers' loss: a masked LM's with `scored_only` and both LMs' with
+    `return_logits=False`, the loss unchanged."""
     config = LinformerConfig(
         vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8
     )
     ids = torch.randint(5, 50, (2, 16), generator=torch.Generator().manual_seed(0))
     labels = torch.where(torch.arange(16) % 4 == 0, ids, -100)
     mlm = LinformerForMaskedLM(config).eval()
-    calls = []
-    monkeypatch.setattr(
-        mlm, "forward", lambda **kw: calls.append(kw) or type(mlm).forward(mlm, **kw)
-    )
-    loss = language_model_loss(mlm, {"input_ids": ids, "labels": labels}, causal=False)
-    assert calls[-1]["scored_only"] is True
-    torch.testing.assert_close(loss, type(mlm).forward(mlm, ids, labels=labels).loss)
     clm = LinformerForCausalLM(config.replace(causal=True)).eval()
-    batch = {"input_ids": ids, "labels": ids}
-    torch.testing.assert_close(language_model_loss(clm, batch, causal=True), clm(**batch).loss)
+    calls = []
+    for model in (mlm, clm):
+        monkeypatch.setattr(
+            model, "forward", lambda m=model, **kw: calls.append(kw) or type(m).forward(m, **kw)
+        )
+    loss = language_model_loss(mlm, {"input_ids": ids, "labels": labels}, causal=False)
+    assert calls[-1]["scored_only"] is True and calls[-1]["return_logits"] is False
+    torch.testing.assert_close(loss, type(mlm).forward(mlm, ids, labels=labels).loss)
+    loss = language_model_loss(clm, {"input_ids": ids, "labels": ids}, causal=True)
+    assert calls[-1]["return_logits"] is False and "scored_only" not in calls[-1]
+    torch.testing.assert_close(loss, type(clm).forward(clm, ids, labels=ids).loss)
 
 
 def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):

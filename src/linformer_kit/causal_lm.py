@@ -10,21 +10,34 @@ from torch import Tensor
 
 from .attention import CausalState
 from .config import LinformerConfig
+from .losses import linear_cross_entropy
 from .models import LinformerModel, LinformerPreTrainedModel
 
 
 @dataclass
 class CausalLMOutput:
-    """Causal-LM output: `loss` (when labels were given), `logits` (B, N, vocab_size); the
-    logits at position i predict the token at i + 1."""
+    """Causal-LM output: `loss` (when labels were given), `logits` (B, N, vocab_size), None
+    with `return_logits=False`; the logits at position i predict the token at i + 1."""
 
     loss: Tensor | None
-    logits: Tensor
+    logits: Tensor | None
     last_hidden_state: Tensor
     hidden_states: tuple[Tensor, ...] | None = None
 
 
 torch.export.register_dataclass(CausalLMOutput)
+
+
+def next_token_targets(labels: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """(B, N): the label at i + 1 for position i, -100 where nothing is scored (the last
+    position, label -100, and pairs where either position is padding)."""
+    # Labels shifted left instead of logits shifted right: slicing the (B, N, V) logits
+    # would copy them (and zero-fill a gradient as large) every step.
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    if key_padding_mask is not None:
+        real = F.pad(key_padding_mask[:, 1:] & key_padding_mask[:, :-1], (0, 1))
+        targets = targets.masked_fill(~real, -100)
+    return targets
 
 
 def next_token_loss(logits: Tensor, labels: Tensor, key_padding_mask: Tensor | None) -> Tensor:
@@ -39,15 +52,10 @@ def next_token_loss(logits: Tensor, labels: Tensor, key_padding_mask: Tensor | N
     Returns:
         The mean over the scored pairs, in float32 (float64 for float64 logits).
     """
-    # Labels shifted left instead of logits shifted right: slicing the (B, N, V) logits
-    # would copy them (and zero-fill a gradient as large) every step.
-    targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, N): the token after each position
-    if key_padding_mask is not None:
-        real = F.pad(key_padding_mask[:, 1:] & key_padding_mask[:, :-1], (0, 1))
-        targets = targets.masked_fill(~real, -100)
     logits = logits.flatten(0, 1)  # bf16 / fp16 up to float32; float64 stays float64
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits, targets.flatten(), ignore_index=-100)
+    targets = next_token_targets(labels, key_padding_mask).flatten()
+    return F.cross_entropy(logits, targets, ignore_index=-100)
 
 
 class LinformerForCausalLM(LinformerPreTrainedModel):
@@ -74,6 +82,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         labels: Tensor | None = None,
         output_hidden_states: bool = False,
         states: list[CausalState] | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
         """Next-token logits and, given labels, the shifted loss.
 
@@ -85,16 +94,30 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
                 at i + 1, skipping label -100 and pairs where either position is padding.
             output_hidden_states: also return the embeddings and every layer's output.
             states: generation states to continue (see `init_states`), updated in place.
+            return_logits: False (the trainers' choice; needs labels): the loss from the
+                head in chunks of rows (`losses.linear_cross_entropy`), without the
+                (B, N, vocab_size) logits, which come back as None. The same loss and
+                gradients, in about half the head's time (`benchmarks/lm_loss.py`).
 
         Returns:
             A `CausalLMOutput`.
+
+        Raises:
+            ValueError: for `return_logits=False` without labels.
         """
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False needs labels: it returns only the loss")
         out = self.linformer(
             input_ids, key_padding_mask, output_hidden_states=output_hidden_states, states=states
         )
-        logits = F.linear(out.last_hidden_state, self.linformer.embeddings.tokens.weight)
+        hidden, weight = out.last_hidden_state, self.linformer.embeddings.tokens.weight
+        if not return_logits:
+            targets = next_token_targets(labels, key_padding_mask)
+            loss = linear_cross_entropy(hidden, weight, targets)
+            return CausalLMOutput(loss, None, hidden, out.hidden_states)
+        logits = F.linear(hidden, weight)
         loss = None if labels is None else next_token_loss(logits, labels, key_padding_mask)
-        return CausalLMOutput(loss, logits, out.last_hidden_state, out.hidden_states)
+        return CausalLMOutput(loss, logits, hidden, out.hidden_states)
 
     def init_states(self) -> list[CausalState]:
         """Empty generation states, one per layer, for `forward(..., states=...)`."""

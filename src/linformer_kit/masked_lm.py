@@ -10,16 +10,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import LinformerConfig
+from .losses import linear_cross_entropy
 from .models import LinformerModel, LinformerPreTrainedModel, init_weights
 
 
 @dataclass
 class MaskedLMOutput:
     """Masked-LM output: `loss` (when labels were given), `logits` (B, N, vocab_size), or
-    (S, vocab_size) for the S scored positions with `scored_only`."""
+    (S, vocab_size) for the S scored positions with `scored_only`, or None with
+    `return_logits=False`."""
 
     loss: Tensor | None
-    logits: Tensor
+    logits: Tensor | None
     last_hidden_state: Tensor
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
@@ -69,6 +71,7 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         output_hidden_states: bool = False,
         output_attentions: bool = False,
         scored_only: bool = False,
+        return_logits: bool = True,
     ) -> MaskedLMOutput:
         """Token logits and, given labels (B, N) with -100 at unscored positions, the loss.
 
@@ -76,18 +79,24 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         alone (and at as few others as round their count up to `SCORED_ROWS_MULTIPLE`), as
         fairseq's masked LM does: the same loss, `logits` (S, vocab_size) for the S scored
         positions in (batch, position) order, and at 15 % masking most of the head's work
-        and logits skipped (`benchmarks/mlm_head.py`).
+        and logits skipped (`benchmarks/mlm_head.py`). With `return_logits=False` (also the
+        trainers'; needs labels) the decoder and the loss run in chunks of rows
+        (`losses.linear_cross_entropy`) and `logits` is None.
 
         Raises:
-            ValueError: for `scored_only` without labels, or labels not shaped as input_ids.
+            ValueError: for `scored_only` or `return_logits=False` without labels, or labels
+                not shaped as input_ids.
         """
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(
                 f"labels must have input_ids' shape {tuple(input_ids.shape)}, got "
                 f"{tuple(labels.shape)}"
             )
-        if scored_only and labels is None:
-            raise ValueError("scored_only=True needs labels: the head runs where label != -100")
+        if labels is None and (scored_only or not return_logits):
+            raise ValueError(
+                "scored_only=True and return_logits=False need labels: the head runs where "
+                "label != -100, and only the loss is returned"
+            )
         out = self.linformer(
             input_ids, key_padding_mask, token_type_ids, output_hidden_states, output_attentions
         )
@@ -95,16 +104,18 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         if scored_only:  # S scored rows, then unscored ones up to a multiple of 64
             rows, scored = scored_rows(labels)
             hidden, labels = hidden.flatten(0, 1)[rows], labels.flatten()[rows]
-        logits = F.linear(
-            self.head(hidden), self.linformer.embeddings.tokens.weight, self.decoder_bias
-        )  # (B, N, vocab_size) or (rows, vocab_size)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(), labels.flatten(), ignore_index=-100
-            )
-        if scored_only:
-            logits = logits[:scored]  # (S, vocab_size)
+        hidden, weight = self.head(hidden), self.linformer.embeddings.tokens.weight
+        logits, loss = None, None
+        if not return_logits:
+            loss = linear_cross_entropy(hidden, weight, labels, self.decoder_bias)
+        else:
+            logits = F.linear(hidden, weight, self.decoder_bias)  # (B, N, V) or (rows, V)
+            if labels is not None:
+                flat = logits.reshape(-1, logits.shape[-1])  # bf16 up to float32, not float64 down
+                flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
+                loss = F.cross_entropy(flat, labels.flatten(), ignore_index=-100)
+            if scored_only:
+                logits = logits[:scored]  # (S, vocab_size)
         return MaskedLMOutput(
             loss, logits, out.last_hidden_state, out.hidden_states, out.attentions
         )

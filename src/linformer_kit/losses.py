@@ -1,0 +1,158 @@
+"""`linear_cross_entropy`: a language model's head and loss computed in chunks of rows, so
+that the (rows, vocab_size) logits are never held at once.
+
+A causal LM scores every position against the whole vocabulary: at the demo's size (4 x 1024
+positions, vocabulary 4096) the logits, their log-softmax and its gradient are three 64 MiB
+tensors, written and read back by separate ops. Here each chunk's logits are made, turned
+into the loss and into their own gradient (softmax minus one-hot, in place) and consumed by
+the two gradient GEMMs while they are still in cache; the backward pass only scales the
+gradients the forward pass summed (Liger-Kernel's fused linear cross-entropy does the same
+on GPUs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+# About this many logits per chunk: on CPU 2^20 (4 MiB in float32, an L2's worth), where
+# `benchmarks/lm_loss.py` found 128-1024 rows at vocabulary 4096 within the noise of each
+# other; elsewhere 2^26 (256 MiB), so that a GPU runs few, large launches (not yet timed).
+CHUNK_ELEMENTS = {"cpu": 1 << 20}
+GPU_CHUNK_ELEMENTS = 1 << 26
+# Fewest rows per chunk: below this the GEMMs run far below their rate (large vocabularies).
+MIN_CHUNK_ROWS = 64
+
+
+def chunk_rows(rows: int, vocab_size: int, device: torch.device) -> int:
+    """Rows per chunk of `linear_cross_entropy` for `rows` rows of `vocab_size` logits."""
+    elements = CHUNK_ELEMENTS.get(device.type, GPU_CHUNK_ELEMENTS)
+    return max(1, min(rows, max(MIN_CHUNK_ROWS, elements // max(1, vocab_size))))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward: the summed loss of the scored rows and, where `needs` asks, the gradients of
+    that sum (saved); backward: those gradients times grad_output / count."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, needs, dtype, step):  # noqa: ANN001, ANN205
+        rows = hidden.shape[0]
+        acc = torch.promote_types(dtype, torch.float32)  # the softmax's dtype
+        scored = targets != ignore_index
+        count = scored.sum()
+        index = targets.masked_fill(~scored, 0).unsqueeze(1)  # (R, 1)
+        keep = scored.to(acc).unsqueeze(1)  # (R, 1): 1 on scored rows, 0 on the others
+        need_hidden, need_weight, need_bias = needs
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+        )
+        grad_bias = (
+            torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_bias else None
+        )
+        lse = torch.empty((rows, 1), dtype=acc, device=hidden.device)  # log-sum-exp per row
+        picked = torch.empty_like(lse)  # the target's logit per row
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, rows, step):
+                part = slice(start, start + step)
+                h = hidden[part].to(dtype)
+                logits = F.linear(h, w, b).to(acc)  # (C, V), fresh: worked on in place
+                torch.gather(logits, 1, index[part], out=picked[part])
+                top = logits.amax(1, keepdim=True)
+                probs = logits.sub_(top).exp_()  # (C, V) unnormalised
+                sums = probs.sum(1, keepdim=True)
+                torch.add(top, sums.log(), out=lse[part])
+                if not any(needs):
+                    continue
+                probs.mul_(keep[part] / sums)  # softmax on scored rows, zeros on the others
+                probs.scatter_add_(1, index[part], -keep[part])  # d(loss sum) / d(logits)
+                grad_logits = probs.to(dtype)
+                if need_hidden:
+                    grad_hidden[part] = grad_logits @ w
+                if need_weight and dtype == acc:
+                    grad_weight.addmm_(grad_logits.t(), h)  # no (V, dim) temporary
+                elif need_weight:
+                    grad_weight += grad_logits.t() @ h
+                if need_bias:
+                    grad_bias += probs.sum(0)
+        total = ((lse - picked) * keep).sum()
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, count)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total / count  # nan when nothing is scored, as F.cross_entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):  # noqa: ANN001, ANN205
+        *grads, count = ctx.saved_tensors
+        scale = grad_output / count.clamp(min=1)  # nothing scored: zero gradients
+        scaled = [None if g is None else (g * scale).to(t) for g, t in zip(grads, ctx.dtypes)]
+        return (*scaled, None, None, None, None, None)
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    rows_per_chunk: int | None = None,
+) -> Tensor:
+    """Mean cross-entropy of the logits `hidden @ weight.T + bias` against `targets`,
+    holding one chunk of rows' logits at a time (`chunk_rows`).
+
+    Equal, to float rounding, to `F.cross_entropy(F.linear(hidden, weight, bias).float(),
+    targets, ignore_index=ignore_index)`, gradients included: the GEMMs run in the inputs'
+    dtype (under autocast, in its dtype), the softmax in float32 (float64 for float64). When
+    grad mode is on and an input requires grad, the forward pass also computes the
+    gradients, chunk by chunk; backward then only scales them (no double backward).
+
+    Args:
+        hidden: (..., dim) the head's input.
+        weight: (vocab_size, dim) the output layer's weight (an LM's tied embeddings).
+        targets: (...) int64 class indices, hidden's leading shape; `ignore_index` is skipped.
+        bias: optional (vocab_size,).
+        ignore_index: the target value that scores nothing.
+        rows_per_chunk: rows of logits made at a time; None: `chunk_rows`' choice for the
+            device and vocabulary.
+
+    Returns:
+        The mean over the scored rows, a float32 scalar (float64 for float64 inputs); nan
+        when no row is scored, as `F.cross_entropy`.
+
+    Raises:
+        ValueError: if the shapes disagree, a target is outside [0, vocab_size) and is not
+            `ignore_index`, or rows_per_chunk is below 1.
+    """
+    vocab_size, dim = weight.shape
+    if hidden.shape[-1:] != (dim,) or targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"hidden (..., {dim}) and targets of its leading shape expected for weight "
+            f"{tuple(weight.shape)}; got hidden {tuple(hidden.shape)}, targets "
+            f"{tuple(targets.shape)}"
+        )
+    if bias is not None and bias.shape != (vocab_size,):
+        raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    if bad.any():
+        raise ValueError(
+            f"targets must lie in [0, {vocab_size}) or equal ignore_index {ignore_index}; "
+            f"got {int(targets[bad][0])}"
+        )
+    if rows_per_chunk is not None and rows_per_chunk < 1:
+        raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
+    rows = hidden.numel() // dim if dim else 0
+    step = rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
+    device = hidden.device.type
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if torch.is_autocast_enabled(device) and dtype == torch.float32:
+        dtype = torch.get_autocast_dtype(device)
+    grad = torch.is_grad_enabled()
+    needs = tuple(grad and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return _LinearCrossEntropy.apply(
+        hidden.reshape(-1, dim), weight, bias, targets.reshape(-1), ignore_index, needs, dtype, step
+    )

@@ -1,0 +1,159 @@
+"""linear_cross_entropy: the chunked head + loss against F.cross_entropy of the full logits."""
+
+import functools
+import json
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from script_helpers import BENCHMARKS, load_script
+
+from linformer_kit import losses
+from linformer_kit.losses import chunk_rows, linear_cross_entropy
+
+
+def case(seed, lead, dim, vocab, rate, bias, dtype=torch.float64):
+    """hidden (*lead, dim), weight, bias and targets with a `rate` share scored."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*lead, dim, generator=gen, dtype=dtype).requires_grad_()
+    weight = torch.randn(vocab, dim, generator=gen, dtype=dtype).requires_grad_()
+    b = torch.randn(vocab, generator=gen, dtype=dtype).requires_grad_() if bias else None
+    targets = torch.randint(0, vocab, lead, generator=gen)
+    targets[torch.rand(lead, generator=gen) >= rate] = -100
+    return hidden, weight, b, targets
+
+
+def reference(hidden, weight, targets, bias=None):
+    logits = F.linear(hidden, weight, bias).flatten(0, -2)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=-100)
+
+
+def loss_and_grads(fn, hidden, weight, bias, targets):
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    loss = fn(hidden, weight, targets, bias)
+    return loss, torch.autograd.grad(loss, inputs) if loss.requires_grad else None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    lead=st.sampled_from([(0,), (1,), (7,), (3, 13), (2, 50)]),
+    dim=st.integers(1, 12),
+    vocab=st.integers(1, 70),
+    rate=st.sampled_from([0.0, 0.2, 1.0]),
+    bias=st.booleans(),
+    rows=st.integers(1, 40),
+)
+def test_equals_cross_entropy_of_the_full_logits(seed, lead, dim, vocab, rate, bias, rows):
+    """Loss and every gradient equal the full logits' in float64, for any chunking, shape
+    and share of ignored rows (none scored: nan loss, zero gradients, as F.cross_entropy)."""
+    hidden, weight, b, targets = case(seed, lead, dim, vocab, rate, bias)
+    chunked = functools.partial(linear_cross_entropy, rows_per_chunk=rows)
+    loss, grads = loss_and_grads(chunked, hidden, weight, b, targets)
+    expected, expected_grads = loss_and_grads(reference, hidden, weight, b, targets)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected, equal_nan=True)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_float32_matches_the_float64_reference():
+    hidden, weight, b, targets = case(1, (2, 300), 48, 1000, 0.7, True, torch.float32)
+    chunked = functools.partial(linear_cross_entropy, rows_per_chunk=64)
+    loss, grads = loss_and_grads(chunked, hidden, weight, b, targets)
+    wide = [t.detach().double().requires_grad_() for t in (hidden, weight, b)]
+    expected, expected_grads = loss_and_grads(reference, wide[0], wide[1], wide[2], targets)
+    assert loss.dtype == torch.float32 and [g.dtype for g in grads] == [torch.float32] * 3
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_gradcheck():
+    hidden, weight, b, targets = case(2, (9,), 4, 6, 0.6, True)
+    assert torch.autograd.gradcheck(
+        lambda h, w, c: linear_cross_entropy(h, w, targets, c, rows_per_chunk=4),
+        (hidden, weight, b),
+    )
+
+
+def test_under_bf16_autocast_it_rounds_as_the_full_logits_do():
+    """Under autocast the GEMMs run in bf16 and the softmax in float32, as F.linear and
+    F.cross_entropy on `.float()` logits do: bf16-sized differences, float32 results."""
+    hidden, weight, _, targets = case(3, (512,), 64, 700, 0.8, False, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, None, targets)
+        expected, expected_grads = loss_and_grads(reference, hidden, weight, None, targets)
+    assert loss.dtype == torch.float32 and [g.dtype for g in grads] == [torch.float32] * 2
+    torch.testing.assert_close(loss, expected, rtol=1e-3, atol=0)
+    for got, want in zip(grads, expected_grads):
+        assert (got - want).norm() < 0.01 * want.norm()
+
+
+def test_computes_gradients_only_where_asked():
+    """Without grad mode, or for inputs that do not require grad, the forward pass skips
+    those gradients' GEMMs."""
+    hidden, weight, b, targets = case(4, (30,), 8, 20, 0.5, True)
+    seen = []
+    real = losses._LinearCrossEntropy.forward
+
+    def spy(ctx, *args):
+        seen.append(args[5])  # needs
+        return real(ctx, *args)
+
+    with mock.patch.object(losses._LinearCrossEntropy, "forward", staticmethod(spy)):
+        with torch.no_grad():
+            loss = linear_cross_entropy(hidden, weight, targets, b)
+        linear_cross_entropy(hidden, weight.detach(), targets, b)
+    assert seen == [(False, False, False), (True, False, True)]
+    torch.testing.assert_close(loss, reference(hidden, weight, targets, b).detach())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(targets=torch.zeros(5, dtype=torch.long)), r"targets of its leading shape"),
+        (dict(hidden=torch.randn(6, 7)), r"hidden \(\.\.\., 8\)"),
+        (dict(bias=torch.zeros(9)), r"bias must have shape \(10,\)"),
+        (dict(targets=torch.tensor([0, 1, 10, 2, 3, 4])), r"\[0, 10\) .* got 10"),
+        (dict(targets=torch.tensor([0, -1, 1, 2, 3, 4])), r"ignore_index -100; got -1"),
+        (dict(rows_per_chunk=0), r"rows_per_chunk must be at least 1, got 0"),
+    ],
+)
+def test_bad_inputs_raise(change, message):
+    args = dict(hidden=torch.randn(6, 8), weight=torch.randn(10, 8), targets=torch.arange(6))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        linear_cross_entropy(**args)
+
+
+def test_chunk_rows():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert chunk_rows(4096, 4096, cpu) == 256  # 2^20 logits
+    assert chunk_rows(4096, 50257, cpu) == losses.MIN_CHUNK_ROWS
+    assert chunk_rows(100, 4096, cpu) == 100
+    assert chunk_rows(0, 4096, cpu) == 1
+    assert chunk_rows(65536, 50257, gpu) == (1 << 26) // 50257
+
+
+def test_the_lm_loss_script_times_both_ways(tmp_path, monkeypatch):
+    script = load_script(BENCHMARKS / "lm_loss.py")
+    fields = dict(vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8)
+    models = {"causal": (dict(fields, causal=True), 2), "masked": (fields, 2)}
+    monkeypatch.setattr(script, "MODELS", models)
+    monkeypatch.setattr(script, "LOSS_SHAPES", {"tiny": ((40, 8, 30), (7, 64))})
+    argv = ["--repeats", "2", "--threads", "1", "--memory-steps", "0", "--out", str(tmp_path)]
+    script.main(argv)
+    result = json.loads((tmp_path / "ab.json").read_text())
+    (loss,) = result["loss"]
+    assert list(loss["median_ms"]) == ["logits", "chunk 7", "chunk 64"]
+    assert loss["default_chunk"] == 40
+    for row in result["rows"]:
+        assert [len(row["times_ms"][way]) for way in ("logits", "chunked")] == [2, 2]
+        assert row["speedup"] == row["median_ms"]["logits"] / row["median_ms"]["chunked"]
+        assert row["eval_loss"]["chunked"] == pytest.approx(row["eval_loss"]["logits"], rel=1e-5)
+    assert (tmp_path / "ab.png").stat().st_size > 0
