@@ -34,16 +34,19 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 18. `kernels_feedforward_sums.py --threads 16`, on the machine's CPU (no GPU involved; it
    builds the CPU kernels first, and stops with a message where it cannot): the CPU
    feed-forward kernel's weight-gradient rule (rows < 2 x threads x dim: GEMMs over all
-   rows), so far measured with 1 and 2 threads only.
+   rows), so far measured with 1 and 2 threads only;
+19. `lm_loss.py`: the language models' loss in chunks of rows (`return_logits=False`)
+   against full logits, on the GPU, where its chunk size (`losses.GPU_CHUNK_ELEMENTS`) has
+   not been timed.
 
-Steps 5-18 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+Steps 5-19 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
 1-13 have run on an H200 (`benchmarks/kernels/cuda/`; 9-13 in 150 s), 14 and 15 by hand
 (`cuda/split/`, `cuda/profile/`). Since SDPA is cut into query chunks, steps 2 and 3 (the
 peer benches over n 4096-65536, all sharings; about 300 s, the peer wheels needed) and 16
-and 17, and 18, are the next call's: `--steps
-bench-b1,bench-b8,compile-8192-explicit,compile-8192-sdpa,feedforward-sums`.
+and 17, 18 and 19 are the next call's: `--steps
+bench-b1,bench-b8,compile-8192-explicit,compile-8192-sdpa,feedforward-sums,lm-loss`.
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -96,6 +99,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         fp16 = kernels.replace("float32", "float16")
         causal = "--dtype float32 --batch 1 --n 64 --head-dim 8 --min-seconds 0"
         sums = "--threads 2 --dim 8 --rows 32,64 --repeats 1"
+        lm_loss = "--tiny --repeats 1 --threads 1 --memory-steps 1"
     else:
         kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192,16384,32768,65536 "
         kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
@@ -112,6 +116,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         causal = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192 --head-dim 64 "
         causal += "--min-seconds 1"
         sums = "--threads 16 --dim 256,768 --rows 2048,8192,32768 --repeats 7"
+        lm_loss = "--repeats 10 --memory-steps 5"
     cli = [*python, "-m", "linformer_kit.cli", "bench", *device, "--peers"]
     bench = [*cli, *shape.split()]
     pinned = ["--kernel", "rule,explicit"]
@@ -141,6 +146,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
             "feedforward-sums",
             [*python, str(BENCHMARKS / "kernels_feedforward_sums.py"), *sums.split()],
         ),
+        ("lm-loss", [*python, str(BENCHMARKS / "lm_loss.py"), *device, *lm_loss.split()]),
     ]
 
 

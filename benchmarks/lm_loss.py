@@ -7,7 +7,7 @@ the gradient GEMMs while in cache. Two parts:
 
 - `loss`: the head and loss alone (forward + backward) on random hidden states, as full
   logits + `F.cross_entropy` (`logits`) and chunked at several row counts per chunk
-  (`chunk R`; the default, `losses.chunk_rows`, is marked), timed interleaved;
+  (`chunk R`; `default_chunk`: `losses.chunk_rows`' choice), timed interleaved;
 - `step`: one optimiser step (forward, loss, backward, AdamW, zeroed gradients) of whole
   models, logits returned (`logits`) or not (`chunked`), same weights and batch, timed
   interleaved (medians), each way's eval-mode loss (they must agree), and each way's peak
@@ -62,13 +62,17 @@ MODELS = {  # name -> (config fields, batch size)
 LOSS_SHAPES = {  # name -> (rows, dim, vocab_size), rows per chunk to time
     "demo causal head (4 x 1024 rows, dim 128, vocabulary 4096)": (
         (4096, 128, 4096),
-        (64, 128, 256, 512, 1024),
+        (64, 128, 256, 512, 1024, 4096),
     ),
     "GPT-2 head (2 x 512 rows, dim 768, vocabulary 50257)": (
         (1024, 768, 50257),
-        (16, 32, 64, 128, 256),
+        (64, 128, 256, 512, 1024),
     ),
 }
+# `--tiny`: the same plumbing at toy sizes (the GPU runbook's smoke run, the tests).
+TINY = dict(vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8)
+TINY_MODELS = {"tiny causal": (dict(TINY, causal=True), 2), "tiny masked": (TINY, 2)}
+TINY_LOSS_SHAPES = {"tiny head": ((40, 8, 30), (7, 40))}
 WAYS = ("logits", "chunked")
 
 
@@ -81,6 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--memory-steps", type=int, default=10, help="steps per way in a fresh process (0: none)"
     )
+    parser.add_argument("--tiny", action="store_true", help="toy sizes: checks the plumbing")
     parser.add_argument("--out", type=Path, default=OUT, help="writes ab.json and ab.png there")
     return parser.parse_args(argv)
 
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     loss_rows = []
-    for name, (shape, chunks) in tqdm(LOSS_SHAPES.items(), desc="head and loss"):
+    models, shapes = (TINY_MODELS, TINY_LOSS_SHAPES) if args.tiny else (MODELS, LOSS_SHAPES)
+    for name, (shape, chunks) in tqdm(shapes.items(), desc="head and loss"):
         median = time_losses(shape, chunks, args.repeats, args.device)
         default = losses.chunk_rows(shape[0], shape[2], torch.device(args.device))
         loss_rows.append(
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(name, ", ".join(f"{way} {ms:.1f} ms" for way, ms in median.items()), flush=True)
     rows = []
-    for name, (fields, batch) in tqdm(MODELS.items(), desc="models"):
+    for name, (fields, batch) in tqdm(models.items(), desc="models"):
         row = {"model": name, "config": fields, "batch_size": batch}
         row |= time_steps(fields, batch, args.repeats, args.device)
         row["speedup"] = row["median_ms"]["logits"] / row["median_ms"]["chunked"]

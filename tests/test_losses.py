@@ -133,25 +133,22 @@ def test_bad_inputs_raise(change, message):
 
 def test_chunk_rows():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert chunk_rows(4096, 4096, cpu) == 256  # 2^20 logits
-    assert chunk_rows(4096, 50257, cpu) == losses.MIN_CHUNK_ROWS
+    assert chunk_rows(4096, 4096, cpu) == chunk_rows(4096, 50257, cpu) == 512
     assert chunk_rows(100, 4096, cpu) == 100
     assert chunk_rows(0, 4096, cpu) == 1
     assert chunk_rows(65536, 50257, gpu) == (1 << 26) // 50257
+    assert chunk_rows(65536, 1 << 20, gpu) == 512
 
 
-def test_the_lm_loss_script_times_both_ways(tmp_path, monkeypatch):
+def test_the_lm_loss_script_times_both_ways(tmp_path):
     script = load_script(BENCHMARKS / "lm_loss.py")
-    fields = dict(vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8)
-    models = {"causal": (dict(fields, causal=True), 2), "masked": (fields, 2)}
-    monkeypatch.setattr(script, "MODELS", models)
-    monkeypatch.setattr(script, "LOSS_SHAPES", {"tiny": ((40, 8, 30), (7, 64))})
-    argv = ["--repeats", "2", "--threads", "1", "--memory-steps", "0", "--out", str(tmp_path)]
-    script.main(argv)
+    argv = ["--tiny", "--repeats", "2", "--threads", "1", "--memory-steps", "0"]
+    script.main([*argv, "--out", str(tmp_path)])
     result = json.loads((tmp_path / "ab.json").read_text())
     (loss,) = result["loss"]
-    assert list(loss["median_ms"]) == ["logits", "chunk 7", "chunk 64"]
+    assert list(loss["median_ms"]) == ["logits", "chunk 7", "chunk 40"]
     assert loss["default_chunk"] == 40
+    assert [row["model"] for row in result["rows"]] == ["tiny causal", "tiny masked"]
     for row in result["rows"]:
         assert [len(row["times_ms"][way]) for way in ("logits", "chunked")] == [2, 2]
         assert row["speedup"] == row["median_ms"]["logits"] / row["median_ms"]["chunked"]

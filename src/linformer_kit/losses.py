@@ -17,19 +17,23 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-# About this many logits per chunk: on CPU 2^20 (4 MiB in float32, an L2's worth), where
-# `benchmarks/lm_loss.py` found 128-1024 rows at vocabulary 4096 within the noise of each
-# other; elsewhere 2^26 (256 MiB), so that a GPU runs few, large launches (not yet timed).
-CHUNK_ELEMENTS = {"cpu": 1 << 20}
+# Rows per chunk on CPU (`benchmarks/lm_loss.py`, 2 threads, head and loss alone): at
+# vocabulary 4096, dim 128, 4096 rows, 256-512 rows a chunk took 64-66 ms against 69-80 at
+# 64-128 rows, 73 at 1024 and 143 for the full logits; at vocabulary 50257, dim 768, 1024 or
+# 2048 rows, 512-1024 rows took 8-12 % less than the full logits, 256 rows the same and 64
+# rows 1.3x more: each chunk's weight-gradient GEMM reads and writes the whole (vocab_size,
+# dim) gradient, which a chunk's rows must amortise. On a GPU at least this many and 2^26
+# logits (256 MiB), for few large launches (not yet timed).
+CPU_CHUNK_ROWS = 512
 GPU_CHUNK_ELEMENTS = 1 << 26
-# Fewest rows per chunk: below this the GEMMs run far below their rate (large vocabularies).
-MIN_CHUNK_ROWS = 64
 
 
 def chunk_rows(rows: int, vocab_size: int, device: torch.device) -> int:
     """Rows per chunk of `linear_cross_entropy` for `rows` rows of `vocab_size` logits."""
-    elements = CHUNK_ELEMENTS.get(device.type, GPU_CHUNK_ELEMENTS)
-    return max(1, min(rows, max(MIN_CHUNK_ROWS, elements // max(1, vocab_size))))
+    most = CPU_CHUNK_ROWS
+    if device.type != "cpu":
+        most = max(CPU_CHUNK_ROWS, GPU_CHUNK_ELEMENTS // max(1, vocab_size))
+    return max(1, min(rows, most))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
