@@ -13,6 +13,7 @@ from .config import (
 from .cross_attention import LinformerCrossAttention, MemoryCache, cross_attention
 from .encoder import FeedForward, LinformerEncoder, LinformerEncoderLayer
 from .functional import exact_attention, linformer_attention
+from .losses import linear_cross_entropy
 from .masked_lm import LinformerForMaskedLM, MaskedLMOutput
 from .models import (
     LinformerForSequenceClassification,
@@ -79,6 +80,7 @@ __all__ = [
     "count_projection_matrices",
     "cross_attention",
     "exact_attention",
+    "linear_cross_entropy",
     "linformer_attention",
     "linformer_base",
     "linformer_small",

@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-# Rows per chunk on CPU (`benchmarks/lm_loss.py`, 2 threads, head and loss alone): at
-# vocabulary 4096, dim 128, 4096 rows, 256-512 rows a chunk took 64-66 ms against 69-80 at
-# 64-128 rows, 73 at 1024 and 143 for the full logits; at vocabulary 50257, dim 768, 1024 or
-# 2048 rows, 512-1024 rows took 8-12 % less than the full logits, 256 rows the same and 64
-# rows 1.3x more: each chunk's weight-gradient GEMM reads and writes the whole (vocab_size,
-# dim) gradient, which a chunk's rows must amortise. On a GPU at least this many and 2^26
-# logits (256 MiB), for few large launches (not yet timed).
+# Rows per chunk on CPU (`benchmarks/lm_loss/ab.json`, 2 threads, the head and loss alone,
+# forward + backward): at vocabulary 4096, dim 128, 4096 rows, 256-512 rows a chunk took
+# 81-83 ms against 94-101 at 64-128 rows, 95 at 1024, 108 as one chunk and 174 for the full
+# logits and F.cross_entropy; at vocabulary 50257, dim 768, 1024 rows, 512-1024 rows took
+# 1134-1173 ms against 1291 for the full logits, 256 rows 1267 and 64 rows 1669: each chunk's
+# weight-gradient GEMM reads and writes the whole (vocab_size, dim) gradient, which a chunk's
+# rows must amortise. On a GPU at least this many rows and 2^26 logits (256 MiB), for few
+# large launches (not yet timed).
 CPU_CHUNK_ROWS = 512
 GPU_CHUNK_ELEMENTS = 1 << 26
 
