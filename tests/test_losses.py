@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from script_helpers import BENCHMARKS, load_script
 
-from linformer_kit import losses
+from linformer_kit import LinformerConfig, LinformerForCausalLM, losses
 from linformer_kit.losses import chunk_rows, linear_cross_entropy
 
 
@@ -83,15 +83,17 @@ def test_gradcheck():
 
 def test_under_bf16_autocast_it_rounds_as_the_full_logits_do():
     """Under autocast the GEMMs run in bf16 and the softmax in float32, as F.linear and
-    F.cross_entropy on `.float()` logits do: bf16-sized differences, float32 results."""
+    F.cross_entropy on upcast logits do: far nearer that path than float32's, and float32
+    results."""
     hidden, weight, _, targets = case(3, (512,), 64, 700, 0.8, False, torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, None, targets)
         expected, expected_grads = loss_and_grads(reference, hidden, weight, None, targets)
+    wide, wide_grads = loss_and_grads(reference, hidden, weight, None, targets)  # float32
     assert loss.dtype == torch.float32 and [g.dtype for g in grads] == [torch.float32] * 2
-    torch.testing.assert_close(loss, expected, rtol=1e-3, atol=0)
-    for got, want in zip(grads, expected_grads):
-        assert (got - want).norm() < 0.01 * want.norm()
+    assert (loss - expected).abs() < 0.1 * (wide - expected).abs()
+    for got, want, other in zip(grads, expected_grads, wide_grads):
+        assert (got - want).norm() < 0.5 * (other - want).norm()  # bf16 partial sums
 
 
 def test_computes_gradients_only_where_asked():
@@ -113,6 +115,24 @@ def test_computes_gradients_only_where_asked():
     torch.testing.assert_close(loss, reference(hidden, weight, targets, b).detach())
 
 
+def test_an_unscored_row_never_reaches_the_loss():
+    """A non-finite logit in an ignored row leaves the loss finite, as F.cross_entropy."""
+    hidden, weight, _, targets = case(5, (6,), 4, 9, 1.0, False)
+    hidden = hidden.detach().clone()
+    hidden[2] = float("inf")
+    targets[2] = -100
+    torch.testing.assert_close(
+        linear_cross_entropy(hidden, weight.detach(), targets),
+        reference(hidden, weight.detach(), targets),
+    )
+
+
+def test_zero_width_hidden_gives_log_vocab_size():
+    targets = torch.tensor([1, 2, -100])
+    loss = linear_cross_entropy(torch.zeros(3, 0), torch.zeros(7, 0), targets)
+    torch.testing.assert_close(loss, torch.tensor(7.0).log())
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -129,6 +149,24 @@ def test_bad_inputs_raise(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         linear_cross_entropy(**args)
+
+
+def test_a_compiled_causal_lm_gives_the_same_loss_and_gradients():
+    """Two 512-row chunks a call at three batch sizes: recompiles with symbolic shapes, on
+    whose slices `out=` arguments once failed."""
+    config = LinformerConfig(
+        vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8, causal=True
+    )
+    model = LinformerForCausalLM(config.replace(dropout=0.0, attention_dropout=0.0))
+    compiled = torch.compile(model, backend="aot_eager")
+    for batch in (40, 36, 34):  # 640, 576, 544 rows
+        ids = torch.randint(0, 50, (batch, 16), generator=torch.Generator().manual_seed(0))
+        results = []
+        for run in (model, compiled):
+            loss = run(ids, labels=ids, return_logits=False).loss
+            results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want)
 
 
 def test_chunk_rows():

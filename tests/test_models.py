@@ -163,8 +163,8 @@ def test_the_mlm_head_script_times_both_ways_on_one_batch(tmp_path, monkeypatch)
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(scored_only=True), "scored_only=True and return_logits=False need labels"),
-        (dict(return_logits=False), "scored_only=True and return_logits=False need labels"),
+        (dict(scored_only=True), "scored_only=True needs labels"),
+        (dict(return_logits=False), "return_logits=False needs labels"),
         (dict(labels=torch.zeros(B, N - 1, dtype=torch.long)), r"shape \(3, 20\), got \(3, 19\)"),
     ],
 )

@@ -66,11 +66,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 part = slice(start, start + step)
                 h = hidden[part].to(dtype)
                 logits = F.linear(h, w, b).to(acc)  # (C, V), fresh: worked on in place
-                torch.gather(logits, 1, index[part], out=picked[part])
+                picked[part] = logits.gather(1, index[part])  # (no out=: compiles)
                 top = logits.amax(1, keepdim=True)
                 probs = logits.sub_(top).exp_()  # (C, V) unnormalised
                 sums = probs.sum(1, keepdim=True)
-                torch.add(top, sums.log(), out=lse[part])
+                lse[part] = top + sums.log()
                 if not any(needs):
                     continue
                 probs.mul_(keep[part] / sums)  # softmax on scored rows, zeros on the others
@@ -84,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_weight += grad_logits.t() @ h
                 if need_bias:
                     grad_bias += probs.sum(0)
-        total = ((lse - picked) * keep).sum()
+        total = torch.where(keep > 0, lse - picked, 0).sum()  # (an unscored inf: not nan)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, count)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total / count  # nan when nothing is scored, as F.cross_entropy
@@ -110,8 +110,8 @@ def linear_cross_entropy(
     """Mean cross-entropy of the logits `hidden @ weight.T + bias` against `targets`,
     holding one chunk of rows' logits at a time (`chunk_rows`).
 
-    Equal, to float rounding, to `F.cross_entropy(F.linear(hidden, weight, bias).float(),
-    targets, ignore_index=ignore_index)`, gradients included: the GEMMs run in the inputs'
+    Equal, to float rounding, to `F.cross_entropy` of `F.linear(hidden, weight, bias)` cast up
+    to float32 (float64 stays float64), gradients included: the GEMMs run in the inputs'
     dtype (under autocast, in its dtype), the softmax in float32 (float64 for float64). When
     grad mode is on and an input requires grad, the forward pass also computes the
     gradients, chunk by chunk; backward then only scales them (no double backward).
@@ -131,7 +131,7 @@ def linear_cross_entropy(
 
     Raises:
         ValueError: if the shapes disagree, a target is outside [0, vocab_size) and is not
-            `ignore_index`, or rows_per_chunk is below 1.
+            `ignore_index` (checked on CPU outside torch.compile), or rows_per_chunk is below 1.
     """
     vocab_size, dim = weight.shape
     if hidden.shape[-1:] != (dim,) or targets.shape != hidden.shape[:-1]:
@@ -143,14 +143,16 @@ def linear_cross_entropy(
     if bias is not None and bias.shape != (vocab_size,):
         raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-    if bad.any():
+    # Checked on CPU in eager mode; on a GPU (no host sync) an out-of-range target fails in
+    # gather's device-side assert, as in F.cross_entropy.
+    if hidden.device.type == "cpu" and not torch.compiler.is_compiling() and bad.any():
         raise ValueError(
             f"targets must lie in [0, {vocab_size}) or equal ignore_index {ignore_index}; "
             f"got {int(targets[bad][0])}"
         )
     if rows_per_chunk is not None and rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
-    rows = hidden.numel() // dim if dim else 0
+    rows = targets.numel()
     step = rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
     device = hidden.device.type
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
@@ -159,5 +161,12 @@ def linear_cross_entropy(
     grad = torch.is_grad_enabled()
     needs = tuple(grad and t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _LinearCrossEntropy.apply(
-        hidden.reshape(-1, dim), weight, bias, targets.reshape(-1), ignore_index, needs, dtype, step
+        hidden.reshape(rows, dim),
+        weight,
+        bias,
+        targets.reshape(-1),
+        ignore_index,
+        needs,
+        dtype,
+        step,
     )

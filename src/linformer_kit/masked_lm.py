@@ -92,11 +92,10 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
                 f"labels must have input_ids' shape {tuple(input_ids.shape)}, got "
                 f"{tuple(labels.shape)}"
             )
-        if labels is None and (scored_only or not return_logits):
-            raise ValueError(
-                "scored_only=True and return_logits=False need labels: the head runs where "
-                "label != -100, and only the loss is returned"
-            )
+        if labels is None and scored_only:
+            raise ValueError("scored_only=True needs labels: the head runs where label != -100")
+        if labels is None and not return_logits:
+            raise ValueError("return_logits=False needs labels: it returns only the loss")
         out = self.linformer(
             input_ids, key_padding_mask, token_type_ids, output_hidden_states, output_attentions
         )
