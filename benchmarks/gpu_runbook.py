@@ -25,7 +25,12 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    explicit kernel unmeasured);
 13. `linformer bench --peers --compile inductor,reduce-overhead`, B 1, n = 4096, the
    encoder layer (kv), fp32: the B 1 peer target with ours and the peers also compiled,
-   with and without CUDA graphs (eager at B 1 every variant is bound by kernel launches);
+   with and without CUDA graphs (eager at B 1 every variant is bound by kernel launches),
+   ours on the rule's kernel and pinned to the explicit one: under CUDA graphs ours on
+   SDPA took 1.79 ms a step against lucidrains' 1.64 (`cuda/bench-b1-compiled/`); in the
+   eager profile (`cuda/profile/`, before SDPA's queries were cut into chunks) our SDPA
+   layer's kernels took 1.79 ms, 1.0 of it SDPA's backward, and the explicit kernel's
+   layer's 1.17 ms in 92 launches, which graphs make cheap;
 14. `kernels_split.py`: the table of SDPA cut into query chunks behind
    `kernel_rule.choose_splits` (about 90 s);
 15. `kernels_profile.py`, B 1, n = 4096, eager and compiled: each variant's kernels;
@@ -45,8 +50,9 @@ compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels neede
 1-13 have run on an H200 (`benchmarks/kernels/cuda/`; 9-13 in 150 s), 14 and 15 by hand
 (`cuda/split/`, `cuda/profile/`). Since SDPA is cut into query chunks, steps 2 and 3 (the
 peer benches over n 4096-65536, all sharings; about 300 s, the peer wheels needed) and 16
-and 17, 18 and 19 are the next call's: `--steps
-bench-b1,bench-b8,compile-8192-explicit,compile-8192-sdpa,feedforward-sums,lm-loss`.
+and 17, 18 and 19, and 13 again with the explicit kernel pinned, are the next call's:
+`--steps bench-b1,bench-b8,bench-b1-compiled,compile-8192-explicit,compile-8192-sdpa,
+feedforward-sums,lm-loss` (one argument, no spaces).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -137,7 +143,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         ("compile-bf16-sdpa", [*bf16, "--kernel", "sdpa"]),
         ("compile-b8-explicit", [*b8, "--kernel", "explicit"]),
         ("compile-b8-sdpa", [*b8, "--kernel", "sdpa"]),
-        ("bench-b1-compiled", [*cli, *compiled.split(), "--exact", ""]),
+        ("bench-b1-compiled", [*cli, *compiled.split(), "--exact", "", *pinned]),
         ("kernels-split", [*python, str(BENCHMARKS / "kernels_split.py"), *device, *split.split()]),
         ("profile", [*python, str(BENCHMARKS / "kernels_profile.py"), *device, *profile.split()]),
         ("compile-8192-explicit", [*compile, *mid_n, "--kernel", "explicit"]),

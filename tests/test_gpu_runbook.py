@@ -51,7 +51,8 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
     assert results["compile-b8-sdpa"]["batch"] == 2
     compiled = {row["variant"] for row in results["bench-b1-compiled"]["rows"] if row["compile"]}
     assert compiled == {f"{name} [compiled aot_eager]" for name in
-                        ("linformer kv", "lucidrains", "linformer-pytorch")}  # fmt: skip
+                        ("linformer kv", "linformer kv [explicit]", "lucidrains",
+                         "linformer-pytorch")}  # fmt: skip
     assert {row["best_splits"] for row in results["kernels-split"]["rows"]} <= {1, 2}
     assert "lucidrains [compiled aot_eager]" in results["profile"]["variants"]
     sums = results["feedforward-sums"]
