@@ -30,7 +30,8 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    SDPA took 1.79 ms a step against lucidrains' 1.64 (`cuda/bench-b1-compiled/`); in the
    eager profile (`cuda/profile/`, before SDPA's queries were cut into chunks) our SDPA
    layer's kernels took 1.79 ms, 1.0 of it SDPA's backward, and the explicit kernel's
-   layer's 1.17 ms in 92 launches, which graphs make cheap;
+   layer's 1.17 ms in 92 launches, which graphs make cheap (as in 2, on the rule's kernel
+   alone should the pinned run fail);
 14. `kernels_split.py`: the table of SDPA cut into query chunks behind
    `kernel_rule.choose_splits` (about 90 s);
 15. `kernels_profile.py`, B 1, n = 4096, eager and compiled: each variant's kernels;
