@@ -1,5 +1,5 @@
 """`linear_cross_entropy`: a language model's head and loss computed in chunks of rows, so
-that the (rows, vocab_size) logits are never held at once.
+that the (rows, vocab_size) logits are not held at once (on CPU; a GPU's chunks are larger).
 
 A causal LM scores every position against the whole vocabulary: at the demo's size (4 x 1024
 positions, vocabulary 4096) the logits, their log-softmax and its gradient are three 64 MiB
@@ -142,14 +142,15 @@ def linear_cross_entropy(
         )
     if bias is not None and bias.shape != (vocab_size,):
         raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
-    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
     # Checked on CPU in eager mode; on a GPU (no host sync) an out-of-range target fails in
     # gather's device-side assert, as in F.cross_entropy.
-    if hidden.device.type == "cpu" and not torch.compiler.is_compiling() and bad.any():
-        raise ValueError(
-            f"targets must lie in [0, {vocab_size}) or equal ignore_index {ignore_index}; "
-            f"got {int(targets[bad][0])}"
-        )
+    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+        if bad.any():
+            raise ValueError(
+                f"targets must lie in [0, {vocab_size}) or equal ignore_index {ignore_index}; "
+                f"got {int(targets[bad][0])}"
+            )
     if rows_per_chunk is not None and rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
     rows = targets.numel()
