@@ -16,6 +16,7 @@ from linformer_kit import (
 )
 from linformer_kit.data.seq2seq import synthetic_pairs
 from linformer_kit.projection import MatrixProjection
+from linformer_kit.training.seq2seq import Seq2SeqBatches
 
 BLOCK = 4
 KINDS = [("linear", 6), ("random", 6), ("conv", 8), ("pool", 8), ("adaptive", 6), ("exact", None)]
@@ -131,6 +132,35 @@ def test_target_padding_left_or_right_never_changes_real_outputs():
         out = model(src, padded, decoder_padding_mask=mask[None], labels=padded)
         torch.testing.assert_close(out.logits[0, real], alone.logits[0], atol=1e-12, rtol=0)
         torch.testing.assert_close(out.loss, alone.loss, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_loss_without_logits_equals_the_full_logits_loss(share, monkeypatch):
+    """`return_logits=False` (the trainer's call, `Seq2SeqBatches.loss`): the same loss and
+    gradients with padding on both sides and label -100; no logits; labels required."""
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(3, 40, (2, 10), generator=gen)
+    tgt = torch.randint(3, 40, (2, 9), generator=gen)
+    labels = tgt.clone()
+    labels[0, 4] = -100
+    batch = dict(input_ids=src, decoder_input_ids=tgt, labels=labels)
+    batch["key_padding_mask"] = torch.arange(10) < torch.tensor([[10], [7]])
+    batch["decoder_padding_mask"] = torch.arange(9) >= torch.tensor([[0], [2]])
+    full, chunked = model_for(share_embeddings=share), model_for(share_embeddings=share)
+    calls = []
+    forward = chunked.forward
+    monkeypatch.setattr(chunked, "forward", lambda *a, **kw: calls.append(kw) or forward(*a, **kw))
+    losses = [full(**batch).loss, Seq2SeqBatches(None, None).loss(chunked, batch)]
+    assert calls[-1]["return_logits"] is False
+    torch.testing.assert_close(losses[1], losses[0])
+    for got, want in zip(
+        torch.autograd.grad(losses[1], list(chunked.parameters())),
+        torch.autograd.grad(losses[0], list(full.parameters())),
+    ):
+        torch.testing.assert_close(got, want)
+    assert chunked(**batch, return_logits=False).logits is None
+    with pytest.raises(ValueError, match="return_logits=False needs labels"):
+        chunked(src, tgt, return_logits=False)
 
 
 @pytest.mark.parametrize("dec_proj", [6, None])

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from linformer_kit import hub
+from linformer_kit import LinformerForSeq2SeqLM, hub
 from linformer_kit.cli import main
 from linformer_kit.data.docstrings import CodeDoc, function_pairs, split_by_file
 from linformer_kit.data.seq2seq import Seq2SeqDataSettings, load_seq2seq_data
@@ -106,9 +106,17 @@ def tiny_run(output_dir, steps, resume=False):
     )  # fmt: skip
 
 
-def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, monkeypatch):
     # A constant learning rate: a 3-step run and a 6-step run share it up to step 3.
+    calls = []
+    forward = LinformerForSeq2SeqLM.forward
+    monkeypatch.setattr(
+        LinformerForSeq2SeqLM, "forward", lambda *a, **kw: calls.append(kw) or forward(*a, **kw)
+    )
     train_seq2seq(tiny_run(tmp_path / "straight", 6))
+    # Training steps skip the logits; validation reads them (token accuracy).
+    assert sum(call.get("return_logits") is False for call in calls) == 6
+    assert any("return_logits" not in call for call in calls)
     train_seq2seq(tiny_run(tmp_path / "resumed", 3))
     result = train_seq2seq(tiny_run(tmp_path / "resumed", 6, resume=True))
     assert result.steps == 6 and 0 <= result.final["token_accuracy"] <= 1

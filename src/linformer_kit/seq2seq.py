@@ -16,10 +16,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import CausalState
-from .causal_lm import LinformerForCausalLM, next_token_loss
+from .causal_lm import LinformerForCausalLM, next_token_loss, next_token_targets
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .encoder import LinformerEncoderLayer, layer_arguments
 from .functional import check_seq_len
+from .losses import linear_cross_entropy
 from .models import (
     LinformerEmbeddings,
     LinformerModel,
@@ -43,10 +44,11 @@ class DecoderLayerState:
 @dataclass
 class Seq2SeqLMOutput:
     """Seq2seq output: `loss` (when labels were given), `logits` (B, M, vocab_size) where
-    position i predicts target token i + 1, the decoder's and the encoder's last states."""
+    position i predicts target token i + 1 (None with `return_logits=False`), the decoder's
+    and the encoder's last states."""
 
     loss: Tensor | None
-    logits: Tensor
+    logits: Tensor | None
     last_hidden_state: Tensor
     encoder_last_hidden_state: Tensor | None
 
@@ -254,6 +256,7 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
         labels: Tensor | None = None,
         memory: Tensor | None = None,
         states: list[DecoderLayerState] | None = None,
+        return_logits: bool = True,
     ) -> Seq2SeqLMOutput:
         """Next-token logits of the target given the source and, given labels, the loss.
 
@@ -266,13 +269,19 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
                 the label at i + 1, skipping -100 and pairs touching padding.
             memory: the encoder output (B, N, dim), to skip the encoder.
             states: generation states (see `init_states`), updated in place.
+            return_logits: False (the trainer's choice; needs labels): the loss in chunks of
+                rows without the logits (`losses.linear_cross_entropy`, as
+                `LinformerForCausalLM`'s), which come back as None.
 
         Returns:
             A `Seq2SeqLMOutput`.
 
         Raises:
-            ValueError: if neither a source, a memory nor filled states are given.
+            ValueError: if neither a source, a memory nor filled states are given, or for
+                `return_logits=False` without labels.
         """
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False needs labels: it returns only the loss")
         if memory is None and input_ids is not None:
             memory = self.encode(input_ids, key_padding_mask)
         if memory is None and not (states and states[0].memory.keys is not None):
@@ -280,7 +289,13 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
         hidden = self.decoder(
             decoder_input_ids, memory, decoder_padding_mask, key_padding_mask, states
         )
-        logits = F.linear(hidden, self.decoder.embeddings.tokens.weight)  # (B, M, vocab)
+        weight = self.decoder.embeddings.tokens.weight
+        if not return_logits:
+            targets = next_token_targets(labels, decoder_padding_mask)
+            return Seq2SeqLMOutput(
+                linear_cross_entropy(hidden, weight, targets), None, hidden, memory
+            )
+        logits = F.linear(hidden, weight)  # (B, M, vocab)
         loss = None if labels is None else next_token_loss(logits, labels, decoder_padding_mask)
         return Seq2SeqLMOutput(loss, logits, hidden, memory)
 

@@ -73,9 +73,10 @@ class RowSchedule:
 
 
 def language_model_loss(model: nn.Module, batch: dict[str, Tensor], *, causal: bool) -> Tensor:
-    """The loss of a causal or masked LM on `batch` (input_ids, labels, ...), without the
-    logits (`return_logits=False`: the head and loss in chunks of rows); a masked LM's head
-    runs only at the scored positions (`LinformerForMaskedLM`'s `scored_only`)."""
+    """The loss of a causal or masked LM (or, as causal, an encoder-decoder) on `batch`
+    (input_ids, labels, ...), without the logits (`return_logits=False`: the head and loss
+    in chunks of rows); a masked LM's head runs only at the scored positions
+    (`LinformerForMaskedLM`'s `scored_only`)."""
     return model(**batch, return_logits=False, **({} if causal else {"scored_only": True})).loss
 
 

@@ -19,7 +19,7 @@ from ..data.seq2seq import Seq2SeqData, Seq2SeqDataSettings, Seq2SeqPairs, load_
 from ..data.tokenizer import TextTokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
 from ..seq2seq_config import Seq2SeqConfig
-from .batches import RowSchedule
+from .batches import RowSchedule, language_model_loss
 from .distributed import resolve_device, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .rouge import rouge_l, words
@@ -127,6 +127,11 @@ class Seq2SeqBatches:
         """One micro-batch (see `Seq2SeqPairs.batch`)."""
         return self.pairs.batch(self.schedule.rows(step, micro, rank))
 
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's loss on one of these batches, without the logits (the decoder's loss
+        in chunks of rows, as a causal LM's: `language_model_loss`)."""
+        return language_model_loss(model, batch, causal=True)
+
 
 @dataclass
 class Seq2SeqEvaluator:
@@ -210,14 +215,16 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
         evaluator = Seq2SeqEvaluator(
             data.val, settings.batch_size, settings.eval_batches, verbose=dist.is_main
         )
+        batches = Seq2SeqBatches(data.train, schedule)
         result = Trainer(
             model=model,
-            batches=Seq2SeqBatches(data.train, schedule),
+            batches=batches,
             evaluator=evaluator,
             settings=settings,
             dist=dist,
             run_config=run,
             tokenizer=data.tokenizer,
+            loss_fn=batches.loss,
         ).fit()
         dist.barrier()
         return result
