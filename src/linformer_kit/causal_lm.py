@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .attention import CausalState
 from .config import LinformerConfig
-from .losses import linear_cross_entropy
+from .losses import lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
 
 
@@ -38,24 +38,6 @@ def next_token_targets(labels: Tensor, key_padding_mask: Tensor | None) -> Tenso
         real = F.pad(key_padding_mask[:, 1:] & key_padding_mask[:, :-1], (0, 1))
         targets = targets.masked_fill(~real, -100)
     return targets
-
-
-def next_token_loss(logits: Tensor, labels: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-    """Cross-entropy of the logits at position i against the label at i + 1.
-
-    Args:
-        logits: (B, N, vocab_size).
-        labels: (B, N), usually the input ids; label -100 is skipped.
-        key_padding_mask: optional bool (B, N); a pair where either position is padding is
-            skipped.
-
-    Returns:
-        The mean over the scored pairs, in float32 (float64 for float64 logits).
-    """
-    logits = logits.flatten(0, 1)  # bf16 / fp16 up to float32; float64 stays float64
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    targets = next_token_targets(labels, key_padding_mask).flatten()
-    return F.cross_entropy(logits, targets, ignore_index=-100)
 
 
 class LinformerForCausalLM(LinformerPreTrainedModel):
@@ -113,12 +95,8 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
             input_ids, key_padding_mask, output_hidden_states=output_hidden_states, states=states
         )
         hidden, weight = out.last_hidden_state, self.linformer.embeddings.tokens.weight
-        if not return_logits:
-            targets = next_token_targets(labels, key_padding_mask)
-            loss = linear_cross_entropy(hidden, weight, targets)
-            return CausalLMOutput(loss, None, hidden, out.hidden_states)
-        logits = F.linear(hidden, weight)
-        loss = None if labels is None else next_token_loss(logits, labels, key_padding_mask)
+        targets = None if labels is None else next_token_targets(labels, key_padding_mask)
+        loss, logits = lm_head_loss(hidden, weight, targets, return_logits=return_logits)
         return CausalLMOutput(loss, logits, hidden, out.hidden_states)
 
     def init_states(self) -> list[CausalState]:

@@ -142,9 +142,10 @@ def linear_cross_entropy(
         )
     if bias is not None and bias.shape != (vocab_size,):
         raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
+    device = hidden.device.type
     # Checked on CPU in eager mode; on a GPU (no host sync) an out-of-range target fails in
     # gather's device-side assert, as in F.cross_entropy.
-    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+    if device == "cpu" and not torch.compiler.is_compiling():
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
         if bad.any():
             raise ValueError(
@@ -155,7 +156,6 @@ def linear_cross_entropy(
         raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
     rows = targets.numel()
     step = rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
-    device = hidden.device.type
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
     if torch.is_autocast_enabled(device) and dtype == torch.float32:
         dtype = torch.get_autocast_dtype(device)
@@ -171,3 +171,29 @@ def linear_cross_entropy(
         dtype,
         step,
     )
+
+
+def lm_head_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor | None,
+    bias: Tensor | None = None,
+    *,
+    return_logits: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
+    """A language model's output layer and loss: the logits `hidden @ weight.T + bias`
+    (..., vocab_size) and, given targets (-100: unscored), their mean cross-entropy in float32
+    (float64 stays float64); with `return_logits=False` (targets needed) the loss alone,
+    from `linear_cross_entropy`, and None for the logits.
+
+    Returns:
+        (loss, logits), each None where not computed.
+    """
+    if not return_logits:
+        return linear_cross_entropy(hidden, weight, targets, bias), None
+    logits = F.linear(hidden, weight, bias)
+    if targets is None:
+        return None, logits
+    flat = logits.reshape(-1, logits.shape[-1])  # bf16 up to float32, not float64 down
+    flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100), logits

@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import LinformerConfig
-from .losses import linear_cross_entropy
+from .losses import lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel, init_weights
 
 
@@ -103,18 +102,12 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         if scored_only:  # S scored rows, then unscored ones up to a multiple of 64
             rows, scored = scored_rows(labels)
             hidden, labels = hidden.flatten(0, 1)[rows], labels.flatten()[rows]
-        hidden, weight = self.head(hidden), self.linformer.embeddings.tokens.weight
-        logits, loss = None, None
-        if not return_logits:
-            loss = linear_cross_entropy(hidden, weight, labels, self.decoder_bias)
-        else:
-            logits = F.linear(hidden, weight, self.decoder_bias)  # (B, N, V) or (rows, V)
-            if labels is not None:
-                flat = logits.reshape(-1, logits.shape[-1])  # bf16 up to float32, not float64 down
-                flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
-                loss = F.cross_entropy(flat, labels.flatten(), ignore_index=-100)
-            if scored_only:
-                logits = logits[:scored]  # (S, vocab_size)
+        weight = self.linformer.embeddings.tokens.weight
+        loss, logits = lm_head_loss(
+            self.head(hidden), weight, labels, self.decoder_bias, return_logits=return_logits
+        )  # logits (B, N, V), (rows, V) or None
+        if scored_only and logits is not None:
+            logits = logits[:scored]  # (S, vocab_size)
         return MaskedLMOutput(
             loss, logits, out.last_hidden_state, out.hidden_states, out.attentions
         )

@@ -11,16 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import CausalState
-from .causal_lm import LinformerForCausalLM, next_token_loss, next_token_targets
+from .causal_lm import LinformerForCausalLM, next_token_targets
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .encoder import LinformerEncoderLayer, layer_arguments
 from .functional import check_seq_len
-from .losses import linear_cross_entropy
+from .losses import lm_head_loss
 from .models import (
     LinformerEmbeddings,
     LinformerModel,
@@ -290,14 +289,9 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
             decoder_input_ids, memory, decoder_padding_mask, key_padding_mask, states
         )
         weight = self.decoder.embeddings.tokens.weight
-        if not return_logits:
-            targets = next_token_targets(labels, decoder_padding_mask)
-            return Seq2SeqLMOutput(
-                linear_cross_entropy(hidden, weight, targets), None, hidden, memory
-            )
-        logits = F.linear(hidden, weight)  # (B, M, vocab)
-        loss = None if labels is None else next_token_loss(logits, labels, decoder_padding_mask)
-        return Seq2SeqLMOutput(loss, logits, hidden, memory)
+        targets = None if labels is None else next_token_targets(labels, decoder_padding_mask)
+        loss, logits = lm_head_loss(hidden, weight, targets, return_logits=return_logits)
+        return Seq2SeqLMOutput(loss, logits, hidden, memory)  # logits (B, M, vocab) or None
 
     def init_states(self) -> list[DecoderLayerState]:
         """Empty generation states, one per decoder layer."""
