@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from .causal import block_projections, causal_attention, summary_scale
 from .functional import attend, attention_weights, check_key_padding_mask, check_seq_len
+from .linear_backend import apply_linear, linear
 from .projection import ExactProjection, MatrixProjection, SequenceProjection
 
 
@@ -130,7 +131,8 @@ class LinformerSelfAttention(nn.Module):
         check_seq_len(seq_len, self.max_seq_len)
         check_key_padding_mask(key_padding_mask, batch, seq_len)
         heads, head_dim = self.num_heads, self.head_dim
-        q = self.to_q(x).view(batch, seq_len, heads, head_dim).transpose(1, 2)  # (B, H, N, D)
+        q = apply_linear(self.to_q, x).view(batch, seq_len, heads, head_dim)
+        q = q.transpose(1, 2)  # (B, H, N, D)
         dropout_p = self.dropout if self.training else 0.0
         if self.causal:
             if return_attention:
@@ -155,8 +157,8 @@ class LinformerSelfAttention(nn.Module):
             k, v, kv_mask = self._project_then_map(x, key_padding_mask)
         else:
             shape = (batch, seq_len, self.num_heads, self.head_dim)
-            k = self.to_k(x).view(shape)  # (B, N, H, D)
-            v = self.to_v(x).view(shape)
+            k = apply_linear(self.to_k, x).view(shape)  # (B, N, H, D)
+            v = apply_linear(self.to_v, x).view(shape)
             k, kv_mask = self.proj_k(k, key_padding_mask)  # (B, M, H, D)
             v, _ = self.proj_v(v, key_padding_mask)
         return k.transpose(1, 2), v.transpose(1, 2), kv_mask  # (B, H, M, D)
@@ -164,7 +166,7 @@ class LinformerSelfAttention(nn.Module):
     def _merge(self, out: Tensor) -> Tensor:
         """Joins the heads and applies the output layer: (B, H, N, D) -> (B, N, dim)."""
         batch, _, seq_len, _ = out.shape
-        return self.to_out(out.transpose(1, 2).reshape(batch, seq_len, self.dim))
+        return apply_linear(self.to_out, out.transpose(1, 2).reshape(batch, seq_len, self.dim))
 
     def _causal(
         self,
@@ -177,8 +179,8 @@ class LinformerSelfAttention(nn.Module):
         """Causal attention of a whole sequence, or of the positions continuing `state`."""
         batch, seq_len, _ = x.shape
         shape = (batch, seq_len, self.num_heads, self.head_dim)
-        k = self.to_k(x).view(shape).transpose(1, 2)  # (B, H, N, D)
-        v = self.to_v(x).view(shape).transpose(1, 2)
+        k = apply_linear(self.to_k, x).view(shape).transpose(1, 2)  # (B, H, N, D)
+        v = apply_linear(self.to_v, x).view(shape).transpose(1, 2)
         weights = (self.proj_k.weight, self.proj_v.weight) if self.projected else (None, None)
         if state is not None and key_padding_mask is not None:
             raise ValueError("generation with a state takes unpadded input_ids (no mask)")
@@ -259,9 +261,9 @@ class LinformerSelfAttention(nn.Module):
             v_ones = self.proj_v.project_ones(x, key_padding_mask)
         return self._map(k_in, k_ones, self.to_k), self._map(v_in, v_ones, self.to_v), kv_mask
 
-    def _map(self, projected: Tensor, projected_ones: Tensor, linear: nn.Linear) -> Tensor:
+    def _map(self, projected: Tensor, projected_ones: Tensor, layer: nn.Linear) -> Tensor:
         """Applies a key/value layer to projected rows: (B, M, 1, dim) -> (B, M, H, D)."""
-        out = nn.functional.linear(projected, linear.weight)
-        if linear.bias is not None:
-            out = out + projected_ones * linear.bias
+        out = linear(projected, layer.weight)
+        if layer.bias is not None:
+            out = out + projected_ones * layer.bias
         return out.view(out.shape[0], -1, self.num_heads, self.head_dim)

@@ -21,6 +21,7 @@ from .functional import (
     exact_attention,
     linformer_attention,
 )
+from .linear_backend import apply_linear
 from .projection import SequenceProjection
 
 
@@ -156,7 +157,8 @@ class LinformerCrossAttention(LinformerSelfAttention):
             if cache is not None:
                 vars(cache).update(vars(projected))  # filled in place: the caller holds it
         batch, seq_len, _ = x.shape
-        q = self.to_q(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        q = apply_linear(self.to_q, x).view(batch, seq_len, self.num_heads, self.head_dim)
+        q = q.transpose(1, 2)
         dropout_p = self.dropout if self.training else 0.0
         out = attend(q, projected.keys, projected.values, projected.mask, dropout_p)
         return self._merge(out)  # (B, M, dim)

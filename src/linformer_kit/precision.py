@@ -52,12 +52,13 @@ class Bf16Support:
 
 
 def cpu_features() -> dict[str, Any]:
-    """The CPU's model name, torch's dispatch level and the instruction-set flags that decide
-    matmul speed (from /proc/cpuinfo where there is one): what a published figure ran on.
+    """The CPU's model name and vendor, torch's dispatch level and the instruction-set flags
+    that decide matmul speed (from /proc/cpuinfo where there is one): what a published figure
+    ran on.
 
     Returns:
-        {"model": ..., "capability": ..., "flags": [...]}; where /proc/cpuinfo is absent
-        the model is `platform.processor()` and the flags are empty.
+        {"model": ..., "vendor": ..., "capability": ..., "flags": [...]}; where /proc/cpuinfo
+        is absent the model is `platform.processor()`, the vendor "" and the flags empty.
     """
     info = {}
     cpuinfo = Path("/proc/cpuinfo")
@@ -68,6 +69,7 @@ def cpu_features() -> dict[str, Any]:
     flags = set(info.get("flags", "").split())
     return {
         "model": info.get("model name", platform.processor()),
+        "vendor": info.get("vendor_id", ""),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "flags": sorted(flags & MATMUL_FLAGS),
     }

@@ -1,0 +1,161 @@
+"""The table behind `linformer_kit.linear_backend`'s rule: linear maps on torch's BLAS or oneDNN.
+
+Two parts, each timed interleaved (medians of rotated rounds, so every ratio comes from the
+same seconds of a shared machine), float32 on CPU:
+
+- `gemm`: one linear map, (rows, in) x (in, out) + bias, with its backward (`train`: the
+  input, weight and bias gradients) and without (`inference`), through `F.linear` (`blas`)
+  and through oneDNN's 1 x 1 convolution (`onednn`), at rows 1 ... 8192 and the layers'
+  widths;
+- `layer`: the bench's encoder layer and attention layer (dim 256, 4 heads, k 256, kv,
+  feed-forward 1024, no dropout, forward + backward) with the backend pinned each way
+  (`use_linear_backend`): on `blas` the feed-forward block runs its compiled kernel, on
+  `onednn` its two linear layers.
+
+Writes OUT/ab.json and OUT/ab.png (blas time / onednn time, > 1: oneDNN is faster).
+
+    PYTHONPATH=src python benchmarks/linear_backend.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from matplotlib.figure import Figure
+from tqdm.auto import tqdm
+
+from linformer_kit.bench.flops import Shape
+from linformer_kit.bench.timing import module_step, time_interleaved
+from linformer_kit.bench.variants import Variant, build_variant
+from linformer_kit.linear_backend import LINEAR_BACKENDS, onednn_linear, use_linear_backend
+from linformer_kit.training.compare import machine
+
+OUT = Path(__file__).parent / "linear_backend"
+COMMAND = "PYTHONPATH=src python benchmarks/linear_backend.py"
+LINEARS = {"blas": F.linear, "onednn": onednn_linear}
+
+
+def gemm_steps(rows: int, sizes: tuple[int, int]) -> dict[str, Callable[[], None]]:
+    """(mode backend) -> one call of the linear map at this shape."""
+    in_features, out_features = sizes
+    x = torch.randn(rows, in_features, requires_grad=True)
+    weight = torch.randn(out_features, in_features, requires_grad=True)
+    bias = torch.randn(out_features, requires_grad=True)
+    grad = torch.randn(rows, out_features)
+    steps = {}
+    for name, fn in LINEARS.items():
+
+        def train(fn=fn) -> None:
+            fn(x, weight, bias).backward(grad)
+
+        def inference(fn=fn) -> None:
+            with torch.no_grad():
+                fn(x, weight, bias)
+
+        steps[f"train {name}"], steps[f"inference {name}"] = train, inference
+    return steps
+
+
+def layer_steps(n: int, scope: str) -> dict[str, Callable[[], None]]:
+    """backend -> one forward + backward of the bench's layer with the backend pinned."""
+    shape = Shape(batch_size=1, seq_len=n, dim=256, num_heads=4, proj_dim=256, ffn_dim=1024)
+    torch.manual_seed(0)
+    module = build_variant(Variant(name="ours", kind="ours", sharing="kv"), shape, scope).train()
+    step = module_step(module, torch.randn(1, n, 256, requires_grad=True), backward=True)
+
+    def pinned(backend: str) -> Callable[[], None]:
+        def run() -> None:
+            with use_linear_backend(backend):
+                step()
+
+        return run
+
+    return {backend: pinned(backend) for backend in LINEAR_BACKENDS}
+
+
+def medians(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each step, timed interleaved."""
+    times = time_interleaved(steps, warmup=2, repeats=repeats, device="cpu")
+    return {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
+
+
+def plot(result: dict, path: Path) -> None:
+    """Left: the linear map's speed-up by rows per width; right: the layers' by n."""
+    fig = Figure(figsize=(11, 4.2))
+    left, right = fig.subplots(1, 2)
+    for mode, style in (("train", "-"), ("inference", ":")):
+        for sizes in sorted({tuple(r["sizes"]) for r in result["gemm"]}):
+            rows = [r for r in result["gemm"] if tuple(r["sizes"]) == sizes and r["mode"] == mode]
+            left.plot(
+                [r["rows"] for r in rows],
+                [r["onednn_speedup"] for r in rows],
+                style,
+                marker="o",
+                label=f"{mode} {sizes[0]}->{sizes[1]}",
+            )
+    left.set(xscale="log", xlabel="rows", ylabel="blas time / onednn time", title="one linear map")
+    for scope in sorted({r["scope"] for r in result["layer"]}):
+        rows = [r for r in result["layer"] if r["scope"] == scope]
+        right.plot([r["n"] for r in rows], [r["onednn_speedup"] for r in rows], marker="o",
+                   label=f"{scope} (fwd+bwd)")  # fmt: skip
+    right.set(xscale="log", xlabel="n", title="the bench's layer, kv, k 256")
+    for ax in (left, right):
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"float32, {result['threads']} threads, {result['machine']['cpu']['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Times both parts and writes ab.json and ab.png."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,16,64,128,256,512,2048,8192")
+    parser.add_argument("--sizes", default="256x256,256x1024,1024x256,768x768", help="in x out")
+    parser.add_argument("--n", default="1024,4096,16384", help="the layers' sequence lengths")
+    parser.add_argument("--scope", default="layer,attention")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="a quick smoke run (tests)")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.rows, args.sizes, args.n, args.repeats = "16,256", "32x64", "256", 3
+    torch.set_num_threads(args.threads)
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    shapes = [(r, s) for s in sizes for r in map(int, args.rows.split(","))]
+    result = {
+        "command": " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine(),
+        "threads": args.threads,
+        "gemm": [],
+        "layer": [],
+    }
+    for rows, size in tqdm(shapes, desc="linear maps"):
+        ms = medians(gemm_steps(rows, size), args.repeats)
+        for mode in ("train", "inference"):
+            blas, onednn = ms[f"{mode} blas"], ms[f"{mode} onednn"]
+            row = dict(mode=mode, rows=rows, sizes=size, blas_ms=blas, onednn_ms=onednn)
+            result["gemm"].append(row | {"onednn_speedup": round(blas / onednn, 3)})
+    cells = [(s, n) for s in args.scope.split(",") for n in map(int, args.n.split(","))]
+    for scope, n in tqdm(cells, desc="layers"):
+        ms = medians(layer_steps(n, scope), args.repeats)
+        row = dict(scope=scope, n=n, blas_ms=ms["blas"], onednn_ms=ms["onednn"])
+        result["layer"].append(row | {"onednn_speedup": round(ms["blas"] / ms["onednn"], 3)})
+        tqdm.write(json.dumps(result["layer"][-1]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ab.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out / "ab.png")
+    print("wrote", args.out / "ab.json", args.out / "ab.png")
+
+
+if __name__ == "__main__":
+    main()

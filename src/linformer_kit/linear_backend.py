@@ -1,0 +1,144 @@
+"""Which library multiplies a layer's linear maps on CPU: torch's BLAS (`F.linear`) or oneDNN.
+
+PyTorch's CPU build sends a float32 `F.linear` / `torch.mm` to MKL, and MKL runs its AVX2
+code on AMD CPUs, AVX-512 or not (`MKL_VERBOSE` names the generic "Intel(R) Architecture
+processors" path there). oneDNN, which the same build carries for convolutions, runs
+AVX-512 on them. So on an AMD CPU with AVX-512 our layers' linear maps go through oneDNN,
+as a 1 x 1 convolution over a channels-last view of the rows: no copy in or out, and
+autograd's convolution backward gives the input, weight and bias gradients (oneDNN too).
+The result is `F.linear`'s to float32 rounding.
+
+The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py`
+(`benchmarks/linear_backend/ab.json`; AMD EPYC with AVX-512 and AVX-512 BF16, no AMX,
+2 threads, torch 2.13.0 with MKL 2024.2 and oneDNN 3.12): a (rows, 256) x (256, 256)
+product with its backward 1.30x faster through oneDNN at 256 rows and 2.12x at 2048, 0.97x
+at 128 and 0.70x at one row (the convolution's fixed cost); (256, 1024) and (768, 768)
+alike (1.09x and 1.62x at 256 rows, about 2x from 2048). So float32 products of at least
+`ONEDNN_MIN_ROWS` rows go through oneDNN on AMD CPUs with AVX-512; everything else stays on
+`F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 % of the probe
+before this rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN), autocast,
+torch.compile and torch.export (the graphs keep plain `linear`: Inductor's lowering of the
+convolution fails on a dynamic row count, torch 2.13), and builds without MKL or oneDNN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .precision import cpu_features
+
+LINEAR_BACKENDS = ("blas", "onednn")
+# Rows (the product of x's leading dimensions) from which oneDNN pays where the rule allows it.
+ONEDNN_MIN_ROWS = 256
+# The backend `use_linear_backend` pins for the products oneDNN can compute (None: the rule).
+_pinned: str | None = None
+
+
+@contextlib.contextmanager
+def use_linear_backend(backend: str | None) -> Iterator[None]:
+    """Runs the layers' float32 CPU linear maps inside on `backend` instead of the rule's
+    choice (as `kernel_rule.use_kernel` pins the attention kernel; process-wide state for
+    the duration of the block). Products oneDNN cannot take (other dtypes and devices,
+    autocast, torch.export) stay on `F.linear` whatever is pinned.
+
+    Args:
+        backend: "blas" (`F.linear`) or "onednn"; None follows the rule.
+
+    Raises:
+        ValueError: for an unknown backend.
+    """
+    global _pinned
+    if backend is not None and backend not in LINEAR_BACKENDS:
+        raise ValueError(
+            f"backend must be one of {', '.join(LINEAR_BACKENDS)} or None; got {backend!r}"
+        )
+    before, _pinned = _pinned, backend
+    try:
+        yield
+    finally:
+        _pinned = before
+
+
+@functools.cache
+def mkl_without_avx512() -> bool:
+    """Whether torch's float32 GEMMs run MKL's AVX2 code on an AVX-512 CPU here (an AMD CPU
+    with AVX-512, torch dispatching AVX-512, MKL and oneDNN built in): where the rule sends
+    products to oneDNN."""
+    features = cpu_features()
+    return (
+        features["vendor"] == "AuthenticAMD"
+        and features["capability"] == "AVX512"
+        and torch.backends.mkl.is_available()
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
+    """The library for `F.linear(x, weight, ...)`, by the rule in the module docstring.
+
+    Args:
+        x: the input, (..., in_features).
+        weight: (out_features, in_features).
+
+    Returns:
+        "blas" or "onednn".
+    """
+    if not (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and x.dim() > 0
+        and x.numel() > 0
+        and weight.dim() == 2
+        and weight.device.type == "cpu"
+        and torch.backends.mkldnn.enabled
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    ):
+        return "blas"
+    if _pinned is not None:
+        return _pinned
+    # The machine first: elsewhere torch.compile gets no guard on the row count.
+    if not mkl_without_avx512():
+        return "blas"
+    return "onednn" if x.numel() // x.shape[-1] >= ONEDNN_MIN_ROWS else "blas"
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` as oneDNN's 1 x 1 convolution over a channels-last view
+    of x's rows (no copy where x is contiguous); differentiable in every argument."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(1, -1, 1, in_features).permute(0, 3, 1, 2)  # (1, in, R, 1), NHWC strides
+    out = F.conv2d(rows, weight.reshape(out_features, in_features, 1, 1), bias)
+    return out.permute(0, 2, 3, 1).reshape(*x.shape[:-1], out_features)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` on the library `choose_linear_backend` picks."""
+    if choose_linear_backend(x, weight) == "onednn":
+        return onednn_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether forward hooks (the module's or global ones) would run around `module`."""
+    hooks = nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or getattr(hooks, "_global_forward_hooks", None)
+        or getattr(hooks, "_global_forward_pre_hooks", None)
+    )
+
+
+def apply_linear(module: nn.Module, x: Tensor) -> Tensor:
+    """`module(x)`, a plain `nn.Linear`'s product through `linear`; a subclass (LoRA,
+    quantized, parametrized) or a hooked module is called as it is."""
+    if type(module) is not nn.Linear or hooked(module):
+        return module(x)
+    return linear(x, module.weight, module.bias)

@@ -1,0 +1,217 @@
+"""`linear_backend`: oneDNN's form of a linear map equals `F.linear` (output and every
+gradient, against float64), the rule picks oneDNN only on an AMD CPU with AVX-512 for
+float32 products of enough rows, a pin overrides it, and the layers route through it
+(attention, cross-attention, feed-forward) with the same results as on `F.linear`, hooks and
+subclassed layers kept as they are."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from script_helpers import BENCHMARKS, load_script
+from torch import nn
+
+from linformer_kit import LinformerCrossAttention, linear_backend, precision
+from linformer_kit.encoder import FeedForward, LinformerEncoderLayer
+from linformer_kit.linear_backend import (
+    ONEDNN_MIN_ROWS,
+    apply_linear,
+    choose_linear_backend,
+    linear,
+    onednn_linear,
+    use_linear_backend,
+)
+from linformer_kit.projection import MatrixProjection
+
+# The rule's machine check itself (the conftest stubs the module's name for every test).
+MKL_WITHOUT_AVX512 = linear_backend.mkl_without_avx512.__wrapped__
+
+
+@pytest.fixture
+def convolutions(monkeypatch):
+    """A list that gets an entry each time a linear map runs as oneDNN's convolution."""
+    calls = []
+    real = F.conv2d
+    monkeypatch.setattr(F, "conv2d", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def value_and_grads(fn, x, weight, bias, grad):
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias) if t is not None]
+    out = fn(*leaves, *([None] if bias is None else []))
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lead=st.sampled_from([(1,), (7,), (2, 3), (2, 1, 5), (300,)]),
+    sizes=st.tuples(st.integers(1, 40), st.integers(1, 40)),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_onednn_linear_is_linear_in_value_and_every_gradient(lead, sizes, with_bias, seed):
+    torch.manual_seed(seed)
+    in_features, out_features = sizes
+    x = torch.randn(*lead, in_features)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    grad = torch.randn(*lead, out_features)
+    got = value_and_grads(onednn_linear, x, weight, bias, grad)
+    as_double = [t.double() if t is not None else None for t in (x, weight, bias, grad)]
+    wanted = value_and_grads(F.linear, *as_double)
+    assert got[0].shape == wanted[0].shape and got[0].dtype == torch.float32
+    for a, b in zip(got, wanted):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
+
+
+def test_onednn_linear_takes_non_contiguous_input_and_weight():
+    x = torch.randn(6, 300, 8).transpose(0, 1)  # (300, 6, 8), not contiguous
+    weight = torch.randn(8, 5).t()  # (5, 8), not contiguous
+    torch.testing.assert_close(onednn_linear(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypatch):
+    weight = torch.randn(16, 8)
+    many, few = torch.randn(2, ONEDNN_MIN_ROWS // 2, 8), torch.randn(ONEDNN_MIN_ROWS - 1, 8)
+    assert choose_linear_backend(many, weight) == "blas"  # the fixture's Intel CPU
+    monkeypatch.setattr(linear_backend, "mkl_without_avx512", lambda: True)
+    assert choose_linear_backend(many, weight) == "onednn"
+    assert choose_linear_backend(few, weight) == "blas"
+    assert choose_linear_backend(many.double(), weight.double()) == "blas"
+    assert choose_linear_backend(many.bfloat16(), weight.bfloat16()) == "blas"
+    assert choose_linear_backend(many[:, :0], weight) == "blas"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert choose_linear_backend(many, weight) == "blas"
+    with use_linear_backend("blas"):
+        assert choose_linear_backend(many, weight) == "blas"
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert choose_linear_backend(many, weight) == "blas"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # and torch.export
+    with use_linear_backend("onednn"):
+        assert choose_linear_backend(many, weight) == "blas"
+
+
+def test_mkl_without_avx512_reads_the_vendor_and_torchs_dispatch(monkeypatch):
+    def cpu(vendor, capability):
+        features = {"model": "x", "vendor": vendor, "capability": capability, "flags": []}
+        monkeypatch.setattr(linear_backend, "cpu_features", lambda: features)
+
+    cpu("AuthenticAMD", "AVX512")
+    built_in = torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
+    assert MKL_WITHOUT_AVX512() == built_in
+    cpu("AuthenticAMD", "AVX2")
+    assert not MKL_WITHOUT_AVX512()
+    cpu("GenuineIntel", "AVX512")
+    assert not MKL_WITHOUT_AVX512()
+
+
+def test_cpu_features_names_the_vendor():
+    vendor = precision.cpu_features()["vendor"]
+    assert isinstance(vendor, str)
+
+
+def test_a_pin_overrides_the_rule_and_is_checked(convolutions):
+    x, weight = torch.randn(3, 8), torch.randn(4, 8)
+    with use_linear_backend("onednn"):
+        out = linear(x, weight)
+        with use_linear_backend(None):  # the rule again: blas on the fixture's CPU
+            linear(x, weight)
+        linear(x.double(), weight.double())  # oneDNN cannot take it: F.linear
+    assert len(convolutions) == 1
+    torch.testing.assert_close(out, F.linear(x, weight))
+    with pytest.raises(ValueError, match="backend must be one of blas, onednn or None; got 'mkl'"):
+        with use_linear_backend("mkl"):
+            pass
+
+
+def test_apply_linear_keeps_hooks_and_subclasses(convolutions):
+    layer = nn.Linear(8, 4)
+    x = torch.randn(5, 8)
+    with use_linear_backend("onednn"):
+        torch.testing.assert_close(apply_linear(layer, x), layer(x))
+        assert len(convolutions) == 1
+        seen = []
+        handle = layer.register_forward_hook(lambda *a: seen.append(1))
+        apply_linear(layer, x)
+        handle.remove()
+        lazy = nn.LazyLinear(4)
+        apply_linear(lazy, x)  # a subclass: its own forward (here: it materialises)
+    assert seen == [1] and len(convolutions) == 1 and lazy.weight.shape == (4, 8)
+
+
+def layer_outputs_and_grads(layer, x, key_padding_mask):
+    torch.manual_seed(0)  # the same dropout draws on both paths
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out, _ = layer(x, key_padding_mask)
+    out.backward(torch.ones_like(out))
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("sharing", ["kv", "none", "exact"])
+def test_an_encoder_layer_on_onednn_equals_it_on_blas(sharing, convolutions):
+    torch.manual_seed(0)
+    n, dim = 64, 32
+    if sharing == "exact":
+        proj_k = proj_v = None
+    else:
+        proj_k = MatrixProjection(max_seq_len=n, proj_dim=16)
+        proj_v = proj_k if sharing == "kv" else MatrixProjection(max_seq_len=n, proj_dim=16)
+    layer = LinformerEncoderLayer(
+        dim=dim, num_heads=4, max_seq_len=n, proj_k=proj_k, proj_v=proj_v, ffn_dim=64,
+        dropout=0.1, attention_dropout=0.1,
+    ).train()  # fmt: skip
+    x = torch.randn(3, n, dim)
+    mask = torch.ones(3, n, dtype=torch.bool)
+    mask[1, 40:] = False
+    wanted = layer_outputs_and_grads(layer, x, mask)
+    assert not convolutions
+    with use_linear_backend("onednn"):
+        got = layer_outputs_and_grads(layer, x, mask)
+    # q, k and v (on the projected rows or all n), out, and the feed-forward's two layers
+    assert len(convolutions) == 6
+    for a, b in zip(got, wanted):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_feed_forward_runs_its_modules_on_onednn(convolutions, monkeypatch):
+    ffn = FeedForward(dim=16, hidden_dim=32)
+    x = torch.randn(2, 200, 16)
+    wanted = ffn(x)
+    monkeypatch.setattr(linear_backend, "mkl_without_avx512", lambda: True)
+    torch.testing.assert_close(ffn(x), wanted, atol=1e-5, rtol=1e-5)
+    assert len(convolutions) == 2
+    ffn(x[:, :100])  # 200 rows: under ONEDNN_MIN_ROWS, the kernel or F.linear
+    assert len(convolutions) == 2
+
+
+def test_cross_attention_queries_on_onednn(convolutions):
+    torch.manual_seed(0)
+    attn = LinformerCrossAttention(
+        dim=16, num_heads=2, max_seq_len=32, proj_k=MatrixProjection(max_seq_len=32, proj_dim=8)
+    )
+    x, memory = torch.randn(2, 5, 16), torch.randn(2, 32, 16)
+    wanted = attn(x, memory)
+    with use_linear_backend("onednn"):
+        got = attn(x, memory)
+    assert len(convolutions) == 4  # q, k and v on the projected memory, out
+    torch.testing.assert_close(got, wanted, atol=1e-5, rtol=1e-5)
+
+
+def test_the_benchmark_times_both_backends(tmp_path, convolutions):
+    script = load_script(BENCHMARKS / "linear_backend.py")
+    script.main(["--tiny", "--threads", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "ab.json").read_text())
+    assert [(r["mode"], r["rows"]) for r in result["gemm"]] == [
+        ("train", 16), ("inference", 16), ("train", 256), ("inference", 256)
+    ]  # fmt: skip
+    assert [(r["scope"], r["n"]) for r in result["layer"]] == [("layer", 256), ("attention", 256)]
+    for row in result["gemm"] + result["layer"]:
+        assert row["onednn_speedup"] == round(row["blas_ms"] / row["onednn_ms"], 3)
+    assert convolutions  # the onednn rows ran oneDNN's form, on any CPU
+    assert (tmp_path / "ab.png").stat().st_size > 0
