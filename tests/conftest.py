@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from linformer_kit import kernels, linear_backend, precision
+from linformer_kit import kernels, precision
 
 
 @pytest.fixture
@@ -30,10 +30,11 @@ def bf16_is(monkeypatch):
 def mkl_runs_avx512(monkeypatch):
     """Every test sees a CPU where MKL runs its AVX-512 code (an Intel one), so the layers'
     linear maps stay on `F.linear` and the feed-forward kernel runs, on an AMD CPU too
-    (`linear_backend`'s rule would send them to oneDNN there): a test's path does not depend
+    (`linear_backend`'s rule would send them to oneDNN there, and `kernel_rule` keep bf16 off
+    the explicit kernel without dropout): a test's path does not depend
     on the CPU it runs on. Tests of the rule set it themselves; `use_linear_backend` pins
     oneDNN on any CPU."""
-    monkeypatch.setattr(linear_backend, "mkl_without_avx512", lambda: False)
+    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: False)
 
 
 @pytest.fixture(scope="session", autouse=True)

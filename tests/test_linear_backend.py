@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from script_helpers import BENCHMARKS, load_script
 from torch import nn
 
-from linformer_kit import LinformerCrossAttention, linear_backend, precision
+from linformer_kit import LinformerCrossAttention, precision
 from linformer_kit.encoder import FeedForward, LinformerEncoderLayer
 from linformer_kit.linear_backend import (
     ONEDNN_MIN_ROWS,
@@ -27,7 +27,7 @@ from linformer_kit.linear_backend import (
 from linformer_kit.projection import MatrixProjection
 
 # The rule's machine check itself (the conftest stubs the module's name for every test).
-MKL_WITHOUT_AVX512 = linear_backend.mkl_without_avx512.__wrapped__
+MKL_WITHOUT_AVX512 = precision.mkl_without_avx512
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypa
     weight = torch.randn(16, 8)
     many, few = torch.randn(2, ONEDNN_MIN_ROWS // 2, 8), torch.randn(ONEDNN_MIN_ROWS - 1, 8)
     assert choose_linear_backend(many, weight) == "blas"  # the fixture's Intel CPU
-    monkeypatch.setattr(linear_backend, "mkl_without_avx512", lambda: True)
+    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
     assert choose_linear_backend(many, weight) == "onednn"
     assert choose_linear_backend(few, weight) == "blas"
     assert choose_linear_backend(many.double(), weight.double()) == "blas"
@@ -99,7 +99,8 @@ def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypa
 def test_mkl_without_avx512_reads_the_vendor_and_torchs_dispatch(monkeypatch):
     def cpu(vendor, capability):
         features = {"model": "x", "vendor": vendor, "capability": capability, "flags": []}
-        monkeypatch.setattr(linear_backend, "cpu_features", lambda: features)
+        monkeypatch.setattr(precision, "cpu_features", lambda: features)
+        monkeypatch.setattr(precision, "_found", {})
 
     cpu("AuthenticAMD", "AVX512")
     built_in = torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
@@ -108,6 +109,9 @@ def test_mkl_without_avx512_reads_the_vendor_and_torchs_dispatch(monkeypatch):
     assert not MKL_WITHOUT_AVX512()
     cpu("GenuineIntel", "AVX512")
     assert not MKL_WITHOUT_AVX512()
+    cpu("AuthenticAMD", "AVX512")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not MKL_WITHOUT_AVX512() and not precision._found  # no read traced in a graph
 
 
 def test_cpu_features_names_the_vendor():
@@ -183,7 +187,7 @@ def test_feed_forward_runs_its_modules_on_onednn(convolutions, monkeypatch):
     ffn = FeedForward(dim=16, hidden_dim=32)
     x = torch.randn(2, 200, 16)
     wanted = ffn(x)
-    monkeypatch.setattr(linear_backend, "mkl_without_avx512", lambda: True)
+    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
     torch.testing.assert_close(ffn(x), wanted, atol=1e-5, rtol=1e-5)
     assert len(convolutions) == 2
     ffn(x[:, :100])  # 200 rows: under ONEDNN_MIN_ROWS, the kernel or F.linear

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from . import precision
+
 KERNELS = ("sdpa", "explicit")
 # The kernel `use_kernel` pins for the calls that leave it to the rule (None: the rule).
 _pinned: str | None = None
@@ -110,6 +112,14 @@ def choose_kernel(
     is worth using (`precision` warns against it elsewhere): at k = 1024 in training without
     dropout it keeps SDPA, which is 5.7x slower with AVX2 only.
 
+    On an AMD CPU with AVX-512 BF16 and no AMX (`benchmarks/kernels/amd-epyc/table/`, the
+    same 27 shapes in fp32 and bf16, AMD EPYC), where MKL runs its generic code
+    (`precision.mkl_without_avx512`) and the explicit kernel's bf16 GEMMs are MKL's while
+    SDPA's are oneDNN's, bf16 training without dropout goes to SDPA: explicit 0.74-0.84x at
+    k = 256, 0.64-0.70x at k = 1024, 0.87-1.27x at k = 64 (geometric mean 1.03). The rest of
+    that table agrees with the rule: explicit with dropout (fp32 1.29-4.08x, bf16
+    1.21-3.79x), ties elsewhere (geometric means 0.97-1.06 a k).
+
     n and head_dim did not change the winner anywhere on CPU, and k only training without
     dropout (in the rule, only bf16's).
 
@@ -173,7 +183,10 @@ def choose_kernel(
     if dtype in (torch.float32, torch.float64):
         return "explicit" if dropout else "sdpa"
     if dtype == torch.bfloat16:
-        return "explicit" if dropout or (backward and keys <= 256 and compiled()) else "sdpa"
+        if dropout:
+            return "explicit"
+        mkl_fast = not precision.mkl_without_avx512()  # the explicit kernel's GEMMs are MKL's
+        return "explicit" if backward and keys <= 256 and mkl_fast and compiled() else "sdpa"
     return "sdpa"
 
 

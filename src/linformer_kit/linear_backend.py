@@ -11,9 +11,11 @@ The result is `F.linear`'s to float32 rounding.
 The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py`
 (`benchmarks/linear_backend/ab.json`; AMD EPYC with AVX-512 and AVX-512 BF16, no AMX,
 2 threads, torch 2.13.0 with MKL 2024.2 and oneDNN 3.12): a (rows, 256) x (256, 256)
-product with its backward 1.30x faster through oneDNN at 256 rows and 2.12x at 2048, 0.97x
-at 128 and 0.70x at one row (the convolution's fixed cost); (256, 1024) and (768, 768)
-alike (1.09x and 1.62x at 256 rows, about 2x from 2048). So float32 products of at least
+product with its backward 1.20x faster through oneDNN at 256 rows and 2.02x at 2048, 0.96x
+at 128 and 0.69x at one row (the convolution's fixed cost); (256, 1024), (1024, 256) and
+(768, 768) 1.31-1.68x at 256 rows, 1.96-2.07x at 2048, mixed at 128 (0.96-1.52x). The
+bench's encoder layer (kv, k 256, fwd+bwd) 1.41-1.49x faster at n 1024-16384, its attention
+layer 1.18-1.20x. So float32 products of at least
 `ONEDNN_MIN_ROWS` rows go through oneDNN on AMD CPUs with AVX-512; everything else stays on
 `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 % of the probe
 before this rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN), autocast,
@@ -24,14 +26,13 @@ convolution fails on a dynamic row count, torch 2.13), and builds without MKL or
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .precision import cpu_features
+from . import precision
 
 LINEAR_BACKENDS = ("blas", "onednn")
 # Rows (the product of x's leading dimensions) from which oneDNN pays where the rule allows it.
@@ -65,20 +66,6 @@ def use_linear_backend(backend: str | None) -> Iterator[None]:
         _pinned = before
 
 
-@functools.cache
-def mkl_without_avx512() -> bool:
-    """Whether torch's float32 GEMMs run MKL's AVX2 code on an AVX-512 CPU here (an AMD CPU
-    with AVX-512, torch dispatching AVX-512, MKL and oneDNN built in): where the rule sends
-    products to oneDNN."""
-    features = cpu_features()
-    return (
-        features["vendor"] == "AuthenticAMD"
-        and features["capability"] == "AVX512"
-        and torch.backends.mkl.is_available()
-        and torch.backends.mkldnn.is_available()
-    )
-
-
 def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
     """The library for `F.linear(x, weight, ...)`, by the rule in the module docstring.
 
@@ -104,7 +91,7 @@ def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
     if _pinned is not None:
         return _pinned
     # The machine first: elsewhere torch.compile gets no guard on the row count.
-    if not mkl_without_avx512():
+    if not precision.mkl_without_avx512():
         return "blas"
     return "onednn" if x.numel() // x.shape[-1] >= ONEDNN_MIN_ROWS else "blas"
 

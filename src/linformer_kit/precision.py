@@ -26,6 +26,7 @@ SLOW_FACTOR = 4.0  # bf16 slower than float32 by more than this: not native
 MATMUL_FLAGS = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"}
 
 _warned: set[tuple[str, str]] = set()  # (device, advice) pairs already warned about
+_found: dict[str, bool] = {}  # machine facts, each found once per process
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,26 @@ def cpu_features() -> dict[str, Any]:
         "capability": torch.backends.cpu.get_cpu_capability(),
         "flags": sorted(flags & MATMUL_FLAGS),
     }
+
+
+def mkl_without_avx512() -> bool:
+    """Whether torch's float32 GEMMs run MKL's AVX2 code on an AVX-512 CPU here: an AMD CPU
+    with AVX-512 (MKL takes its generic path on non-Intel CPUs; `MKL_VERBOSE` says "Intel(R)
+    Architecture processors"), torch dispatching AVX-512, MKL and oneDNN built in. Where
+    `linear_backend` sends linear maps to oneDNN and `kernel_rule` keeps bf16 attention off
+    the explicit kernel's MKL GEMMs. Found on the first eager call (reading /proc/cpuinfo);
+    under torch.compile before it, False, as a graph never traces the read."""
+    if "mkl_without_avx512" not in _found:
+        if torch.compiler.is_compiling():
+            return False
+        features = cpu_features()
+        _found["mkl_without_avx512"] = (
+            features["vendor"] == "AuthenticAMD"
+            and features["capability"] == "AVX512"
+            and torch.backends.mkl.is_available()
+            and torch.backends.mkldnn.is_available()
+        )
+    return _found["mkl_without_avx512"]
 
 
 def _median_seconds(a: torch.Tensor, repeats: int = 3) -> float:
