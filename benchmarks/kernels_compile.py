@@ -11,8 +11,9 @@ compiled step. `--autocast bf16` runs the forwards under bf16 autocast. `--kerne
 sdpa|explicit` pins the attention kernel of every call, eager and compiled
 (`kernel_rule.use_kernel`; default the rule's, whose compiled CUDA cells were read off
 such pinned runs, `cuda/compiled-split/`).
-Writes benchmarks/kernels/compile.json (CPU, one thread) or, with `--device cuda`,
-benchmarks/kernels/cuda/compile.json (CUDA-event timing); `--out` another folder.
+Writes benchmarks/kernels/compile.json (CPU, one thread unless `--threads`) or, with
+`--device cuda`, benchmarks/kernels/cuda/compile.json (CUDA-event timing); `--out` another
+folder.
 
     PYTHONPATH=src python benchmarks/kernels_compile.py
     PYTHONPATH=src python benchmarks/kernels_compile.py --device cuda --out benchmarks/kernels/cuda
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--backend", default="inductor", help="torch.compile backend (aot_eager: no codegen)"
     )
+    parser.add_argument("--threads", type=int, default=THREADS, help="CPU threads")
     parser.add_argument(
         "--out", type=Path, default=None, help="writes compile.json there (default: per device)"
     )
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     kernel = None if args.kernel == "rule" else args.kernel
     autocast = torch.bfloat16 if args.autocast == "bf16" else None
     args.out = args.out or (OUT if args.device == "cpu" else OUT / args.device)
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     if args.device == "cpu":
         native.cpu_ops()  # built before tracing, as any eager step would: the graph calls them
     torch.manual_seed(0)
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         "kernel": args.kernel,
         "backend": args.backend,
         "device": args.device,
-        "threads": THREADS,
+        "threads": args.threads,
         "rows": rows,
         # Where dynamo split the graphs (reason: count): each break costs a call to eager.
         "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"]),

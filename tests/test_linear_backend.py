@@ -85,6 +85,12 @@ def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypa
     assert choose_linear_backend(many.double(), weight.double()) == "blas"
     assert choose_linear_backend(many.bfloat16(), weight.bfloat16()) == "blas"
     assert choose_linear_backend(many[:, :0], weight) == "blas"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert choose_linear_backend(many, weight) == "blas"
+    finally:
+        torch.set_num_threads(threads)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert choose_linear_backend(many, weight) == "blas"
     with use_linear_backend("blas"):

@@ -15,12 +15,16 @@ product with its backward 1.20x faster through oneDNN at 256 rows and 2.02x at 2
 at 128 and 0.69x at one row (the convolution's fixed cost); (256, 1024), (1024, 256) and
 (768, 768) 1.31-1.68x at 256 rows, 1.96-2.07x at 2048, mixed at 128 (0.96-1.52x). The
 bench's encoder layer (kv, k 256, fwd+bwd) 1.41-1.49x faster at n 1024-16384, its attention
-layer 1.18-1.20x. So float32 products of at least
-`ONEDNN_MIN_ROWS` rows go through oneDNN on AMD CPUs with AVX-512; everything else stays on
-`F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 % of the probe
-before this rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN), autocast,
-torch.compile and torch.export (the graphs keep plain `linear`: Inductor's lowering of the
-convolution fails on a dynamic row count, torch 2.13), and builds without MKL or oneDNN.
+layer 1.18-1.20x. With one thread ATen keeps a 1 x 1 convolution of one image on its own
+GEMM path (MKL's; "THNN is faster when single-threaded", says its `use_mkldnn`), so there
+the two ways tie (0.95-1.01x, `benchmarks/linear_backend/threads1/`) and the feed-forward
+kernel is faster than its modules: `F.linear`. So with more than one thread, float32
+products of at least `ONEDNN_MIN_ROWS` rows go through oneDNN on AMD CPUs with AVX-512;
+everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs
+at 80-92 % of the probe before this rule), AVX2-only CPUs, other dtypes (bf16 already goes
+to oneDNN), autocast, torch.compile and torch.export (the graphs keep plain `linear`:
+Inductor's lowering of the convolution fails on a dynamic row count, torch 2.13), and
+builds without MKL or oneDNN.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
     if _pinned is not None:
         return _pinned
     # The machine first: elsewhere torch.compile gets no guard on the row count.
-    if not precision.mkl_without_avx512():
+    if not precision.mkl_without_avx512() or torch.get_num_threads() == 1:
         return "blas"
     return "onednn" if x.numel() // x.shape[-1] >= ONEDNN_MIN_ROWS else "blas"
 
