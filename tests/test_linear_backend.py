@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from script_helpers import BENCHMARKS, load_script
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from linformer_kit import LinformerCrossAttention, precision
 from linformer_kit.encoder import FeedForward, LinformerEncoderLayer
@@ -97,7 +98,7 @@ def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypa
         assert choose_linear_backend(many, weight) == "blas"
     with torch.backends.mkldnn.flags(enabled=False):
         assert choose_linear_backend(many, weight) == "blas"
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # and torch.export
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
     with use_linear_backend("onednn"):
         assert choose_linear_backend(many, weight) == "blas"
 
@@ -225,3 +226,52 @@ def test_the_benchmark_times_both_backends(tmp_path, convolutions):
         assert row["onednn_speedup"] == round(row["blas_ms"] / row["onednn_ms"], 3)
     assert convolutions  # the onednn rows ran oneDNN's form, on any CPU
     assert (tmp_path / "ab.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_layers_run_the_onednn_op_with_eager_results(backend):
+    # Under torch.compile the product is one custom op with its backward (Inductor's own
+    # lowering of the convolution fails on a dynamic row count): no graph break, the eager
+    # outputs and gradients at three lengths, one recompile at most (to dynamic shapes).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    proj = MatrixProjection(max_seq_len=64, proj_dim=16)
+    layer = LinformerEncoderLayer(
+        dim=32, num_heads=4, max_seq_len=64, proj_k=proj, proj_v=proj, ffn_dim=64
+    ).train()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(layer, backend=counter)
+    with use_linear_backend("onednn"):
+        explained = torch._dynamo.explain(layer)(torch.randn(2, 64, 32))
+        assert explained.graph_break_count == 0
+        ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
+        assert "linformer_kit.onednn_linear" in ops
+        for n in (64, 48, 40):
+            x = torch.randn(2, n, 32)
+            mask = torch.ones(2, n, dtype=torch.bool)
+            mask[0, n // 2 :] = False
+            got = layer_outputs_and_grads(compiled, x, mask)
+            wanted = layer_outputs_and_grads(layer, x, mask)
+            for a, b in zip(got, wanted):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert counter.frame_count <= 2
+
+
+def test_the_onednn_op_gives_only_the_gradients_asked_for():
+    x, weight, bias = torch.randn(5, 8), torch.randn(4, 8, requires_grad=True), torch.randn(4)
+    out = torch.ops.linformer_kit.onednn_linear(x, weight, bias)
+    (grad_weight,) = torch.autograd.grad(out.sum(), weight)
+    torch.testing.assert_close(out, F.linear(x, weight, bias))
+    torch.testing.assert_close(grad_weight, torch.ones(5, 4).t() @ x)
+    torch.library.opcheck(torch.ops.linformer_kit.onednn_linear.default, (x, weight, bias))
+
+
+def test_exported_graphs_keep_plain_linear_even_when_pinned():
+    layer = FeedForward(dim=8, hidden_dim=16)
+    x = torch.randn(2, 300, 8)
+    with use_linear_backend("onednn"):
+        program = torch.export.export(layer, (x,))
+    targets = {str(node.target) for node in program.graph.nodes}
+    assert "aten.linear.default" in targets
+    assert not any("onednn" in t or "convolution" in t for t in targets)
+    torch.testing.assert_close(program.module()(x), layer(x))

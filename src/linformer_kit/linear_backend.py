@@ -22,15 +22,17 @@ kernel is faster than its modules: `F.linear`. So with more than one thread, flo
 products of at least `ONEDNN_MIN_ROWS` rows go through oneDNN on AMD CPUs with AVX-512;
 everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs
 at 80-92 % of the probe before this rule), AVX2-only CPUs, other dtypes (bf16 already goes
-to oneDNN), autocast, torch.compile and torch.export (the graphs keep plain `linear`:
-Inductor's lowering of the convolution fails on a dynamic row count, torch 2.13), and
-builds without MKL or oneDNN.
+to oneDNN), autocast, torch.export (exported graphs keep plain `linear`), and builds without
+MKL or oneDNN. Under torch.compile the product is one custom op with its backward
+(`linformer_kit::onednn_linear`): Inductor's own lowering of the convolution fails on a
+dynamic row count (torch 2.13).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +91,7 @@ def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
         and weight.device.type == "cpu"
         and torch.backends.mkldnn.enabled
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
     ):
         return "blas"
     if _pinned is not None:
@@ -100,13 +102,77 @@ def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
     return "onednn" if x.numel() // x.shape[-1] >= ONEDNN_MIN_ROWS else "blas"
 
 
+def _as_image(x: Tensor, features: int) -> Tensor:
+    """x's rows (..., features) as a (1, features, R, 1) image with channels-last strides."""
+    return x.reshape(1, -1, 1, features).permute(0, 3, 1, 2)
+
+
+def _as_rows(image: Tensor, lead: torch.Size) -> Tensor:
+    """The inverse of `_as_image`: (1, features, R, 1) -> (*lead, features)."""
+    return image.permute(0, 2, 3, 1).reshape(*lead, image.shape[1])
+
+
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` as oneDNN's 1 x 1 convolution over a channels-last view
-    of x's rows (no copy where x is contiguous); differentiable in every argument."""
+    of x's rows (no copy where x is contiguous); differentiable in every argument. Under
+    torch.compile, as one graph node (`linformer_kit::onednn_linear`, with its backward)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.linformer_kit.onednn_linear(x, weight, bias)
     out_features, in_features = weight.shape
-    rows = x.reshape(1, -1, 1, in_features).permute(0, 3, 1, 2)  # (1, in, R, 1), NHWC strides
-    out = F.conv2d(rows, weight.reshape(out_features, in_features, 1, 1), bias)
-    return out.permute(0, 2, 3, 1).reshape(*x.shape[:-1], out_features)
+    kernel = weight.reshape(out_features, in_features, 1, 1)
+    return _as_rows(F.conv2d(_as_image(x, in_features), kernel, bias), x.shape[:-1])
+
+
+@torch.library.custom_op("linformer_kit::onednn_linear", mutates_args=())
+def _onednn_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    with torch.no_grad():  # the op's own backward (below) gives the gradients
+        return onednn_linear(x, weight, bias)
+
+
+@_onednn_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("linformer_kit::onednn_linear_backward", mutates_args=())
+def _onednn_linear_backward_op(
+    grad: Tensor, x: Tensor, weight: Tensor, needs_x: bool, needs_weight: bool, needs_bias: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    out_features, in_features = weight.shape
+    grads = torch.ops.aten.convolution_backward(
+        _as_image(grad, out_features), _as_image(x, in_features),
+        weight.reshape(out_features, in_features, 1, 1), [out_features] if needs_bias else None,
+        [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [needs_x, needs_weight, needs_bias],
+    )  # fmt: skip
+    grad_x = _as_rows(grads[0], x.shape[:-1]) if needs_x else x.new_empty(0)
+    grad_weight = grads[1].reshape(weight.shape) if needs_weight else x.new_empty(0)
+    return grad_x, grad_weight, grads[2] if needs_bias else x.new_empty(0)
+
+
+@_onednn_linear_backward_op.register_fake
+def _(
+    grad: Tensor, x: Tensor, weight: Tensor, needs_x: bool, needs_weight: bool, needs_bias: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return (
+        x.new_empty(x.shape if needs_x else (0,)),
+        x.new_empty(weight.shape if needs_weight else (0,)),
+        x.new_empty((weight.shape[0],) if needs_bias else (0,)),
+    )
+
+
+def _save_inputs(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    x, weight = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grads = torch.ops.linformer_kit.onednn_linear_backward(grad, x, weight, *needs)
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+_onednn_linear_op.register_autograd(_backward, setup_context=_save_inputs)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -133,3 +199,7 @@ def apply_linear(module: nn.Module, x: Tensor) -> Tensor:
     if type(module) is not nn.Linear or hooked(module):
         return module(x)
     return linear(x, module.weight, module.bias)
+
+
+# Found at import, so that a graph compiled before any eager call reads the machine too.
+precision.mkl_without_avx512()
