@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from linformer_kit import kernels, precision
 
@@ -32,9 +33,18 @@ def mkl_runs_avx512(monkeypatch):
     linear maps stay on `F.linear` and the feed-forward kernel runs, on an AMD CPU too
     (`linear_backend`'s rule would send them to oneDNN there, and `kernel_rule` keep bf16 off
     the explicit kernel without dropout): a test's path does not depend
-    on the CPU it runs on. Tests of the rule set it themselves; `use_linear_backend` pins
-    oneDNN on any CPU."""
+    on the CPU it runs on (in this process: a subprocess a test starts reads the real CPU).
+    Tests of the rule set it themselves; `use_linear_backend` pins oneDNN on any CPU."""
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: False)
+
+
+@pytest.fixture(autouse=True)
+def same_threads():
+    """Restores torch's thread count after each test: a script run with `--threads 1` in one
+    test must not leave the next on one thread (the linear-map rule reads it)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)

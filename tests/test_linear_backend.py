@@ -5,6 +5,7 @@ float32 products of enough rows, a pin overrides it, and the layers route throug
 subclassed layers kept as they are."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,15 @@ from linformer_kit.projection import MatrixProjection
 
 # The rule's machine check itself (the conftest stubs the module's name for every test).
 MKL_WITHOUT_AVX512 = precision.mkl_without_avx512
+
+
+@pytest.fixture
+def two_threads():
+    """Two threads, whatever the machine's default (with one the rule keeps F.linear)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -76,7 +86,7 @@ def test_onednn_linear_takes_non_contiguous_input_and_weight():
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
-def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypatch):
+def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypatch, two_threads):
     weight = torch.randn(16, 8)
     many, few = torch.randn(2, ONEDNN_MIN_ROWS // 2, 8), torch.randn(ONEDNN_MIN_ROWS - 1, 8)
     assert choose_linear_backend(many, weight) == "blas"  # the fixture's Intel CPU
@@ -86,12 +96,9 @@ def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypa
     assert choose_linear_backend(many.double(), weight.double()) == "blas"
     assert choose_linear_backend(many.bfloat16(), weight.bfloat16()) == "blas"
     assert choose_linear_backend(many[:, :0], weight) == "blas"
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        assert choose_linear_backend(many, weight) == "blas"
-    finally:
-        torch.set_num_threads(threads)
+    assert choose_linear_backend(many, weight) == "blas"
+    torch.set_num_threads(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert choose_linear_backend(many, weight) == "blas"
     with use_linear_backend("blas"):
@@ -114,16 +121,21 @@ def test_mkl_without_avx512_reads_the_vendor_and_torchs_dispatch(monkeypatch):
     assert MKL_WITHOUT_AVX512() == built_in
     cpu("AuthenticAMD", "AVX2")
     assert not MKL_WITHOUT_AVX512()
-    cpu("GenuineIntel", "AVX512")
-    assert not MKL_WITHOUT_AVX512()
+    cpu("HygonGenuine", "AVX512")  # any non-Intel vendor: MKL's generic path
+    assert MKL_WITHOUT_AVX512() == built_in
+    for vendor in ("GenuineIntel", ""):  # "": no /proc/cpuinfo, nothing known
+        cpu(vendor, "AVX512")
+        assert not MKL_WITHOUT_AVX512()
     cpu("AuthenticAMD", "AVX512")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not MKL_WITHOUT_AVX512() and not precision._found  # no read traced in a graph
 
 
 def test_cpu_features_names_the_vendor():
-    vendor = precision.cpu_features()["vendor"]
-    assert isinstance(vendor, str)
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    vendors = [line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")]
+    assert precision.cpu_features()["vendor"] == (vendors[0] if vendors else "")
 
 
 def test_a_pin_overrides_the_rule_and_is_checked(convolutions):
@@ -140,19 +152,53 @@ def test_a_pin_overrides_the_rule_and_is_checked(convolutions):
             pass
 
 
-def test_apply_linear_keeps_hooks_and_subclasses(convolutions):
+@pytest.mark.parametrize("backend", ["blas", "onednn"])
+def test_apply_linear_calls_the_module_where_more_than_its_forward_runs(backend, convolutions):
     layer = nn.Linear(8, 4)
-    x = torch.randn(5, 8)
-    with use_linear_backend("onednn"):
+    x = torch.randn(5, 8, requires_grad=True)
+    with use_linear_backend(backend):
         torch.testing.assert_close(apply_linear(layer, x), layer(x))
-        assert len(convolutions) == 1
+        assert len(convolutions) == (backend == "onednn")
+        convolutions.clear()
         seen = []
-        handle = layer.register_forward_hook(lambda *a: seen.append(1))
+        registers = {
+            "forward": layer.register_forward_hook,
+            "pre": layer.register_forward_pre_hook,
+            "backward": layer.register_full_backward_hook,
+            "backward pre": layer.register_full_backward_pre_hook,
+        }
+        for name, register in registers.items():
+            hook = register(lambda *a, name=name: seen.append(name))
+            apply_linear(layer, x).sum().backward()
+            hook.remove()
+        global_hook = nn.modules.module.register_module_full_backward_hook(
+            lambda *a: seen.append("global backward")
+        )
+        apply_linear(layer, x).sum().backward()
+        global_hook.remove()
+        layer.forward = lambda t: seen.append("instance forward") or nn.Linear.forward(layer, t)
         apply_linear(layer, x)
-        handle.remove()
+        del layer.forward
         lazy = nn.LazyLinear(4)
         apply_linear(lazy, x)  # a subclass: its own forward (here: it materialises)
-    assert seen == [1] and len(convolutions) == 1 and lazy.weight.shape == (4, 8)
+    assert seen == [
+        "forward", "pre", "backward", "backward pre", "global backward", "instance forward"
+    ]  # fmt: skip
+    assert not convolutions and lazy.weight.shape == (4, 8)
+
+
+def test_onednn_linear_keeps_f_linears_empty_results_and_errors():
+    weight = torch.randn(4, 8)
+    assert onednn_linear(torch.randn(2, 0, 8), weight).shape == (2, 0, 4)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        onednn_linear(torch.randn(3, 7), weight)
+
+
+def test_traced_graphs_keep_plain_linear(convolutions):
+    layer = nn.Linear(8, 4)
+    with use_linear_backend("onednn"):
+        traced = torch.jit.trace(layer, torch.randn(300, 8))
+    assert not convolutions and "aten::linear" in str(traced.inlined_graph)
 
 
 def layer_outputs_and_grads(layer, x, key_padding_mask):
@@ -190,7 +236,7 @@ def test_an_encoder_layer_on_onednn_equals_it_on_blas(sharing, convolutions):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_feed_forward_runs_its_modules_on_onednn(convolutions, monkeypatch):
+def test_feed_forward_runs_its_modules_on_onednn(convolutions, monkeypatch, two_threads):
     ffn = FeedForward(dim=16, hidden_dim=32)
     x = torch.randn(2, 200, 16)
     wanted = ffn(x)
@@ -275,3 +321,23 @@ def test_exported_graphs_keep_plain_linear_even_when_pinned():
     assert "aten.linear.default" in targets
     assert not any("onednn" in t or "convolution" in t for t in targets)
     torch.testing.assert_close(program.module()(x), layer(x))
+
+
+def test_compiled_layers_take_the_op_by_the_rule_without_a_graph_break(monkeypatch, two_threads):
+    # Unpinned, on a machine where the rule picks oneDNN: the thread count is read in eager
+    # mode only (Dynamo cannot trace it), so the graph holds the op and no break.
+    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
+    torch._dynamo.reset()
+    layer = FeedForward(dim=16, hidden_dim=32)
+    explained = torch._dynamo.explain(layer)(torch.randn(1, 300, 16))
+    assert explained.graph_break_count == 0
+    ops = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes]
+    assert ops.count("linformer_kit.onednn_linear") == 2
+
+
+def test_the_ops_backward_has_no_double_backward():
+    x, weight = torch.randn(5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    out = torch.ops.linformer_kit.onednn_linear(x, weight, None)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        grad_x.sum().backward()

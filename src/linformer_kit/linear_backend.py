@@ -19,13 +19,15 @@ layer 1.18-1.20x. With one thread ATen keeps a 1 x 1 convolution of one image on
 GEMM path (MKL's; "THNN is faster when single-threaded", says its `use_mkldnn`), so there
 the two ways tie (0.95-1.01x, `benchmarks/linear_backend/threads1/`) and the feed-forward
 kernel is faster than its modules: `F.linear`. So with more than one thread, float32
-products of at least `ONEDNN_MIN_ROWS` rows go through oneDNN on AMD CPUs with AVX-512;
-everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs
-at 80-92 % of the probe before this rule), AVX2-only CPUs, other dtypes (bf16 already goes
-to oneDNN), autocast, torch.export (exported graphs keep plain `linear`), and builds without
-MKL or oneDNN. Under torch.compile the product is one custom op with its backward
-(`linformer_kit::onednn_linear`): Inductor's own lowering of the convolution fails on a
-dynamic row count (torch 2.13).
+products of at least `ONEDNN_MIN_ROWS` rows go through oneDNN on AMD CPUs with AVX-512 (any
+non-Intel vendor, `precision.mkl_without_avx512`; measured on AMD only); everything else
+stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 % of the
+probe before this rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN),
+autocast, torch.export and torch.jit.trace (their graphs keep plain `linear`), and builds
+without MKL or oneDNN. Under torch.compile the product is one custom op with its backward
+(`linformer_kit::onednn_linear`; Inductor's own lowering of the convolution fails on a
+dynamic row count, torch 2.13), taken whatever the thread count, which Dynamo cannot read:
+with one thread the op computes on ATen's MKL path, as `F.linear` would.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from . import precision
 LINEAR_BACKENDS = ("blas", "onednn")
 # Rows (the product of x's leading dimensions) from which oneDNN pays where the rule allows it.
 ONEDNN_MIN_ROWS = 256
+HOOK_KINDS = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
 # The backend `use_linear_backend` pins for the products oneDNN can compute (None: the rule).
 _pinned: str | None = None
 
@@ -92,12 +95,17 @@ def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
         and torch.backends.mkldnn.enabled
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_exporting()
+        and not torch.jit.is_tracing()
     ):
         return "blas"
     if _pinned is not None:
         return _pinned
-    # The machine first: elsewhere torch.compile gets no guard on the row count.
-    if not precision.mkl_without_avx512() or torch.get_num_threads() == 1:
+    # The machine first: elsewhere torch.compile gets no guard on the row count. The thread
+    # count is read in eager mode only (Dynamo cannot trace it): a compiled graph runs the op,
+    # which with one thread computes what F.linear does, on the same MKL path.
+    if not precision.mkl_without_avx512():
+        return "blas"
+    if not torch.compiler.is_compiling() and torch.get_num_threads() == 1:
         return "blas"
     return "onednn" if x.numel() // x.shape[-1] >= ONEDNN_MIN_ROWS else "blas"
 
@@ -116,6 +124,8 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     """`F.linear(x, weight, bias)` as oneDNN's 1 x 1 convolution over a channels-last view
     of x's rows (no copy where x is contiguous); differentiable in every argument. Under
     torch.compile, as one graph node (`linformer_kit::onednn_linear`, with its backward)."""
+    if x.numel() == 0 or x.shape[-1] != weight.shape[-1]:
+        return F.linear(x, weight, bias)  # F.linear's empty result, or its error
     if torch.compiler.is_compiling():
         return torch.ops.linformer_kit.onednn_linear(x, weight, bias)
     out_features, in_features = weight.shape
@@ -172,7 +182,17 @@ def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Ten
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
+def _no_double_backward(ctx: Any, *grads: Tensor) -> None:
+    raise RuntimeError(
+        "linformer-kit: linformer_kit::onednn_linear's backward is not differentiable (no "
+        "double backward); for higher-order gradients pin use_linear_backend('blas')"
+    )
+
+
 _onednn_linear_op.register_autograd(_backward, setup_context=_save_inputs)
+_onednn_linear_backward_op.register_autograd(
+    _no_double_backward, setup_context=lambda ctx, inputs, output: None
+)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -183,22 +203,30 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def hooked(module: nn.Module) -> bool:
-    """Whether forward hooks (the module's or global ones) would run around `module`."""
+    """Whether calling `module` would do more than its class's `forward`: forward or backward
+    hooks (the module's or global ones), or a `forward` set on the instance (as offloading
+    wrappers do)."""
     hooks = nn.modules.module
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
-        or getattr(hooks, "_global_forward_hooks", None)
-        or getattr(hooks, "_global_forward_pre_hooks", None)
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or "forward" in vars(module)
+        or any(getattr(hooks, f"_global_{kind}", None) for kind in HOOK_KINDS)
     )
 
 
 def apply_linear(module: nn.Module, x: Tensor) -> Tensor:
-    """`module(x)`, a plain `nn.Linear`'s product through `linear`; a subclass (LoRA,
-    quantized, parametrized) or a hooked module is called as it is."""
-    if type(module) is not nn.Linear or hooked(module):
-        return module(x)
-    return linear(x, module.weight, module.bias)
+    """`module(x)`, but a plain `nn.Linear` (no subclass, hook or instance `forward`) through
+    `onednn_linear` where the rule picks oneDNN."""
+    if (
+        type(module) is nn.Linear
+        and not hooked(module)
+        and choose_linear_backend(x, module.weight) == "onednn"
+    ):
+        return onednn_linear(x, module.weight, module.bias)
+    return module(x)
 
 
 # Found at import, so that a graph compiled before any eager call reads the machine too.

@@ -77,18 +77,19 @@ def cpu_features() -> dict[str, Any]:
 
 
 def mkl_without_avx512() -> bool:
-    """Whether torch's float32 GEMMs run MKL's AVX2 code on an AVX-512 CPU here: an AMD CPU
-    with AVX-512 (MKL takes its generic path on non-Intel CPUs; `MKL_VERBOSE` says "Intel(R)
-    Architecture processors"), torch dispatching AVX-512, MKL and oneDNN built in. Where
-    `linear_backend` sends linear maps to oneDNN and `kernel_rule` keeps bf16 attention off
-    the explicit kernel's MKL GEMMs. Found on the first eager call (reading /proc/cpuinfo);
-    under torch.compile before it, False, as a graph never traces the read."""
+    """Whether torch's float32 GEMMs run MKL's AVX2 code on an AVX-512 CPU here: a non-Intel
+    CPU with AVX-512, an AMD one say (MKL takes its generic path on non-Intel CPUs;
+    `MKL_VERBOSE` says "Intel(R) Architecture processors"), torch dispatching AVX-512, MKL and
+    oneDNN built in. The vendor is read from /proc/cpuinfo: False where there is none (Linux
+    only). Where `linear_backend` sends linear maps to oneDNN and `kernel_rule` keeps bf16
+    attention off the explicit kernel's MKL GEMMs. Found once per process (`linear_backend`
+    asks at import); under torch.compile before that, False: a graph never traces the read."""
     if "mkl_without_avx512" not in _found:
         if torch.compiler.is_compiling():
             return False
         features = cpu_features()
         _found["mkl_without_avx512"] = (
-            features["vendor"] == "AuthenticAMD"
+            features["vendor"] not in ("", "GenuineIntel")
             and features["capability"] == "AVX512"
             and torch.backends.mkl.is_available()
             and torch.backends.mkldnn.is_available()
