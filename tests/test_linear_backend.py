@@ -34,11 +34,9 @@ MKL_WITHOUT_AVX512 = precision.mkl_without_avx512
 
 @pytest.fixture
 def two_threads():
-    """Two threads, whatever the machine's default (with one the rule keeps F.linear)."""
-    threads = torch.get_num_threads()
+    """Two threads, whatever the machine's default (with one the rule keeps F.linear); the
+    conftest's `same_threads` restores the count."""
     torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

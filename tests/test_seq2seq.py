@@ -291,11 +291,9 @@ def test_config_refuses_mismatched_sides():
 
 @pytest.fixture
 def one_thread():
-    """One intra-op thread: a tiny model's steps only lose time to more."""
-    threads = torch.get_num_threads()
+    """One intra-op thread: a tiny model's steps only lose time to more (the conftest's
+    `same_threads` restores the count)."""
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_a_tiny_linformer_learns_to_copy_in_seconds(one_thread):
