@@ -19,6 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from linformer_kit import LinformerCrossAttention, precision
 from linformer_kit.encoder import FeedForward, LinformerEncoderLayer
 from linformer_kit.linear_backend import (
+    ONEDNN_MIN_MACS,
     ONEDNN_MIN_ROWS,
     apply_linear,
     choose_linear_backend,
@@ -85,12 +86,16 @@ def test_onednn_linear_takes_non_contiguous_input_and_weight():
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypatch, two_threads):
-    weight = torch.randn(16, 8)
-    many, few = torch.randn(2, ONEDNN_MIN_ROWS // 2, 8), torch.randn(ONEDNN_MIN_ROWS - 1, 8)
+    # (256, 256) at 256 rows: both thresholds just met; (64, 64) needs 4096 rows
+    weight, narrow = torch.randn(256, 256), torch.randn(64, 64)
+    many, few = torch.randn(2, ONEDNN_MIN_ROWS // 2, 256), torch.randn(ONEDNN_MIN_ROWS - 1, 256)
+    assert ONEDNN_MIN_ROWS * weight.numel() == ONEDNN_MIN_MACS
     assert choose_linear_backend(many, weight) == "blas"  # the fixture's Intel CPU
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
     assert choose_linear_backend(many, weight) == "onednn"
     assert choose_linear_backend(few, weight) == "blas"
+    assert choose_linear_backend(torch.randn(4096, 64), narrow) == "onednn"
+    assert choose_linear_backend(torch.randn(4095, 64), narrow) == "blas"
     assert choose_linear_backend(many.double(), weight.double()) == "blas"
     assert choose_linear_backend(many.bfloat16(), weight.bfloat16()) == "blas"
     assert choose_linear_backend(many[:, :0], weight) == "blas"
@@ -235,13 +240,13 @@ def test_an_encoder_layer_on_onednn_equals_it_on_blas(sharing, convolutions):
 
 
 def test_feed_forward_runs_its_modules_on_onednn(convolutions, monkeypatch, two_threads):
-    ffn = FeedForward(dim=16, hidden_dim=32)
-    x = torch.randn(2, 200, 16)
+    ffn = FeedForward(dim=64, hidden_dim=256)  # 1024 rows: 2^24 multiply-adds a layer
+    x = torch.randn(2, 512, 64)
     wanted = ffn(x)
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
     torch.testing.assert_close(ffn(x), wanted, atol=1e-5, rtol=1e-5)
     assert len(convolutions) == 2
-    ffn(x[:, :100])  # 200 rows: under ONEDNN_MIN_ROWS, the kernel or F.linear
+    ffn(x[:, :256])  # too few multiply-adds: the kernel or F.linear
     assert len(convolutions) == 2
 
 
@@ -326,8 +331,8 @@ def test_compiled_layers_take_the_op_by_the_rule_without_a_graph_break(monkeypat
     # mode only (Dynamo cannot trace it), so the graph holds the op and no break.
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
     torch._dynamo.reset()
-    layer = FeedForward(dim=16, hidden_dim=32)
-    explained = torch._dynamo.explain(layer)(torch.randn(1, 300, 16))
+    layer = FeedForward(dim=64, hidden_dim=256)
+    explained = torch._dynamo.explain(layer)(torch.randn(1, 1024, 64))
     assert explained.graph_break_count == 0
     ops = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes]
     assert ops.count("linformer_kit.onednn_linear") == 2

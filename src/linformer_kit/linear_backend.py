@@ -13,13 +13,18 @@ The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py`
 2 threads, torch 2.13.0 with MKL 2024.2 and oneDNN 3.12): a (rows, 256) x (256, 256)
 product with its backward 1.20x faster through oneDNN at 256 rows and 2.02x at 2048, 0.96x
 at 128 and 0.69x at one row (the convolution's fixed cost); (256, 1024), (1024, 256) and
-(768, 768) 1.31-1.68x at 256 rows, 1.96-2.07x at 2048, mixed at 128 (0.96-1.52x). The
-bench's encoder layer (kv, k 256, fwd+bwd) 1.41-1.49x faster at n 1024-16384, its attention
-layer 1.18-1.20x. With one thread ATen keeps a 1 x 1 convolution of one image on its own
-GEMM path (MKL's; "THNN is faster when single-threaded", says its `use_mkldnn`), so there
-the two ways tie (0.95-1.01x, `benchmarks/linear_backend/threads1/`) and the feed-forward
-kernel is faster than its modules: `F.linear`. So with more than one thread, float32
-products of at least `ONEDNN_MIN_ROWS` rows go through oneDNN on AMD CPUs with AVX-512 (any
+(768, 768) 1.31-1.68x at 256 rows, 1.96-2.07x at 2048, mixed at 128 (0.96-1.52x) and at 64
+(0.78-1.22x). Narrower maps need more rows (`linear_backend/narrow/`): (128, 128) 0.76x at
+256 rows, 1.05x at 512, 1.97x at 4096; (64, 64) 0.58x at 512 rows, 1.32x at 4096; (128,
+512) and (512, 128) 1.32-1.33x at 256 rows. So a product needs at least `ONEDNN_MIN_ROWS`
+rows and `ONEDNN_MIN_MACS` multiply-adds (2^24): every measured map past both gained 1.20x
+or more; below, some gain too (up to 1.52x, (768, 768) at 128 rows) and some lose (down to
+0.58x). The bench's encoder layer (kv, k 256, fwd+bwd) 1.41-1.49x faster at n 1024-16384,
+its attention layer 1.18-1.20x. With one thread ATen keeps a 1 x 1 convolution of one
+image on its own GEMM path (MKL's; "THNN is faster when single-threaded", says its
+`use_mkldnn`), so there the two ways tie (0.95-1.01x, `linear_backend/threads1/`) and the
+feed-forward kernel is faster than its modules: `F.linear`. So with more than one thread,
+float32 products past both thresholds go through oneDNN on AMD CPUs with AVX-512 (any
 non-Intel vendor, `precision.mkl_without_avx512`; measured on AMD only); everything else
 stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 % of the
 probe before this rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN),
@@ -43,8 +48,9 @@ from torch import Tensor, nn
 from . import precision
 
 LINEAR_BACKENDS = ("blas", "onednn")
-# Rows (the product of x's leading dimensions) from which oneDNN pays where the rule allows it.
-ONEDNN_MIN_ROWS = 256
+# Rows (the product of x's leading dimensions) and multiply-adds (rows x in x out) from which
+# oneDNN pays where the rule allows it.
+ONEDNN_MIN_ROWS, ONEDNN_MIN_MACS = 256, 2**24
 HOOK_KINDS = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
 # The backend `use_linear_backend` pins for the products oneDNN can compute (None: the rule).
 _pinned: str | None = None
@@ -107,7 +113,9 @@ def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
         return "blas"
     if not torch.compiler.is_compiling() and torch.get_num_threads() == 1:
         return "blas"
-    return "onednn" if x.numel() // x.shape[-1] >= ONEDNN_MIN_ROWS else "blas"
+    rows = x.numel() // x.shape[-1]
+    big = rows >= ONEDNN_MIN_ROWS and rows * weight.numel() >= ONEDNN_MIN_MACS
+    return "onednn" if big else "blas"
 
 
 def _as_image(x: Tensor, features: int) -> Tensor:
