@@ -21,6 +21,7 @@ from linformer_kit.encoder import FeedForward, LinformerEncoderLayer
 from linformer_kit.linear_backend import (
     ONEDNN_MIN_MACS,
     ONEDNN_MIN_ROWS,
+    ONEDNN_MIN_WIDTH,
     apply_linear,
     choose_linear_backend,
     linear,
@@ -78,6 +79,23 @@ def test_onednn_linear_is_linear_in_value_and_every_gradient(lead, sizes, with_b
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_without_gradients_onednn_linear_runs_onednns_matmul(with_bias, no_grad, convolutions):
+    # No operand needs a gradient: oneDNN's matmul on the dense tensors, not the convolution
+    # (and with a gradient wanted, the convolution: the hypothesis test above).
+    x, columns = torch.randn(2, 300, 24), torch.randn(300, 24).t()  # (24, 300), a view
+    weight, bias = torch.randn(40, 24), torch.randn(40) if with_bias else None
+    rows_weight = torch.randn(300, 40).t()
+    wanted = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    with no_grad():
+        got = onednn_linear(x, weight, bias)
+        wide = onednn_linear(columns, rows_weight)  # (24, 300) x (40, 300)^T, both views
+    assert not convolutions and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), wanted, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(wide, F.linear(columns, rows_weight), atol=1e-4, rtol=1e-4)
+
+
 def test_onednn_linear_takes_non_contiguous_input_and_weight():
     x = torch.randn(6, 300, 8).transpose(0, 1)  # (300, 6, 8), not contiguous
     weight = torch.randn(8, 5).t()  # (5, 8), not contiguous
@@ -86,21 +104,29 @@ def test_onednn_linear_takes_non_contiguous_input_and_weight():
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypatch, two_threads):
-    # (256, 256) at 256 rows: both thresholds just met; (64, 64) needs 4096 rows
-    weight, narrow = torch.randn(256, 256), torch.randn(64, 64)
+    # (256, 256) at 256 rows: the row and multiply-add thresholds just met; (128, 128) needs
+    # 1024 rows; width 64 never
+    weight, narrow = torch.randn(256, 256), torch.randn(128, 128)
     many, few = torch.randn(2, ONEDNN_MIN_ROWS // 2, 256), torch.randn(ONEDNN_MIN_ROWS - 1, 256)
     assert ONEDNN_MIN_ROWS * weight.numel() == ONEDNN_MIN_MACS
     assert choose_linear_backend(many, weight) == "blas"  # the fixture's Intel CPU
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
     assert choose_linear_backend(many, weight) == "onednn"
     assert choose_linear_backend(few, weight) == "blas"
-    assert choose_linear_backend(torch.randn(4096, 64), narrow) == "onednn"
-    assert choose_linear_backend(torch.randn(4095, 64), narrow) == "blas"
+    assert choose_linear_backend(torch.randn(1024, 128), narrow) == "onednn"
+    assert choose_linear_backend(torch.randn(1023, 128), narrow) == "blas"
+    assert choose_linear_backend(torch.randn(8192, 256), torch.randn(64, 256)) == "blas"
+    assert ONEDNN_MIN_WIDTH == 128
     assert choose_linear_backend(many.double(), weight.double()) == "blas"
     assert choose_linear_backend(many.bfloat16(), weight.bfloat16()) == "blas"
     assert choose_linear_backend(many[:, :0], weight) == "blas"
-    torch.set_num_threads(1)
-    assert choose_linear_backend(many, weight) == "blas"
+    torch.set_num_threads(1)  # training: a tie there, F.linear; inference: oneDNN's matmul
+    trained = weight.detach().requires_grad_()
+    assert choose_linear_backend(many, trained) == "blas"
+    assert choose_linear_backend(many, weight) == "onednn"
+    assert choose_linear_backend(many, weight, torch.zeros(256, requires_grad=True)) == "blas"
+    with torch.no_grad():
+        assert choose_linear_backend(many, trained) == "onednn"
     torch.set_num_threads(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert choose_linear_backend(many, weight) == "blas"
@@ -142,7 +168,7 @@ def test_cpu_features_names_the_vendor():
 
 
 def test_a_pin_overrides_the_rule_and_is_checked(convolutions):
-    x, weight = torch.randn(3, 8), torch.randn(4, 8)
+    x, weight = torch.randn(3, 8), torch.randn(4, 8, requires_grad=True)
     with use_linear_backend("onednn"):
         out = linear(x, weight)
         with use_linear_backend(None):  # the rule again: blas on the fixture's CPU
@@ -240,13 +266,13 @@ def test_an_encoder_layer_on_onednn_equals_it_on_blas(sharing, convolutions):
 
 
 def test_feed_forward_runs_its_modules_on_onednn(convolutions, monkeypatch, two_threads):
-    ffn = FeedForward(dim=64, hidden_dim=256)  # 1024 rows: 2^24 multiply-adds a layer
-    x = torch.randn(2, 512, 64)
+    ffn = FeedForward(dim=128, hidden_dim=512)  # 256 rows: 2^24 multiply-adds a layer
+    x = torch.randn(2, 128, 128)
     wanted = ffn(x)
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
     torch.testing.assert_close(ffn(x), wanted, atol=1e-5, rtol=1e-5)
     assert len(convolutions) == 2
-    ffn(x[:, :256])  # too few multiply-adds: the kernel or F.linear
+    ffn(x[:, :64])  # too few rows: the kernel or F.linear
     assert len(convolutions) == 2
 
 
@@ -331,8 +357,8 @@ def test_compiled_layers_take_the_op_by_the_rule_without_a_graph_break(monkeypat
     # mode only (Dynamo cannot trace it), so the graph holds the op and no break.
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
     torch._dynamo.reset()
-    layer = FeedForward(dim=64, hidden_dim=256)
-    explained = torch._dynamo.explain(layer)(torch.randn(1, 1024, 64))
+    layer = FeedForward(dim=128, hidden_dim=512)
+    explained = torch._dynamo.explain(layer)(torch.randn(1, 256, 128))
     assert explained.graph_break_count == 0
     ops = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes]
     assert ops.count("linformer_kit.onednn_linear") == 2

@@ -10,29 +10,30 @@ The result is `F.linear`'s to float32 rounding.
 
 The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py`
 (`benchmarks/linear_backend/ab.json`; AMD EPYC with AVX-512 and AVX-512 BF16, no AMX,
-2 threads, torch 2.13.0 with MKL 2024.2 and oneDNN 3.12): a (rows, 256) x (256, 256)
-product with its backward 1.20x faster through oneDNN at 256 rows and 2.02x at 2048, 0.96x
-at 128 and 0.69x at one row (the convolution's fixed cost); (256, 1024), (1024, 256) and
-(768, 768) 1.31-1.68x at 256 rows, 1.96-2.07x at 2048, mixed at 128 (0.96-1.52x) and at 64
-(0.78-1.22x). Narrower maps need more rows (`linear_backend/narrow/`): (128, 128) 0.76x at
-256 rows, 1.05x at 512, 1.97x at 4096; (64, 64) 0.58x at 512 rows, 1.32x at 4096; (128,
-512) and (512, 128) 1.32-1.33x at 256 rows. So a product needs at least `ONEDNN_MIN_ROWS`
-rows and `ONEDNN_MIN_MACS` multiply-adds (2^24): every measured map past both gained 1.20x
-or more; below, some gain too (up to 1.52x, (768, 768) at 128 rows) and some lose (down to
-0.58x). The bench's encoder layer (kv, k 256, fwd+bwd) 1.41-1.49x faster at n 1024-16384,
-its attention layer 1.18-1.20x. With one thread ATen keeps a 1 x 1 convolution of one
-image on its own GEMM path (MKL's; "THNN is faster when single-threaded", says its
-`use_mkldnn`), so there the two ways tie (0.95-1.01x, `linear_backend/threads1/`) and the
-feed-forward kernel is faster than its modules: `F.linear`. So with more than one thread,
-float32 products past both thresholds go through oneDNN on AMD CPUs with AVX-512 (any
-non-Intel vendor, `precision.mkl_without_avx512`; measured on AMD only); everything else
-stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 % of the
-probe before this rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN),
-autocast, torch.export and torch.jit.trace (their graphs keep plain `linear`), and builds
-without MKL or oneDNN. Under torch.compile the product is one custom op with its backward
+2 threads, torch 2.13.0 with MKL 2024.2 and oneDNN 3.12). With its backward (the
+convolution), one linear map of width 256-1024 ran 1.19-1.79x faster through oneDNN at 256
+rows and 1.66-1.86x at 2048, mixed below (0.92-1.64x at 128 rows, 0.71-1.29x at 1-64: the
+convolution's fixed cost); without (oneDNN's matmul), 1.70-2.33x at 256 rows. The bench's
+encoder layer (kv, k 256, fwd+bwd) ran 1.40 / 1.46 / 1.34x faster at n 1024 / 4096 / 16384,
+its attention layer 1.13-1.20x (an earlier run: 1.41-1.49x and 1.18-1.20x). Narrower maps
+need more rows (`narrow/`, `narrow-rows/`): (128, 128) trains 0.75x at 256 rows, 0.97x at
+512, 1.31-1.87x from 1024; width 64 is erratic (0.56-2.61x in training, 0.41-1.93x in
+inference over 64-16384 rows). So a product needs at least `ONEDNN_MIN_ROWS` rows, a width
+(in and out) of `ONEDNN_MIN_WIDTH` and `ONEDNN_MIN_MACS` multiply-adds (2^24). With one
+thread ATen keeps a 1 x 1 convolution of one image on its own GEMM path (MKL's; "THNN is
+faster when single-threaded", says its `use_mkldnn`), so in training the two ways tie
+(0.93-1.02x, `linear_backend/threads1/`; the layer 0.96x) and the feed-forward kernel is
+faster than its modules: `F.linear`; oneDNN's matmul still pays there without gradients
+(1.66-2.30x). So float32 products past the thresholds go through oneDNN (with one thread,
+only those that need no gradient) on AMD CPUs with AVX-512 (any non-Intel vendor,
+`precision.mkl_without_avx512`; measured on AMD only); everything else stays on `F.linear`:
+Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 % of the probe before this
+rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN), autocast, torch.export
+and torch.jit.trace (their graphs keep plain `linear`), and builds without MKL or oneDNN.
+Under torch.compile the product is one custom op with its backward
 (`linformer_kit::onednn_linear`; Inductor's own lowering of the convolution fails on a
 dynamic row count, torch 2.13), taken whatever the thread count, which Dynamo cannot read:
-with one thread the op computes on ATen's MKL path, as `F.linear` would.
+with one thread its forward runs oneDNN's matmul and its backward ATen's MKL path.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ from torch import Tensor, nn
 from . import precision
 
 LINEAR_BACKENDS = ("blas", "onednn")
-# Rows (the product of x's leading dimensions) and multiply-adds (rows x in x out) from which
-# oneDNN pays where the rule allows it.
-ONEDNN_MIN_ROWS, ONEDNN_MIN_MACS = 256, 2**24
+# Rows (the product of x's leading dimensions), in and out features, and multiply-adds
+# (rows x in x out) from which oneDNN pays where the rule allows it.
+ONEDNN_MIN_ROWS, ONEDNN_MIN_WIDTH, ONEDNN_MIN_MACS = 256, 128, 2**24
 HOOK_KINDS = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
 # The backend `use_linear_backend` pins for the products oneDNN can compute (None: the rule).
 _pinned: str | None = None
@@ -81,12 +82,13 @@ def use_linear_backend(backend: str | None) -> Iterator[None]:
         _pinned = before
 
 
-def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
-    """The library for `F.linear(x, weight, ...)`, by the rule in the module docstring.
+def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
+    """The library for `F.linear(x, weight, bias)`, by the rule in the module docstring.
 
     Args:
         x: the input, (..., in_features).
         weight: (out_features, in_features).
+        bias: (out_features,) or None.
 
     Returns:
         "blas" or "onednn".
@@ -111,11 +113,18 @@ def choose_linear_backend(x: Tensor, weight: Tensor) -> str:
     # which with one thread computes what F.linear does, on the same MKL path.
     if not precision.mkl_without_avx512():
         return "blas"
-    if not torch.compiler.is_compiling() and torch.get_num_threads() == 1:
+    one_thread = not torch.compiler.is_compiling() and torch.get_num_threads() == 1
+    if one_thread and _needs_grad(x, weight, bias):
         return "blas"
     rows = x.numel() // x.shape[-1]
     big = rows >= ONEDNN_MIN_ROWS and rows * weight.numel() >= ONEDNN_MIN_MACS
-    return "onednn" if big else "blas"
+    return "onednn" if big and min(weight.shape) >= ONEDNN_MIN_WIDTH else "blas"
+
+
+def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether autograd will want a gradient of any operand of the product."""
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    return torch.is_grad_enabled() and any(t.requires_grad for t in operands)
 
 
 def _as_image(x: Tensor, features: int) -> Tensor:
@@ -129,13 +138,17 @@ def _as_rows(image: Tensor, lead: torch.Size) -> Tensor:
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)` as oneDNN's 1 x 1 convolution over a channels-last view
-    of x's rows (no copy where x is contiguous); differentiable in every argument. Under
-    torch.compile, as one graph node (`linformer_kit::onednn_linear`, with its backward)."""
+    """`F.linear(x, weight, bias)` on oneDNN: without gradients, its matmul on the dense
+    tensors (`mkldnn::_linear_pointwise`, the op Inductor's CPU fusions call); with them, its
+    1 x 1 convolution over a channels-last view of x's rows (no copy where x is contiguous),
+    differentiable in every argument. Under torch.compile, one graph node
+    (`linformer_kit::onednn_linear`, with its backward)."""
     if x.numel() == 0 or x.shape[-1] != weight.shape[-1]:
         return F.linear(x, weight, bias)  # F.linear's empty result, or its error
     if torch.compiler.is_compiling():
         return torch.ops.linformer_kit.onednn_linear(x, weight, bias)
+    if not _needs_grad(x, weight, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     out_features, in_features = weight.shape
     kernel = weight.reshape(out_features, in_features, 1, 1)
     return _as_rows(F.conv2d(_as_image(x, in_features), kernel, bias), x.shape[:-1])
@@ -205,7 +218,7 @@ _onednn_linear_backward_op.register_autograd(
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` on the library `choose_linear_backend` picks."""
-    if choose_linear_backend(x, weight) == "onednn":
+    if choose_linear_backend(x, weight, bias) == "onednn":
         return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -231,7 +244,7 @@ def apply_linear(module: nn.Module, x: Tensor) -> Tensor:
     if (
         type(module) is nn.Linear
         and not hooked(module)
-        and choose_linear_backend(x, module.weight) == "onednn"
+        and choose_linear_backend(x, module.weight, module.bias) == "onednn"
     ):
         return onednn_linear(x, module.weight, module.bias)
     return module(x)
