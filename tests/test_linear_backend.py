@@ -370,3 +370,18 @@ def test_the_ops_backward_has_no_double_backward():
     (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="no double backward"):
         grad_x.sum().backward()
+
+
+def test_forward_mode_and_vmap_through_onednn_give_linears_results():
+    # No operand needs a gradient, but a forward-AD level or a functorch transform is open:
+    # oneDNN's matmul has neither rule, so the convolution (which has both) runs.
+    x, weight, tangent = torch.randn(300, 16), torch.randn(8, 16), torch.randn(300, 16)
+    with use_linear_backend("onednn"):
+        _, got = torch.func.jvp(lambda a: linear(a, weight), (x,), (tangent,))
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(x, tangent)
+            dual_tangent = torch.autograd.forward_ad.unpack_dual(linear(dual, weight)).tangent
+        batched = torch.func.vmap(lambda a: linear(a, weight))(torch.stack([x, tangent]))
+    for t in (got, dual_tangent):
+        torch.testing.assert_close(t, F.linear(tangent, weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[1], F.linear(tangent, weight), atol=1e-5, rtol=1e-5)

@@ -3,7 +3,6 @@ activation checkpointing)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import CausalState, LinformerSelfAttention
 from .config import LinformerConfig
 from .dropout import Dropout, native_ops
-from .linear_backend import apply_linear, choose_linear_backend, hooked
+from .linear_backend import apply_linear, choose_linear_backend, hooked, transformed
 from .projection import SequenceProjection, build_sharing_plan
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
@@ -74,7 +73,7 @@ class FeedForward(nn.Module):
             and self.down.bias is not None
             and all(p.dtype == x.dtype and p.device == x.device for p in self.parameters())
             and not any(hooked(m) for m in (self.up, self.act, self.down))
-            and (torch.compiler.is_compiling() or not _transformed(x, self.parameters()))
+            and (torch.compiler.is_compiling() or not transformed(x, *self.parameters()))
             and choose_linear_backend(x, self.up.weight, self.up.bias) == "blas"
         ):
             return None
@@ -86,15 +85,6 @@ class FeedForward(nn.Module):
             return None
         ops = native_ops(x)
         return None if ops is None else (ops, code)
-
-
-def _transformed(x: Tensor, params: Iterator[Tensor]) -> bool:
-    """Whether a functorch transform (torch.func) wraps x or a parameter, or a forward-AD
-    dual level is open: the compiled kernel has neither batching nor forward-mode rules."""
-    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
-        return True
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return wrapped(x) or any(wrapped(p) for p in params)
 
 
 class LinformerEncoderLayer(nn.Module):

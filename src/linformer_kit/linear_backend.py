@@ -121,6 +121,16 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
     return "onednn" if big and min(weight.shape) >= ONEDNN_MIN_WIDTH else "blas"
 
 
+def transformed(*tensors: Tensor | None) -> bool:
+    """Whether a functorch transform (torch.func) wraps any of `tensors`, or a forward-AD
+    dual level is open: ops without batching or forward-mode rules (the compiled kernels,
+    oneDNN's matmul) must not run there."""
+    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
+        return True
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(t is not None and wrapped(t) for t in tensors)
+
+
 def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether autograd will want a gradient of any operand of the product."""
     operands = (x, weight) if bias is None else (x, weight, bias)
@@ -147,7 +157,7 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
         return F.linear(x, weight, bias)  # F.linear's empty result, or its error
     if torch.compiler.is_compiling():
         return torch.ops.linformer_kit.onednn_linear(x, weight, bias)
-    if not _needs_grad(x, weight, bias):
+    if not _needs_grad(x, weight, bias) and not transformed(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     out_features, in_features = weight.shape
     kernel = weight.reshape(out_features, in_features, 1, 1)
