@@ -62,7 +62,7 @@ def use_linear_backend(backend: str | None) -> Iterator[None]:
     """Runs the layers' float32 CPU linear maps inside on `backend` instead of the rule's
     choice (as `kernel_rule.use_kernel` pins the attention kernel; process-wide state for
     the duration of the block). Products oneDNN cannot take (other dtypes and devices,
-    autocast, torch.export) stay on `F.linear` whatever is pinned.
+    autocast, torch.export, torch.jit.trace) stay on `F.linear` whatever is pinned.
 
     Args:
         backend: "blas" (`F.linear`) or "onednn"; None follows the rule.
@@ -110,7 +110,7 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
         return _pinned
     # The machine first: elsewhere torch.compile gets no guard on the row count. The thread
     # count is read in eager mode only (Dynamo cannot trace it): a compiled graph runs the op,
-    # which with one thread computes what F.linear does, on the same MKL path.
+    # whose forward with one thread is oneDNN's matmul and whose backward is on MKL's path.
     if not precision.mkl_without_avx512():
         return "blas"
     one_thread = not torch.compiler.is_compiling() and torch.get_num_threads() == 1
