@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .attention import CausalState
 from .config import LinformerConfig
-from .losses import lm_head_loss
+from .losses import check_labels_for_loss_only, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
 
 
@@ -89,8 +89,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         Raises:
             ValueError: for `return_logits=False` without labels.
         """
-        if not return_logits and labels is None:
-            raise ValueError("return_logits=False needs labels: it returns only the loss")
+        check_labels_for_loss_only(labels, return_logits=return_logits)
         out = self.linformer(
             input_ids, key_padding_mask, output_hidden_states=output_hidden_states, states=states
         )

@@ -173,6 +173,13 @@ def linear_cross_entropy(
     )
 
 
+def check_labels_for_loss_only(labels: Tensor | None, *, return_logits: bool) -> None:
+    """Raises a ValueError for `return_logits=False` without labels: the models check it
+    before running their backbone, since that call returns only the loss."""
+    if not return_logits and labels is None:
+        raise ValueError("return_logits=False needs labels: it returns only the loss")
+
+
 def lm_head_loss(
     hidden: Tensor,
     weight: Tensor,

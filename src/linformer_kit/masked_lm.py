@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import LinformerConfig
-from .losses import lm_head_loss
+from .losses import check_labels_for_loss_only, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel, init_weights
 
 
@@ -93,8 +93,7 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
             )
         if labels is None and scored_only:
             raise ValueError("scored_only=True needs labels: the head runs where label != -100")
-        if labels is None and not return_logits:
-            raise ValueError("return_logits=False needs labels: it returns only the loss")
+        check_labels_for_loss_only(labels, return_logits=return_logits)
         out = self.linformer(
             input_ids, key_padding_mask, token_type_ids, output_hidden_states, output_attentions
         )

@@ -19,7 +19,7 @@ from .causal_lm import LinformerForCausalLM, next_token_targets
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .encoder import LinformerEncoderLayer, layer_arguments
 from .functional import check_seq_len
-from .losses import lm_head_loss
+from .losses import check_labels_for_loss_only, lm_head_loss
 from .models import (
     LinformerEmbeddings,
     LinformerModel,
@@ -279,8 +279,7 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
             ValueError: if neither a source, a memory nor filled states are given, or for
                 `return_logits=False` without labels.
         """
-        if not return_logits and labels is None:
-            raise ValueError("return_logits=False needs labels: it returns only the loss")
+        check_labels_for_loss_only(labels, return_logits=return_logits)
         if memory is None and input_ids is not None:
             memory = self.encode(input_ids, key_padding_mask)
         if memory is None and not (states and states[0].memory.keys is not None):
