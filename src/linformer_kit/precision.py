@@ -64,7 +64,10 @@ def cpu_features() -> dict[str, Any]:
     info = {}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
+        # The first processor's block: the rest repeat it (on a big machine, a megabyte; this
+        # runs at `linear_backend`'s import).
+        first = cpuinfo.read_text().split("\n\n", 1)[0]
+        for line in first.splitlines():
             key, _, value = line.partition(":")
             info.setdefault(key.strip(), value.strip())
     flags = set(info.get("flags", "").split())
