@@ -1,6 +1,7 @@
 """The compiled CPU attention kernel (csrc/attention.cpp, `kernels._fused_attention`): outputs
 and gradients equal a float64 autograd reference written here (scores, masks, softmax, the
-documented dropout mask, all by torch ops) on any layout, mask and block cut; the output is
+documented dropout mask, all by torch ops) on any layout, mask and block cut, its float32
+GEMMs on either library (`sgemm_` or oneDNN's micro-kernel, in tiles past 256); the output is
 laid out for the head merge; only the gradients asked for are computed; bad input is a
 clear error."""
 
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from linformer_kit import kernels, native
 from linformer_kit.dropout import dropout_bits, dropout_seed, rescaling, threshold
 from linformer_kit.kernels import dot_product_attention
+from linformer_kit.linear_backend import use_linear_backend
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +49,7 @@ def heads_last(shape, dtype, g):
     return torch.randn(b, length, h, d, dtype=dtype, generator=g).transpose(1, 2)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     batch=st.integers(1, 2),
     heads=st.integers(1, 3),
@@ -58,9 +60,10 @@ def heads_last(shape, dtype, g):
     p=st.sampled_from([0.0, 0.3]),
     rows=st.sampled_from([3, 7, 256]),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    gemm=st.sampled_from(["blas", "onednn"]),
 )
 def test_outputs_and_gradients_equal_the_float64_reference(
-    batch, heads, n, m, dims, mask, p, rows, dtype
+    batch, heads, n, m, dims, mask, p, rows, dtype, gemm
 ):
     g = torch.Generator().manual_seed(n * 100 + m)
     d, dv = dims
@@ -76,12 +79,14 @@ def test_outputs_and_gradients_equal_the_float64_reference(
         allowed = torch.rand(batch, heads, n, m, generator=g) < 0.5
         allowed[..., torch.randint(m, (), generator=g)] = True
     scale = d**-0.5
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, use_linear_backend(gemm):
         patch.setattr(kernels, "_FUSED_ROWS", rows)
         torch.manual_seed(3)
         out = dot_product_attention(
             q, k, v, allowed, p, scale, kernel="explicit", is_causal=mask == "causal"
         )
+        grad = torch.randn(out.shape, dtype=dtype, generator=g)
+        got = torch.autograd.grad(out, (q, k, v), grad)
     torch.manual_seed(3)
     seed = dropout_seed(q.device).item() if p > 0 else 0
     expected = reference(q, k, v, allowed, mask == "causal", scale, seed, p)
@@ -91,13 +96,40 @@ def test_outputs_and_gradients_equal_the_float64_reference(
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
-    grad = torch.randn(out.shape, dtype=dtype, generator=g)
-    got = torch.autograd.grad(out, (q, k, v), grad)
     wanted = torch.autograd.grad(expected, (q, k, v), grad.double())
     for a, b in zip(got, wanted):
         assert a.dtype == dtype
         grad_tol = 10 * tol if dtype != torch.bfloat16 else 3 * tol
         torch.testing.assert_close(a.double(), b.double(), atol=grad_tol, rtol=grad_tol)
+
+
+@pytest.mark.parametrize("gemm", ["blas", "onednn"])
+@pytest.mark.parametrize(
+    ("mask", "p", "rows"), [(None, 0.0, 64), ("general", 0.2, 512), ("causal", 0.2, 300)]
+)
+def test_blocks_past_the_gemm_tiles_equal_the_float64_reference(gemm, mask, p, rows):
+    # 300 queries and keys, head_dim 64, value_dim 40: each GEMM of a block crosses oneDNN's
+    # 256-wide tiles in some dimension (rows of 300 and 512, keys as columns and as the sum)
+    g = torch.Generator().manual_seed(7)
+    q = heads_last((1, 2, 300, 64), torch.float32, g).requires_grad_()
+    k = heads_last((1, 2, 300, 64), torch.float32, g).requires_grad_()
+    v = heads_last((1, 2, 300, 40), torch.float32, g).requires_grad_()
+    allowed = torch.rand(1, 2, 300, 300, generator=g) < 0.7 if mask == "general" else None
+    with pytest.MonkeyPatch.context() as patch, use_linear_backend(gemm):
+        patch.setattr(kernels, "_FUSED_ROWS", rows)
+        torch.manual_seed(3)
+        out = dot_product_attention(
+            q, k, v, allowed, p, 0.125, kernel="explicit", is_causal=mask == "causal"
+        )
+        grad = torch.randn(out.shape, generator=g)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    torch.manual_seed(3)
+    seed = dropout_seed(q.device).item() if p > 0 else 0
+    expected = reference(q, k, v, allowed, mask == "causal", 0.125, seed, p)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    wanted = torch.autograd.grad(expected, (q, k, v), grad.double())
+    for a, b in zip(got, wanted):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4)
 
 
 BF16_CASES = [(None, False, 0.0), ("general", False, 0.3), (None, True, 0.3)]

@@ -4,7 +4,13 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from linformer_kit import LinformerEncoder, LinformerForMaskedLM, LinformerModel, linformer_tiny
+from linformer_kit import (
+    LinformerEncoder,
+    LinformerForMaskedLM,
+    LinformerModel,
+    linformer_tiny,
+    native,
+)
 
 KINDS = ["exact", "linear", "conv", "pool", "random", "adaptive"]
 B, N, DIM = 3, 20, 32
@@ -75,11 +81,14 @@ def test_compiled_encoder_matches_eager(backend):
 def test_compiled_training_with_attention_dropout_does_not_recompile_for_every_length():
     # With dropout on CPU attention takes the explicit kernel, whose loop over blocks of
     # rows depends on N; under torch.compile it runs one block, so a new length costs at
-    # most one recompile (to a dynamic shape), not one graph per length.
+    # most one recompile (to a dynamic shape), not one graph per length. Through AOT
+    # autograd, which traces the backward too: the kernel's C++ backward once read its
+    # gradient's strides as ints, fixing N in every graph.
+    native.cpu_ops()  # built in eager mode first, as a training script's first step would
     torch._dynamo.reset()
     config = tiny(max_seq_len=256, depth=1, dropout=0.1, attention_dropout=0.1)
     encoder = LinformerEncoder(config).train()
-    counter = torch._dynamo.testing.CompileCounter()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(encoder, backend=counter)
     for n in range(40, 140, 10):
         compiled(torch.randn(2, n, DIM, requires_grad=True))[0].sum().backward()
@@ -93,8 +102,6 @@ def test_compiled_training_with_dropout_runs_the_compiled_cpu_kernels_as_eager_d
     # seeds from the same generator as eager) the same masks give the same outputs and
     # gradients. Under bf16 autocast the attention kernel runs in bf16 (its logsumexp
     # float32, as the fake kernel says) and the feed-forward block as PyTorch's modules.
-    from linformer_kit import native
-
     if native.cpu_ops() is None:
         pytest.skip("no C++ compiler here: the compiled kernels cannot be built")
     torch._dynamo.reset()

@@ -1,6 +1,7 @@
 """The compiled CPU feed-forward kernel (csrc/feedforward.cpp, `encoder.FeedForward`): outputs
 and every gradient equal the PyTorch modules' own (Linear -> GELU / ReLU -> Linear) on any
-number of rows, block cut and thread count; without grad nothing is kept; where it does not
+number of rows, block cut and thread count, its float32 GEMMs on either library (`sgemm_` or
+oneDNN's micro-kernel, in tiles past 256); without grad nothing is kept; where it does not
 apply (autocast, bf16) the modules run; a double backward and bad input are clear errors.
 Under torch.compile: `test_export_compile.py`."""
 
@@ -12,6 +13,7 @@ from torch.nn.utils import prune
 
 from linformer_kit import native
 from linformer_kit.encoder import FeedForward
+from linformer_kit.linear_backend import use_linear_backend
 
 
 @pytest.fixture(autouse=True)
@@ -176,10 +178,13 @@ def backward_of(ops, x, weights, grad, weight_sums):
     return ops.feedforward_backward(grad, x, w1, w2, hidden, 0, [True, True], weight_sums)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("dtype", "gemm"),
+    [(torch.float64, "blas"), (torch.float32, "blas"), (torch.float32, "onednn")],
+)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [0, 1, 40, 600])
-def test_both_ways_of_summing_the_weight_gradients_equal_the_modules(rows, threads, dtype):
+def test_both_ways_of_summing_the_weight_gradients_equal_the_modules(rows, threads, dtype, gemm):
     ops = native.cpu_ops()
     torch.manual_seed(rows)
     ffn = FeedForward(dim=16, hidden_dim=64).to(dtype)
@@ -188,9 +193,8 @@ def test_both_ways_of_summing_the_weight_gradients_equal_the_modules(rows, threa
     wanted = outputs_and_grads(ffn, x, grad, lambda t: modules_path(ffn, t))[1:]
     _, hidden = ops.feedforward_forward(x, *ffn_weights(ffn), 0, True)
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    torch.set_num_threads(threads)  # (the conftest's same_threads restores it)
+    with use_linear_backend(gemm):
         for weight_sums in (0, 1, -1):
             for needs in ([True, True], [True, False], [False, True]):
                 args = (grad, x, ffn.up.weight, ffn.down.weight, hidden, 0, needs, weight_sums)
@@ -204,8 +208,27 @@ def test_both_ways_of_summing_the_weight_gradients_equal_the_modules(rows, threa
                     torch.testing.assert_close(
                         a, b, **tolerance, msg=lambda m, message=message: f"{message}: {m}"
                     )
-    finally:
-        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("gemm", ["blas", "onednn"])
+@pytest.mark.parametrize("rows", [40, 1300])
+def test_widths_past_the_gemm_tiles_equal_the_float64_modules(rows, gemm):
+    # dim 300, hidden 520: the GEMMs cross oneDNN's 256-wide tiles in every dimension; 40 rows
+    # sum the weight gradients over all rows after the loop (`all_rows`: GEMMs threaded over
+    # their tiles), 1300 in each thread's sums
+    torch.manual_seed(rows)
+    ffn = FeedForward(dim=300, hidden_dim=520)
+    x, grad = torch.randn(rows, 300), torch.randn(rows, 300)
+    torch.set_num_threads(2)
+    with use_linear_backend(gemm):
+        got = outputs_and_grads(ffn, x, grad, ffn)
+    wide = FeedForward(dim=300, hidden_dim=520).double()
+    wide.load_state_dict(ffn.state_dict())
+    wanted = outputs_and_grads(wide, x.double(), grad.double(), wide)
+    for name, a, b in zip(["out", "x", "w1", "b1", "w2", "b2"], got, wanted):
+        torch.testing.assert_close(
+            a.double(), b, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_the_weight_gradients_keep_fp32_whatever_the_matmul_precision_setting():

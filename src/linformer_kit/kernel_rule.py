@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from . import precision
+from . import native, precision
 
 KERNELS = ("sdpa", "explicit")
 # The kernel `use_kernel` pins for the calls that leave it to the rule (None: the rule).
@@ -181,7 +181,10 @@ def choose_kernel(
     if device.type != "cpu":
         return "sdpa"
     if dtype in (torch.float32, torch.float64):
-        return "explicit" if dropout else "sdpa"
+        if dropout:
+            return "explicit"
+        onednn = dtype == torch.float32 and native.kernel_gemm() == "onednn"
+        return "explicit" if onednn and compiled() else "sdpa"
     if dtype == torch.bfloat16:
         if dropout:
             return "explicit"

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import precision
+from . import native, precision
 
 LINEAR_BACKENDS = ("blas", "onednn")
 # Rows (the product of x's leading dimensions), in and out features, and multiply-adds
@@ -60,9 +60,11 @@ _pinned: str | None = None
 @contextlib.contextmanager
 def use_linear_backend(backend: str | None) -> Iterator[None]:
     """Runs the layers' float32 CPU linear maps inside on `backend` instead of the rule's
-    choice (as `kernel_rule.use_kernel` pins the attention kernel; process-wide state for
-    the duration of the block). Products oneDNN cannot take (other dtypes and devices,
-    autocast, torch.export, torch.jit.trace) stay on `F.linear` whatever is pinned.
+    choice, and the compiled kernels' float32 GEMMs (`native.set_kernel_gemm`: oneDNN's
+    brgemm micro-kernel or `sgemm_`) too (as `kernel_rule.use_kernel` pins the attention
+    kernel; process-wide state for the duration of the block). Products oneDNN cannot take
+    (other dtypes and devices, autocast, torch.export, torch.jit.trace) stay on `F.linear`
+    whatever is pinned.
 
     Args:
         backend: "blas" (`F.linear`) or "onednn"; None follows the rule.
@@ -76,10 +78,12 @@ def use_linear_backend(backend: str | None) -> Iterator[None]:
             f"backend must be one of {', '.join(LINEAR_BACKENDS)} or None; got {backend!r}"
         )
     before, _pinned = _pinned, backend
+    native.set_kernel_gemm(backend)
     try:
         yield
     finally:
         _pinned = before
+        native.set_kernel_gemm(before)
 
 
 def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:

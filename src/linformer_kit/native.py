@@ -30,11 +30,14 @@ from pathlib import Path
 
 import torch
 
+from . import precision
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    CSRC / name for name in ("dropout.cpp", "attention.cpp", "feedforward.cpp", "autograd.cpp")
+    CSRC / name
+    for name in ("dropout.cpp", "attention.cpp", "feedforward.cpp", "autograd.cpp", "blas.cpp")
 )
 HEADERS = (CSRC / "bits.h", CSRC / "blas.h", CSRC / "vmath.h")
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
@@ -43,6 +46,9 @@ MARCH_SWITCH = "LINFORMER_KIT_MARCH"
 # libtorch without MKL runs; read by csrc/blas.h once per process).
 BF16_GEMM_SWITCH = "LINFORMER_KIT_BF16_GEMM"
 _loaded: dict[str, object] = {}
+# The library of the kernels' float GEMMs (`set_kernel_gemm`): "blas", "onednn", or None for
+# the machine's.
+_kernel_gemm: dict[str, str | None] = {"backend": None}
 _python_side = {"registered": False}  # fake kernels, double-backward error: once a process
 
 
@@ -108,7 +114,34 @@ def _build() -> object:
         verbose=False,
     )
     _register_python_side()
+    torch.ops.linformer_kit.float_gemm(kernel_gemm())
     return torch.ops.linformer_kit
+
+
+def kernel_gemm() -> str:
+    """The set backend, else the machine's: oneDNN where MKL runs its AVX2 code on an
+    AVX-512 CPU (`precision.mkl_without_avx512`), else the BLAS."""
+    backend = _kernel_gemm["backend"]
+    if backend is None:
+        backend = "onednn" if precision.mkl_without_avx512() else "blas"
+    return backend
+
+
+def set_kernel_gemm(backend: str | None) -> None:
+    """Sends the attention and feed-forward kernels' float32 GEMMs (`csrc/blas.h`) to
+    `backend`, process-wide: "blas" (`sgemm_`, MKL in torch's wheel) or "onednn" (oneDNN's
+    brgemm micro-kernel, 2.2-2.5x MKL's AVX2 code at the kernels' block shapes on an AMD
+    EPYC); None, the machine's choice. `linear_backend.use_linear_backend` sets it with the
+    linear maps' backend. Applied now if the kernels are loaded, else when they load.
+
+    Raises:
+        ValueError: for an unknown backend.
+    """
+    if backend not in (None, "blas", "onednn"):
+        raise ValueError(f"backend must be 'blas', 'onednn' or None; got {backend!r}")
+    _kernel_gemm["backend"] = backend
+    if _loaded.get("ops") is not None:
+        _loaded["ops"].float_gemm(kernel_gemm())
 
 
 def _register_python_side() -> None:

@@ -8,9 +8,12 @@
 // is saved, as flash attention does: no N x M tensor is ever allocated (fresh pages for one
 // cost more than the GEMM that makes the weights again). Backward, per block: the weights
 // again from Q K^T and the logsumexp, the mask again from the seed, dP = dO V^T, the scores'
-// gradient in place, dQ = dS K, and dK += dS^T Q, dV += kept^T dO into thread-local sums
-// added once per matrix under a lock. The GEMMs are single-threaded BLAS calls (`blas.h`)
-// inside at::parallel_for.
+// gradient (times the scale) in place, dQ = dS K, and dK^T += Q^T dS, dV^T += dO^T kept
+// into thread-local sums added once per matrix under a lock. The GEMMs are single-threaded
+// BLAS calls (`blas.h`) inside at::parallel_for. Every GEMM reads its right operand as laid
+// out (K^T and V^T made once per call; the sums transposed, so that the per-block operands
+// Q and dO are the transposed ones): oneDNN's micro-kernel, which `blas.h` may call, takes
+// no transposed operand, and copying one costs least where it is the block's few rows.
 //
 // Inputs float, double or bfloat16. Bfloat16 q, k, v and gradient go into the GEMMs as they
 // are (AMX where the CPU has it); scores, softmax, logsumexp and dK, dV sums are float, and
@@ -99,11 +102,12 @@ T row_max(const T* s, int64_t count) {
   return top;
 }
 
-// The scores' gradient of one row of softmax weights followed by dropout, in place of the
-// kept weights' gradient: grad <- kept * grad - weights * sum(kept * grad), kept being
-// the dropped weights without the rescaling (which the gradient already carries).
+// The scores' gradient of one row of softmax weights followed by dropout, times the scores'
+// scale, in place of the kept weights' gradient: grad <- scale (kept * grad - weights *
+// sum(kept * grad)), kept being the dropped weights without the rescaling (which the
+// gradient already carries).
 template <typename T>
-inline void scores_grad(const T* weights, const T* kept, T* grad, int64_t keys) {
+inline void scores_grad(const T* weights, const T* kept, T* grad, int64_t keys, T scale) {
   T sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t c = 0; c < keys; ++c) {
@@ -112,7 +116,7 @@ inline void scores_grad(const T* weights, const T* kept, T* grad, int64_t keys) 
     sum += product;
   }
 #pragma omp simd
-  for (int64_t c = 0; c < keys; ++c) grad[c] -= weights[c] * sum;
+  for (int64_t c = 0; c < keys; ++c) grad[c] = scale * (grad[c] - weights[c] * sum);
 }
 
 // Row scores ready for the exp: -inf where `allowed` is false (if given) among the first
@@ -230,12 +234,17 @@ Plan plan_of(const at::Tensor& q, const at::Tensor& k, bool causal, const at::Te
               threshold > -32768, linformer_kit::seed_value(seed), int32_t(threshold)};
 }
 
-// The block's scores Q K^T * scale into w, (rows, keys): the forward's, and backward's again.
+// (B, H, M, D) -> (B, H, D, M), contiguous: K^T and V^T, the right operands of Q K^T and
+// dO V^T.
+at::Tensor transposed(const at::Tensor& t) { return t.transpose(2, 3).contiguous(); }
+
+// The block's scores Q K^T * scale into w, (rows, keys): the forward's, and backward's again
+// (Kt: K^T, `transposed`).
 template <typename S>
-void block_scores(const Plan::Block& b, const Matrices<const S>& Q, const Matrices<const S>& K,
+void block_scores(const Plan::Block& b, const Matrices<const S>& Q, const Matrices<const S>& Kt,
                   int64_t head_dim, Opmath<S> scale, Opmath<S>* w) {
-  gemm<S>(false, true, b.rows, b.keys, head_dim, scale, Q.row(b.g, b.first), Q.ld,
-          K.row(b.g, 0), K.ld, Opmath<S>(0), w, b.keys);
+  gemm<S>(false, false, b.rows, b.keys, head_dim, scale, Q.row(b.g, b.first), Q.ld,
+          Kt.row(b.g, 0), Kt.ld, Opmath<S>(0), w, b.keys);
 }
 
 template <typename S>
@@ -243,7 +252,8 @@ void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, const std::optional<at::Tensor>& mask,
                     Opmath<S> scale, Opmath<S> factor, at::Tensor& out, at::Tensor& logsumexp) {
   using T = Opmath<S>;
-  const Matrices<const S> Q(q), K(k), V(v);
+  const at::Tensor k_t = transposed(k);
+  const Matrices<const S> Q(q), Kt(k_t), V(v);
   const Matrices<S> O(out);
   const Allowed allowed(mask);
   T* lse = logsumexp.data_ptr<T>();
@@ -257,7 +267,7 @@ void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
       const Plan::Block b = plan.block(task);
       const auto [g, first, rows, keys] = b;
       T* w = weights.data();  // (rows, keys)
-      block_scores(b, Q, K, head_dim, scale, w);
+      block_scores(b, Q, Kt, head_dim, scale, w);
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = first + i, valid = plan.valid_keys(row, keys);
         mask_row(w + i * keys, valid, keys, allowed.row(g, row));
@@ -274,6 +284,8 @@ void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
 }
 
 // dK and dV (grad_k, grad_v) are sums of the compute type, rounded to S by the caller.
+// Each thread sums dK^T and dV^T of its current matrix ((D, M), (Dv, M)) and adds them
+// into dK and dV when it moves to the next.
 template <typename S>
 void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor& q,
                      const at::Tensor& k, const at::Tensor& v,
@@ -282,7 +294,8 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
                      at::Tensor& grad_v) {
   using T = Opmath<S>;
   const bool need_q = grad_q.defined(), need_k = grad_k.defined(), need_v = grad_v.defined();
-  const Matrices<const S> dO(grad), Q(q), K(k), V(v);
+  const at::Tensor k_t = transposed(k), v_t = transposed(v);
+  const Matrices<const S> dO(grad), Q(q), K(k), Kt(k_t), Vt(v_t);
   const Matrices<S> dQ(grad_q);
   const Matrices<T> dK(grad_k), dV(grad_v);
   const Allowed allowed(mask);
@@ -292,7 +305,7 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
   at::parallel_for(0, plan.groups * plan.blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> weights(plan.rows * M), grad_scores(plan.rows * M);
     std::vector<T> kept(plan.dropout ? plan.rows * M : 0);
-    std::vector<T> sum_k(M * head_dim), sum_v(M * value_dim);  // this thread's dK, dV of g
+    std::vector<T> sum_k(head_dim * M), sum_v(value_dim * M);  // this thread's dK^T, dV^T
     std::vector<T> grad_rows;                  // bfloat16: dQ's block before rounding
     std::vector<S> rounded_ds, rounded_kept;  // bfloat16: the GEMMs' inputs
     std::vector<uint64_t> words;
@@ -303,8 +316,8 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
       for (int64_t m = 0; m < summed_keys; ++m) {
         T* gk = need_k ? dK.row(summed, m) : nullptr;
         T* gv = need_v ? dV.row(summed, m) : nullptr;
-        for (int64_t c = 0; gk && c < head_dim; ++c) gk[c] += sum_k[m * head_dim + c];
-        for (int64_t c = 0; gv && c < value_dim; ++c) gv[c] += sum_v[m * value_dim + c];
+        for (int64_t c = 0; gk && c < head_dim; ++c) gk[c] += sum_k[c * M + m];
+        for (int64_t c = 0; gv && c < value_dim; ++c) gv[c] += sum_v[c * M + m];
       }
       std::fill(sum_k.begin(), sum_k.end(), T(0));
       std::fill(sum_v.begin(), sum_v.end(), T(0));
@@ -320,10 +333,10 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
       summed_keys = std::max(summed_keys, keys);
       T* w = weights.data();  // (rows, keys): the forward's weights, made again
       T* ds = grad_scores.data();
-      block_scores(b, Q, K, head_dim, scale, w);
+      block_scores(b, Q, Kt, head_dim, scale, w);
       if (need_q || need_k) {
-        gemm<S>(false, true, rows, keys, value_dim, factor, dO.row(g, first), dO.ld,
-                V.row(g, 0), V.ld, T(0), ds, keys);  // the kept weights' gradient
+        gemm<S>(false, false, rows, keys, value_dim, factor, dO.row(g, first), dO.ld,
+                Vt.row(g, 0), Vt.ld, T(0), ds, keys);  // the kept weights' gradient
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = first + i, valid = plan.valid_keys(row, keys);
@@ -332,21 +345,21 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
         exp_sum(wi, valid, lse[g * plan.seq_len + row]);
         T* ki = plan.dropout ? kept.data() + i * keys : wi;
         if (plan.dropout) keep_row(plan, g, row, keys, wi, ki, words);
-        if (need_q || need_k) scores_grad(wi, ki, ds + i * keys, keys);
+        if (need_q || need_k) scores_grad(wi, ki, ds + i * keys, keys, scale);
       }
       const S* ds_in = need_q || need_k ? as_input(ds, rows * keys, rounded_ds) : nullptr;
       if (need_q) {
-        gemm_into<S>(false, false, rows, head_dim, keys, scale, ds_in, keys, K.row(g, 0), K.ld,
+        gemm_into<S>(false, false, rows, head_dim, keys, T(1), ds_in, keys, K.row(g, 0), K.ld,
                      dQ.row(g, first), dQ.ld, grad_rows);
       }
-      if (need_k) {
-        gemm<S>(true, false, keys, head_dim, rows, scale, ds_in, keys, Q.row(g, first), Q.ld,
-                T(1), sum_k.data(), head_dim);
+      if (need_k) {  // dK^T += Q^T dS
+        gemm<S>(true, false, head_dim, keys, rows, T(1), Q.row(g, first), Q.ld, ds_in, keys,
+                T(1), sum_k.data(), M);
       }
-      if (need_v) {
+      if (need_v) {  // dV^T += dO^T kept / (1 - p)
         const S* p = as_input(plan.dropout ? kept.data() : w, rows * keys, rounded_kept);
-        gemm<S>(true, false, keys, value_dim, rows, factor, p, keys, dO.row(g, first), dO.ld,
-                T(1), sum_v.data(), value_dim);
+        gemm<S>(true, false, value_dim, keys, rows, factor, dO.row(g, first), dO.ld, p, keys,
+                T(1), sum_v.data(), M);
       }
     }
     add_sums();

@@ -97,7 +97,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     if (!grads[0].defined()) return variable_list(10);  // (grads not materialized: none)
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& mask = saved[3];
-    at::Tensor grad = grads[0].stride(-1) == 1 ? grads[0] : grads[0].contiguous();
+    // (sym_stride: under torch.compile a plain stride() would fix every size of a dynamic
+    // shape, one recompile per sequence length)
+    at::Tensor grad = grads[0].sym_stride(-1) == 1 ? grads[0] : grads[0].contiguous();
     const std::array<bool, 3> needs = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                        ctx->needs_input_grad(2)};
     auto [grad_q, grad_k, grad_v] = op.call(

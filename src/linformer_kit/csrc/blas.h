@@ -4,11 +4,22 @@
 // `dgemm_`); bfloat16 into float through MKL's `GEMM_BF16BF16F32` (AMX or AVX-512 BF16 where
 // the CPU has them), or, in a libtorch without MKL (or with LINFORMER_KIT_BF16_GEMM=widen in
 // the environment, read once per process), by widening the inputs to float for `sgemm_`.
+//
+// Float GEMMs go instead to oneDNN's brgemm micro-kernel (`at::native::cpublas::brgemm`)
+// while `onednn_float_gemm()` is set (`float_gemm` op, blas.cpp; set from Python where MKL
+// runs its AVX2 code on an AVX-512 CPU, `linear_backend`). On an AMD EPYC (AVX-512, one
+// thread) it ran 239-267 GFLOP/s at the kernels' block shapes, (64..256) x (64..1024) x
+// (64..1024), against `sgemm_`'s 99-109. It takes row-major A and B as they are laid out, and
+// no alpha: a transposed or scaled operand is copied first (`packed`), and the kernels lay
+// out the operands they reuse untransposed once per call (`plain_operands`).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
@@ -30,6 +41,86 @@ void GEMM_BF16BF16F32(const char*, const char*, const int*, const int*, const in
 }
 
 namespace linformer_kit {
+
+// Whether float GEMMs call oneDNN's brgemm micro-kernel rather than `sgemm_` (process-wide).
+inline std::atomic<bool>& onednn_float_gemm() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+// Whether gemm<S> would copy a transposed operand (the brgemm path): callers that pass the
+// same operand to many GEMMs then lay it out untransposed once instead.
+template <typename S>
+bool plain_operands() {
+  return std::is_same_v<S, float> && onednn_float_gemm().load(std::memory_order_relaxed);
+}
+
+// alpha * op(X) (rows x cols; X row-major with row stride ld, transposed when `trans`) into
+// `out`, contiguous. In 16 x 16 tiles: a transposed read strides through ld.
+inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, const float* x,
+                           int64_t ld, std::vector<float>& out) {
+  constexpr int64_t kSide = 16;
+  out.resize(rows * cols);
+  for (int64_t r0 = 0; r0 < rows; r0 += kSide) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kSide) {
+      const int64_t r1 = std::min(rows, r0 + kSide), c1 = std::min(cols, c0 + kSide);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          out[r * cols + c] = alpha * (trans ? x[c * ld + r] : x[r * ld + c]);
+        }
+      }
+    }
+  }
+  return out.data();
+}
+
+// Row-major C (m x n) = A B (+ C when `add`), A m x k, B k x n, with oneDNN's brgemm in
+// kTile^3 tiles: on whole large operands its speed falls away (a (256, 1024, 8192) product
+// in one call ran at 11 GFLOP/s, in 256^3 tiles at 197; (64..2048) x (256..1024) x
+// (256..8192) at 197-245 in such tiles, one thread, AMD EPYC). Threaded over C's tiles when
+// called outside a parallel region (as `sgemm_` threads itself there).
+inline void brgemm_tiles(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                         const float* b, int64_t ldb, bool add, float* c, int64_t ldc) {
+  constexpr int64_t kTile = 256;
+  const int64_t row_tiles = (m + kTile - 1) / kTile, col_tiles = (n + kTile - 1) / kTile;
+  auto tiles = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = (t / col_tiles) * kTile, j = (t % col_tiles) * kTile;
+      const int64_t rows = std::min(kTile, m - i), cols = std::min(kTile, n - j);
+      float* tile = c + i * ldc + j;
+      if (k == 0 && !add) {
+        for (int64_t r = 0; r < rows; ++r) std::fill_n(tile + r * ldc, cols, 0.0f);
+      }
+      for (int64_t p = 0; p < k; p += kTile) {
+        at::native::cpublas::brgemm(rows, cols, std::min(kTile, k - p), lda, ldb, ldc,
+                                    add || p > 0, a + i * lda + p, b + p * ldb + j, tile,
+                                    /*is_vnni=*/false);
+      }
+    }
+  };
+  if (at::in_parallel_region() || at::get_num_threads() == 1) {
+    tiles(0, row_tiles * col_tiles);
+  } else {
+    at::parallel_for(0, row_tiles * col_tiles, 1, tiles);
+  }
+}
+
+// gemm<float> on brgemm: op(A) and op(B) copied where transposed (A also where alpha != 1:
+// the micro-kernel has no alpha); beta 0 or 1, all the kernels use. The copies live in the
+// thread's buffers, freed after a call that grew them past 16 MiB.
+inline void brgemm_float(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                         float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+                         float beta, float* c, int64_t ldc) {
+  TORCH_CHECK(beta == 0.0f || beta == 1.0f, "gemm on oneDNN: beta must be 0 or 1; got ", beta);
+  constexpr size_t kKeep = size_t(1) << 22;  // floats
+  thread_local std::vector<float> a_copy, b_copy;
+  if (trans_a || alpha != 1.0f) a = packed(trans_a, m, k, alpha, a, lda, a_copy), lda = k;
+  if (trans_b) b = packed(true, k, n, 1.0f, b, ldb, b_copy), ldb = n;
+  brgemm_tiles(m, n, k, a, lda, b, ldb, beta != 0.0f, c, ldc);
+  for (std::vector<float>* copy : {&a_copy, &b_copy}) {
+    if (copy->capacity() > kKeep) std::vector<float>().swap(*copy);
+  }
+}
 
 // Whether bfloat16 GEMMs widen their inputs to float: no MKL bf16 GEMM in this libtorch, or
 // LINFORMER_KIT_BF16_GEMM=widen (the path a libtorch without MKL takes, for tests and as an
@@ -70,6 +161,13 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S>
       const float* wide_b = widened(b, b_rows, trans_b ? k : n, ldb, b32);
       gemm<float>(trans_a, trans_b, m, n, k, alpha, wide_a, trans_a ? m : k, wide_b,
                   trans_b ? k : n, beta, c, ldc);
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<S, float>) {
+    if (plain_operands<float>()) {
+      brgemm_float(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                   std::max<int64_t>(ldc, n));
       return;
     }
   }

@@ -178,24 +178,28 @@ std::tuple<at::Tensor, at::Tensor> feedforward_forward(
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feedforward_forward", [&] {
     using T = scalar_t;
     const T *in = x.data_ptr<T>(), *bias1 = b1.data_ptr<T>(), *bias2 = b2.data_ptr<T>();
-    const T *weight1 = w1.data_ptr<T>(), *weight2 = w2.data_ptr<T>();
     T* y = out.data_ptr<T>();
     T* h_all = keep_hidden ? kept.data_ptr<T>() : nullptr;
+    // W1^T and W2^T laid out once for every block where gemm would copy them each time
+    const bool plain = linformer_kit::plain_operands<T>();
+    const at::Tensor w1_t = plain ? w1.t().contiguous() : w1;
+    const at::Tensor w2_t = plain ? w2.t().contiguous() : w2;
+    const T *right1 = w1_t.data_ptr<T>(), *right2 = w2_t.data_ptr<T>();
     const int64_t step = block_rows(rows, kRows), blocks = (rows + step - 1) / step;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<T> h_buffer(keep_hidden ? 0 : step * hidden), a(step * hidden);
       for (int64_t b = begin; b < end; ++b) {
         const int64_t first = b * step, count = std::min(step, rows - first);
         T* h = keep_hidden ? h_all + first * hidden : h_buffer.data();
-        gemm<T>(false, true, count, hidden, dim, T(1), in + first * dim, dim, weight1, dim, T(0),
-                h, hidden);
+        gemm<T>(false, !plain, count, hidden, dim, T(1), in + first * dim, dim, right1,
+                plain ? hidden : dim, T(0), h, hidden);  // X W1^T
         for (int64_t r = 0; r < count; ++r) {
           activate_row(h + r * hidden, bias1, a.data() + r * hidden, hidden, activation,
                        keep_hidden);
           std::copy(bias2, bias2 + dim, y + (first + r) * dim);
         }
-        gemm<T>(false, true, count, dim, hidden, T(1), a.data(), hidden, weight2, hidden, T(1),
-                y + first * dim, dim);
+        gemm<T>(false, !plain, count, dim, hidden, T(1), a.data(), hidden, right2,
+                plain ? dim : hidden, T(1), y + first * dim, dim);  // + A W2^T
       }
     });
   });
