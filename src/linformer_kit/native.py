@@ -13,7 +13,9 @@ set, `target_arch`). None is never an error: `Dropout` is then `nn.Dropout`, `Fe
 its three modules, and the explicit attention kernel runs by PyTorch ops with the same
 dropout mask (`dropout.dropout_bits`), the same outputs to rounding, only slower. The
 attention and feed-forward kernels' GEMMs call the BLAS that torch's CPU wheel links in
-(`csrc/blas.h`: `sgemm_` / `dgemm_`, and MKL's bf16 GEMM where the wheel has it).
+(`csrc/blas.h`: `sgemm_` / `dgemm_`, and MKL's bf16 GEMM where the wheel has it), or, for
+float32 where MKL runs its AVX2 code on an AVX-512 CPU (AMD's; `kernel_gemm`,
+`set_kernel_gemm`), oneDNN's brgemm micro-kernel, which libtorch exports.
 """
 
 from __future__ import annotations
