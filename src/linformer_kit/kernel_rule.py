@@ -113,12 +113,18 @@ def choose_kernel(
     dropout it keeps SDPA, which is 5.7x slower with AVX2 only.
 
     On an AMD CPU with AVX-512 BF16 and no AMX (`benchmarks/kernels/amd-epyc/table/`, the
-    same 27 shapes in fp32 and bf16, AMD EPYC), where MKL runs its generic code
-    (`precision.mkl_without_avx512`) and the explicit kernel's bf16 GEMMs are MKL's while
-    SDPA's are oneDNN's, bf16 training without dropout goes to SDPA: explicit 0.74-0.84x at
-    k = 256, 0.64-0.70x at k = 1024, 0.87-1.27x at k = 64 (geometric mean 1.03). The rest of
-    that table agrees with the rule: explicit with dropout (fp32 1.29-4.08x, bf16
-    1.21-3.79x), ties elsewhere (geometric means 0.97-1.06 a k).
+    same 27 shapes in fp32 and bf16, AMD EPYC), where MKL runs its generic AVX2 code
+    (`precision.mkl_without_avx512`), the explicit kernel's float32 GEMMs are oneDNN's
+    brgemm micro-kernel (`native.kernel_gemm`) while SDPA's flash kernel calls MKL:
+    explicit 1.71-2.22x faster in fp32 training without dropout (geometric means 1.91 /
+    2.10 / 2.07 at k = 64 / 256 / 1024), 1.02-2.14x in inference (1.75 / 2.04 / 1.99),
+    2.15-8.12x with dropout. So fp32 goes explicit in every mode wherever the kernels'
+    GEMMs are oneDNN's (and the kernel is compiled: the PyTorch-ops one runs torch's own
+    GEMMs). Before, on MKL's `sgemm_`, it was a tie without dropout (0.94-1.17x,
+    `amd-epyc/table-mkl/`). Its bf16 GEMMs are still MKL's while SDPA's are oneDNN's, so
+    bf16 training without dropout goes to SDPA: explicit 0.71-0.90x at k = 256,
+    0.65-0.77x at k = 1024, 0.84-1.29x at k = 64 (geometric mean 1.04); explicit with
+    dropout (1.19-4.40x), ties in inference (geometric means 0.99-1.05 a k).
 
     n and head_dim did not change the winner anywhere on CPU, and k only training without
     dropout (in the rule, only bf16's).
