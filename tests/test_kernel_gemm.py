@@ -1,18 +1,22 @@
 """The library of the compiled kernels' float32 GEMMs (`native.kernel_gemm`, the `float_gemm`
 op): `sgemm_` or oneDNN's brgemm micro-kernel, the machine's choice unless set, set with the
 linear maps' pin (`use_linear_backend`), and read by the attention rule, which takes the
-explicit kernel for float32 without dropout where its GEMMs are oneDNN's. That the kernels
-compute the same on either library: `test_compiled_attention.py`,
-`test_feedforward_kernel.py`."""
+explicit kernel for float32 without dropout where its GEMMs are oneDNN's; `matmul` (the
+sequence projection's products on those GEMMs) equals `a @ b` in value and gradients, on
+transposed views and expanded batches. That the kernels compute the same on either library:
+`test_compiled_attention.py`, `test_feedforward_kernel.py`."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_kernels import CPU
 
 from linformer_kit import native, precision
 from linformer_kit.encoder import LinformerEncoderLayer
+from linformer_kit.functional import project_linear
 from linformer_kit.kernel_rule import choose_kernel
-from linformer_kit.linear_backend import use_linear_backend
+from linformer_kit.linear_backend import matmul, use_linear_backend
 from linformer_kit.projection import MatrixProjection
 
 
@@ -93,3 +97,92 @@ def test_an_encoder_layer_pinned_to_onednn_runs_the_explicit_kernel(ops, explici
         got = layer(x)[0]
     assert explicit_calls == ["explicit"]
     torch.testing.assert_close(got, wanted, atol=1e-5, rtol=1e-5)
+
+
+def operands(shape_a, shape_b, transpose_a, transpose_b, batch_stride_0, dtype, seed):
+    """a (.., M, K) and b (.., K, N), each contiguous or a transposed view; a's batch
+    optionally an expanded single matrix (stride 0), as the shared projection passes it."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(shape, transpose):
+        if transpose:
+            return torch.randn(*shape[:-2], shape[-1], shape[-2], dtype=dtype, generator=g).mT
+        return torch.randn(shape, dtype=dtype, generator=g)
+
+    a, b = make(shape_a, transpose_a), make(shape_b, transpose_b)
+    if batch_stride_0 and a.dim() == 3:
+        a = a[:1].expand_as(a)
+    return a.requires_grad_(), b.requires_grad_()  # (a non-leaf view when expanded)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.sampled_from([None, 1, 3]),
+    m=st.integers(1, 300),
+    k=st.integers(0, 70),
+    n=st.integers(1, 300),
+    transposes=st.tuples(st.booleans(), st.booleans()),
+    batch_stride_0=st.booleans(),
+    gemm=st.sampled_from(["blas", "onednn"]),
+)
+def test_matmul_is_a_at_b_in_value_and_gradients(batch, m, k, n, transposes, batch_stride_0, gemm):
+    lead = () if batch is None else (batch,)
+    a, b = operands((*lead, m, k), (*lead, k, n), *transposes, batch_stride_0, torch.float32, m)
+    grad = torch.randn(*lead, m, n)
+    with use_linear_backend(gemm):
+        out = matmul(a, b)
+        got = torch.autograd.grad(out, (a, b), grad)
+    wanted_out = a.double() @ b.double()
+    wanted = torch.autograd.grad(wanted_out, (a, b), grad.double())
+    torch.testing.assert_close(out.double(), wanted_out, atol=1e-4, rtol=1e-4)
+    for x, y in zip(got, wanted):
+        torch.testing.assert_close(x.double(), y.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_matmul_takes_the_op_only_on_onednn_gemms_for_float32(ops, monkeypatch):
+    calls = []
+    real = ops.matmul
+    monkeypatch.setattr(ops, "matmul", lambda *t: calls.append(1) or real(*t))
+    a, b = torch.randn(300, 40), torch.randn(40, 20)
+    matmul(a, b)
+    assert not calls  # the BLAS's GEMMs (the conftest's CPU): torch's matmul
+    with use_linear_backend("onednn"):
+        torch.testing.assert_close(matmul(a, b), a @ b)
+        assert calls == [1]
+        matmul(a.double(), b.double())  # dgemm_ is the BLAS's either way
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert matmul(a, b).dtype == torch.bfloat16  # autocast's own matmul
+        _, tangent = torch.func.jvp(lambda x: matmul(x, b), (a,), (a,))  # no forward rule
+        torch.testing.assert_close(tangent, a @ b)
+    assert calls == [1]
+
+
+def test_the_op_has_exact_first_and_second_derivatives_and_its_fake_kernel(ops):
+    a, b = operands((2, 5, 4), (2, 4, 3), True, False, False, torch.float64, 0)
+    # double: dgemm_, on the same formulas and layouts (transposed products included)
+    assert torch.autograd.gradcheck(ops.matmul, (a, b))
+    assert torch.autograd.gradgradcheck(ops.matmul, (a, b))
+    x, y = torch.randn(2, 5, 4), torch.randn(2, 4, 3).mT.contiguous().mT
+    torch.library.opcheck(ops.matmul.default, (x, y))
+    with pytest.raises(RuntimeError, match=r"must be CPU tensors \(B, M, K\) and \(B, K, N\)"):
+        ops.matmul(torch.randn(2, 5, 4), torch.randn(2, 3, 3))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_sequence_projection_on_the_op_equals_it_on_torch(ops, per_head, batch):
+    torch.manual_seed(batch)
+    weight = torch.randn(*((4,) if per_head else ()), 300, 40, requires_grad=True)
+    x = torch.randn(batch, 290, 4, 16, requires_grad=True)
+    mask = torch.ones(batch, 290, dtype=torch.bool)
+    mask[-1, 200:] = False
+
+    def run():
+        out = project_linear(x, weight, mask)
+        return [out, *torch.autograd.grad(out, (x, weight), torch.ones_like(out))]
+
+    wanted = run()
+    with use_linear_backend("onednn"):
+        got = run()
+    for a, b in zip(got, wanted):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

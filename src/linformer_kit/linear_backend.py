@@ -237,6 +237,35 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """`a @ b` for (M, K) @ (K, N) or (B, M, K) @ (B, K, N): on the compiled kernels' GEMMs
+    (`linformer_kit::matmul`, oneDNN's brgemm micro-kernel; transposed views read in place,
+    differentiable) where those are oneDNN's (`native.kernel_gemm`) and the operands float32
+    CPU tensors, else torch's matmul (MKL's AVX2 code on an AMD CPU). For the sequence
+    projection E^T X, whose products `linear` cannot take (X's rows are its columns)."""
+    ops = native.cpu_ops() if _kernel_matmul(a, b) else None
+    if ops is None:
+        return a @ b
+    if a.dim() == 3:
+        return ops.matmul(a, b)
+    return ops.matmul(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0)
+
+
+def _kernel_matmul(a: Tensor, b: Tensor) -> bool:
+    """Whether `matmul` can and should take the kernels' GEMMs for a @ b."""
+    return (
+        a.device.type == "cpu"
+        and a.dtype == b.dtype == torch.float32
+        and a.dim() == b.dim()
+        and a.dim() in (2, 3)
+        and native.kernel_gemm() == "onednn"
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_exporting()
+        and not torch.jit.is_tracing()
+        and (torch.compiler.is_compiling() or not transformed(a, b))
+    )
+
+
 def hooked(module: nn.Module) -> bool:
     """Whether calling `module` would do more than its class's `forward`: forward or backward
     hooks (the module's or global ones), or a `forward` set on the instance (as offloading

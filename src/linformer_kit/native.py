@@ -148,8 +148,9 @@ def set_kernel_gemm(backend: str | None) -> None:
 
 def _register_python_side() -> None:
     """Each op's fake kernel (its outputs' shapes and strides, so that torch.compile
-    traces the op as one node), and the error a double backward through the attention
-    kernel raises. The forward ops' backward formulas are C++ (`csrc/autograd.cpp`)."""
+    traces the op as one node), the error a double backward through the attention
+    kernel raises, and `matmul`'s backward (itself on transposed views). The other forward
+    ops' backward formulas are C++ (`csrc/autograd.cpp`)."""
     if _python_side["registered"]:
         return
     _python_side["registered"] = True
@@ -184,6 +185,38 @@ def _register_python_side() -> None:
         return (torch.empty_like(x) if needs[0] else x.new_empty(0),) + tuple(
             torch.empty_like(t) if needs[1] else t.new_empty(0) for t in weights
         )
+
+    @torch.library.register_fake("linformer_kit::matmul")
+    def _matmul_shape(a, b):  # noqa: ANN001, ANN202
+        return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+
+    def _save_operands(ctx, inputs, output):  # noqa: ANN001, ANN202, ARG001
+        ctx.save_for_backward(*inputs)
+
+    def _matmul_backward(ctx, grad):  # noqa: ANN001, ANN202
+        # grad b^T and a^T grad by the same op on transposed views (so differentiable again),
+        # each made in its operand's layout: the transposed product for a transposed view
+        # (as E^T in the sequence projection), which spares the GEMM a transposed copy of
+        # the large operand and autograd one of the result
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad
+        return (
+            _product(grad, b.transpose(1, 2), _is_transposed(a)) if need_a else None,
+            _product(a.transpose(1, 2), grad, _is_transposed(b)) if need_b else None,
+        )
+
+    def _is_transposed(t):  # noqa: ANN001, ANN202
+        return t.stride(-1) != 1 and t.stride(-2) == 1
+
+    def _product(left, right, transposed):  # noqa: ANN001, ANN202
+        matmul = torch.ops.linformer_kit.matmul
+        if transposed:
+            return matmul(right.transpose(1, 2), left.transpose(1, 2)).transpose(1, 2)
+        return matmul(left, right)
+
+    torch.library.register_autograd(
+        "linformer_kit::matmul", _matmul_backward, setup_context=_save_operands
+    )
 
     hints = {"attention": f"kernel='sdpa' or {ENV_SWITCH}=0", "feedforward": f"{ENV_SWITCH}=0"}
     for kernel, hint in hints.items():

@@ -1,9 +1,12 @@
 // The switch between the float GEMMs' two libraries (blas.h): `float_gemm("onednn")` sends
 // the attention and feed-forward kernels' float GEMMs to oneDNN's brgemm micro-kernel,
 // `float_gemm("blas")` back to `sgemm_`; `float_gemm()` only reads it. Set from Python
-// (`native.set_kernel_gemm`), process-wide.
+// (`native.set_kernel_gemm`), process-wide. And `matmul`, a batched product on those GEMMs
+// (`linear_backend.matmul`: the sequence projection where they are oneDNN's).
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
@@ -20,8 +23,59 @@ std::string float_gemm(const std::optional<std::string>& backend) {
   return linformer_kit::onednn_float_gemm().load() ? "onednn" : "blas";
 }
 
+// A matrix (the last two dims of t) as gemm reads it: transposed where its columns, not
+// its rows, have unit stride (a transposed view), with the other stride as the row stride.
+struct Operand {
+  at::Tensor t;
+  bool trans;
+  int64_t ld;
+};
+
+Operand operand(const at::Tensor& t) {
+  const int64_t rows = t.size(-2), cols = t.size(-1);
+  if (t.stride(-1) == 1 && t.stride(-2) >= std::max<int64_t>(cols, 1)) {
+    return {t, false, t.stride(-2)};
+  }
+  if (t.stride(-2) == 1 && t.stride(-1) >= std::max<int64_t>(rows, 1)) {
+    return {t, true, t.stride(-1)};
+  }
+  return {t.contiguous(), false, std::max<int64_t>(cols, 1)};  // (rows of one: any stride)
+}
+
+// (B, M, K) @ (B, K, N) -> (B, M, N) contiguous, float or double, either matrix of each
+// pair read in place when one of its last two dims has unit stride (views, expanded
+// batches with stride 0 included); one gemm per batch entry, each threaded (blas.h).
+at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) &&
+                  a.size(2) == b.size(1) && a.device().is_cpu() && b.device().is_cpu() &&
+                  a.scalar_type() == b.scalar_type(),
+              "matmul: a and b must be CPU tensors (B, M, K) and (B, K, N) of one dtype; got ",
+              a.sizes(), " ", a.scalar_type(), " and ", b.sizes(), " ", b.scalar_type());
+  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
+  at::Tensor out = at::empty({batch, m, n}, a.options());
+  const Operand left = operand(a), right = operand(b);
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "matmul", [&] {
+    using T = scalar_t;
+    for (int64_t i = 0; i < batch; ++i) {
+      const T* pa = left.t.data_ptr<T>() + i * left.t.stride(0);
+      const T* pb = right.t.data_ptr<T>() + i * right.t.stride(0);
+      T* pc = out.data_ptr<T>() + i * m * n;
+      if (k == 0) {
+        std::fill_n(pc, m * n, T(0));
+      } else {
+        linformer_kit::gemm<T>(left.trans, right.trans, m, n, k, T(1), pa, left.ld, pb,
+                               right.ld, T(0), pc, n);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
   m.def("float_gemm(str? backend=None) -> str", &float_gemm);
+  m.def("matmul(Tensor a, Tensor b) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(linformer_kit, CPU, m) { m.impl("matmul", &matmul); }

@@ -56,37 +56,47 @@ bool plain_operands() {
 }
 
 // alpha * op(X) (rows x cols; X row-major with row stride ld, transposed when `trans`) into
-// `out`, contiguous. In 16 x 16 tiles: a transposed read strides through ld.
+// `out`, contiguous. In 16 x 16 tiles (a transposed read strides through ld), threaded over
+// them outside a parallel region.
 inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, const float* x,
                            int64_t ld, std::vector<float>& out) {
   constexpr int64_t kSide = 16;
   out.resize(rows * cols);
-  for (int64_t r0 = 0; r0 < rows; r0 += kSide) {
-    for (int64_t c0 = 0; c0 < cols; c0 += kSide) {
-      const int64_t r1 = std::min(rows, r0 + kSide), c1 = std::min(cols, c0 + kSide);
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t c = c0; c < c1; ++c) {
-          out[r * cols + c] = alpha * (trans ? x[c * ld + r] : x[r * ld + c]);
+  float* dest = out.data();
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kSide * std::max<int64_t>(cols, 1)));
+  at::parallel_for(0, (rows + kSide - 1) / kSide, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = begin * kSide; r0 < std::min(rows, end * kSide); r0 += kSide) {
+      for (int64_t c0 = 0; c0 < cols; c0 += kSide) {
+        const int64_t r1 = std::min(rows, r0 + kSide), c1 = std::min(cols, c0 + kSide);
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = c0; c < c1; ++c) {
+            dest[r * cols + c] = alpha * (trans ? x[c * ld + r] : x[r * ld + c]);
+          }
         }
       }
     }
-  }
-  return out.data();
+  });
+  return dest;
 }
 
 // Row-major C (m x n) = A B (+ C when `add`), A m x k, B k x n, with oneDNN's brgemm in
 // kTile^3 tiles: on whole large operands its speed falls away (a (256, 1024, 8192) product
 // in one call ran at 11 GFLOP/s, in 256^3 tiles at 197; (64..2048) x (256..1024) x
 // (256..8192) at 197-245 in such tiles, one thread, AMD EPYC). Threaded over C's tiles when
-// called outside a parallel region (as `sgemm_` threads itself there).
+// called outside a parallel region (as `sgemm_` threads itself there), the tiles' sides
+// halved (down to 64) until every thread has one.
 inline void brgemm_tiles(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                          const float* b, int64_t ldb, bool add, float* c, int64_t ldc) {
   constexpr int64_t kTile = 256;
-  const int64_t row_tiles = (m + kTile - 1) / kTile, col_tiles = (n + kTile - 1) / kTile;
+  const bool threaded = !at::in_parallel_region() && at::get_num_threads() > 1;
+  int64_t side = kTile;
+  auto count = [&](int64_t length) { return (length + side - 1) / side; };
+  while (threaded && side > 64 && count(m) * count(n) < at::get_num_threads()) side /= 2;
+  const int64_t row_tiles = count(m), col_tiles = count(n);
   auto tiles = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = (t / col_tiles) * kTile, j = (t % col_tiles) * kTile;
-      const int64_t rows = std::min(kTile, m - i), cols = std::min(kTile, n - j);
+      const int64_t i = (t / col_tiles) * side, j = (t % col_tiles) * side;
+      const int64_t rows = std::min(side, m - i), cols = std::min(side, n - j);
       float* tile = c + i * ldc + j;
       if (k == 0 && !add) {
         for (int64_t r = 0; r < rows; ++r) std::fill_n(tile + r * ldc, cols, 0.0f);
@@ -98,10 +108,10 @@ inline void brgemm_tiles(int64_t m, int64_t n, int64_t k, const float* a, int64_
       }
     }
   };
-  if (at::in_parallel_region() || at::get_num_threads() == 1) {
-    tiles(0, row_tiles * col_tiles);
-  } else {
+  if (threaded) {
     at::parallel_for(0, row_tiles * col_tiles, 1, tiles);
+  } else {
+    tiles(0, row_tiles * col_tiles);
   }
 }
 
