@@ -1,6 +1,6 @@
 """The table behind `linformer_kit.linear_backend`'s rule: linear maps on torch's BLAS or oneDNN.
 
-Two parts, each timed interleaved (medians of rotated rounds, so every ratio comes from the
+Three parts, each timed interleaved (medians of rotated rounds, so every ratio comes from the
 same seconds of a shared machine), float32 on CPU:
 
 - `gemm`: one linear map, (rows, in) x (in, out) + bias, with its backward (`train`: the
@@ -9,8 +9,12 @@ same seconds of a shared machine), float32 on CPU:
   widths;
 - `layer`: the bench's encoder layer and attention layer (dim 256, 4 heads, k 256, kv,
   feed-forward 1024, no dropout, forward + backward) with the backend pinned each way
-  (`use_linear_backend`): on `blas` the feed-forward block runs its compiled kernel, on
-  `onednn` its two linear layers.
+  (`use_linear_backend`, which also pins the compiled kernels' GEMMs: `sgemm_` or oneDNN's
+  micro-kernel, and with them the sequence projection's and, without dropout, the
+  attention kernel the rule picks);
+- `model`: a whole language model's training step (forward, the loss in chunks of rows,
+  backward; `benchmarks/lm_loss.py`'s demo causal and masked Linformers, `--models`), pinned
+  each way.
 
 Writes OUT/ab.json and OUT/ab.png (blas time / onednn time, > 1: oneDNN is faster).
 
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from lm_loss import MODELS, TINY_MODELS, batch_for, model_and_optimizer
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
@@ -40,6 +45,7 @@ from linformer_kit.training.compare import machine
 OUT = Path(__file__).parent / "linear_backend"
 COMMAND = "PYTHONPATH=src python benchmarks/linear_backend.py"
 LINEARS = {"blas": F.linear, "onednn": onednn_linear}
+DEMO_LINFORMERS = [name for name in MODELS if name.startswith("demo") and "Linformer" in name]
 
 
 def gemm_steps(rows: int, sizes: tuple[int, int]) -> dict[str, Callable[[], None]]:
@@ -74,6 +80,22 @@ def layer_steps(n: int, scope: str) -> dict[str, Callable[[], None]]:
         def run() -> None:
             with use_linear_backend(backend):
                 step()
+
+        return run
+
+    return {backend: pinned(backend) for backend in LINEAR_BACKENDS}
+
+
+def model_steps(name: str, tiny: bool) -> dict[str, Callable[[], None]]:
+    """backend -> one training step (no optimiser) of `lm_loss`'s model `name`, pinned."""
+    fields, batch = (TINY_MODELS if tiny else MODELS)[name]
+    model, _ = model_and_optimizer(fields, "cpu")
+    inputs = batch_for(fields, batch, "cpu")
+
+    def pinned(backend: str) -> Callable[[], None]:
+        def run() -> None:
+            with use_linear_backend(backend):
+                model(**inputs, return_logits=False).loss.backward()
 
         return run
 
@@ -122,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="256x256,256x1024,1024x256,768x768", help="in x out")
     parser.add_argument("--n", default="1024,4096,16384", help="the layers' sequence lengths")
     parser.add_argument("--scope", default="layer,attention")
+    parser.add_argument("--models", default=",".join(DEMO_LINFORMERS))
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a quick smoke run (tests)")
@@ -129,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tiny:
         args.rows, args.sizes, args.n, args.repeats = "16,256", "32x64", "256", 3
+        args.models = ",".join(TINY_MODELS)
     torch.set_num_threads(args.threads)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     shapes = [(r, s) for s in sizes for r in map(int, args.rows.split(","))]
@@ -138,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "gemm": [],
         "layer": [],
+        "model": [],
     }
     for rows, size in tqdm(shapes, desc="linear maps"):
         ms = medians(gemm_steps(rows, size), args.repeats)
@@ -151,6 +176,11 @@ def main(argv: list[str] | None = None) -> None:
         row = dict(scope=scope, n=n, blas_ms=ms["blas"], onednn_ms=ms["onednn"])
         result["layer"].append(row | {"onednn_speedup": round(ms["blas"] / ms["onednn"], 3)})
         tqdm.write(json.dumps(result["layer"][-1]))
+    for name in tqdm(args.models.split(","), desc="models"):
+        ms = medians(model_steps(name, args.tiny), max(3, args.repeats // 3))
+        row = dict(model=name, blas_ms=ms["blas"], onednn_ms=ms["onednn"])
+        result["model"].append(row | {"onednn_speedup": round(ms["blas"] / ms["onednn"], 3)})
+        tqdm.write(json.dumps(result["model"][-1]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ab.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out / "ab.png")

@@ -16,7 +16,7 @@ from linformer_kit import native, precision
 from linformer_kit.encoder import LinformerEncoderLayer
 from linformer_kit.functional import project_linear
 from linformer_kit.kernel_rule import choose_kernel
-from linformer_kit.linear_backend import matmul, use_linear_backend
+from linformer_kit.linear_backend import add_matmul_, matmul, use_linear_backend
 from linformer_kit.projection import MatrixProjection
 
 
@@ -186,3 +186,21 @@ def test_the_sequence_projection_on_the_op_equals_it_on_torch(ops, per_head, bat
         got = run()
     for a, b in zip(got, wanted):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("gemm", ["blas", "onednn"])
+def test_add_matmul_adds_the_product_in_place(ops, gemm):
+    # out a view with a row stride past its width; a a transposed view (the loss's dY^T)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(300, 40, generator=g).t(), torch.randn(300, 20, generator=g)
+    storage = torch.randn(40, 32, generator=g)
+    out, beyond = storage[:, :20], storage[:, 20:].clone()
+    wanted = (out.double() + a.double() @ b.double()).float()
+    with use_linear_backend(gemm):
+        assert add_matmul_(out, a, b) is out
+    torch.testing.assert_close(out, wanted, atol=1e-4, rtol=1e-4)
+    assert torch.equal(storage[:, 20:], beyond)  # the row stride kept, nothing past the width
+    columns = torch.zeros(20, 40).t()  # not row-major: torch's addmm_
+    with use_linear_backend("onednn"):
+        add_matmul_(columns, a, b)
+    torch.testing.assert_close(columns, a @ b, atol=1e-4, rtol=1e-4)

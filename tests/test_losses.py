@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from script_helpers import BENCHMARKS, load_script
 
 from linformer_kit import LinformerConfig, LinformerForCausalLM, losses
+from linformer_kit.linear_backend import use_linear_backend
 from linformer_kit.losses import chunk_rows, linear_cross_entropy
 
 
@@ -61,10 +62,13 @@ def test_equals_cross_entropy_of_the_full_logits(seed, lead, dim, vocab, rate, b
         torch.testing.assert_close(got, want)
 
 
-def test_float32_matches_the_float64_reference():
+@pytest.mark.parametrize("gemm", ["blas", "onednn"])
+def test_float32_matches_the_float64_reference(gemm):
+    # "onednn": the logits on oneDNN's matmul, the gradients' GEMMs on the kernels' (AMD)
     hidden, weight, b, targets = case(1, (2, 300), 48, 1000, 0.7, True, torch.float32)
     chunked = functools.partial(linear_cross_entropy, rows_per_chunk=64)
-    loss, grads = loss_and_grads(chunked, hidden, weight, b, targets)
+    with use_linear_backend(gemm):
+        loss, grads = loss_and_grads(chunked, hidden, weight, b, targets)
     wide = [t.detach().double().requires_grad_() for t in (hidden, weight, b)]
     expected, expected_grads = loss_and_grads(reference, wide[0], wide[1], wide[2], targets)
     assert loss.dtype == torch.float32 and [g.dtype for g in grads] == [torch.float32] * 3
@@ -151,9 +155,12 @@ def test_bad_inputs_raise(change, message):
         linear_cross_entropy(**args)
 
 
-def test_a_compiled_causal_lm_gives_the_same_loss_and_gradients():
+@pytest.mark.parametrize("gemm", ["blas", "onednn"])
+def test_a_compiled_causal_lm_gives_the_same_loss_and_gradients(gemm):
     """Two 512-row chunks a call at three batch sizes: recompiles with symbolic shapes, on
-    whose slices `out=` arguments once failed."""
+    whose slices `out=` arguments once failed; on either GEMM library (oneDNN's: the
+    kernels' ops in the graph, one of them adding into the weight gradient in place)."""
+    torch._dynamo.reset()
     config = LinformerConfig(
         vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8, causal=True
     )
@@ -163,8 +170,9 @@ def test_a_compiled_causal_lm_gives_the_same_loss_and_gradients():
         ids = torch.randint(0, 50, (batch, 16), generator=torch.Generator().manual_seed(0))
         results = []
         for run in (model, compiled):
-            loss = run(ids, labels=ids, return_logits=False).loss
-            results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
+            with use_linear_backend(gemm):
+                loss = run(ids, labels=ids, return_logits=False).loss
+                results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
         for got, want in zip(results[1], results[0]):
             torch.testing.assert_close(got, want)
 

@@ -251,6 +251,18 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return ops.matmul(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0)
 
 
+def add_matmul_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """`out.addmm_(a, b)` for 2-D float32 CPU matrices, on the kernels' GEMMs where `matmul`
+    would take them (`linformer_kit::matmul_add_`, no temporary for a @ b); returns `out`.
+    Not differentiable: for gradient sums made under no_grad, as `losses`' weight gradient."""
+    row_major = out.dtype == a.dtype and out.stride(-1) == 1
+    ops = native.cpu_ops() if a.dim() == 2 and row_major and _kernel_matmul(a, b) else None
+    if ops is None:
+        return out.addmm_(a, b)
+    ops.matmul_add_(out.unsqueeze(0), a.unsqueeze(0), b.unsqueeze(0))
+    return out
+
+
 def _kernel_matmul(a: Tensor, b: Tensor) -> bool:
     """Whether `matmul` can and should take the kernels' GEMMs for a @ b."""
     return (

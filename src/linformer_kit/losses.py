@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .linear_backend import add_matmul_, linear, matmul
+
 # Rows per chunk on CPU (`benchmarks/lm_loss/ab.json`, 2 threads, the head and loss alone,
 # forward + backward): at vocabulary 4096, dim 128, 4096 rows, 256-512 rows a chunk took
 # 81-83 ms against 94-101 at 64-128 rows, 95 at 1024, 108 as one chunk and 174 for the full
@@ -65,7 +67,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, rows, step):
                 part = slice(start, start + step)
                 h = hidden[part].to(dtype)
-                logits = F.linear(h, w, b).to(acc)  # (C, V), fresh: worked on in place
+                logits = linear(h, w, b).to(acc)  # (C, V), fresh: worked on in place
                 picked[part] = logits.gather(1, index[part])  # (no out=: compiles)
                 top = logits.amax(1, keepdim=True)
                 probs = logits.sub_(top).exp_()  # (C, V) unnormalised
@@ -77,9 +79,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 probs.scatter_add_(1, index[part], -keep[part])  # d(loss sum) / d(logits)
                 grad_logits = probs.to(dtype)
                 if need_hidden:
-                    grad_hidden[part] = grad_logits @ w
+                    grad_hidden[part] = matmul(grad_logits, w)
                 if need_weight and dtype == acc:
-                    grad_weight.addmm_(grad_logits.t(), h)  # no (V, dim) temporary
+                    add_matmul_(grad_weight, grad_logits.t(), h)  # no (V, dim) temporary
                 elif need_weight:
                     grad_weight += grad_logits.t() @ h
                 if need_bias:
@@ -198,7 +200,7 @@ def lm_head_loss(
     """
     if not return_logits:
         return linear_cross_entropy(hidden, weight, targets, bias), None
-    logits = F.linear(hidden, weight, bias)
+    logits = linear(hidden, weight, bias)
     if targets is None:
         return None, logits
     flat = logits.reshape(-1, logits.shape[-1])  # bf16 up to float32, not float64 down

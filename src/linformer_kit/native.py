@@ -218,6 +218,10 @@ def _register_python_side() -> None:
         "linformer_kit::matmul", _matmul_backward, setup_context=_save_operands
     )
 
+    @torch.library.register_fake("linformer_kit::matmul_add_")
+    def _matmul_add_shape(out, a, b):  # noqa: ANN001, ANN202, ARG001
+        return None
+
     hints = {"attention": f"kernel='sdpa' or {ENV_SWITCH}=0", "feedforward": f"{ENV_SWITCH}=0"}
     for kernel, hint in hints.items():
         # (kernel, hint: defaults bind each pass's values)

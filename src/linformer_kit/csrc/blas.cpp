@@ -1,8 +1,9 @@
 // The switch between the float GEMMs' two libraries (blas.h): `float_gemm("onednn")` sends
 // the attention and feed-forward kernels' float GEMMs to oneDNN's brgemm micro-kernel,
 // `float_gemm("blas")` back to `sgemm_`; `float_gemm()` only reads it. Set from Python
-// (`native.set_kernel_gemm`), process-wide. And `matmul`, a batched product on those GEMMs
-// (`linear_backend.matmul`: the sequence projection where they are oneDNN's).
+// (`native.set_kernel_gemm`), process-wide. And `matmul` / `matmul_add_`, a batched product
+// on those GEMMs (`linear_backend.matmul`, `add_matmul_`: the sequence projection and the
+// language models' loss where they are oneDNN's).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -42,33 +43,53 @@ Operand operand(const at::Tensor& t) {
   return {t.contiguous(), false, std::max<int64_t>(cols, 1)};  // (rows of one: any stride)
 }
 
-// (B, M, K) @ (B, K, N) -> (B, M, N) contiguous, float or double, either matrix of each
-// pair read in place when one of its last two dims has unit stride (views, expanded
-// batches with stride 0 included); one gemm per batch entry, each threaded (blas.h).
-at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
+void check_operands(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) &&
                   a.size(2) == b.size(1) && a.device().is_cpu() && b.device().is_cpu() &&
                   a.scalar_type() == b.scalar_type(),
               "matmul: a and b must be CPU tensors (B, M, K) and (B, K, N) of one dtype; got ",
               a.sizes(), " ", a.scalar_type(), " and ", b.sizes(), " ", b.scalar_type());
+}
+
+// out (B, M, N) = a (B, M, K) @ b (B, K, N), or out += a @ b where `add`, float or double,
+// either matrix of each pair read in place when one of its last two dims has unit stride
+// (views, expanded batches with stride 0 included); one gemm per batch entry, each
+// threaded (blas.h).
+void product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, bool add) {
+  check_operands(a, b);
   const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
-  at::Tensor out = at::empty({batch, m, n}, a.options());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({batch, m, n}) && out.device().is_cpu() &&
+                  out.scalar_type() == a.scalar_type() && out.stride(2) == 1 &&
+                  out.stride(1) >= n,
+              "matmul_add_: out must be ", a.scalar_type(), " (", batch, ", ", m, ", ", n,
+              ") on the CPU with unit stride in its rows; got ", out.sizes(), " ",
+              out.scalar_type(), " strides ", out.strides());
   const Operand left = operand(a), right = operand(b);
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "matmul", [&] {
     using T = scalar_t;
     for (int64_t i = 0; i < batch; ++i) {
       const T* pa = left.t.data_ptr<T>() + i * left.t.stride(0);
       const T* pb = right.t.data_ptr<T>() + i * right.t.stride(0);
-      T* pc = out.data_ptr<T>() + i * m * n;
-      if (k == 0) {
-        std::fill_n(pc, m * n, T(0));
-      } else {
+      T* pc = out.data_ptr<T>() + i * out.stride(0);
+      if (k > 0) {
         linformer_kit::gemm<T>(left.trans, right.trans, m, n, k, T(1), pa, left.ld, pb,
-                               right.ld, T(0), pc, n);
+                               right.ld, T(add ? 1 : 0), pc, out.stride(1));
+      } else if (!add) {
+        for (int64_t r = 0; r < m; ++r) std::fill_n(pc + r * out.stride(1), n, T(0));
       }
     }
   });
+}
+
+at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
+  check_operands(a, b);
+  at::Tensor out = at::empty({a.size(0), a.size(1), b.size(-1)}, a.options());
+  product(a, b, out, false);
   return out;
+}
+
+void matmul_add_(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  product(a, b, out, true);
 }
 
 }  // namespace
@@ -76,6 +97,10 @@ at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
   m.def("float_gemm(str? backend=None) -> str", &float_gemm);
   m.def("matmul(Tensor a, Tensor b) -> Tensor");
+  m.def("matmul_add_(Tensor(a!) out, Tensor a, Tensor b) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(linformer_kit, CPU, m) { m.impl("matmul", &matmul); }
+TORCH_LIBRARY_IMPL(linformer_kit, CPU, m) {
+  m.impl("matmul", &matmul);
+  m.impl("matmul_add_", &matmul_add_);
+}
