@@ -13,8 +13,8 @@ same seconds of a shared machine), float32 on CPU:
   micro-kernel, and with them the sequence projection's and, without dropout, the
   attention kernel the rule picks);
 - `model`: a whole language model's training step (forward, the loss in chunks of rows,
-  backward; `benchmarks/lm_loss.py`'s demo causal and masked Linformers, `--models`), pinned
-  each way.
+  backward; `benchmarks/lm_loss.py`'s demo causal and masked Linformers, `--models`, names
+  separated by ';'), pinned each way.
 
 Writes OUT/ab.json and OUT/ab.png (blas time / onednn time, > 1: oneDNN is faster).
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="256x256,256x1024,1024x256,768x768", help="in x out")
     parser.add_argument("--n", default="1024,4096,16384", help="the layers' sequence lengths")
     parser.add_argument("--scope", default="layer,attention")
-    parser.add_argument("--models", default=",".join(DEMO_LINFORMERS))
+    parser.add_argument("--models", default=";".join(DEMO_LINFORMERS), help="; separated")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a quick smoke run (tests)")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.tiny:
         args.rows, args.sizes, args.n, args.repeats = "16,256", "32x64", "256", 3
-        args.models = ",".join(TINY_MODELS)
+        args.models = ";".join(TINY_MODELS)
     torch.set_num_threads(args.threads)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     shapes = [(r, s) for s in sizes for r in map(int, args.rows.split(","))]
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         row = dict(scope=scope, n=n, blas_ms=ms["blas"], onednn_ms=ms["onednn"])
         result["layer"].append(row | {"onednn_speedup": round(ms["blas"] / ms["onednn"], 3)})
         tqdm.write(json.dumps(result["layer"][-1]))
-    for name in tqdm(args.models.split(","), desc="models"):
+    for name in tqdm(args.models.split(";"), desc="models"):
         ms = medians(model_steps(name, args.tiny), max(3, args.repeats // 3))
         row = dict(model=name, blas_ms=ms["blas"], onednn_ms=ms["onednn"])
         result["model"].append(row | {"onednn_speedup": round(ms["blas"] / ms["onednn"], 3)})

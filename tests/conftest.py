@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from linformer_kit import kernels, precision
+from linformer_kit import kernels, native, precision
 
 
 @pytest.fixture
@@ -34,8 +34,13 @@ def mkl_runs_avx512(monkeypatch):
     (`linear_backend`'s rule would send them to oneDNN there, and `kernel_rule` keep bf16 off
     the explicit kernel without dropout): a test's path does not depend
     on the CPU it runs on (in this process: a subprocess a test starts reads the real CPU).
-    Tests of the rule set it themselves; `use_linear_backend` pins oneDNN on any CPU."""
+    Tests of the rule set it themselves; `use_linear_backend` pins oneDNN on any CPU.
+    Afterwards the kernels' GEMM library is found again under this CPU (`native.kernel_gemm`
+    keeps what it found), so a test that set it, or found it on another CPU, leaves no trace."""
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: False)
+    yield
+    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: False)
+    native.set_kernel_gemm(None)
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,14 @@ sequence projection's products on those GEMMs) equals `a @ b` in value and gradi
 transposed views and expanded batches. That the kernels compute the same on either library:
 `test_compiled_attention.py`, `test_feedforward_kernel.py`."""
 
+import json
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from script_helpers import BENCHMARKS
 from test_kernels import CPU
 
 from linformer_kit import native, precision
@@ -22,11 +26,11 @@ from linformer_kit.projection import MatrixProjection
 
 @pytest.fixture
 def ops():
+    """The compiled kernels' ops (the conftest finds their GEMM library again afterwards)."""
     ops = native.cpu_ops()
     if ops is None:
         pytest.skip("no C++ compiler here: the kernels cannot be built")
-    yield ops
-    native.set_kernel_gemm(None)
+    return ops
 
 
 def test_the_op_sets_and_reads_the_library_and_names_the_allowed_ones(ops):
@@ -39,21 +43,31 @@ def test_the_op_sets_and_reads_the_library_and_names_the_allowed_ones(ops):
     assert ops.float_gemm("blas") == "blas"
 
 
-def test_the_machine_picks_onednn_where_mkl_runs_avx2_code_unless_set(monkeypatch):
-    assert native.kernel_gemm() == "blas"
+def test_the_machine_picks_onednn_where_mkl_runs_avx2_code_unless_set(ops, monkeypatch):
+    assert native.kernel_gemm() == ops.float_gemm() == "blas"
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)  # an AMD CPU
+    assert native.kernel_gemm() == "blas"  # found when the kernels loaded, kept
+    assert native.set_kernel_gemm(None) is None  # found again: as when they load there
+    assert native.kernel_gemm() == ops.float_gemm() == "onednn"
+    assert native.set_kernel_gemm("blas") is None
+    assert native.kernel_gemm() == ops.float_gemm() == "blas"
+    assert native.set_kernel_gemm(None) == "blas"
     assert native.kernel_gemm() == "onednn"
-    native.set_kernel_gemm("blas")
-    try:
-        assert native.kernel_gemm() == "blas"
-    finally:
-        native.set_kernel_gemm(None)
-    assert native.kernel_gemm() == "onednn"
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # oneDNN switched off
+    native.set_kernel_gemm(None)
+    assert native.kernel_gemm() == ops.float_gemm() == "blas"
     with pytest.raises(ValueError, match="backend must be 'blas', 'onednn' or None; got 'mkl'"):
         native.set_kernel_gemm("mkl")
 
 
 def test_the_linear_maps_pin_sets_the_kernels_library_and_restores_it(ops):
+    native.set_kernel_gemm("onednn")  # a setting of the user's: restored after each pin
+    with use_linear_backend(None):  # the linear maps' rule: the kernels' setting kept
+        assert ops.float_gemm() == "onednn"
+    with use_linear_backend("blas"):
+        assert ops.float_gemm() == "blas"
+    assert ops.float_gemm() == "onednn"
+    native.set_kernel_gemm(None)
     with use_linear_backend("onednn"):
         assert (native.kernel_gemm(), ops.float_gemm()) == ("onednn", "onednn")
         with use_linear_backend("blas"):
@@ -65,9 +79,9 @@ def test_the_linear_maps_pin_sets_the_kernels_library_and_restores_it(ops):
     assert (native.kernel_gemm(), ops.float_gemm()) == ("blas", "blas")
 
 
-def pick(dtype, *, dropout=False, backward=True, compiled=True):
+def pick(dtype, *, dropout=False, backward=True, compiled=True, queries=4096):
     return choose_kernel(device=CPU, dtype=dtype, dropout=dropout, backward=backward,
-                         causal=False, queries=4096, keys=256, groups=4,
+                         causal=False, queries=queries, keys=256, groups=4,
                          compiled=lambda: compiled)  # fmt: skip
 
 
@@ -78,6 +92,8 @@ def test_float32_without_dropout_takes_the_explicit_kernel_on_onednn_gemms(monke
     monkeypatch.setattr(native, "kernel_gemm", lambda: "onednn")
     assert pick(torch.float32) == "explicit"
     assert pick(torch.float32, backward=False) == "explicit"
+    assert pick(torch.float32, queries=64) == "explicit"
+    assert pick(torch.float32, queries=16) == "sdpa"  # table-queries: explicit 0.57-0.74x
     assert pick(torch.float32, compiled=False) == "sdpa"  # PyTorch ops: torch's own GEMMs
     assert pick(torch.float64) == "sdpa"  # dgemm_ stays the BLAS's
     assert pick(torch.float64, dropout=True) == "explicit"
@@ -126,12 +142,16 @@ def operands(shape_a, shape_b, transpose_a, transpose_b, batch_stride_0, dtype, 
     gemm=st.sampled_from(["blas", "onednn"]),
 )
 def test_matmul_is_a_at_b_in_value_and_gradients(batch, m, k, n, transposes, batch_stride_0, gemm):
+    ops = native.cpu_ops()
+    if ops is None:
+        pytest.skip("no C++ compiler here: the kernels cannot be built")
     lead = () if batch is None else (batch,)
     a, b = operands((*lead, m, k), (*lead, k, n), *transposes, batch_stride_0, torch.float32, m)
     grad = torch.randn(*lead, m, n)
-    with use_linear_backend(gemm):
+    with use_linear_backend(gemm), mock.patch.object(ops, "matmul", wraps=ops.matmul) as spy:
         out = matmul(a, b)
         got = torch.autograd.grad(out, (a, b), grad)
+    assert spy.call_count == (3 if gemm == "onednn" else 0)  # forward and both gradients
     wanted_out = a.double() @ b.double()
     wanted = torch.autograd.grad(wanted_out, (a, b), grad.double())
     torch.testing.assert_close(out.double(), wanted_out, atol=1e-4, rtol=1e-4)
@@ -204,3 +224,27 @@ def test_add_matmul_adds_the_product_in_place(ops, gemm):
     with use_linear_backend("onednn"):
         add_matmul_(columns, a, b)
     torch.testing.assert_close(columns, a @ b, atol=1e-4, rtol=1e-4)
+
+
+AMD = BENCHMARKS / "kernels" / "amd-epyc"
+
+
+@pytest.mark.parametrize("table", ["table-queries", "table-causal"])
+def test_on_onednn_gemms_the_fp32_rule_is_never_the_slower_kernel(table, monkeypatch):
+    # benchmarks/kernels.py on the AMD EPYC: few queries (1-256 over k 64 / 256) and exact
+    # causal attention (n 1024, 4096), float32 without dropout, training and inference. The
+    # rule's pick is at most 10 % slower than the other kernel in every row (few queries:
+    # SDPA below 64, where the explicit kernel's per-call K^T lost 0.27-0.74x).
+    monkeypatch.setattr(native, "kernel_gemm", lambda: "onednn")
+    rows = [r for r in json.loads((AMD / table / "table.json").read_text())["rows"]]
+    plain = [r for r in rows if r["mode"] != "train dropout 0.1"]
+    assert len(plain) == (16 if table == "table-queries" else 4)
+    for row in plain:
+        causal = row["k"] == "n"
+        picked = choose_kernel(
+            device=CPU, dtype=torch.float32, dropout=False, backward=row["mode"] == "train",
+            causal=causal, queries=row["n"], keys=row["n"] if causal else row["k"], groups=4,
+            compiled=lambda: True,
+        )  # fmt: skip
+        other = "sdpa" if picked == "explicit" else "explicit"
+        assert row[f"{picked}_ms"] <= 1.1 * row[f"{other}_ms"], (row, picked)

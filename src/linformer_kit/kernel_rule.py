@@ -118,9 +118,13 @@ def choose_kernel(
     brgemm micro-kernel (`native.kernel_gemm`) while SDPA's flash kernel calls MKL:
     explicit 1.71-2.22x faster in fp32 training without dropout (geometric means 1.91 /
     2.10 / 2.07 at k = 64 / 256 / 1024), 1.02-2.14x in inference (1.75 / 2.04 / 1.99),
-    2.15-8.12x with dropout. So fp32 goes explicit in every mode wherever the kernels'
-    GEMMs are oneDNN's (and the kernel is compiled: the PyTorch-ops one runs torch's own
-    GEMMs). Before, on MKL's `sgemm_`, it was a tie without dropout (0.94-1.17x,
+    2.15-8.12x with dropout; exact causal attention (`amd-epyc/table-causal/`, n 1024 and
+    4096, head_dim 64) 2.11-2.20x without dropout. Few queries lose there
+    (`amd-epyc/table-queries/`, k 64 and 256, head_dim 64, without dropout): explicit
+    0.27-0.48x at 1 query (the kernel lays K^T out per call), 0.57-0.74x at 16, 1.10-1.28x
+    at 64, 1.54-1.82x at 256. So fp32 without dropout goes explicit from 64 queries wherever
+    the kernels' GEMMs are oneDNN's (and the kernel is compiled: the PyTorch-ops one runs
+    torch's own GEMMs). Before, on MKL's `sgemm_`, it was a tie without dropout (0.94-1.17x,
     `amd-epyc/table-mkl/`). Its bf16 GEMMs are still MKL's while SDPA's are oneDNN's, so
     bf16 training without dropout goes to SDPA: explicit 0.71-0.90x at k = 256,
     0.65-0.77x at k = 1024, 0.84-1.29x at k = 64 (geometric mean 1.04); explicit with
@@ -190,7 +194,7 @@ def choose_kernel(
         if dropout:
             return "explicit"
         onednn = dtype == torch.float32 and native.kernel_gemm() == "onednn"
-        return "explicit" if onednn and compiled() else "sdpa"
+        return "explicit" if onednn and queries >= 64 and compiled() else "sdpa"
     if dtype == torch.bfloat16:
         if dropout:
             return "explicit"

@@ -34,6 +34,11 @@ Under torch.compile the product is one custom op with its backward
 (`linformer_kit::onednn_linear`; Inductor's own lowering of the convolution fails on a
 dynamic row count, torch 2.13), taken whatever the thread count, which Dynamo cannot read:
 with one thread its forward runs oneDNN's matmul and its backward ATen's MKL path.
+
+Products that are not a linear map of rows (the sequence projection E^T X, the language
+models' loss's gradient GEMMs) go through `matmul` and `add_matmul_`: on the compiled
+kernels' GEMMs where those are oneDNN's micro-kernel (`native.kernel_gemm`; the same
+machines), else torch's. `use_linear_backend` pins both kinds.
 """
 
 from __future__ import annotations
@@ -78,12 +83,13 @@ def use_linear_backend(backend: str | None) -> Iterator[None]:
             f"backend must be one of {', '.join(LINEAR_BACKENDS)} or None; got {backend!r}"
         )
     before, _pinned = _pinned, backend
-    native.set_kernel_gemm(backend)
+    kernels_before = native.set_kernel_gemm(backend) if backend is not None else None
     try:
         yield
     finally:
         _pinned = before
-        native.set_kernel_gemm(before)
+        if backend is not None:
+            native.set_kernel_gemm(kernels_before)
 
 
 def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
@@ -98,16 +104,11 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
         "blas" or "onednn".
     """
     if not (
-        x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        _plain_float32_cpu(x, weight)
         and x.dim() > 0
         and x.numel() > 0
         and weight.dim() == 2
-        and weight.device.type == "cpu"
         and torch.backends.mkldnn.enabled
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_exporting()
-        and not torch.jit.is_tracing()
     ):
         return "blas"
     if _pinned is not None:
@@ -123,6 +124,17 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
     rows = x.numel() // x.shape[-1]
     big = rows >= ONEDNN_MIN_ROWS and rows * weight.numel() >= ONEDNN_MIN_MACS
     return "onednn" if big and min(weight.shape) >= ONEDNN_MIN_WIDTH else "blas"
+
+
+def _plain_float32_cpu(*tensors: Tensor) -> bool:
+    """float32 CPU tensors outside autocast, torch.export and torch.jit.trace (whose graphs
+    keep torch's own ops): what oneDNN's forms need."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_exporting()
+        and not torch.jit.is_tracing()
+    )
 
 
 def transformed(*tensors: Tensor | None) -> bool:
@@ -255,7 +267,7 @@ def add_matmul_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
     """`out.addmm_(a, b)` for 2-D float32 CPU matrices, on the kernels' GEMMs where `matmul`
     would take them (`linformer_kit::matmul_add_`, no temporary for a @ b); returns `out`.
     Not differentiable: for gradient sums made under no_grad, as `losses`' weight gradient."""
-    row_major = out.dtype == a.dtype and out.stride(-1) == 1
+    row_major = out.dtype == a.dtype and out.stride(-1) == 1 and out.stride(0) >= out.shape[1]
     ops = native.cpu_ops() if a.dim() == 2 and row_major and _kernel_matmul(a, b) else None
     if ops is None:
         return out.addmm_(a, b)
@@ -266,14 +278,10 @@ def add_matmul_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
 def _kernel_matmul(a: Tensor, b: Tensor) -> bool:
     """Whether `matmul` can and should take the kernels' GEMMs for a @ b."""
     return (
-        a.device.type == "cpu"
-        and a.dtype == b.dtype == torch.float32
+        _plain_float32_cpu(a, b)
         and a.dim() == b.dim()
         and a.dim() in (2, 3)
         and native.kernel_gemm() == "onednn"
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_exporting()
-        and not torch.jit.is_tracing()
         and (torch.compiler.is_compiling() or not transformed(a, b))
     )
 

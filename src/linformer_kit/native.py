@@ -41,16 +41,16 @@ SOURCES = tuple(
     CSRC / name
     for name in ("dropout.cpp", "attention.cpp", "feedforward.cpp", "autograd.cpp", "blas.cpp")
 )
-HEADERS = (CSRC / "bits.h", CSRC / "blas.h", CSRC / "vmath.h")
+HEADERS = tuple(CSRC / name for name in ("bits.h", "blas.h", "matrices.h", "vmath.h"))
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 MARCH_SWITCH = "LINFORMER_KIT_MARCH"
 # =widen: the bf16 GEMMs widen to fp32 for sgemm_ instead of calling MKL's bf16 GEMM (what a
 # libtorch without MKL runs; read by csrc/blas.h once per process).
 BF16_GEMM_SWITCH = "LINFORMER_KIT_BF16_GEMM"
 _loaded: dict[str, object] = {}
-# The library of the kernels' float GEMMs (`set_kernel_gemm`): "blas", "onednn", or None for
-# the machine's.
-_kernel_gemm: dict[str, str | None] = {"backend": None}
+# The library of the kernels' float GEMMs: the one `set_kernel_gemm` set ("blas", "onednn",
+# or None for the machine's), and the one the loaded kernels use (None before they load).
+_kernel_gemm: dict[str, str | None] = {"backend": None, "applied": None}
 _python_side = {"registered": False}  # fake kernels, double-backward error: once a process
 
 
@@ -116,34 +116,52 @@ def _build() -> object:
         verbose=False,
     )
     _register_python_side()
-    torch.ops.linformer_kit.float_gemm(kernel_gemm())
+    _apply_kernel_gemm(torch.ops.linformer_kit)
     return torch.ops.linformer_kit
 
 
 def kernel_gemm() -> str:
-    """The set backend, else the machine's: oneDNN where MKL runs its AVX2 code on an
-    AVX-512 CPU (`precision.mkl_without_avx512`), else the BLAS."""
+    """The library of the kernels' float32 GEMMs: the one the loaded kernels use, else (not
+    loaded yet) the one they will: what `set_kernel_gemm` set, or the machine's, "onednn"
+    where MKL runs its AVX2 code on an AVX-512 CPU (`precision.mkl_without_avx512`) and
+    oneDNN is enabled, else "blas" (found when the kernels load or the setting changes)."""
+    return _kernel_gemm["applied"] or _wanted_kernel_gemm()
+
+
+def _wanted_kernel_gemm() -> str:
     backend = _kernel_gemm["backend"]
     if backend is None:
-        backend = "onednn" if precision.mkl_without_avx512() else "blas"
+        machine = precision.mkl_without_avx512() and torch.backends.mkldnn.enabled
+        backend = "onednn" if machine else "blas"
     return backend
 
 
-def set_kernel_gemm(backend: str | None) -> None:
-    """Sends the attention and feed-forward kernels' float32 GEMMs (`csrc/blas.h`) to
-    `backend`, process-wide: "blas" (`sgemm_`, MKL in torch's wheel) or "onednn" (oneDNN's
-    brgemm micro-kernel, 2.2-2.5x MKL's AVX2 code at the kernels' block shapes on an AMD
-    EPYC); None, the machine's choice. `linear_backend.use_linear_backend` sets it with the
-    linear maps' backend. Applied now if the kernels are loaded, else when they load.
+def _apply_kernel_gemm(ops: object) -> None:
+    """Sets the loaded kernels' library and records the one they took (a libtorch without
+    oneDNN's float micro-kernel keeps the BLAS)."""
+    _kernel_gemm["applied"] = ops.float_gemm(_wanted_kernel_gemm())
+
+
+def set_kernel_gemm(backend: str | None) -> str | None:
+    """Sends the attention and feed-forward kernels' float32 GEMMs (`csrc/blas.h`), and
+    `linear_backend.matmul`'s, to `backend`, process-wide: "blas" (`sgemm_`, MKL in
+    torch's wheel) or "onednn" (oneDNN's brgemm micro-kernel, 2.2-2.7x MKL's AVX2 code at
+    the kernels' block shapes on an AMD EPYC); None, the machine's choice (`kernel_gemm`).
+    `linear_backend.use_linear_backend` sets it with the linear maps' backend. Applied now
+    if the kernels are loaded, else when they load.
+
+    Returns:
+        The setting it replaces (for restoring it).
 
     Raises:
         ValueError: for an unknown backend.
     """
     if backend not in (None, "blas", "onednn"):
         raise ValueError(f"backend must be 'blas', 'onednn' or None; got {backend!r}")
-    _kernel_gemm["backend"] = backend
+    before, _kernel_gemm["backend"] = _kernel_gemm["backend"], backend
     if _loaded.get("ops") is not None:
-        _loaded["ops"].float_gemm(kernel_gemm())
+        _apply_kernel_gemm(_loaded["ops"])
+    return before
 
 
 def _register_python_side() -> None:

@@ -39,14 +39,18 @@
 
 #include "bits.h"
 #include "blas.h"
+#include "matrices.h"
 #include "vmath.h"
 
 namespace {
 
+using linformer_kit::Allowed;
 using linformer_kit::gemm;
 using linformer_kit::keep;
+using linformer_kit::Matrices;
 using linformer_kit::Opmath;
 using linformer_kit::row_bits;
+using linformer_kit::transposed;
 
 // x (count values of the compute type T) as a GEMM input of type S: x itself where S is T,
 // else rounded into `buffer` (bfloat16: the dropped weights and the scores' gradient, as
@@ -142,23 +146,6 @@ T softmax_row(T* s, int64_t valid) {
   return top + std::log(sum);
 }
 
-// A (B, H, rows, cols) tensor with unit column stride, addressed as matrix g = b * H + h.
-template <typename T>
-struct Matrices {
-  T* data = nullptr;
-  int64_t heads = 1, batch_stride = 0, head_stride = 0, ld = 0;
-
-  explicit Matrices(const at::Tensor& t) {  // an undefined t: a gradient not asked for
-    if (t.defined()) {
-      data = t.data_ptr<std::remove_const_t<T>>();
-      heads = t.size(1), batch_stride = t.stride(0), head_stride = t.stride(1), ld = t.stride(2);
-    }
-  }
-  T* row(int64_t g, int64_t r) const {
-    return data + (g / heads) * batch_stride + (g % heads) * head_stride + r * ld;
-  }
-};
-
 // The call's shape and dropout: G = B x H matrices of N query rows and M keys, blocks of
 // `rows` query rows; under `causal` a block computes only the keys its last row sees.
 struct Plan {
@@ -179,16 +166,6 @@ struct Plan {
   int64_t valid_keys(int64_t row, int64_t block_keys) const {
     return causal ? std::min(block_keys, row + 1) : block_keys;
   }
-};
-
-// The optional (B, H, N, M) bool mask's rows (nullptr without a mask).
-struct Allowed {
-  std::optional<Matrices<const bool>> mask;
-
-  explicit Allowed(const std::optional<at::Tensor>& t) {
-    if (t) mask.emplace(*t);
-  }
-  const bool* row(int64_t g, int64_t r) const { return mask ? mask->row(g, r) : nullptr; }
 };
 
 // The dropped weights of row `row` of matrix g (its first `keys`), not rescaled.
@@ -233,10 +210,6 @@ Plan plan_of(const at::Tensor& q, const at::Tensor& k, bool causal, const at::Te
               (seq_len + block_rows - 1) / block_rows, (keys + 3) / 4, causal,
               threshold > -32768, linformer_kit::seed_value(seed), int32_t(threshold)};
 }
-
-// (B, H, M, D) -> (B, H, D, M), contiguous: K^T and V^T, the right operands of Q K^T and
-// dO V^T.
-at::Tensor transposed(const at::Tensor& t) { return t.transpose(2, 3).contiguous(); }
 
 // The block's scores Q K^T * scale into w, (rows, keys): the forward's, and backward's again
 // (Kt: K^T, `transposed`).
@@ -294,7 +267,7 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
                      at::Tensor& grad_v) {
   using T = Opmath<S>;
   const bool need_q = grad_q.defined(), need_k = grad_k.defined(), need_v = grad_v.defined();
-  const at::Tensor k_t = transposed(k), v_t = transposed(v);
+  const at::Tensor k_t = transposed(k), v_t = need_q || need_k ? transposed(v) : at::Tensor();
   const Matrices<const S> dO(grad), Q(q), K(k), Kt(k_t), Vt(v_t);
   const Matrices<S> dQ(grad_q);
   const Matrices<T> dK(grad_k), dV(grad_v);

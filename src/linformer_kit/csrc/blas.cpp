@@ -19,7 +19,9 @@ std::string float_gemm(const std::optional<std::string>& backend) {
   if (backend) {
     TORCH_CHECK(*backend == "blas" || *backend == "onednn",
                 "float_gemm: backend must be 'blas' or 'onednn'; got '", *backend, "'");
-    linformer_kit::onednn_float_gemm().store(*backend == "onednn");
+    // (a libtorch without the float brgemm keeps the BLAS, and says so)
+    linformer_kit::onednn_float_gemm().store(*backend == "onednn" &&
+                                             linformer_kit::kFloatBrgemm);
   }
   return linformer_kit::onednn_float_gemm().load() ? "onednn" : "blas";
 }
@@ -54,41 +56,38 @@ void check_operands(const at::Tensor& a, const at::Tensor& b) {
 // out (B, M, N) = a (B, M, K) @ b (B, K, N), or out += a @ b where `add`, float or double,
 // either matrix of each pair read in place when one of its last two dims has unit stride
 // (views, expanded batches with stride 0 included); one gemm per batch entry, each
-// threaded (blas.h).
+// threaded (blas.h). The operands checked by the caller; out's rows of unit stride.
 void product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, bool add) {
-  check_operands(a, b);
   const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
-  TORCH_CHECK(out.sizes() == at::IntArrayRef({batch, m, n}) && out.device().is_cpu() &&
-                  out.scalar_type() == a.scalar_type() && out.stride(2) == 1 &&
-                  out.stride(1) >= n,
-              "matmul_add_: out must be ", a.scalar_type(), " (", batch, ", ", m, ", ", n,
-              ") on the CPU with unit stride in its rows; got ", out.sizes(), " ",
-              out.scalar_type(), " strides ", out.strides());
   const Operand left = operand(a), right = operand(b);
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "matmul", [&] {
     using T = scalar_t;
     for (int64_t i = 0; i < batch; ++i) {
-      const T* pa = left.t.data_ptr<T>() + i * left.t.stride(0);
-      const T* pb = right.t.data_ptr<T>() + i * right.t.stride(0);
-      T* pc = out.data_ptr<T>() + i * out.stride(0);
-      if (k > 0) {
-        linformer_kit::gemm<T>(left.trans, right.trans, m, n, k, T(1), pa, left.ld, pb,
-                               right.ld, T(add ? 1 : 0), pc, out.stride(1));
-      } else if (!add) {
-        for (int64_t r = 0; r < m; ++r) std::fill_n(pc + r * out.stride(1), n, T(0));
-      }
+      linformer_kit::gemm<T>(left.trans, right.trans, m, n, k, T(1),
+                             left.t.data_ptr<T>() + i * left.t.stride(0), left.ld,
+                             right.t.data_ptr<T>() + i * right.t.stride(0), right.ld,
+                             T(add ? 1 : 0), out.data_ptr<T>() + i * out.stride(0),
+                             out.stride(1));
     }
   });
 }
 
 at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
   check_operands(a, b);
-  at::Tensor out = at::empty({a.size(0), a.size(1), b.size(-1)}, a.options());
+  at::Tensor out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
   product(a, b, out, false);
   return out;
 }
 
 void matmul_add_(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  check_operands(a, b);
+  const int64_t n = b.size(2);
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({a.size(0), a.size(1), n}) &&
+                  out.device().is_cpu() && out.scalar_type() == a.scalar_type() &&
+                  out.stride(2) == 1 && out.stride(1) >= n,
+              "matmul_add_: out must be ", a.scalar_type(), " (", a.size(0), ", ", a.size(1),
+              ", ", n, ") on the CPU with unit stride in its rows; got ", out.sizes(), " ",
+              out.scalar_type(), " strides ", out.strides());
   product(a, b, out, true);
 }
 

@@ -42,7 +42,15 @@ void GEMM_BF16BF16F32(const char*, const char*, const int*, const int*, const in
 
 namespace linformer_kit {
 
-// Whether float GEMMs call oneDNN's brgemm micro-kernel rather than `sgemm_` (process-wide).
+// Whether this libtorch has the float brgemm (torch 2.6 on; CPUBlas.h says so).
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+constexpr bool kFloatBrgemm = true;
+#else
+constexpr bool kFloatBrgemm = false;
+#endif
+
+// Whether float GEMMs call oneDNN's brgemm micro-kernel rather than `sgemm_` (process-wide;
+// never set where kFloatBrgemm is false).
 inline std::atomic<bool>& onednn_float_gemm() {
   static std::atomic<bool> on{false};
   return on;
@@ -101,11 +109,13 @@ inline void brgemm_tiles(int64_t m, int64_t n, int64_t k, const float* a, int64_
       if (k == 0 && !add) {
         for (int64_t r = 0; r < rows; ++r) std::fill_n(tile + r * ldc, cols, 0.0f);
       }
+#ifdef CPUBLAS_BRGEMM_F32F32F32
       for (int64_t p = 0; p < k; p += kTile) {
         at::native::cpublas::brgemm(rows, cols, std::min(kTile, k - p), lda, ldb, ldc,
                                     add || p > 0, a + i * lda + p, b + p * ldb + j, tile,
                                     /*is_vnni=*/false);
       }
+#endif
     }
   };
   if (threaded) {
