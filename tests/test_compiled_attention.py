@@ -80,6 +80,7 @@ def test_outputs_and_gradients_equal_the_float64_reference(
         allowed[..., torch.randint(m, (), generator=g)] = True
     scale = d**-0.5
     with pytest.MonkeyPatch.context() as patch, use_linear_backend(gemm):
+        assert native.kernel_gemm() == gemm  # (the pin reached the kernels)
         patch.setattr(kernels, "_FUSED_ROWS", rows)
         torch.manual_seed(3)
         out = dot_product_attention(
@@ -116,6 +117,7 @@ def test_blocks_past_the_gemm_tiles_equal_the_float64_reference(gemm, mask, p, r
     v = heads_last((1, 2, 300, 40), torch.float32, g).requires_grad_()
     allowed = torch.rand(1, 2, 300, 300, generator=g) < 0.7 if mask == "general" else None
     with pytest.MonkeyPatch.context() as patch, use_linear_backend(gemm):
+        assert native.kernel_gemm() == gemm  # (the pin reached the kernels)
         patch.setattr(kernels, "_FUSED_ROWS", rows)
         torch.manual_seed(3)
         out = dot_product_attention(

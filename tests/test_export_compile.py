@@ -84,7 +84,8 @@ def test_compiled_training_with_attention_dropout_does_not_recompile_for_every_l
     # most one recompile (to a dynamic shape), not one graph per length. Through AOT
     # autograd, which traces the backward too: the kernel's C++ backward once read its
     # gradient's strides as ints, fixing N in every graph.
-    native.cpu_ops()  # built in eager mode first, as a training script's first step would
+    if native.cpu_ops() is None:  # built in eager mode first, as a training script would
+        pytest.skip("no C++ compiler here: the compiled kernel cannot be built")
     torch._dynamo.reset()
     config = tiny(max_seq_len=256, depth=1, dropout=0.1, attention_dropout=0.1)
     encoder = LinformerEncoder(config).train()

@@ -195,6 +195,7 @@ def test_both_ways_of_summing_the_weight_gradients_equal_the_modules(rows, threa
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
     torch.set_num_threads(threads)  # (the conftest's same_threads restores it)
     with use_linear_backend(gemm):
+        assert native.kernel_gemm() == gemm  # (the pin reached the kernels)
         for weight_sums in (0, 1, -1):
             for needs in ([True, True], [True, False], [False, True]):
                 args = (grad, x, ffn.up.weight, ffn.down.weight, hidden, 0, needs, weight_sums)
@@ -221,6 +222,7 @@ def test_widths_past_the_gemm_tiles_equal_the_float64_modules(rows, gemm):
     x, grad = torch.randn(rows, 300), torch.randn(rows, 300)
     torch.set_num_threads(2)
     with use_linear_backend(gemm):
+        assert native.kernel_gemm() == gemm  # (the pin reached the kernels)
         got = outputs_and_grads(ffn, x, grad, ffn)
     wide = FeedForward(dim=300, hidden_dim=520).double()
     wide.load_state_dict(ffn.state_dict())

@@ -30,6 +30,9 @@ def ops():
     ops = native.cpu_ops()
     if ops is None:
         pytest.skip("no C++ compiler here: the kernels cannot be built")
+    if ops.float_gemm("onednn") != "onednn":
+        pytest.skip("this libtorch has no float brgemm: the kernels keep the BLAS")
+    native.set_kernel_gemm(None)
     return ops
 
 
@@ -53,9 +56,12 @@ def test_the_machine_picks_onednn_where_mkl_runs_avx2_code_unless_set(ops, monke
     assert native.kernel_gemm() == ops.float_gemm() == "blas"
     assert native.set_kernel_gemm(None) == "blas"
     assert native.kernel_gemm() == "onednn"
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # oneDNN switched off
-    native.set_kernel_gemm(None)
-    assert native.kernel_gemm() == ops.float_gemm() == "blas"
+    # oneDNN switched off: the kernels' GEMMs take the BLAS (the switch stays set, for when
+    # it is on again), and the rule knows
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert native.kernel_gemm() == "blas" and ops.float_gemm() == "onednn"
+    a, b = torch.randn(300, 40).t(), torch.randn(300, 20)
+    torch.testing.assert_close(ops.matmul(a[None], b[None])[0], a @ b, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="backend must be 'blas', 'onednn' or None; got 'mkl'"):
         native.set_kernel_gemm("mkl")
 
@@ -184,13 +190,20 @@ def test_the_op_has_exact_first_and_second_derivatives_and_its_fake_kernel(ops):
     assert torch.autograd.gradgradcheck(ops.matmul, (a, b))
     x, y = torch.randn(2, 5, 4), torch.randn(2, 4, 3).mT.contiguous().mT
     torch.library.opcheck(ops.matmul.default, (x, y))
+    for gemm in ("blas", "onednn"):  # no sum at all: zeros, and nothing added
+        native.set_kernel_gemm(gemm)
+        empty_a, empty_b = torch.randn(2, 5, 0), torch.randn(2, 0, 3)
+        assert torch.equal(ops.matmul(empty_a, empty_b), torch.zeros(2, 5, 3))
+        out = torch.ones(2, 5, 3)
+        ops.matmul_add_(out, empty_a, empty_b)
+        assert torch.equal(out, torch.ones(2, 5, 3))
     with pytest.raises(RuntimeError, match=r"must be CPU tensors \(B, M, K\) and \(B, K, N\)"):
         ops.matmul(torch.randn(2, 5, 4), torch.randn(2, 3, 3))
 
 
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_the_sequence_projection_on_the_op_equals_it_on_torch(ops, per_head, batch):
+def test_the_sequence_projection_on_the_op_equals_it_on_torch(ops, per_head, batch, monkeypatch):
     torch.manual_seed(batch)
     weight = torch.randn(*((4,) if per_head else ()), 300, 40, requires_grad=True)
     x = torch.randn(batch, 290, 4, 16, requires_grad=True)
@@ -202,8 +215,12 @@ def test_the_sequence_projection_on_the_op_equals_it_on_torch(ops, per_head, bat
         return [out, *torch.autograd.grad(out, (x, weight), torch.ones_like(out))]
 
     wanted = run()
+    calls = []
+    real = ops.matmul
+    monkeypatch.setattr(ops, "matmul", lambda *t: calls.append(1) or real(*t))
     with use_linear_backend("onednn"):
         got = run()
+    assert len(calls) == 3  # the projection and both its gradients
     for a, b in zip(got, wanted):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 

@@ -124,11 +124,12 @@ def choose_kernel(
     0.27-0.48x at 1 query (the kernel lays K^T out per call), 0.57-0.74x at 16, 1.10-1.28x
     at 64, 1.54-1.82x at 256. So fp32 without dropout goes explicit from 64 queries wherever
     the kernels' GEMMs are oneDNN's (and the kernel is compiled: the PyTorch-ops one runs
-    torch's own GEMMs). Before, on MKL's `sgemm_`, it was a tie without dropout (0.94-1.17x,
-    `amd-epyc/table-mkl/`). Its bf16 GEMMs are still MKL's while SDPA's are oneDNN's, so
-    bf16 training without dropout goes to SDPA: explicit 0.71-0.90x at k = 256,
-    0.65-0.77x at k = 1024, 0.84-1.29x at k = 64 (geometric mean 1.04); explicit with
-    dropout (1.19-4.40x), ties in inference (geometric means 0.99-1.05 a k).
+    torch's own GEMMs). Before, on MKL's `sgemm_`, it was a tie without dropout (training
+    0.94-1.17x, inference 0.72-1.10x, `amd-epyc/table-mkl/`). Its bf16 GEMMs are still
+    MKL's while SDPA's are oneDNN's, so bf16 training without dropout goes to SDPA:
+    explicit 0.71-0.90x at k = 256, 0.65-0.77x at k = 1024, 0.84-1.29x at k = 64
+    (geometric mean 1.04); explicit with dropout (1.19-4.40x), ties in inference
+    (geometric means 0.99-1.05 a k).
 
     n and head_dim did not change the winner anywhere on CPU, and k only training without
     dropout (in the rule, only bf16's).
@@ -193,8 +194,9 @@ def choose_kernel(
     if dtype in (torch.float32, torch.float64):
         if dropout:
             return "explicit"
-        onednn = dtype == torch.float32 and native.kernel_gemm() == "onednn"
-        return "explicit" if onednn and queries >= 64 and compiled() else "sdpa"
+        # (asked again once compiled() has built the kernels: they report what they took)
+        onednn = dtype == torch.float32 and queries >= 64 and native.kernel_gemm() == "onednn"
+        return "explicit" if onednn and compiled() and native.kernel_gemm() == "onednn" else "sdpa"
     if dtype == torch.bfloat16:
         if dropout:
             return "explicit"

@@ -123,16 +123,20 @@ def _build() -> object:
 def kernel_gemm() -> str:
     """The library of the kernels' float32 GEMMs: the one the loaded kernels use, else (not
     loaded yet) the one they will: what `set_kernel_gemm` set, or the machine's, "onednn"
-    where MKL runs its AVX2 code on an AVX-512 CPU (`precision.mkl_without_avx512`) and
-    oneDNN is enabled, else "blas" (found when the kernels load or the setting changes)."""
+    where MKL runs its AVX2 code on an AVX-512 CPU (`precision.mkl_without_avx512`), else
+    "blas" (found when the kernels load or the setting changes). "blas" while
+    `torch.backends.mkldnn.enabled` is False (the kernels' GEMMs then take the BLAS too), and
+    where the kernels are switched off or failed to build."""
+    kernels_off = os.environ.get(ENV_SWITCH, "1") == "0" or _loaded.get("ops", True) is None
+    if kernels_off or not torch.backends.mkldnn.enabled:
+        return "blas"
     return _kernel_gemm["applied"] or _wanted_kernel_gemm()
 
 
 def _wanted_kernel_gemm() -> str:
     backend = _kernel_gemm["backend"]
     if backend is None:
-        machine = precision.mkl_without_avx512() and torch.backends.mkldnn.enabled
-        backend = "onednn" if machine else "blas"
+        backend = "onednn" if precision.mkl_without_avx512() else "blas"
     return backend
 
 

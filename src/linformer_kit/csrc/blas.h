@@ -56,11 +56,14 @@ inline std::atomic<bool>& onednn_float_gemm() {
   return on;
 }
 
-// Whether gemm<S> would copy a transposed operand (the brgemm path): callers that pass the
-// same operand to many GEMMs then lay it out untransposed once instead.
+// Whether gemm<S> takes the brgemm path (float, the switch set, oneDNN not switched off by
+// torch.backends.mkldnn, without which torch's brgemm falls back to its own GEMM), where
+// transposed operands are copied: callers that pass the same operand to many GEMMs then
+// lay it out untransposed once instead.
 template <typename S>
 bool plain_operands() {
-  return std::is_same_v<S, float> && onednn_float_gemm().load(std::memory_order_relaxed);
+  return std::is_same_v<S, float> && onednn_float_gemm().load(std::memory_order_relaxed) &&
+         at::globalContext().userEnabledMkldnn();
 }
 
 // alpha * op(X) (rows x cols; X row-major with row stride ld, transposed when `trans`) into
