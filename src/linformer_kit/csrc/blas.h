@@ -66,13 +66,20 @@ bool plain_operands() {
          at::globalContext().userEnabledMkldnn();
 }
 
+// The row stride of a copy of `cols` columns: a multiple of 256. torch compiles a
+// micro-kernel per shape and strides and keeps it (a new lda: 37-48 us on its first call,
+// 8 after, a (64, 64, 256) product, one thread); strides that followed the operand (the
+// projection's E^T: lda = n) would add kernels with every new sequence length.
+inline int64_t copy_stride(int64_t cols) { return (std::max<int64_t>(cols, 1) + 255) / 256 * 256; }
+
 // alpha * op(X) (rows x cols; X row-major with row stride ld, transposed when `trans`) into
-// `out`, contiguous. In 16 x 16 tiles (a transposed read strides through ld), threaded over
-// them outside a parallel region.
+// `out`, rows `copy_stride(cols)` apart. In 16 x 16 tiles (a transposed read strides through
+// ld), threaded over them outside a parallel region.
 inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, const float* x,
                            int64_t ld, std::vector<float>& out) {
   constexpr int64_t kSide = 16;
-  out.resize(rows * cols);
+  const int64_t stride = copy_stride(cols);
+  out.resize(rows * stride);
   float* dest = out.data();
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kSide * std::max<int64_t>(cols, 1)));
   at::parallel_for(0, (rows + kSide - 1) / kSide, grain, [&](int64_t begin, int64_t end) {
@@ -81,7 +88,7 @@ inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, 
         const int64_t r1 = std::min(rows, r0 + kSide), c1 = std::min(cols, c0 + kSide);
         for (int64_t r = r0; r < r1; ++r) {
           for (int64_t c = c0; c < c1; ++c) {
-            dest[r * cols + c] = alpha * (trans ? x[c * ld + r] : x[r * ld + c]);
+            dest[r * stride + c] = alpha * (trans ? x[c * ld + r] : x[r * ld + c]);
           }
         }
       }
@@ -137,8 +144,10 @@ inline void brgemm_float(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
   TORCH_CHECK(beta == 0.0f || beta == 1.0f, "gemm on oneDNN: beta must be 0 or 1; got ", beta);
   constexpr size_t kKeep = size_t(1) << 22;  // floats
   thread_local std::vector<float> a_copy, b_copy;
-  if (trans_a || alpha != 1.0f) a = packed(trans_a, m, k, alpha, a, lda, a_copy), lda = k;
-  if (trans_b) b = packed(true, k, n, 1.0f, b, ldb, b_copy), ldb = n;
+  if (trans_a || alpha != 1.0f) {
+    a = packed(trans_a, m, k, alpha, a, lda, a_copy), lda = copy_stride(k);
+  }
+  if (trans_b) b = packed(true, k, n, 1.0f, b, ldb, b_copy), ldb = copy_stride(n);
   brgemm_tiles(m, n, k, a, lda, b, ldb, beta != 0.0f, c, ldc);
   for (std::vector<float>* copy : {&a_copy, &b_copy}) {
     if (copy->capacity() > kKeep) std::vector<float>().swap(*copy);
