@@ -7,7 +7,7 @@
 //
 // Float GEMMs go instead to oneDNN's brgemm micro-kernel (`at::native::cpublas::brgemm`)
 // while `onednn_float_gemm()` is set (`float_gemm` op, blas.cpp; set from Python where MKL
-// runs its AVX2 code on an AVX-512 CPU, `linear_backend`). On an AMD EPYC (AVX-512, one
+// runs its AVX2 code on an AVX-512 CPU, `native.set_kernel_gemm`). On an AMD EPYC (AVX-512, one
 // thread) it ran 239-267 GFLOP/s at the kernels' block shapes, (64..256) x (64..1024) x
 // (64..1024), against `sgemm_`'s 99-109. It takes row-major A and B as they are laid out, and
 // no alpha: a transposed or scaled operand is copied first (`packed`), and the kernels lay
@@ -42,7 +42,7 @@ void GEMM_BF16BF16F32(const char*, const char*, const int*, const int*, const in
 
 namespace linformer_kit {
 
-// Whether this libtorch has the float brgemm (torch 2.6 on; CPUBlas.h says so).
+// Whether this libtorch has the float brgemm (its CPUBlas.h says so).
 #ifdef CPUBLAS_BRGEMM_F32F32F32
 constexpr bool kFloatBrgemm = true;
 #else
