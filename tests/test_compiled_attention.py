@@ -43,6 +43,23 @@ def reference(q, k, v, allowed, causal, scale, seed, p):
     return weights @ v
 
 
+def kernel_and_reference(q, k, v, allowed, causal, scale, p, rows, gemm, g):
+    """The explicit kernel's output and gradients (blocks of `rows` query rows, GEMMs on
+    `gemm`) for an output gradient drawn from g, and the float64 reference's."""
+    with pytest.MonkeyPatch.context() as patch, use_linear_backend(gemm):
+        assert native.kernel_gemm() == gemm  # (the pin reached the kernels)
+        patch.setattr(kernels, "_FUSED_ROWS", rows)
+        torch.manual_seed(3)
+        out = dot_product_attention(q, k, v, allowed, p, scale, kernel="explicit", is_causal=causal)
+        grad = torch.randn(out.shape, dtype=out.dtype, generator=g)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    torch.manual_seed(3)
+    seed = dropout_seed(q.device).item() if p > 0 else 0
+    expected = reference(q, k, v, allowed, causal, scale, seed, p)
+    wanted = torch.autograd.grad(expected, (q, k, v), grad.double())
+    return (out, got), (expected, wanted)
+
+
 def heads_last(shape, dtype, g):
     """(B, H, L, D) as the model makes it: a transposed view of (B, L, H, D) memory."""
     b, h, length, d = shape
@@ -78,26 +95,15 @@ def test_outputs_and_gradients_equal_the_float64_reference(
     elif mask == "general":  # every (query, key) pair its own, each row with one allowed key
         allowed = torch.rand(batch, heads, n, m, generator=g) < 0.5
         allowed[..., torch.randint(m, (), generator=g)] = True
-    scale = d**-0.5
-    with pytest.MonkeyPatch.context() as patch, use_linear_backend(gemm):
-        assert native.kernel_gemm() == gemm  # (the pin reached the kernels)
-        patch.setattr(kernels, "_FUSED_ROWS", rows)
-        torch.manual_seed(3)
-        out = dot_product_attention(
-            q, k, v, allowed, p, scale, kernel="explicit", is_causal=mask == "causal"
-        )
-        grad = torch.randn(out.shape, dtype=dtype, generator=g)
-        got = torch.autograd.grad(out, (q, k, v), grad)
-    torch.manual_seed(3)
-    seed = dropout_seed(q.device).item() if p > 0 else 0
-    expected = reference(q, k, v, allowed, mask == "causal", scale, seed, p)
+    (out, got), (expected, wanted) = kernel_and_reference(
+        q, k, v, allowed, mask == "causal", d**-0.5, p, rows, gemm, g
+    )
     # fp32: rounding of the GEMMs and the kernel's exp; bf16: of the weights, the scores'
     # gradient and the results to 8 bits (a weight masked wrongly, or a row cut wrongly, is
     # off by orders of magnitude more, as is a bf16 input read as another type).
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
-    wanted = torch.autograd.grad(expected, (q, k, v), grad.double())
     for a, b in zip(got, wanted):
         assert a.dtype == dtype
         grad_tol = 10 * tol if dtype != torch.bfloat16 else 3 * tol
@@ -116,20 +122,10 @@ def test_blocks_past_the_gemm_tiles_equal_the_float64_reference(gemm, mask, p, r
     k = heads_last((1, 2, 300, 64), torch.float32, g).requires_grad_()
     v = heads_last((1, 2, 300, 40), torch.float32, g).requires_grad_()
     allowed = torch.rand(1, 2, 300, 300, generator=g) < 0.7 if mask == "general" else None
-    with pytest.MonkeyPatch.context() as patch, use_linear_backend(gemm):
-        assert native.kernel_gemm() == gemm  # (the pin reached the kernels)
-        patch.setattr(kernels, "_FUSED_ROWS", rows)
-        torch.manual_seed(3)
-        out = dot_product_attention(
-            q, k, v, allowed, p, 0.125, kernel="explicit", is_causal=mask == "causal"
-        )
-        grad = torch.randn(out.shape, generator=g)
-        got = torch.autograd.grad(out, (q, k, v), grad)
-    torch.manual_seed(3)
-    seed = dropout_seed(q.device).item() if p > 0 else 0
-    expected = reference(q, k, v, allowed, mask == "causal", 0.125, seed, p)
+    (out, got), (expected, wanted) = kernel_and_reference(
+        q, k, v, allowed, mask == "causal", 0.125, p, rows, gemm, g
+    )
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-    wanted = torch.autograd.grad(expected, (q, k, v), grad.double())
     for a, b in zip(got, wanted):
         torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4)
 

@@ -120,6 +120,11 @@ def _build() -> object:
     return torch.ops.linformer_kit
 
 
+def _switched_off() -> bool:
+    """Whether `LINFORMER_KIT_NATIVE=0` switches the kernels off."""
+    return os.environ.get(ENV_SWITCH, "1") == "0"
+
+
 def kernel_gemm() -> str:
     """The library of the kernels' float32 GEMMs: the one the loaded kernels use, else (not
     loaded yet) the one they will: what `set_kernel_gemm` set, or the machine's, "onednn"
@@ -127,7 +132,7 @@ def kernel_gemm() -> str:
     "blas" (found when the kernels load or the setting changes). "blas" while
     `torch.backends.mkldnn.enabled` is False (the kernels' GEMMs then take the BLAS too), and
     where the kernels are switched off or failed to build."""
-    kernels_off = os.environ.get(ENV_SWITCH, "1") == "0" or _loaded.get("ops", True) is None
+    kernels_off = _switched_off() or _loaded.get("ops", True) is None
     if kernels_off or not torch.backends.mkldnn.enabled:
         return "blas"
     return _kernel_gemm["applied"] or _wanted_kernel_gemm()
@@ -270,7 +275,7 @@ def cpu_ops() -> object | None:
     apart): a graph traced before any eager call built the kernels uses the PyTorch-ops
     paths, and is traced again, with the kernels, once they are built.
     """
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if _switched_off():
         return None
     if "ops" not in _loaded:
         if torch.compiler.is_compiling():
