@@ -265,3 +265,16 @@ def test_on_onednn_gemms_the_fp32_rule_is_never_the_slower_kernel(table, monkeyp
         )  # fmt: skip
         other = "sdpa" if picked == "explicit" else "explicit"
         assert row[f"{picked}_ms"] <= 1.1 * row[f"{other}_ms"], (row, picked)
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (33, 50), (64, 300), (300, 17)])
+def test_transposed_operands_are_copied_exactly(ops, shape):
+    # Times the identity, a transposed view's product is its copy (every other term an
+    # exact zero): whole 16 x 16 tiles (the AVX-512 transpose where the CPU has it) and the
+    # edges alike.
+    native.set_kernel_gemm("onednn")
+    rows, cols = shape
+    a = torch.randn(3, cols, rows).mT  # (3, rows, cols), a transposed view
+    assert torch.equal(ops.matmul(a, torch.eye(cols).expand(3, -1, -1)), a)
+    b = torch.randn(3, rows, cols).mT  # B transposed: (3, cols, rows)
+    assert torch.equal(ops.matmul(torch.eye(cols).expand(3, -1, -1), b), b)

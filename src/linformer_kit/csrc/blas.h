@@ -18,6 +18,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -72,9 +76,49 @@ bool plain_operands() {
 // projection's E^T: lda = n) would add kernels with every new sequence length.
 inline int64_t copy_stride(int64_t cols) { return (std::max<int64_t>(cols, 1) + 255) / 256 * 256; }
 
+#ifdef __AVX512F__
+// dest[r * ld_dest + c] = alpha * src[c * ld_src + r] for r, c < 16: sixteen rows loaded,
+// transposed in registers (pairs of floats, pairs of doubles, then 128-bit lanes as a 4 x 4
+// transpose), sixteen rows stored. The scalar loop g++ makes of it ran about 2.4 cycles an
+// element (5 % of an encoder layer's time, AMD EPYC).
+inline void transpose_16x16(const float* src, int64_t ld_src, float* dest, int64_t ld_dest,
+                            float alpha) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // u[4 g + c], lane j: column 4 j + c of rows 4 g .. 4 g + 3
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int g = 0; g < 4; ++g) {
+    const __m512 *lo = t + 4 * g, *hi = t + 4 * g + 2;
+    r[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(lo[0]), pd(hi[0])));
+    r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(lo[0]), pd(hi[0])));
+    r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(lo[1]), pd(hi[1])));
+    r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(lo[1]), pd(hi[1])));
+  }
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int c = 0; c < 4; ++c) {  // output row 4 j + c: lane j of r[c], r[4 + c], ...
+    const __m512 ab01 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44);
+    const __m512 ab23 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+    const __m512 cd01 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512 cd23 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    const __m512 rows[4] = {_mm512_shuffle_f32x4(ab01, cd01, 0x88),
+                            _mm512_shuffle_f32x4(ab01, cd01, 0xDD),
+                            _mm512_shuffle_f32x4(ab23, cd23, 0x88),
+                            _mm512_shuffle_f32x4(ab23, cd23, 0xDD)};
+    for (int j = 0; j < 4; ++j) {
+      _mm512_storeu_ps(dest + (4 * j + c) * ld_dest, _mm512_mul_ps(rows[j], scale));
+    }
+  }
+}
+#endif
+
 // alpha * op(X) (rows x cols; X row-major with row stride ld, transposed when `trans`) into
-// `out`, rows `copy_stride(cols)` apart. In 16 x 16 tiles (a transposed read strides through
-// ld), threaded over them outside a parallel region.
+// `out`, rows `copy_stride(cols)` apart, threaded over blocks of 16 rows outside a parallel
+// region. A transposed read goes in 16 x 16 tiles (`transpose_16x16` where the CPU has
+// AVX-512), one that is not row by row.
 inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, const float* x,
                            int64_t ld, std::vector<float>& out) {
   constexpr int64_t kSide = 16;
@@ -84,12 +128,26 @@ inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, 
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kSide * std::max<int64_t>(cols, 1)));
   at::parallel_for(0, (rows + kSide - 1) / kSide, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = begin * kSide; r0 < std::min(rows, end * kSide); r0 += kSide) {
-      for (int64_t c0 = 0; c0 < cols; c0 += kSide) {
-        const int64_t r1 = std::min(rows, r0 + kSide), c1 = std::min(cols, c0 + kSide);
+      const int64_t r1 = std::min(rows, r0 + kSide);
+      if (!trans) {
         for (int64_t r = r0; r < r1; ++r) {
-          for (int64_t c = c0; c < c1; ++c) {
-            dest[r * stride + c] = alpha * (trans ? x[c * ld + r] : x[r * ld + c]);
-          }
+          const float* from = x + r * ld;
+          float* to = dest + r * stride;
+#pragma omp simd
+          for (int64_t c = 0; c < cols; ++c) to[c] = alpha * from[c];
+        }
+        continue;
+      }
+      for (int64_t c0 = 0; c0 < cols; c0 += kSide) {
+        const int64_t c1 = std::min(cols, c0 + kSide);
+#ifdef __AVX512F__
+        if (r1 - r0 == kSide && c1 - c0 == kSide) {
+          transpose_16x16(x + c0 * ld + r0, ld, dest + r0 * stride + c0, stride, alpha);
+          continue;
+        }
+#endif
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = c0; c < c1; ++c) dest[r * stride + c] = alpha * x[c * ld + r];
         }
       }
     }
