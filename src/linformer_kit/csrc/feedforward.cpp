@@ -25,6 +25,7 @@
 #include <initializer_list>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -101,6 +102,23 @@ void add_column_sums(const T* x, int64_t rows, int64_t cols, T* sums) {
 #pragma omp simd
     for (int64_t c = 0; c < cols; ++c) sums[c] += x[r * cols + c];
   }
+}
+
+// A (rows, cols) weight W for the forward's GEMMs, which read it in every block: W^T laid out
+// in `copy` (`packed`, rows copy_stride(rows) apart) where they would copy it each time (float
+// on oneDNN's micro-kernel, `plain`), else W itself, which they read transposed. `ld`: the
+// row stride of what is returned.
+template <typename T>
+const T* weight_t(const at::Tensor& w, bool plain, std::vector<T>& copy, int64_t& ld) {
+  const int64_t rows = w.size(0), cols = w.size(1);
+  ld = cols;
+  if constexpr (std::is_same_v<T, float>) {
+    if (plain) {
+      ld = linformer_kit::copy_stride(rows);
+      return linformer_kit::packed(true, cols, rows, 1.0f, w.data_ptr<float>(), cols, copy);
+    }
+  }
+  return w.data_ptr<T>();
 }
 
 // x and the others: contiguous CPU tensors of x's dtype; x (rows, dim), w1 (hidden, dim) and
@@ -180,26 +198,25 @@ std::tuple<at::Tensor, at::Tensor> feedforward_forward(
     const T *in = x.data_ptr<T>(), *bias1 = b1.data_ptr<T>(), *bias2 = b2.data_ptr<T>();
     T* y = out.data_ptr<T>();
     T* h_all = keep_hidden ? kept.data_ptr<T>() : nullptr;
-    // W1^T and W2^T laid out once for every block where gemm would copy them each time
     const bool plain = linformer_kit::plain_operands<T>();
-    const at::Tensor w1_t = plain ? w1.t().contiguous() : w1;
-    const at::Tensor w2_t = plain ? w2.t().contiguous() : w2;
-    const T *right1 = w1_t.data_ptr<T>(), *right2 = w2_t.data_ptr<T>();
+    std::vector<T> w1_t, w2_t;
+    int64_t ld1 = 0, ld2 = 0;
+    const T *right1 = weight_t(w1, plain, w1_t, ld1), *right2 = weight_t(w2, plain, w2_t, ld2);
     const int64_t step = block_rows(rows, kRows), blocks = (rows + step - 1) / step;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<T> h_buffer(keep_hidden ? 0 : step * hidden), a(step * hidden);
       for (int64_t b = begin; b < end; ++b) {
         const int64_t first = b * step, count = std::min(step, rows - first);
         T* h = keep_hidden ? h_all + first * hidden : h_buffer.data();
-        gemm<T>(false, !plain, count, hidden, dim, T(1), in + first * dim, dim, right1,
-                plain ? hidden : dim, T(0), h, hidden);  // X W1^T
+        gemm<T>(false, !plain, count, hidden, dim, T(1), in + first * dim, dim, right1, ld1,
+                T(0), h, hidden);  // X W1^T
         for (int64_t r = 0; r < count; ++r) {
           activate_row(h + r * hidden, bias1, a.data() + r * hidden, hidden, activation,
                        keep_hidden);
           std::copy(bias2, bias2 + dim, y + (first + r) * dim);
         }
-        gemm<T>(false, !plain, count, dim, hidden, T(1), a.data(), hidden, right2,
-                plain ? dim : hidden, T(1), y + first * dim, dim);  // + A W2^T
+        gemm<T>(false, !plain, count, dim, hidden, T(1), a.data(), hidden, right2, ld2, T(1),
+                y + first * dim, dim);  // + A W2^T
       }
     });
   });
