@@ -31,7 +31,7 @@ class FeedForward(nn.Module):
     submodules replaced or hooked (pruning, quantization), and where the kernels cannot be
     built. Where MKL runs its AVX2 code (AMD CPUs with AVX-512) the kernel's GEMMs are
     oneDNN's micro-kernel (`native.kernel_gemm`); it beat the modules on oneDNN
-    (`linear_backend`) 1.41-1.60x there (fwd+bwd, dim 256, hidden 1024, 1024-16384 rows,
+    (`linear_backend`) 1.37-1.74x there (fwd+bwd, dim 256, hidden 1024, 1024-16384 rows,
     2 threads, AMD EPYC, `benchmarks/kernels/amd-epyc/feedforward/`), where its MKL GEMMs
     had lost to them.
 
