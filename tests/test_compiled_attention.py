@@ -167,16 +167,33 @@ def test_bf16_without_mkl_widens_to_fp32_and_gives_the_same_results(tmp_path):
     argv = [sys.executable, "-c", code, str(Path(__file__).parent), str(path)]
     subprocess.run(argv, env=env, check=True, timeout=300)
     widened = torch.load(path)
-    (q, k, v, allowed, grad), direct = bf16_results()
-    for (mask, causal, p), ours, theirs in zip(BF16_CASES, direct, widened):
-        inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    inputs, direct = bf16_results()
+    assert_bf16_reference(inputs, direct)
+    assert_bf16_reference(inputs, widened)
+
+
+def test_bf16_on_onednn_gemms_widens_to_fp32_and_gives_the_reference(monkeypatch):
+    # Where the fp32 GEMMs are oneDNN's micro-kernel (AMD CPUs), the bf16 ones widen to fp32
+    # for it too (MKL's bf16 GEMM runs generic code there).
+    ops = native.cpu_ops()
+    if ops is None or ops.float_gemm("onednn") != "onednn":
+        pytest.skip("no compiled kernels with the float brgemm here")
+    native.set_kernel_gemm("onednn")
+    inputs, results = bf16_results()
+    assert_bf16_reference(inputs, results)
+
+
+def assert_bf16_reference(inputs, results):
+    """`bf16_results`' outputs and gradients equal the float64 reference to bf16 rounding."""
+    q, k, v, allowed, grad = inputs
+    for (mask, causal, p), ours in zip(BF16_CASES, results):
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
         torch.manual_seed(3)
         seed = dropout_seed(q.device).item() if p > 0 else 0
-        expected = reference(*inputs, allowed if mask else None, causal, 16**-0.5, seed, p)
-        wanted = [expected, *torch.autograd.grad(expected, inputs, grad.double())]
-        for a, b, c in zip(ours, theirs, wanted):
-            assert a.dtype == b.dtype == torch.bfloat16
-            torch.testing.assert_close(b.double(), c.detach(), atol=3e-2, rtol=3e-2)
+        expected = reference(*leaves, allowed if mask else None, causal, 16**-0.5, seed, p)
+        wanted = [expected, *torch.autograd.grad(expected, leaves, grad.double())]
+        for a, c in zip(ours, wanted):
+            assert a.dtype == torch.bfloat16
             torch.testing.assert_close(a.double(), c.detach(), atol=3e-2, rtol=3e-2)
 
 

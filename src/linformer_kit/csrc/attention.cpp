@@ -16,8 +16,9 @@
 // no transposed operand, and copying one costs least where it is the block's few rows.
 //
 // Inputs float, double or bfloat16. Bfloat16 q, k, v and gradient go into the GEMMs as they
-// are (AMX where the CPU has it); scores, softmax, logsumexp and dK, dV sums are float, and
-// the weights and the scores' gradient are rounded to bfloat16 for the GEMMs that read them.
+// are (AMX where the CPU has it; widened to float where the float GEMMs are oneDNN's);
+// scores, softmax, logsumexp and dK, dV sums are float, and the weights and the scores'
+// gradient are rounded to bfloat16 for the GEMMs that read them.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

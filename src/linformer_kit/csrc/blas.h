@@ -3,7 +3,8 @@
 // type S, products in its compute type `Opmath<S>`: float and double as they are (`sgemm_`,
 // `dgemm_`); bfloat16 into float through MKL's `GEMM_BF16BF16F32` (AMX or AVX-512 BF16 where
 // the CPU has them), or, in a libtorch without MKL (or with LINFORMER_KIT_BF16_GEMM=widen in
-// the environment, read once per process), by widening the inputs to float for `sgemm_`.
+// the environment, read once per process), by widening the inputs to float for `sgemm_`;
+// where float GEMMs are oneDNN's (below), widened for those too (`widen_bf16`).
 //
 // Float GEMMs go instead to oneDNN's brgemm micro-kernel (`at::native::cpublas::brgemm`)
 // while `onednn_float_gemm()` is set (`float_gemm` op, blas.cpp; set from Python where MKL
@@ -212,15 +213,18 @@ inline void brgemm_float(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
   }
 }
 
-// Whether bfloat16 GEMMs widen their inputs to float: no MKL bf16 GEMM in this libtorch, or
+// Whether bfloat16 GEMMs widen their inputs to float: no MKL bf16 GEMM in this libtorch,
 // LINFORMER_KIT_BF16_GEMM=widen (the path a libtorch without MKL takes, for tests and as an
-// escape hatch).
+// escape hatch), or float GEMMs on oneDNN's micro-kernel (`plain_operands`). There (MKL
+// running its generic code on an AMD CPU) MKL's bf16 GEMM made the attention kernel 2.2x
+// slower than in float32; widened onto the micro-kernel, 1.1x (fwd+bwd, n 4096, k 256, 4
+// heads of 64, 2 threads, AMD EPYC with AVX-512 BF16).
 inline bool widen_bf16() {
-  static const bool widen = [] {
+  static const bool forced = [] {
     const char* value = std::getenv("LINFORMER_KIT_BF16_GEMM");
     return GEMM_BF16BF16F32 == nullptr || (value != nullptr && std::string_view(value) == "widen");
   }();
-  return widen;
+  return forced || plain_operands<float>();
 }
 
 // The rows x cols matrix at `a` (row stride ld) widened to float, contiguous, into `out`.
