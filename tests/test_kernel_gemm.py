@@ -91,16 +91,18 @@ def pick(dtype, *, dropout=False, backward=True, compiled=True, queries=4096):
                          compiled=lambda: compiled)  # fmt: skip
 
 
-def test_float32_without_dropout_takes_the_explicit_kernel_on_onednn_gemms(monkeypatch):
-    # benchmarks/kernels/amd-epyc/table: explicit on the micro-kernel against SDPA's
-    # sgemm_ calls (MKL's AVX2 code there)
-    assert pick(torch.float32) == "sdpa" and pick(torch.float32, backward=False) == "sdpa"
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_dropout_the_explicit_kernel_runs_on_onednn_gemms(dtype, monkeypatch):
+    # benchmarks/kernels/amd-epyc/table: explicit on the micro-kernel (bf16 widened to fp32)
+    # against SDPA's sgemm_ calls (MKL's AVX2 code there)
+    assert pick(dtype, backward=False) == "sdpa"  # the conftest's Intel CPU: its MKL
     monkeypatch.setattr(native, "kernel_gemm", lambda: "onednn")
-    assert pick(torch.float32) == "explicit"
-    assert pick(torch.float32, backward=False) == "explicit"
-    assert pick(torch.float32, queries=64) == "explicit"
-    assert pick(torch.float32, queries=16) == "sdpa"  # table-queries: explicit 0.57-0.74x
-    assert pick(torch.float32, compiled=False) == "sdpa"  # PyTorch ops: torch's own GEMMs
+    assert pick(dtype) == "explicit"
+    assert pick(dtype, backward=False) == "explicit"
+    assert pick(dtype, queries=64) == "explicit"
+    assert pick(dtype, queries=16, backward=False) == "sdpa"  # table-queries: explicit loses
+    assert pick(dtype, queries=16) == ("explicit" if dtype == torch.bfloat16 else "sdpa")
+    assert pick(dtype, compiled=False) == "sdpa"  # PyTorch ops: torch's own GEMMs
     assert pick(torch.float64) == "sdpa"  # dgemm_ stays the BLAS's
     assert pick(torch.float64, dropout=True) == "explicit"
 
@@ -247,24 +249,28 @@ AMD = BENCHMARKS / "kernels" / "amd-epyc"
 
 
 @pytest.mark.parametrize("table", ["table-queries", "table-causal"])
-def test_on_onednn_gemms_the_fp32_rule_is_never_the_slower_kernel(table, monkeypatch):
+def test_on_onednn_gemms_the_rule_is_never_the_slower_kernel(table, monkeypatch):
     # benchmarks/kernels.py on the AMD EPYC: few queries (1-256 over k 64 / 256) and exact
-    # causal attention (n 1024, 4096), float32 without dropout, training and inference. The
-    # rule's pick is at most 10 % slower than the other kernel in every row (few queries:
-    # SDPA below 64, where the explicit kernel's per-call K^T lost 0.27-0.74x).
+    # causal attention (n 1024, 4096), fp32 and bf16 without dropout, training and
+    # inference. The rule's pick is at most 10 % slower than the other kernel in every row
+    # (few queries: SDPA below 64, where the explicit kernel's per-call K^T lost), but bf16
+    # below 64 queries: there the rows are mixed (explicit 0.72-1.97x; no query count
+    # splits them), the rule's pick (explicit in training, SDPA in inference) within 25 %.
     monkeypatch.setattr(native, "kernel_gemm", lambda: "onednn")
     rows = [r for r in json.loads((AMD / table / "table.json").read_text())["rows"]]
     plain = [r for r in rows if r["mode"] != "train dropout 0.1"]
-    assert len(plain) == (16 if table == "table-queries" else 4)
+    assert len(plain) == 2 * (16 if table == "table-queries" else 4)
+    assert {r["dtype"] for r in plain} == {"float32", "bfloat16"}
     for row in plain:
         causal = row["k"] == "n"
         picked = choose_kernel(
-            device=CPU, dtype=torch.float32, dropout=False, backward=row["mode"] == "train",
-            causal=causal, queries=row["n"], keys=row["n"] if causal else row["k"], groups=4,
-            compiled=lambda: True,
+            device=CPU, dtype=getattr(torch, row["dtype"]), dropout=False,
+            backward=row["mode"] == "train", causal=causal, queries=row["n"],
+            keys=row["n"] if causal else row["k"], groups=4, compiled=lambda: True,
         )  # fmt: skip
         other = "sdpa" if picked == "explicit" else "explicit"
-        assert row[f"{picked}_ms"] <= 1.1 * row[f"{other}_ms"], (row, picked)
+        bound = 1.25 if row["dtype"] == "bfloat16" and row["n"] < 64 else 1.1
+        assert row[f"{picked}_ms"] <= bound * row[f"{other}_ms"], (row, picked)
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (33, 50), (64, 300), (300, 17)])

@@ -115,24 +115,27 @@ def choose_kernel(
     On an AMD CPU with AVX-512 BF16 and no AMX (`benchmarks/kernels/amd-epyc/table/`, the
     same 27 shapes in fp32 and bf16, AMD EPYC), where MKL runs its generic AVX2 code
     (`precision.mkl_without_avx512`), the explicit kernel's float32 GEMMs are oneDNN's
-    brgemm micro-kernel (`native.kernel_gemm`) while SDPA's flash kernel calls MKL:
-    explicit 1.71-2.22x faster in fp32 training without dropout (geometric means 1.91 /
-    2.10 / 2.07 at k = 64 / 256 / 1024), 1.02-2.14x in inference (1.75 / 2.04 / 1.99),
-    2.15-8.12x with dropout; exact causal attention (`amd-epyc/table-causal/`, n 1024 and
-    4096, head_dim 64) 2.11-2.20x without dropout. Few queries lose there
-    (`amd-epyc/table-queries/`, k 64 and 256, head_dim 64, without dropout): explicit
-    0.27-0.48x at 1 query (the kernel lays K^T out per call), 0.57-0.74x at 16, 1.10-1.28x
-    at 64, 1.54-1.82x at 256. So fp32 without dropout goes explicit from 64 queries wherever
-    the kernels' GEMMs are oneDNN's (and the kernel is compiled: the PyTorch-ops one runs
-    torch's own GEMMs). Before, on MKL's `sgemm_`, it was a tie without dropout (training
-    0.94-1.17x, inference 0.72-1.10x, `amd-epyc/table-mkl/`). Its bf16 GEMMs are still
-    MKL's while SDPA's are oneDNN's, so bf16 training without dropout goes to SDPA:
-    explicit 0.71-0.90x at k = 256, 0.65-0.77x at k = 1024, 0.84-1.29x at k = 64
-    (geometric mean 1.04); explicit with dropout (1.19-4.40x), ties in inference
-    (geometric means 0.99-1.05 a k).
+    brgemm micro-kernel (`native.kernel_gemm`), and its bf16 ones widen to fp32 for it,
+    while SDPA's flash kernel calls MKL. fp32: explicit 1.65-2.28x faster in training
+    without dropout (geometric means 1.96 / 2.14 / 2.07 at k = 64 / 256 / 1024),
+    1.18-2.20x in inference (1.84 / 2.07 / 2.02), 2.38-8.46x with dropout; exact causal
+    attention (`amd-epyc/table-causal/`, n 1024 and 4096, head_dim 64) 2.12-2.24x without
+    dropout. Few queries lose there (`amd-epyc/table-queries/`, k 64 and 256, head_dim 64,
+    without dropout): explicit 0.27-0.48x at 1 query (the kernel lays K^T out per call),
+    0.58-0.74x at 16, 1.10-1.32x at 64, 1.61-1.83x at 256. So fp32 without dropout goes
+    explicit from 64 queries wherever the kernels' GEMMs are oneDNN's (and the kernel is
+    compiled: the PyTorch-ops one runs torch's own GEMMs). Before, on MKL's `sgemm_`, it
+    was a tie without dropout (training 0.94-1.17x, inference 0.72-1.10x,
+    `amd-epyc/table-mkl/`). bf16: explicit 1.30-2.33x in training without dropout
+    (geometric means 1.90 / 1.57 / 1.37), 1.65-2.13x in inference, 2.29-7.46x with dropout,
+    exact causal 1.30-1.96x; on MKL's bf16 GEMM it had lost without dropout (training
+    0.65-1.29x, inference 0.98-1.12x, `amd-epyc/table-bf16-mkl/`). Below 64 queries the bf16
+    rows are mixed (explicit 0.86-1.97x in training, SDPA's bf16 backward being slow;
+    0.72-1.25x in inference), so bf16 goes explicit at any query count in training and
+    from 64 in inference.
 
     n and head_dim did not change the winner anywhere on CPU, and k only training without
-    dropout (in the rule, only bf16's).
+    dropout on Intel (in the rule, only bf16's).
 
     CUDA (H200, torch 2.11, fp32 without TF32, bf16; read as holding for any CUDA GPU until
     another is measured): SDPA, its queries cut into chunks in training (`choose_splits`),
@@ -191,15 +194,17 @@ def choose_kernel(
         return "sdpa"
     if device.type != "cpu":
         return "sdpa"
-    if dtype in (torch.float32, torch.float64):
-        if dropout:
-            return "explicit"
-        # (asked again once compiled() has built the kernels: they report what they took)
-        onednn = dtype == torch.float32 and queries >= 64 and native.kernel_gemm() == "onednn"
-        return "explicit" if onednn and compiled() and native.kernel_gemm() == "onednn" else "sdpa"
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        return "sdpa"
+    if dropout:
+        return "explicit"
+    # fp32 and bf16 on oneDNN's micro-kernel, from 64 queries but bf16 training (asked again
+    # once compiled() has built the kernels: they report what they took)
+    fewest = 1 if dtype == torch.bfloat16 and backward else 64
+    onednn = dtype != torch.float64 and queries >= fewest and native.kernel_gemm() == "onednn"
+    if onednn and compiled() and native.kernel_gemm() == "onednn":
+        return "explicit"
     if dtype == torch.bfloat16:
-        if dropout:
-            return "explicit"
         mkl_fast = not precision.mkl_without_avx512()  # the explicit kernel's GEMMs are MKL's
         return "explicit" if backward and keys <= 256 and mkl_fast and compiled() else "sdpa"
     return "sdpa"
