@@ -218,8 +218,8 @@ inline void brgemm_float(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
 // escape hatch), or float GEMMs on oneDNN's micro-kernel (`plain_operands`). There (MKL
 // running its generic code on an AMD CPU) MKL's bf16 GEMM made the attention kernel 2.2x
 // slower than in float32; widened onto the micro-kernel, 1.1x (fwd+bwd, n 4096, k 256, 4
-// heads of 64, 2 threads, AMD EPYC with AVX-512 BF16). oneDNN's bf16 runs twice its fp32
-// rate there: its bf16 micro-kernel (B packed for VNNI) would gain more.
+// heads of 64, 2 threads, AMD EPYC with AVX-512 BF16). libtorch's bf16 brgemm there packs
+// nothing (`cpublas::could_pack` false) and ran at less than half the fp32 one's rate.
 inline bool widen_bf16() {
   static const bool forced = [] {
     const char* value = std::getenv("LINFORMER_KIT_BF16_GEMM");
