@@ -31,8 +31,8 @@ def bf16_is(monkeypatch):
 def mkl_runs_avx512(monkeypatch):
     """Every test sees a CPU where MKL runs its AVX-512 code (an Intel one), so the layers'
     linear maps stay on `F.linear` and the feed-forward kernel runs, on an AMD CPU too
-    (`linear_backend`'s rule would send them to oneDNN there, and `kernel_rule` keep bf16 off
-    the explicit kernel without dropout): a test's path does not depend
+    (`linear_backend`'s rule would send them to oneDNN there, and `kernel_rule` would choose
+    by the kernels' oneDNN GEMMs): a test's path does not depend
     on the CPU it runs on (in this process: a subprocess a test starts reads the real CPU).
     Tests of the rule set it themselves; `use_linear_backend` pins oneDNN on any CPU.
     Afterwards the kernels' GEMM library is found again under this CPU (`native.kernel_gemm`

@@ -172,9 +172,10 @@ def test_bf16_without_mkl_widens_to_fp32_and_gives_the_same_results(tmp_path):
     assert_bf16_reference(inputs, widened)
 
 
-def test_bf16_on_onednn_gemms_widens_to_fp32_and_gives_the_reference(monkeypatch):
+def test_bf16_on_onednn_gemms_gives_the_reference():
     # Where the fp32 GEMMs are oneDNN's micro-kernel (AMD CPUs), the bf16 ones widen to fp32
-    # for it too (MKL's bf16 GEMM runs generic code there).
+    # for it too (csrc/blas.h, widen_bf16; MKL's bf16 GEMM runs generic code there): that
+    # path must give the float64 reference's results to bf16 rounding.
     ops = native.cpu_ops()
     if ops is None or ops.float_gemm("onednn") != "onednn":
         pytest.skip("no compiled kernels with the float brgemm here")

@@ -127,7 +127,7 @@ def choose_kernel(
     compiled: the PyTorch-ops one runs torch's own GEMMs). Before, on MKL's `sgemm_`, it
     was a tie without dropout (training 0.94-1.17x, inference 0.72-1.10x,
     `amd-epyc/table-mkl/`). bf16: explicit 1.30-2.33x in training without dropout
-    (geometric means 1.90 / 1.57 / 1.37), 1.65-2.13x in inference, 2.29-7.46x with dropout,
+    (geometric means 1.90 / 1.57 / 1.38), 1.65-2.13x in inference, 2.29-7.46x with dropout,
     exact causal 1.30-1.96x; on MKL's bf16 GEMM it had lost without dropout (training
     0.65-1.29x, inference 0.98-1.12x, `amd-epyc/table-bf16-mkl/`). Below 64 queries the bf16
     rows are mixed (explicit 0.86-1.97x in training, SDPA's bf16 backward being slow;

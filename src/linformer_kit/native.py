@@ -156,6 +156,8 @@ def set_kernel_gemm(backend: str | None) -> str | None:
     `linear_backend.matmul`'s, to `backend`, process-wide: "blas" (`sgemm_`, MKL in
     torch's wheel) or "onednn" (oneDNN's brgemm micro-kernel, 2.2-2.7x MKL's AVX2 code at
     the kernels' block shapes on an AMD EPYC); None, the machine's choice (`kernel_gemm`).
+    On "onednn" the kernels' bfloat16 GEMMs widen to float32 for the same micro-kernel (an
+    Intel CPU with AMX pinned there gives up its AMX bf16 GEMMs).
     `linear_backend.use_linear_backend` sets it with the linear maps' backend. Applied now
     if the kernels are loaded, else when they load.
 

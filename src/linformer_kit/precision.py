@@ -84,9 +84,10 @@ def mkl_without_avx512() -> bool:
     CPU with AVX-512, an AMD one say (MKL takes its generic path on non-Intel CPUs;
     `MKL_VERBOSE` says "Intel(R) Architecture processors"), torch dispatching AVX-512, MKL and
     oneDNN built in. The vendor is read from /proc/cpuinfo: False where there is none (Linux
-    only). Where `linear_backend` sends linear maps to oneDNN and `kernel_rule` keeps bf16
-    attention off the explicit kernel's MKL GEMMs. Found once per process (`linear_backend`
-    asks at import); under torch.compile before that, False: a graph never traces the read."""
+    only). Where `linear_backend` sends linear maps to oneDNN, and the kernels' GEMMs go to
+    oneDNN's micro-kernel (`native.kernel_gemm`, which `kernel_rule` reads). Found once per
+    process (`linear_backend` asks at import); under torch.compile before that, False: a
+    graph never traces the read."""
     if "mkl_without_avx512" not in _found:
         if torch.compiler.is_compiling():
             return False

@@ -194,6 +194,9 @@ inline void brgemm_tiles(int64_t m, int64_t n, int64_t k, const float* a, int64_
   }
 }
 
+// The most floats a thread keeps in a GEMM's copy buffers between calls (16 MiB).
+constexpr size_t kKeepFloats = size_t(1) << 22;
+
 // gemm<float> on brgemm: op(A) and op(B) copied where transposed (A also where alpha != 1:
 // the micro-kernel has no alpha); beta 0 or 1, all the kernels use. The copies live in the
 // thread's buffers, freed after a call that grew them past 16 MiB.
@@ -201,7 +204,6 @@ inline void brgemm_float(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
                          float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
                          float beta, float* c, int64_t ldc) {
   TORCH_CHECK(beta == 0.0f || beta == 1.0f, "gemm on oneDNN: beta must be 0 or 1; got ", beta);
-  constexpr size_t kKeep = size_t(1) << 22;  // floats
   thread_local std::vector<float> a_copy, b_copy;
   if (trans_a || alpha != 1.0f) {
     a = packed(trans_a, m, k, alpha, a, lda, a_copy), lda = copy_stride(k);
@@ -209,7 +211,7 @@ inline void brgemm_float(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
   if (trans_b) b = packed(true, k, n, 1.0f, b, ldb, b_copy), ldb = copy_stride(n);
   brgemm_tiles(m, n, k, a, lda, b, ldb, beta != 0.0f, c, ldc);
   for (std::vector<float>* copy : {&a_copy, &b_copy}) {
-    if (copy->capacity() > kKeep) std::vector<float>().swap(*copy);
+    if (copy->capacity() > kKeepFloats) std::vector<float>().swap(*copy);
   }
 }
 
@@ -256,6 +258,9 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S>
       const float* wide_b = widened(b, b_rows, trans_b ? k : n, ldb, b32);
       gemm<float>(trans_a, trans_b, m, n, k, alpha, wide_a, trans_a ? m : k, wide_b,
                   trans_b ? k : n, beta, c, ldc);
+      for (std::vector<float>* copy : {&a32, &b32}) {  // (as brgemm_float's copies)
+        if (copy->capacity() > kKeepFloats) std::vector<float>().swap(*copy);
+      }
       return;
     }
   }
