@@ -1,12 +1,15 @@
 """Dropout masks and `dropout.Dropout`. The bits are SplitMix64 outputs laid out by
 position, uniform in every lane and independent of how rows are cut, and compile under
-Inductor (no 64-bit constant times positions alone); the compiled kernel is
-optional and says why it is missing; `Dropout` (the models' nn.Dropout through the compiled
-CPU kernel) applies the documented mask once, forward and backward, with the same
-rescaling, and everywhere the kernel does not apply it is nn.Dropout itself; the benchmark
-scripts run what they say."""
+Inductor (no 64-bit constant times positions alone); the compiled kernel is optional and
+says why it is missing, and its sources compile as C++17 (torch < 2.13); `Dropout` (the
+models' nn.Dropout through the compiled CPU kernel) applies the documented mask once,
+forward and backward, with the same rescaling, and everywhere the kernel does not apply it
+is nn.Dropout itself; the benchmark scripts run what they say."""
 
 import json
+import shutil
+import subprocess
+import sysconfig
 import warnings
 
 import pytest
@@ -276,6 +279,24 @@ def test_the_build_compiles_for_the_target_it_names(monkeypatch):
     (call,) = calls
     assert "-march=haswell" in call["extra_cflags"]
     assert call["name"] == f"linformer_kit_cpu_{native._build_tag('haswell')}"
+
+
+def test_the_sources_compile_as_cpp17():
+    """torch before 2.13 builds extensions with -std=c++17 (torch 2.11's build of these
+    sources failed on std::bit_cast): every source must compile under it."""
+    compiler = shutil.which("g++")
+    if compiler is None or native.cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    flags = ["-std=c++17", "-fsyntax-only", "-fopenmp", *(f"-isystem{path}" for path in includes)]
+    checks = [
+        subprocess.Popen([compiler, *flags, str(source)], stderr=subprocess.PIPE, text=True)
+        for source in native.SOURCES
+    ]
+    errors = {source.name: check.communicate()[1] for source, check in zip(native.SOURCES, checks)}
+    failed = {name: text for name, text in errors.items() if "error" in text}
+    assert not failed, failed
+    assert all(check.returncode == 0 for check in checks)
 
 
 def run_ab_script(name, module, n, tmp_path, monkeypatch, extra=()):

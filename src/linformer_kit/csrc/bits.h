@@ -12,11 +12,12 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 
-#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "vmath.h"
 
 namespace linformer_kit {
 
@@ -59,12 +60,12 @@ template <typename T>
 inline T widen(T x) {
   return x;
 }
-inline float widen(at::BFloat16 x) { return std::bit_cast<float>(uint32_t(x.x) << 16); }
+inline float widen(at::BFloat16 x) { return bit_cast<float>(uint32_t(x.x) << 16); }
 
 template <typename S, typename T>
 inline S narrow(T x) {
   if constexpr (std::is_same_v<S, at::BFloat16>) {
-    const uint32_t u = std::bit_cast<uint32_t>(float(x));
+    const uint32_t u = bit_cast<uint32_t>(float(x));
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return at::BFloat16(x != x ? uint16_t(0x7FC0) : uint16_t(rounded), at::BFloat16::from_bits());
   } else {

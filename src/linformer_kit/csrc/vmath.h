@@ -2,11 +2,21 @@
 // the exp of attention.cpp's softmax and the activations of feedforward.cpp.
 #pragma once
 
-#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace linformer_kit {
+
+// std::bit_cast for C++17: torch < 2.13 builds extensions with -std=c++17 (torch 2.11's
+// build failed on std::bit_cast). g++ makes the memcpy a register move.
+template <typename To, typename From>
+inline To bit_cast(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast: sizes differ");
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
 
 // exp(x) for x <= 0 (the callers' range: softmax scores minus their maximum, -x^2): 0 below
 // exp(-87) and at -inf, nan stays nan; above about 88 the power of two overflows. Cephes'
@@ -23,9 +33,9 @@ inline float exp_clamped(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const float power = std::bit_cast<float>((int32_t(n) + 127) << 23);  // 2^n
+  const float power = bit_cast<float>((int32_t(n) + 127) << 23);  // 2^n
   const int32_t keep = -int32_t(!(x < -87.0f));  // 0 below exp(-87) and at -inf
-  return std::bit_cast<float>(std::bit_cast<int32_t>(p * power) & keep);
+  return bit_cast<float>(bit_cast<int32_t>(p * power) & keep);
 }
 
 inline double exp_clamped(double x) { return std::exp(x); }  // (double: std::exp itself)
