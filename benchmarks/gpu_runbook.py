@@ -40,20 +40,21 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 18. `kernels_feedforward_sums.py --threads 16`, on the machine's CPU (no GPU involved; it
    builds the CPU kernels first, and stops with a message where it cannot): the CPU
    feed-forward kernel's weight-gradient rule (rows < 2 x threads x dim: GEMMs over all
-   rows), so far measured with 1 and 2 threads only;
+   rows) with 16 threads (`cuda/feedforward-sums/`);
 19. `lm_loss.py`: the language models' loss in chunks of rows (`return_logits=False`)
-   against full logits, on the GPU, where its chunk size (`losses.GPU_CHUNK_ELEMENTS`) has
-   not been timed.
+   against full logits, on the GPU (`cuda/lm-loss/`: `losses.GPU_CHUNK_ELEMENTS`);
+20. `kernels_split_layers.py`: the layers' steps with SDPA cut as the rule cuts it, uncut,
+   and in 4 and 32 chunks (`cuda/split-layers/`, made by hand, behind bf16's cut from
+   n = 65536).
 
-Steps 5-19 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+Steps 5-20 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
-1-13 have run on an H200 (`benchmarks/kernels/cuda/`; 9-13 in 150 s), 14 and 15 by hand
-(`cuda/split/`, `cuda/profile/`). Since SDPA is cut into query chunks, steps 2 and 3 (the
-peer benches over n 4096-65536, all sharings; about 300 s, the peer wheels needed) and 16
-and 17, 18 and 19, and 13 again with the explicit kernel pinned, are the next call's:
-`--steps bench-b1,bench-b8,bench-b1-compiled,compile-8192-explicit,compile-8192-sdpa,
-feedforward-sums,lm-loss` (one argument, no spaces).
+1-19 have run on an H200 (`benchmarks/kernels/cuda/`; 2, 3, 13, 16-19 in the sixth call,
+`cuda/log-run6.txt`, 430 s), 14, 15 and 20 by hand (`cuda/split/`, `cuda/profile/`,
+`cuda/split-layers/`). Since bf16 is cut from n = 65536 only, steps 2 and 3 (the peer
+benches, about 170 s, the peer wheels needed) and 20 are the next call's:
+`--steps bench-b1,bench-b8,split-layers` (one argument, no spaces).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -107,6 +108,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         causal = "--dtype float32 --batch 1 --n 64 --head-dim 8 --min-seconds 0"
         sums = "--threads 2 --dim 8 --rows 32,64 --repeats 1"
         lm_loss = "--tiny --repeats 1 --threads 1 --memory-steps 1"
+        layers = "--dtype float32 --shapes 1x128 --dim 16 --k 8 --repeats 1"
     else:
         kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192,16384,32768,65536 "
         kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
@@ -124,6 +126,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         causal += "--min-seconds 1"
         sums = "--threads 16 --dim 256,768 --rows 2048,8192,32768 --repeats 7"
         lm_loss = "--repeats 10 --memory-steps 5"
+        layers = "--cuts 1,4,32"
     cli = [*python, "-m", "linformer_kit.cli", "bench", *device, "--peers"]
     bench = [*cli, *shape.split()]
     pinned = ["--kernel", "rule,explicit"]
@@ -154,6 +157,10 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
             [*python, str(BENCHMARKS / "kernels_feedforward_sums.py"), *sums.split()],
         ),
         ("lm-loss", [*python, str(BENCHMARKS / "lm_loss.py"), *device, *lm_loss.split()]),
+        (
+            "split-layers",
+            [*python, str(BENCHMARKS / "kernels_split_layers.py"), *device, *layers.split()],
+        ),
     ]
 
 

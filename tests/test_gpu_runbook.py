@@ -16,7 +16,7 @@ STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "comp
 STEPS += ["kernels-fp16", "kernels-causal", "compile-bf16-explicit", "compile-bf16-sdpa"]
 STEPS += ["compile-b8-explicit", "compile-b8-sdpa", "bench-b1-compiled", "kernels-split"]
 STEPS += ["profile", "compile-8192-explicit", "compile-8192-sdpa", "feedforward-sums"]
-STEPS += ["lm-loss"]
+STEPS += ["lm-loss", "split-layers"]
 
 
 def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):

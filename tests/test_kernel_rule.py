@@ -175,7 +175,7 @@ def cut(dtype, mode, *, queries, keys, groups, causal=False):
 
 def test_the_cuda_rule_loses_nowhere_the_h200_uncut_tables_measured_by_more_than_a_tie():
     # benchmarks/kernels.py --device cuda (H200), SDPA uncut against explicit: wherever the
-    # rule runs SDPA uncut (inference, n 1024, exact causal, fp16, bf16 below n 8192) its
+    # rule runs SDPA uncut (inference, n 1024, exact causal, fp16, bf16 below n 65536) its
     # kernel takes at most 12 % longer than the faster one, and where the explicit kernel
     # wins by more than 25 % the rule takes it; except fp16 at n = 65536, B H M <= 1024,
     # left to SDPA (explicit 1.23-1.44x there, as bf16's corner, which the bf16 layer
@@ -206,8 +206,10 @@ SPLIT_TABLE = CUDA / "split" / "table.json"
 def test_the_cuda_cut_beats_one_call_and_the_explicit_kernel_where_the_h200_measured():
     # benchmarks/kernels_split.py --device cuda (H200; fp32, bf16; B 1, 8; n 1024-65536;
     # k 64-1024; fwd+bwd with and without dropout): at every shape the rule's cut takes at
-    # most 6 % longer than one call (bf16, B 8, n 16384, k 256), within 10 % (fp32) and
-    # 21 % (bf16) of the best cut measured, and SDPA so cut is never more than 2.5 % slower
+    # most 6 % longer than one call, within 10 % (fp32) and 21 % (bf16 at n 65536) of the
+    # best cut measured (bf16 below n 65536 runs uncut, up to 1.43x the best cut of one
+    # call at B 1, n 16384: the layers' steps, launch-bound there, ran faster uncut, see
+    # test_split_attention.py), and SDPA so cut is never more than 2.5 % slower
     # than the explicit kernel (the eager CUDA rule's SDPA everywhere; 0.98x at B 8,
     # n >= 16384, k 1024 without dropout). Never cutting fails it (B 1, n 16384, k 256:
     # 4.45 ms uncut against 2.15 explicit), as does cutting at n 1024.
@@ -219,7 +221,8 @@ def test_the_cuda_cut_beats_one_call_and_the_explicit_kernel_where_the_h200_meas
         ms = row["sdpa_ms"][str(cut(dtype, row["mode"], **shape))]
         assert pick(GPU, dtype, row["mode"], **shape, compiled=NOT_ON_A_GPU) == "sdpa"
         assert ms <= 1.06 * row["sdpa_ms"]["1"], row
-        assert ms <= (1.1 if dtype == torch.float32 else 1.21) * min(row["sdpa_ms"].values()), row
+        if dtype == torch.float32 or row["n"] >= 65536:
+            assert ms <= (1.1 if dtype == torch.float32 else 1.21) * min(row["sdpa_ms"].values())
         assert ms <= 1.025 * row["explicit_ms"], row
 
 
@@ -234,7 +237,8 @@ def test_the_cut_is_a_power_of_two_dividing_n_and_only_where_measured():
     assert cut(**dict(train, keys=1024), queries=16384, groups=4) == 8
     assert cut(**dict(train, keys=4096), queries=4096, groups=1) == 1  # exact: not measured
     assert cut(**dict(train, dtype=torch.bfloat16), queries=4096, groups=4) == 1
-    assert cut(**dict(train, dtype=torch.bfloat16), queries=8192, groups=4) == 32
+    assert cut(**dict(train, dtype=torch.bfloat16), queries=32768, groups=4) == 1
+    assert cut(**dict(train, dtype=torch.bfloat16), queries=65536, groups=4) == 32
     for dtype in (torch.float16, torch.float64):
         assert cut(**dict(train, dtype=dtype), queries=16384, groups=4) == 1
     assert cut(**dict(train, mode="inference"), queries=16384, groups=4) == 1
@@ -263,14 +267,15 @@ def compiled_ms(run) -> dict:
 
 def test_the_cuda_rule_under_torch_compile_takes_the_kernel_compiled_training_ran_faster():
     # benchmarks/kernels_compile.py --device cuda --kernel explicit|sdpa (H200), SDPA cut:
-    # a 2-layer encoder (H 4, k 256, dropout 0.1) compiled on each kernel, fp32, at four
+    # a 2-layer encoder (H 4, k 256, dropout 0.1) compiled on each kernel, fp32, at five
     # shapes. The rule's kernel is the faster compiled one within 1 % (B 8, n 16384: 37.9
-    # against 37.7 ms, where SDPA's lower memory decides), in training and inference;
-    # explicit only at B 1, n 4096 (3.5 against 4.0 ms). The pre-cut pairs of `compiled/`
-    # (explicit 1.06-1.94x then) no longer apply.
+    # against 37.7 ms, where SDPA's lower memory decides) or the files' 0.1 ms (inference at
+    # B 1, n 8192: 1.5 against 1.4), in training and inference; explicit only at B 1,
+    # n 4096 (3.5 against 4.0 ms; at n 8192 6.5 against 4.8). The pre-cut pairs of
+    # `compiled/` (explicit 1.06-1.94x then) no longer apply.
     # The B 8, n 4096 explicit run is the pre-cut one (`compiled/`): the cut leaves it alone.
     runs = sorted((CUDA / "compiled-split").glob("n*-sdpa"))  # nN-bB-p0.1-sdpa
-    assert len(runs) == 4
+    assert len(runs) == 5
     for run in runs:
         shape = re.fullmatch(r"n(\d+)-b(\d+)-p0.1-sdpa", run.name)
         assert shape, run.name
@@ -284,7 +289,12 @@ def test_the_cuda_rule_under_torch_compile_takes_the_kernel_compiled_training_ra
             with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
                 picked = pick(GPU, torch.float32, table_mode, queries=n, keys=256,
                               groups=4 * batch, compiled=NOT_ON_A_GPU)  # fmt: skip
-            assert ms[picked] <= 1.01 * min(ms.values()), (run.name, mode, picked, ms)
+            assert ms[picked] <= max(1.01 * min(ms.values()), min(ms.values()) + 0.1), (
+                run.name,
+                mode,
+                picked,
+                ms,
+            )
 
 
 def test_the_cuda_rule_off_its_tables_and_under_torch_compile():

@@ -1,8 +1,9 @@
-"""The measurement scripts behind the GPU cut (`benchmarks/kernels_split.py`), the
-kernel-by-kernel profile (`benchmarks/kernels_profile.py`), the feed-forward kernel's
-weight-gradient rule (`benchmarks/kernels_feedforward_sums.py`) and the check of a fused CPU
-attention sub-layer (`benchmarks/kernels_sublayer.py`), run on CPU at small sizes: a GPU call
-runs the first two with `--device cuda`."""
+"""The measurement scripts behind the GPU cut (`benchmarks/kernels_split.py`, and
+`kernels_split_layers.py` in the layers), the kernel-by-kernel profile
+(`benchmarks/kernels_profile.py`), the feed-forward kernel's weight-gradient rule
+(`benchmarks/kernels_feedforward_sums.py`) and the check of a fused CPU attention sub-layer
+(`benchmarks/kernels_sublayer.py`), run on CPU at small sizes: a GPU call runs the first
+three with `--device cuda`."""
 
 import json
 
@@ -87,3 +88,27 @@ def test_the_sublayer_script_s_one_backward_equals_the_module(tmp_path):
     assert row["n"] == 300 and row["one backward / module"] == pytest.approx(
         row["one backward"] / row["module"], abs=0.002
     )
+
+
+def test_the_layers_split_script_cuts_each_variant_as_it_says(tmp_path, monkeypatch):
+    from linformer_kit import kernels
+
+    script = load_script(BENCHMARKS / "kernels_split_layers.py")
+    # The rule cuts in 4 here (on a CPU it never cuts): each variant's cut is seen in SDPA.
+    monkeypatch.setattr(kernels, "choose_splits", lambda **call: 4 if call["backward"] else 1)
+    cuts, sdpa = [], kernels.sdpa
+    monkeypatch.setattr(kernels, "sdpa", lambda *a: cuts.append(a[-1]) or sdpa(*a))
+    args = "--device cpu --dtype float32 --shapes 1x256 --dim 16 --k 8 --cuts 1,2,8 --repeats 1"
+    with use_kernel("sdpa"):
+        script.main([*args.split(), "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "splits.json").read_text())["rows"]
+    assert [(row["scope"], row["rule_splits"]) for row in rows] == [("attention", 4), ("layer", 4)]
+    names = {"rule", "uncut", "cut 2", "cut 8"} | (
+        {"lucidrains"} if script.peer_available("lucidrains") else set()
+    )
+    for row in rows:
+        assert set(row["median_ms"]) == set(row["burst_ms"]) == names
+        assert all(ms > 0 for ms in [*row["median_ms"].values(), *row["burst_ms"].values()])
+    assert set(cuts) == {1, 2, 4}  # 8 would leave chunks of 32 queries: uncut
+    assert kernels.choose_splits(backward=True) == 4  # the rule restored after every step
+    assert (tmp_path / "splits.png").stat().st_size > 0
