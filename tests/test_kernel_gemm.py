@@ -284,3 +284,8 @@ def test_transposed_operands_are_copied_exactly(ops, shape):
     assert torch.equal(ops.matmul(a, torch.eye(cols).expand(3, -1, -1)), a)
     b = torch.randn(3, rows, cols).mT  # B transposed: (3, cols, rows)
     assert torch.equal(ops.matmul(torch.eye(cols).expand(3, -1, -1), b), b)
+    # ... and one transposed matrix shared by the batch (stride 0), laid out once
+    shared = torch.randn(cols, rows).mT.expand(3, -1, -1)
+    assert torch.equal(ops.matmul(shared, torch.eye(cols).expand(3, -1, -1)), shared)
+    shared = torch.randn(rows, cols).mT.expand(3, -1, -1)  # (3, cols, rows)
+    assert torch.equal(ops.matmul(torch.eye(cols).expand(3, -1, -1), shared), shared)

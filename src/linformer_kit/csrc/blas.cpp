@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "blas.h"
 
@@ -33,6 +35,23 @@ struct Operand {
   bool trans;
   int64_t ld;
 };
+
+// `operand` laid out untransposed once (`packed`) where every batch entry shares it (batch
+// stride 0, as the shared sequence projection's E^T) and the GEMMs would otherwise copy it
+// per entry (float on oneDNN's micro-kernel): batch 8, n 4096, k 256, width 256: 10.9 ->
+// 9.6 ms. `copy` holds the layout.
+template <typename T>
+const T* shared_plain(Operand& x, int64_t batch, std::vector<float>& copy) {
+  const T* data = x.t.template data_ptr<T>();
+  if constexpr (std::is_same_v<T, float>) {
+    if (x.trans && batch > 1 && x.t.stride(0) == 0 && linformer_kit::plain_operands<float>()) {
+      const int64_t rows = x.t.size(1), cols = x.t.size(2);
+      data = linformer_kit::packed(true, rows, cols, 1.0f, data, x.ld, copy);
+      x.trans = false, x.ld = linformer_kit::copy_stride(cols);
+    }
+  }
+  return data;
+}
 
 Operand operand(const at::Tensor& t) {
   const int64_t rows = t.size(-2), cols = t.size(-1);
@@ -59,15 +78,17 @@ void check_operands(const at::Tensor& a, const at::Tensor& b) {
 // threaded (blas.h). The operands checked by the caller; out's rows of unit stride.
 void product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, bool add) {
   const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
-  const Operand left = operand(a), right = operand(b);
+  Operand left = operand(a), right = operand(b);
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "matmul", [&] {
     using T = scalar_t;
+    std::vector<float> left_copy, right_copy;
+    const T* left_data = shared_plain<T>(left, batch, left_copy);
+    const T* right_data = shared_plain<T>(right, batch, right_copy);
     for (int64_t i = 0; i < batch; ++i) {
       linformer_kit::gemm<T>(left.trans, right.trans, m, n, k, T(1),
-                             left.t.data_ptr<T>() + i * left.t.stride(0), left.ld,
-                             right.t.data_ptr<T>() + i * right.t.stride(0), right.ld,
-                             T(add ? 1 : 0), out.data_ptr<T>() + i * out.stride(0),
-                             out.stride(1));
+                             left_data + i * left.t.stride(0), left.ld,
+                             right_data + i * right.t.stride(0), right.ld, T(add ? 1 : 0),
+                             out.data_ptr<T>() + i * out.stride(0), out.stride(1));
     }
   });
 }
