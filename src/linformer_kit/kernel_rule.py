@@ -158,12 +158,13 @@ def choose_kernel(
     - Under torch.compile (`cuda/compiled-split/`: a 2-layer encoder, k 256, H 4, dropout
       0.1, compiled on each kernel, fp32 training; Inductor fuses the explicit kernel's
       softmax, mask and dropout bits): explicit 1.14x faster at B 1, n 4096 (3.5 against
-      4.0 ms); SDPA cut 1.37x faster at B 1, n 16384 (5.7 against 7.8 ms), a tie at B 8
+      4.0 ms); SDPA cut 1.35x faster at B 1, n 8192 (4.8 against 6.5 ms) and 1.37x at
+      n 16384 (5.7 against 7.8 ms), a tie at B 8
       (n 4096 10.5 against 10.6 ms, n 16384 37.9 against 37.7), where SDPA's lower memory
       decides (5274 against 7647 MiB peak at n 16384). The explicit band rests on that
       one cell; the B 8, n 4096 pair's two runs came from two calls (explicit's before
-      the cut, which does not touch it). Not measured compiled: n 8192, k other than 256,
-      B H M between 1024 and 8192. Compiled inference and bf16 stay on
+      the cut, which does not touch it). Not measured compiled: k other than 256, B H M
+      between 1024 and 8192. Compiled inference and bf16 stay on
       SDPA (`cuda/compiled/`: inference 0.63-0.95x on explicit; bf16 at B 1, n 16384,
       4.2 ms explicit against 4.1 on uncut SDPA). The explicit kernel's dropout bits add
       the seed before the 64-bit product (`dropout.dropout_bits`): the first form failed to
