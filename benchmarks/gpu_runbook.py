@@ -27,7 +27,8 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    encoder layer (kv), fp32: the B 1 peer target with ours and the peers also compiled,
    with and without CUDA graphs (eager at B 1 every variant is bound by kernel launches),
    ours on the rule's kernel and pinned to the explicit one: under CUDA graphs ours on
-   SDPA took 1.79 ms a step against lucidrains' 1.64 (`cuda/bench-b1-compiled/`); in the
+   SDPA cut took 2.06 ms a step, on the explicit kernel 1.82, against lucidrains' 1.91
+   (`cuda/bench-b1-compiled-run6/`; before the cut 1.79 against 1.64); in the
    eager profile (`cuda/profile/`, before SDPA's queries were cut into chunks) our SDPA
    layer's kernels took 1.79 ms, 1.0 of it SDPA's backward, and the explicit kernel's
    layer's 1.17 ms in 92 launches, which graphs make cheap (as in 2, on the rule's kernel
@@ -50,10 +51,11 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 Steps 5-20 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
-1-19 have run on an H200 (`benchmarks/kernels/cuda/`; 2, 3, 13, 16-19 in the sixth call,
-`cuda/log-run6.txt`, 430 s), 14, 15 and 20 by hand (`cuda/split/`, `cuda/profile/`,
-`cuda/split-layers/`). Since bf16 is cut from n = 65536 only, steps 2 and 3 (the peer
-benches, about 170 s, the peer wheels needed) and 20 are the next call's:
+1-19 have run on an H200 (`benchmarks/kernels/cuda/`; 2, 3, 13, 16, 17 and 19 in the sixth
+call, `cuda/log-run6.txt`, 430 s; 18 in the seventh, `log-run7.txt`), 14, 15 and 20 by
+hand (`cuda/split/`, `cuda/profile/`, `cuda/split-layers/`). Since bf16 is cut from
+n = 65536 only, steps 2 and 3 (the peer benches, about 170 s, the peer wheels needed) and
+20 are the next call's:
 `--steps bench-b1,bench-b8,split-layers` (one argument, no spaces).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:

@@ -206,7 +206,7 @@ SPLIT_TABLE = CUDA / "split" / "table.json"
 def test_the_cuda_cut_beats_one_call_and_the_explicit_kernel_where_the_h200_measured():
     # benchmarks/kernels_split.py --device cuda (H200; fp32, bf16; B 1, 8; n 1024-65536;
     # k 64-1024; fwd+bwd with and without dropout): at every shape the rule's cut takes at
-    # most 6 % longer than one call, within 10 % (fp32) and 21 % (bf16 at n 65536) of the
+    # most as long as one call, within 10 % (fp32) and 21 % (bf16 at n 65536) of the
     # best cut measured (bf16 below n 65536 runs uncut, up to 1.43x the best cut of one
     # call at B 1, n 16384: the layers' steps, launch-bound there, ran faster uncut, see
     # test_split_attention.py), and SDPA so cut is never more than 2.5 % slower
@@ -220,9 +220,10 @@ def test_the_cuda_cut_beats_one_call_and_the_explicit_kernel_where_the_h200_meas
         shape = dict(queries=row["n"], keys=row["k"], groups=4 * row["batch"])
         ms = row["sdpa_ms"][str(cut(dtype, row["mode"], **shape))]
         assert pick(GPU, dtype, row["mode"], **shape, compiled=NOT_ON_A_GPU) == "sdpa"
-        assert ms <= 1.06 * row["sdpa_ms"]["1"], row
+        assert ms <= row["sdpa_ms"]["1"], row
         if dtype == torch.float32 or row["n"] >= 65536:
-            assert ms <= (1.1 if dtype == torch.float32 else 1.21) * min(row["sdpa_ms"].values())
+            best = min(row["sdpa_ms"].values())
+            assert ms <= (1.1 if dtype == torch.float32 else 1.21) * best, row
         assert ms <= 1.025 * row["explicit_ms"], row
 
 
@@ -289,7 +290,8 @@ def test_the_cuda_rule_under_torch_compile_takes_the_kernel_compiled_training_ra
             with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
                 picked = pick(GPU, torch.float32, table_mode, queries=n, keys=256,
                               groups=4 * batch, compiled=NOT_ON_A_GPU)  # fmt: skip
-            assert ms[picked] <= max(1.01 * min(ms.values()), min(ms.values()) + 0.1), (
+            # (+ 1e-9: the files' times are rounded to 0.1 ms)
+            assert ms[picked] <= max(1.01 * min(ms.values()), min(ms.values()) + 0.1 + 1e-9), (
                 run.name,
                 mode,
                 picked,

@@ -237,17 +237,18 @@ def choose_splits(
       never slower than one call; e.g. B 1, k 256, n 16384: 32 chunks, 0.71 ms against 4.45
       uncut (and 2.15 on the explicit kernel);
     - bf16 (flash): cutting costs its copies and launches (B 1, n 4096, k 256 without
-      dropout: 0.34 ms uncut, 0.47 in 8 chunks); one call gains 1.09-1.43x at n 16384,
-      B 1 (0.94-1.30x at B 8) and 1.1-3.3x at n 65536, but the layers lose it below
-      n = 65536, so the cut (by the same bound) starts there. Inside the layers, whose
-      steps at B 1 are bound by launches on the host
-      (`benchmarks/kernels/cuda/split-layers/`, `kernels_split_layers.py`: ours, kv,
-      k 256, attention and encoder layer, fwd+bwd), the cut from n = 8192 the rule
-      made before took 1.06-1.11x the uncut step at B 1, n 8192-32768 in all six cells
-      (bursts of 10 steps: 1.02-1.24x) and 1.13x / 1.01x at B 8, n 8192; with dropout 0.1
-      (`split-layers/dropout/`) 32 chunks took 1.09-1.13x at B 1, n 8192-16384, 0.98-1.00x
-      at 32768 and 1.01-1.04x at B 8, n 16384; at B 1, n 65536 (`split-layers/threshold/`)
-      0.84x: the cut pays there;
+      dropout: 0.34 ms uncut, 0.47 in 8 chunks). The best cut of one call gains
+      1.09-1.43x at n 16384, B 1 (1.00-1.30x at B 8) and 2.0-3.3x at n 65536 (1.0-1.5x
+      at B 8), but the layers lose it below n = 65536, so the cut (by the same bound)
+      starts there. Inside the layers, whose steps at B 1 are bound by launches on the
+      host (`benchmarks/kernels/cuda/split-layers/`, `kernels_split_layers.py`: ours, kv,
+      k 256, attention and encoder layer, fwd+bwd), the cut from n = 8192 the rule made
+      before took 1.06-1.11x the uncut step at B 1, n 8192-32768 in all six cells (bursts
+      of 10 steps: 1.02-1.24x) and 1.13x / 1.01x at B 8, n 8192 (4 chunks); with dropout
+      0.1 (`split-layers/dropout/`) 32 chunks took 1.09-1.13x at B 1, n 8192-16384,
+      0.98-1.00x at 32768 and 1.01-1.04x at B 8, n 16384; at B 1, n 65536
+      (`split-layers/threshold/`) 0.84x (bursts: 1.08x attention, 0.94x layer): the cut
+      pays there;
     - CPU (`benchmarks/kernels/split-cpu/`, the same script with `--device cpu`, fp32,
       2 threads, B 1, n 1024 / 4096, k 64 / 256; Intel Xeon): the best cut was 0.85-0.97x
       one call at n 1024 and with dropout (which runs the explicit kernel anyway), and

@@ -153,10 +153,11 @@ void check_activation(int64_t activation) {
 // the line (1.02x, 0.98x); the rule picked the faster way in 14 of 16 cells, 2 % slower in the
 // other two. With 1 thread (`sums/threads1/`) in 11 of 12. The noise is as large: the same
 // way timed twice in a cell differed by up to 11 %. With 16 threads (the GPU machine's
-// Xeon, `cuda/feedforward-sums/`, dims 256 / 768, 2048-32768 rows) within 3 % of the faster
-// way in 5 of 6 cells, 1.17x at dim 256, 2048 rows (all rows, where the thread sums won). With 16 threads, dim 768 and 2048 rows,
-// backward's extra peak memory went 411 -> 97 MiB. Between threads x dim and 2 x threads x
-// dim rows all rows holds more memory than the copies (up to about twice): speed decides.
+// Xeon, `cuda/feedforward-sums/`, dims 256 / 768, 2048-32768 rows) within 3.2 % of the
+// faster way in 5 of 6 cells, 1.17x at dim 256, 2048 rows (all rows, where the thread sums
+// won). With 16 threads, dim 768 and 2048 rows, backward's extra peak memory went 411 ->
+// 97 MiB. Between threads x dim and 2 x threads x dim rows all rows holds more memory than
+// the copies (up to about twice): speed decides.
 enum WeightSums : int64_t { kRule = -1, kThreadSums = 0, kAllRows = 1 };
 
 bool all_rows(int64_t weight_sums, int64_t rows, int64_t dim, int64_t blocks) {
