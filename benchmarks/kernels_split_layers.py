@@ -152,17 +152,20 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Times every shape, writes the table after each and the plot at the end."""
     args = parse_args(argv)
+    given = " ".join(sys.argv[1:] if argv is None else argv)
+    result = {
+        "command": f"PYTHONPATH=src python benchmarks/kernels_split_layers.py {given}",
+        "machine": machine(),
+        "device": args.device,
+        "rows": [],
+    }
     args.out.mkdir(parents=True, exist_ok=True)
-    given = sys.argv[1:] if argv is None else argv
-    command = "PYTHONPATH=src python benchmarks/kernels_split_layers.py " + " ".join(given)
-    before, rows = machine(), []
     grid = list(itertools.product(args.shapes, ("attention", "layer"), args.dtype))
     for (batch, n), scope, dtype in tqdm(grid, desc="shapes"):
-        rows.append(time_shape(args, batch, n, scope, dtype))
-        tqdm.write(json.dumps(rows[-1]))
-        result = {"command": command, "machine": before, "device": args.device, "rows": rows}
+        result["rows"].append(time_shape(args, batch, n, scope, dtype))
+        tqdm.write(json.dumps(result["rows"][-1]))
         (args.out / "splits.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, args.out / "splits.png")
+    plot(result["rows"], args.out / "splits.png")
 
 
 if __name__ == "__main__":
