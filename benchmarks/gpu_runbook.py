@@ -35,7 +35,9 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    alone should the pinned run fail);
 14. `kernels_split.py`: the table of SDPA cut into query chunks behind
    `kernel_rule.choose_splits` (about 90 s);
-15. `kernels_profile.py`, B 1, n = 4096, eager and compiled: each variant's kernels;
+15. `kernels_profile.py`, B 1, n = 4096, eager and compiled: each variant's kernels, ours
+   kv and headwise (headwise took 0.3-1.5 ms more than kv a step at B 1 in the
+   sixth call's benches, 4 more kernels in a CPU emulation: where does it go?);
 16. and 17. `kernels_compile.py` at n = 8192 on each kernel: the compiled cell between
    the rule's explicit (n 4096) and SDPA (n 16384) measurements;
 18. `kernels_feedforward_sums.py --threads 16`, on the machine's CPU (no GPU involved; it
@@ -56,7 +58,8 @@ call, `cuda/log-run6.txt`, 430 s; 18 in the seventh, `log-run7.txt`), 14, 15 and
 hand (`cuda/split/`, `cuda/profile/`, `cuda/split-layers/`). Since bf16 is cut from
 n = 65536 only, steps 2 and 3 (the peer benches, about 170 s, the peer wheels needed) and
 20 are the next call's:
-`--steps bench-b1,bench-b8,split-layers` (one argument, no spaces).
+`--steps bench-b1,bench-b8,split-layers` (one argument, no spaces); then, as time allows,
+`--steps profile`.
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -121,7 +124,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         compiled += "--scope layer --sharing kv --compile inductor,reduce-overhead"
         compile_n, long_n, short_n, batch = [], ["--n", "16384"], ["--n", "4096"], "8"
         mid_n, split = ["--n", "8192"], ""
-        profile = "--n 4096 --batch 1 --compile inductor"
+        profile = "--n 4096 --batch 1 --sharing kv,headwise --compile inductor"
         fp16 = "--dtype float16 --batch 1,8 --n 4096,16384,65536 --k 64,256,1024 --head-dim 64 "
         fp16 += "--min-seconds 1"
         causal = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192 --head-dim 64 "

@@ -5,7 +5,8 @@ k 256, feed-forward 1024, no dropout), forward + backward, profiled with `torch.
 for `--steps` steps after a warm-up: per variant the device time of every kernel (on a
 GPU; on CPU each operator's own CPU time), grouped by name, the kernel count per step, and
 the step's wall time timed outside the profiler (`time_interleaved`: CUDA events on a
-GPU). Ours runs on the rule's kernel and pinned to each (`--kernel`); `--compile inductor`
+GPU). Ours runs with each sharing of `--sharing` (kv by default), on the rule's kernel and
+pinned to each (`--kernel`); `--compile inductor`
 adds every variant compiled (Inductor's generated kernels then appear by their names). The
 peers need their packages (`linformer==0.2.3`, `linformer-pytorch==0.19.3`); a missing one
 is skipped.
@@ -35,6 +36,7 @@ from linformer_kit.bench.timing import module_step, time_interleaved
 from linformer_kit.bench.variants import (
     PEERS,
     SCOPES,
+    SHARINGS,
     Variant,
     build_variant,
     compile_limits,
@@ -48,13 +50,14 @@ COMMAND = "PYTHONPATH=src python benchmarks/kernels_profile.py"
 TOP = 15  # kernels listed per variant
 
 
-def variants(kernels: list[str], compiles: list[str]) -> list[Variant]:
-    """Ours (kv sharing) on each kernel ("rule": the rule's), the installed peers, each
-    eager and under each compile setting."""
+def variants(kernels: list[str], compiles: list[str], sharings: list[str]) -> list[Variant]:
+    """Ours with each sharing on each kernel ("rule": the rule's), the installed peers,
+    each eager and under each compile setting."""
     eager = [
         Variant(
-            name=f"linformer kv [{k}]", kind="ours", sharing="kv", kernel=None if k == "rule" else k
+            name=f"linformer {s} [{k}]", kind="ours", sharing=s, kernel=None if k == "rule" else k
         )
+        for s in sharings
         for k in kernels
     ]
     eager += [Variant(name=p, kind=p, sharing="headwise") for p in PEERS if peer_available(p)]
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kernel", default="rule," + ",".join(KERNELS), help="ours: rule, sdpa, explicit"
     )
+    parser.add_argument("--sharing", default="kv", help="ours: comma-separated sharings")
     parser.add_argument("--compile", default="", help="comma-separated: inductor, aot_eager")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="unprofiled steps first")
@@ -124,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(
             f"--kernel: unknown {', '.join(unknown)}; choose from rule, {', '.join(KERNELS)}"
         )
+    sharings = [s for s in args.sharing.split(",") if s]
+    if not sharings or set(sharings) - set(SHARINGS):
+        parser.error(f"--sharing: {args.sharing!r}; choose from {', '.join(SHARINGS)}")
     compiles = [c for c in args.compile.split(",") if c]
     out_dir = args.out or (OUT / "profile" if args.device == "cpu" else OUT / "cuda" / "profile")
     shape = Shape(
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     results = {}
     with compile_limits():
-        for variant in variants(kernels, compiles):
+        for variant in variants(kernels, compiles, sharings):
             torch.manual_seed(0)
             module = build_variant(variant, shape, args.scope).to(args.device).train()
             x = torch.randn(

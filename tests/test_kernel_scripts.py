@@ -40,19 +40,22 @@ def test_the_split_script_times_every_cut_of_every_shape(tmp_path, monkeypatch):
 def test_the_profile_script_lists_each_variant_s_kernels(tmp_path):
     script = load_script(BENCHMARKS / "kernels_profile.py")
     args = "--n 64 --dim 32 --proj-dim 16 --scope attention --kernel rule,explicit --steps 1"
+    args += " --sharing kv,headwise"
     script.main([*args.split(), "--warmup", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "profile.json").read_text())
     assert result["shape"]["seq_len"] == 64 and result["scope"] == "attention"
     ours = ["linformer kv [rule]", "linformer kv [explicit]"]
-    assert list(result["variants"])[:2] == ours
+    ours += ["linformer headwise [rule]", "linformer headwise [explicit]"]
+    assert list(result["variants"])[:4] == ours
     for name, row in result["variants"].items():
         assert row["wall_ms"] > 0 and row["kernel_ms_per_step"] > 0, name
         assert row["top"] and all(top["ms_per_step"] >= 0 for top in row["top"]), name
     # the explicit kernel shows up as its own operator (compiled) or as its GEMMs
     names = " ".join(top["name"] for top in result["variants"][ours[1]]["top"])
     assert "attention_forward" in names or "bmm" in names
-    with pytest.raises(SystemExit):
-        script.main(["--kernel", "flash"])
+    for wrong in (["--kernel", "flash"], ["--sharing", "kv,per-head"]):
+        with pytest.raises(SystemExit):
+            script.main(wrong)
 
 
 def test_the_feedforward_sums_script_times_each_way_against_the_modules(tmp_path):
