@@ -116,10 +116,30 @@ inline void transpose_16x16(const float* src, int64_t ld_src, float* dest, int64
 }
 #endif
 
+// Rows r0 .. r1 (at most 16) of alpha * X^T (cols columns; X row-major with row stride ld)
+// into dest (row stride ld_dest), in 16 x 16 tiles: `transpose_16x16` where the CPU has
+// AVX-512, a scalar loop on the edges.
+inline void transposed_rows(int64_t r0, int64_t r1, int64_t cols, float alpha, const float* x,
+                            int64_t ld, float* dest, int64_t ld_dest) {
+  constexpr int64_t kSide = 16;
+  for (int64_t c0 = 0; c0 < cols; c0 += kSide) {
+    const int64_t c1 = std::min(cols, c0 + kSide);
+#ifdef __AVX512F__
+    if (r1 - r0 == kSide && c1 - c0 == kSide) {
+      transpose_16x16(x + c0 * ld + r0, ld, dest + r0 * ld_dest + c0, ld_dest, alpha);
+      continue;
+    }
+#endif
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = c0; c < c1; ++c) dest[r * ld_dest + c] = alpha * x[c * ld + r];
+    }
+  }
+}
+
 // alpha * op(X) (rows x cols; X row-major with row stride ld, transposed when `trans`) into
 // `out`, rows `copy_stride(cols)` apart, threaded over blocks of 16 rows outside a parallel
-// region. A transposed read goes in 16 x 16 tiles (`transpose_16x16` where the CPU has
-// AVX-512), one that is not row by row.
+// region. A transposed read goes in 16 x 16 tiles (`transposed_rows`), one that is not row
+// by row.
 inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, const float* x,
                            int64_t ld, std::vector<float>& out) {
   constexpr int64_t kSide = 16;
@@ -139,18 +159,7 @@ inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, 
         }
         continue;
       }
-      for (int64_t c0 = 0; c0 < cols; c0 += kSide) {
-        const int64_t c1 = std::min(cols, c0 + kSide);
-#ifdef __AVX512F__
-        if (r1 - r0 == kSide && c1 - c0 == kSide) {
-          transpose_16x16(x + c0 * ld + r0, ld, dest + r0 * stride + c0, stride, alpha);
-          continue;
-        }
-#endif
-        for (int64_t r = r0; r < r1; ++r) {
-          for (int64_t c = c0; c < c1; ++c) dest[r * stride + c] = alpha * x[c * ld + r];
-        }
-      }
+      transposed_rows(r0, r1, cols, alpha, x, ld, dest, stride);
     }
   });
   return dest;

@@ -4,9 +4,13 @@
 
 #include <ATen/ATen.h>
 
+#include <ATen/Parallel.h>
+
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+
+#include "blas.h"
 
 namespace linformer_kit {
 
@@ -38,7 +42,29 @@ struct Allowed {
 };
 
 // (B, H, M, D) -> (B, H, D, M), contiguous: K^T and V^T, the right operands of Q K^T and
-// dO V^T.
-inline at::Tensor transposed(const at::Tensor& t) { return t.transpose(2, 3).contiguous(); }
+// dO V^T. float: each matrix in 16 x 16 tiles (`transposed_rows`), threaded over the
+// matrices; other dtypes: ATen's transposing copy. In the causal LM's block attention (256
+// matrices of 192 keys x 32, the blocks as batch entries) ATen's copies took 4 % of a
+// training step in the profiler; the kernel's forward there went 1.75 / 1.69 -> 1.43 / 1.61
+// ms (min, alternating processes, AMD EPYC, 2 threads), fwd+bwd 7.20 / 6.98 -> 6.70 / 6.88.
+inline at::Tensor transposed(const at::Tensor& t) {
+  if (t.scalar_type() != at::kFloat || (t.stride(3) != 1 && t.size(3) > 1)) {
+    return t.transpose(2, 3).contiguous();
+  }
+  const int64_t rows = t.size(3), cols = t.size(2);  // of each (D, M) result
+  at::Tensor out = at::empty({t.size(0), t.size(1), rows, cols}, t.options());
+  const Matrices<const float> from(t);
+  float* dest = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(rows * cols, 1));
+  at::parallel_for(0, t.size(0) * t.size(1), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        transposed_rows(r0, std::min(rows, r0 + 16), cols, 1.0f, from.row(g, 0), from.ld,
+                        dest + g * rows * cols, cols);
+      }
+    }
+  });
+  return out;
+}
 
 }  // namespace linformer_kit
