@@ -109,8 +109,8 @@ def _block_causal_attention(
     batch, heads, seq_len, width = q.shape
     blocks = math.ceil(seq_len / block_size)
     pad = blocks * block_size - seq_len
-    q, k, v = (
-        F.pad(t, (0, 0, 0, pad)).view(batch, heads, blocks, block_size, width)  # (B, H, M, S, D)
+    q, k, v = (  # (B, H, M, S, D); F.pad copies even with nothing to pad
+        (F.pad(t, (0, 0, 0, pad)) if pad else t).view(batch, heads, blocks, block_size, width)
         for t in (q, k, v)
     )
     keys = torch.cat([_prefix_summaries(k, proj_k, block_size), k], 3)  # (B, H, M, K + S, D)
