@@ -3,9 +3,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
-
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
