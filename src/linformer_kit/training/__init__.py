@@ -9,7 +9,7 @@ from .finetune import FinetuneSettings, finetune
 from .loop import Trainer, TrainResult
 from .optim import build_optimizer, build_scheduler, lr_factor
 from .pretrain import build_trainer, pretrain
-from .settings import RunConfig, TrainSettings
+from .settings import RunConfig, TrainSettings, keep_freed_memory
 
 __all__ = [
     "Checkpoint",
@@ -29,6 +29,7 @@ __all__ = [
     "classification_metrics",
     "evaluate_checkpoint",
     "finetune",
+    "keep_freed_memory",
     "latest_checkpoint",
     "load_checkpoint",
     "lr_factor",

