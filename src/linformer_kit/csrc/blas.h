@@ -206,6 +206,13 @@ inline void brgemm_tiles(int64_t m, int64_t n, int64_t k, const float* a, int64_
 // The most floats a thread keeps in a GEMM's copy buffers between calls (16 MiB).
 constexpr size_t kKeepFloats = size_t(1) << 22;
 
+// Frees the thread's copy buffers that a call grew past kKeepFloats.
+inline void trim_copies(std::vector<float>& a, std::vector<float>& b) {
+  for (std::vector<float>* copy : {&a, &b}) {
+    if (copy->capacity() > kKeepFloats) std::vector<float>().swap(*copy);
+  }
+}
+
 // gemm<float> on brgemm: op(A) and op(B) copied where transposed (A also where alpha != 1:
 // the micro-kernel has no alpha); beta 0 or 1, all the kernels use. The copies live in the
 // thread's buffers, freed after a call that grew them past 16 MiB.
@@ -219,9 +226,7 @@ inline void brgemm_float(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
   }
   if (trans_b) b = packed(true, k, n, 1.0f, b, ldb, b_copy), ldb = copy_stride(n);
   brgemm_tiles(m, n, k, a, lda, b, ldb, beta != 0.0f, c, ldc);
-  for (std::vector<float>* copy : {&a_copy, &b_copy}) {
-    if (copy->capacity() > kKeepFloats) std::vector<float>().swap(*copy);
-  }
+  trim_copies(a_copy, b_copy);
 }
 
 // Whether bfloat16 GEMMs widen their inputs to float: no MKL bf16 GEMM in this libtorch,
@@ -267,9 +272,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S>
       const float* wide_b = widened(b, b_rows, trans_b ? k : n, ldb, b32);
       gemm<float>(trans_a, trans_b, m, n, k, alpha, wide_a, trans_a ? m : k, wide_b,
                   trans_b ? k : n, beta, c, ldc);
-      for (std::vector<float>* copy : {&a32, &b32}) {  // (as brgemm_float's copies)
-        if (copy->capacity() > kKeepFloats) std::vector<float>().swap(*copy);
-      }
+      trim_copies(a32, b32);
       return;
     }
   }
