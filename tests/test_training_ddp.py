@@ -3,10 +3,12 @@
 import json
 import os
 import socket
+import weakref
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 from train_helpers import tiny_run
 
 from linformer_kit import hub
@@ -33,12 +35,18 @@ def worker(rank, world_size, port, run, out):
     torch.set_num_threads(1)
     dist = setup_distributed("cpu")
     try:
-        trainer = build_trainer(run, prepare_data(run, dist), dist)
-        trainer.fit()
-        torch.save(trainer.model.state_dict(), out / f"rank{rank}.pt")
+        train_and_save(run, dist, out / f"rank{rank}.pt")
         dist.barrier()
     finally:
         teardown_distributed()
+
+
+def train_and_save(run, dist, path):
+    """Trains and saves this rank's weights; the trainer, which holds the DDP wrapper, is
+    gone when this returns (a wrapper alive at the interpreter's exit can abort it)."""
+    trainer = build_trainer(run, prepare_data(run, dist), dist)
+    trainer.fit()
+    torch.save(trainer.model.state_dict(), path)
 
 
 @pytest.mark.parametrize(
@@ -69,3 +77,25 @@ def test_two_gloo_processes_train_to_identical_weights(tmp_path, sharing, checkp
     assert steps == list(range(1, 7))  # written once, by rank 0
     state = torch.load(tmp_path / "run/last/trainer_state.pt", weights_only=True)
     assert len(state["rng"]) == 2  # both ranks' RNG states, for an exact resume
+
+
+def test_teardown_frees_an_unreferenced_ddp_wrapper_before_the_group_goes(tmp_path):
+    # A wrapper in a reference cycle would otherwise outlive the group until the
+    # interpreter's exit, where gloo's threads can abort the process.
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        wrapper = DistributedDataParallel(torch.nn.Linear(4, 2))
+        wrapper.cycle = [wrapper]
+        group_alive_when_freed = []
+        weakref.finalize(
+            wrapper, lambda: group_alive_when_freed.append(torch.distributed.is_initialized())
+        )
+        del wrapper
+        teardown_distributed()
+        assert group_alive_when_freed == [True]
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

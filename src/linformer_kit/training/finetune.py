@@ -294,7 +294,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
                 device=dist.device,
             )
             objective = DistillationObjective(settings.distill_weight, settings.temperature)
-        trainer = Trainer(
+        result = Trainer(
             model=model,
             batches=ClassificationBatches(train_data, tokenizer.pad_id, schedule, soft),
             evaluator=ClassificationEvaluator(
@@ -305,8 +305,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             run_config=FinetuneRunConfig(model=config, train=train, finetune=settings),
             tokenizer=tokenizer,
             loss_fn=objective,
-        )
-        result = trainer.fit()
+        ).fit()  # the trainer (and its DDP wrapper) gone before the group is destroyed
         dist.barrier()  # gloo can abort a process whose peer already closed the group
         return result
     finally:
