@@ -6,6 +6,7 @@ No wall-clock asserts: structure, counts and files only, on tiny sizes with one 
 import csv
 import dataclasses
 import json
+import sys
 import time
 
 import pytest
@@ -30,6 +31,7 @@ from linformer_kit.bench.summary import summarise
 from linformer_kit.bench.timing import module_step, size_ceiling_matmul
 from linformer_kit.bench.variants import NaiveAttention
 from linformer_kit.kernel_rule import pinned_kernel, use_kernel
+from linformer_kit.training.process import in_fresh_process
 
 SHAPE = Shape(batch_size=2, seq_len=64, dim=32, num_heads=4, proj_dim=16, ffn_dim=128)
 OURS = {v.sharing: v for v in default_variants(sharings=("none", "headwise", "kv"), peers=False)}
@@ -47,6 +49,7 @@ def tiny_settings(tmp_path, **changes) -> BenchSettings:
         min_time_s=0.0,
         warmup=0,
         memory=False,
+        keep_freed_memory=False,  # process-wide: not in the test process
         threads=1,
         out=str(tmp_path / "bench"),
     )
@@ -165,6 +168,7 @@ def test_sweep_writes_json_csv_and_plots(tmp_path, monkeypatch):
     # Only the dtype asked for is probed: no bf16 matmul, no bf16 verdict.
     assert set(saved["ceiling_gflop_per_s"]["64"]) == {"float32"}
     assert set(saved["ceiling_matmul_size"]) == {"float32"} and saved["bf16"] is None
+    assert saved["freed_memory_kept"] is False
     # 2 n x 2 scopes x (2 sharings + sdpa + naive), all run; one time each.
     assert len(result["rows"]) == 16
     for row in result["rows"]:
@@ -416,3 +420,14 @@ def test_module_step_clears_gradients_and_applies_its_settings():
     with use_kernel("sdpa"):  # no kernel of its own: the pin around it holds
         module_step(module, x, backward=False)()
     assert module.calls[-1] == ("sdpa", False, True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_the_timing_process_keeps_freed_memory_by_default(tmp_path):
+    # In a fresh process: the setting is process-wide and stays.
+    settings = tiny_settings(tmp_path, n="32", scope="attention", sharing="kv", exact="")
+    settings = dataclasses.replace(settings, keep_freed_memory=BenchSettings().keep_freed_memory)
+    result = in_fresh_process(run_bench, settings)
+    assert result["freed_memory_kept"] is True
+    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert saved["settings"]["keep_freed_memory"] is True and saved["freed_memory_kept"] is True

@@ -25,6 +25,7 @@ def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys, nat
             "--threads",
             "1",
             "--no-memory",
+            "--no-keep-freed-memory",
             "--out",
             str(out),
         ]
@@ -32,6 +33,7 @@ def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys, nat
     printed = capsys.readouterr().out
     assert "linformer layerwise" in printed and "matmul ceiling" in printed
     result = json.loads((out / "bench.json").read_text())
+    assert result["freed_memory_kept"] is False
     rows = result["rows"]
     assert [(r["dtype"], r["variant"], r["k"]) for r in rows] == [
         ("float32", "linformer layerwise", 8),

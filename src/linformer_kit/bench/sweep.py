@@ -22,6 +22,7 @@ from ..config import check_choice
 from ..kernel_rule import KERNELS
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
+from ..training.settings import keep_freed_memory
 from .flops import Shape, matmul_flops
 from .summary import summarise
 from .timing import (
@@ -101,6 +102,13 @@ class BenchSettings:
     repeats: int = field(default=3, metadata={"help": "timed rounds, at least"})
     min_time_s: float = field(
         default=3.0, metadata={"help": "more rounds (up to 100) until they take this long"}
+    )
+    keep_freed_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "CPU: glibc keeps freed memory while timing (training.keep_freed_memory), "
+            "so no step pays page faults for the last one's freed pages"
+        },
     )
     memory: bool = field(default=True, metadata={"help": "measure peak memory per config"})
     memory_budget_gb: float = field(default=8.0, metadata={"help": "skip configs above this"})
@@ -274,6 +282,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    # Process-wide; peak memory is measured in fresh processes with glibc's defaults.
+    kept = settings.device == "cpu" and settings.keep_freed_memory and keep_freed_memory()
     before = machine()
     dtypes = _names(settings.dtype)
     # Only the dtypes asked for: a bf16 probe where bf16 is emulated costs minutes.
@@ -297,6 +307,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             "settings": dataclasses.asdict(settings),
             "machine": before,
             "load_avg_after": os.getloadavg(),
+            "freed_memory_kept": kept,
             "flop_convention": "matmul FLOPs (2 per multiply-add), backward = 2x forward; see "
             "linformer_kit.bench.flops",
             "ceiling_matmul_size": sizes,
