@@ -2,6 +2,7 @@
 (in fresh interpreters: the setting is process-wide), and a threshold out of range is a
 clear error."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -53,3 +54,17 @@ def test_freed_blocks_are_reused_without_page_faults():
 def test_a_threshold_out_of_range_is_a_clear_error(threshold):
     with pytest.raises(ValueError, match=r"mmap_threshold must be an integer in \[1, 33554432\]"):
         keep_freed_memory(threshold)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_training_on_cpu_keeps_freed_memory_unless_told_not_to(tmp_path, monkeypatch, keep):
+    from train_helpers import tiny_run
+
+    from linformer_kit.training import loop, pretrain
+
+    calls = []
+    monkeypatch.setattr(loop, "keep_freed_memory", lambda: calls.append(True) or True)
+    run = tiny_run(tmp_path, max_steps=1, eval_every=1, save_every=1, device="cpu")
+    run.train = dataclasses.replace(run.train, keep_freed_memory=keep)
+    pretrain(run)
+    assert calls == ([True] if keep else [])

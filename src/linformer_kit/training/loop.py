@@ -27,7 +27,7 @@ from .batches import mix_seed
 from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, save_checkpoint
 from .distributed import Distributed
 from .optim import build_optimizer, build_scheduler
-from .settings import RUN_CONFIG_NAME, TrainSettings, use_threads
+from .settings import RUN_CONFIG_NAME, TrainSettings, keep_freed_memory, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -317,6 +317,8 @@ class Trainer:
         """
         s = self.settings
         use_threads(s.threads)
+        if s.keep_freed_memory and self.dist.device.type == "cpu" and keep_freed_memory():
+            logger.debug("glibc keeps freed memory in this process (keep_freed_memory)")
         resumed = self._resume() if s.resume else None
         if resumed is None:
             self._check_fresh()
