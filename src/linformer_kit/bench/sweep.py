@@ -271,8 +271,9 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
     For each n, one interleaved timing run holds every variant of every scope and k plus
     the fp32 and bf16 matmul ceilings, so ratios and ceiling fractions come from the same
-    minutes of the same machine. Peak memory is measured afterwards, one fresh process per
-    configuration.
+    minutes of the same machine; on CPU glibc keeps freed memory in this process while it
+    times (`settings.keep_freed_memory`, as training does). Peak memory is measured
+    afterwards, one fresh process per configuration, with glibc's defaults.
 
     Returns:
         The result: settings, machine (with load averages before and after), ceilings and
