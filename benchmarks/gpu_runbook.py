@@ -37,7 +37,9 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    `kernel_rule.choose_splits` (about 90 s);
 15. `kernels_profile.py`, B 1, n = 4096, eager and compiled: each variant's kernels, ours
    kv and headwise (headwise took 0.3-1.5 ms more than kv a step at B 1 in the
-   sixth call's benches, 4 more kernels in a CPU emulation: where does it go?);
+   sixth call's benches, 4 more kernels in a CPU emulation: where does it go? Its `ops`,
+   by input shapes, tell E^T X and F^T X, products with a 256 x 256 output over n, from the
+   rest);
 16. and 17. `kernels_compile.py` at n = 8192 on each kernel: the compiled cell between
    the rule's explicit (n 4096) and SDPA (n 16384) measurements;
 18. `kernels_feedforward_sums.py --threads 16`, on the machine's CPU (no GPU involved; it

@@ -3,16 +3,18 @@
 One encoder layer (or attention layer, `--scope`) of the bench's shape (dim 256, 4 heads,
 k 256, feed-forward 1024, no dropout), forward + backward, profiled with `torch.profiler`
 for `--steps` steps after a warm-up: per variant the device time of every kernel (on a
-GPU; on CPU each operator's own CPU time), grouped by name, the kernel count per step, and
-the step's wall time timed outside the profiler (`time_interleaved`: CUDA events on a
-GPU). Ours runs with each sharing of `--sharing` (kv by default), on the rule's kernel and
-pinned to each (`--kernel`); `--compile inductor`
-adds every variant compiled (Inductor's generated kernels then appear by their names). The
+GPU; on CPU each operator's own CPU time), grouped by name, the kernel count per step,
+the operators by input shapes with the time of what each launched itself (`ops`: which
+product of several of one name takes the time), and the step's wall time timed outside the
+profiler (`time_interleaved`: CUDA events on a GPU). Ours runs with each sharing of
+`--sharing` (kv by default), on the rule's kernel and pinned to each (`--kernel`);
+`--compile inductor` adds every variant compiled (Inductor's generated kernels then appear
+by their names). The
 peers need their packages (`linformer==0.2.3`, `linformer-pytorch==0.19.3`); a missing one
 is skipped.
 
 Writes OUT/profile.json (default benchmarks/kernels/cuda/profile, or kernels/profile on
-CPU) and prints each variant's top kernels.
+CPU) and prints each variant's top kernels and operators.
 
     PYTHONPATH=src python benchmarks/kernels_profile.py --device cuda --n 4096 --batch 1
 """
@@ -69,11 +71,13 @@ def variants(kernels: list[str], compiles: list[str], sharings: list[str]) -> li
 
 def profile_step(step: Any, *, device: str, steps: int) -> dict[str, Any]:
     """Per-step device time of each kernel name (CPU: operator self time), summed over
-    `steps` profiled calls of `step`."""
+    `steps` profiled calls of `step`; and `ops`: each operator with its input shapes and
+    the device time of the kernels it launched itself (CPU: its self time), which tells
+    apart products of one name (the projection's E^T X from the attention's, say)."""
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(steps):
             step()
         if device == "cuda":
@@ -90,6 +94,9 @@ def profile_step(step: Any, *, device: str, steps: int) -> dict[str, Any]:
                 totals[event.key][0] += event.count
                 totals[event.key][1] += event.self_cpu_time_total
     rows = sorted(totals.items(), key=lambda item: -item[1][1])
+    own = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if getattr(e, own) > 0]
+    ops.sort(key=lambda e: -getattr(e, own))
     return {
         "kernels_per_step": sum(count for count, _ in totals.values()) / steps,
         "kernel_ms_per_step": round(sum(us for _, us in totals.values()) / steps / 1e3, 4),
@@ -100,6 +107,15 @@ def profile_step(step: Any, *, device: str, steps: int) -> dict[str, Any]:
                 "ms_per_step": round(us / steps / 1e3, 4),
             }
             for name, (count, us) in rows[:TOP]
+        ],
+        "ops": [
+            {
+                "name": e.key,
+                "shapes": str(e.input_shapes)[:200],
+                "calls_per_step": e.count / steps,
+                "ms_per_step": round(getattr(e, own) / steps / 1e3, 4),
+            }
+            for e in ops[:TOP]
         ],
     }
 
@@ -167,6 +183,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"    {top['ms_per_step']:8.3f} ms",
                     f"x{top['calls_per_step']:<5g} {top['name'][:100]}",
+                )
+            print("  by operator and input shapes:")
+            for op in row["ops"][:8]:
+                print(
+                    f"    {op['ms_per_step']:8.3f} ms",
+                    f"x{op['calls_per_step']:<5g} {op['name'][:50]} {op['shapes'][:80]}",
                 )
             torch._dynamo.reset()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,11 @@ def test_the_profile_script_lists_each_variant_s_kernels(tmp_path):
     for name, row in result["variants"].items():
         assert row["wall_ms"] > 0 and row["kernel_ms_per_step"] > 0, name
         assert row["top"] and all(top["ms_per_step"] >= 0 for top in row["top"]), name
+        assert row["ops"] and all(op["shapes"].startswith("[") for op in row["ops"]), name
+        # by input shapes an operator's time is split, never added to
+        by_name = {top["name"]: top["ms_per_step"] for top in row["top"]}
+        for op in row["ops"]:
+            assert op["ms_per_step"] <= by_name.get(op["name"], float("inf")) + 1e-3, op
     # the explicit kernel shows up as its own operator (compiled) or as its GEMMs
     names = " ".join(top["name"] for top in result["variants"][ours[1]]["top"])
     assert "attention_forward" in names or "bmm" in names
