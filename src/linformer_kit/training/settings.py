@@ -173,7 +173,7 @@ def keep_freed_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD) -> bool:
     process's resident memory stays at its peak. An encoder layer step (n 4096, 2 threads,
     AMD EPYC): 3700-5400 page faults a step -> under 60, the median step 1.01-1.16x faster
     (the slow steps gone), the fastest unchanged; a masked-LM pretraining run (dim 256,
-    depth 4, n 2048, batch 4) 1.05-1.11x the tokens/s, its resident peak within 3 %. The
+    depth 4, n 2048, batch 4) 1.06-1.07x the tokens/s, its resident peak no higher. The
     same as `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...`
     at start-up. `Trainer.fit` calls it on CPU (`TrainSettings.keep_freed_memory`, on by
     default), `linformer bench` while it times.
