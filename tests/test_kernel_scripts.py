@@ -1,11 +1,13 @@
 """The measurement scripts behind the GPU cut (`benchmarks/kernels_split.py`, and
 `kernels_split_layers.py` in the layers), the kernel-by-kernel profile
 (`benchmarks/kernels_profile.py`), the feed-forward kernel's weight-gradient rule
-(`benchmarks/kernels_feedforward_sums.py`) and the check of a fused CPU attention sub-layer
-(`benchmarks/kernels_sublayer.py`), run on CPU at small sizes: a GPU call runs the first
-three with `--device cuda`."""
+(`benchmarks/kernels_feedforward_sums.py`), the check of a fused CPU attention sub-layer
+(`benchmarks/kernels_sublayer.py`) and the bytes-against-FLOPs bound
+(`benchmarks/roofline.py`), run on CPU at small sizes: a GPU call runs the first three with
+`--device cuda`."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -120,3 +122,32 @@ def test_the_layers_split_script_cuts_each_variant_as_it_says(tmp_path, monkeypa
     assert set(cuts) == {1, 2, 4}  # 8 would leave chunks of 32 queries: uncut
     assert kernels.choose_splits(backward=True) == 4  # the rule restored after every step
     assert (tmp_path / "splits.png").stat().st_size > 0
+
+
+def test_the_roofline_script_counts_each_op_s_bytes_and_bounds_the_fraction(tmp_path):
+    script = load_script(BENCHMARKS / "roofline.py")
+    x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
+    ops = script.count_bytes(lambda: torch.nn.functional.linear(x, w, b))
+    # addmm reads b (16), x (4 x 8) and W^T (8 x 16), writes 4 x 16 floats; W^T is a view
+    assert ops == {"aten.addmm.default": [1, 4 * (16 + 32 + 128 + 64)]}
+
+    shape = script.Shape(batch_size=2, seq_len=64, dim=32, num_heads=2, proj_dim=16, ffn_dim=64)
+    before = os.environ.get("LINFORMER_KIT_NATIVE")
+    traced = script.layer_step_bytes("layer", shape, "float32", "kv")
+    assert not any("linformer_kit" in name for name in traced)  # the GPU's PyTorch ops
+    assert any("scaled_dot_product" in name for name in traced)
+    assert os.environ.get("LINFORMER_KIT_NATIVE") == before  # our kernels back on after
+
+    args = ["--n", "64,128", "--batch", "2", "--dim", "32", "--k", "16", "--dtype", "bfloat16"]
+    args += ["--out", str(tmp_path)]
+    script.main([*args, "--ceiling-gflops", "1000", "--bandwidth-gbs", "100"])
+    rows = json.loads((tmp_path / "roofline.json").read_text())["rows"]
+    assert [row["n"] for row in rows] == [64, 128]
+    for row in rows:
+        assert row["other_gb"] > 0 and row["compute_gb"] > 0
+        compute, other = row["compute_ms_at_ceiling"], row["other_ms_at_bandwidth"]
+        assert compute == pytest.approx(row["gflop"] / 1000 * 1e3)
+        assert other == pytest.approx(row["other_gb"] / 100 * 1e3)
+        assert row["bound_fraction"] == pytest.approx(compute / (compute + other))
+    with pytest.raises(SystemExit):
+        script.main(["--out", str(tmp_path)])  # neither --bench nor --ceiling-gflops
