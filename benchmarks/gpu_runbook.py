@@ -50,18 +50,21 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    against full logits, on the GPU (`cuda/lm-loss/`: `losses.GPU_CHUNK_ELEMENTS`);
 20. `kernels_split_layers.py`: the layers' steps with SDPA cut as the rule cuts it, uncut,
    and in 4 and 32 chunks (`cuda/split-layers/`, made by hand, behind bf16's cut from
-   n = 65536).
+   n = 65536);
+21. `linformer bench --compile inductor`, B 8, n 16384 and 32768, the encoder layer (kv)
+   in bf16: does Inductor's fusion pass the 36 % of the bf16 ceiling that bounds the eager
+   op sequence (`benchmarks/roofline.py`; eager measured 15-20 %)? No peers, no memory.
 
-Steps 5-20 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+Steps 5-21 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
 1-19 have run on an H200 (`benchmarks/kernels/cuda/`; 2, 3, 13, 16, 17 and 19 in the sixth
 call, `cuda/log-run6.txt`, 430 s; 18 in the seventh, `log-run7.txt`), 14, 15 and 20 by
 hand (`cuda/split/`, `cuda/profile/`, `cuda/split-layers/`). Since bf16 is cut from
 n = 65536 only, steps 2 and 3 (the peer benches, about 170 s, the peer wheels needed) and
-20 are the next call's:
-`--steps bench-b1,bench-b8,split-layers` (one argument, no spaces); then, as time allows,
-`--steps profile`.
+20 are the next call's, with 21 (never run):
+`--steps bench-b1,bench-b8,split-layers,bench-b8-bf16-compiled` (one argument, no spaces);
+then, as time allows, `--steps profile`.
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -116,6 +119,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         sums = "--threads 2 --dim 8 --rows 32,64 --repeats 1"
         lm_loss = "--tiny --repeats 1 --threads 1 --memory-steps 1"
         layers = "--dtype float32 --shapes 1x128 --dim 16 --k 8 --repeats 1"
+        fused = shape.replace("attention", "layer") + " --compile aot_eager --batch-size 2"
     else:
         kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192,16384,32768,65536 "
         kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
@@ -134,7 +138,10 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         sums = "--threads 16 --dim 256,768 --rows 2048,8192,32768 --repeats 7"
         lm_loss = "--repeats 10 --memory-steps 5"
         layers = "--cuts 1,4,32"
-    cli = [*python, "-m", "linformer_kit.cli", "bench", *device, "--peers"]
+        fused = "--dtype bfloat16 --n 16384,32768 --batch-size 8 --warmup 2 --repeats 10 "
+        fused += "--min-time-s 1 --no-memory --scope layer --sharing kv --compile inductor"
+    own = [*python, "-m", "linformer_kit.cli", "bench", *device]  # ours and exact only
+    cli = [*own, "--peers"]
     bench = [*cli, *shape.split()]
     pinned = ["--kernel", "rule,explicit"]
     compile = [*python, str(BENCHMARKS / "kernels_compile.py"), *device]
@@ -168,6 +175,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
             "split-layers",
             [*python, str(BENCHMARKS / "kernels_split_layers.py"), *device, *layers.split()],
         ),
+        ("bench-b8-bf16-compiled", [*own, *fused.split(), "--exact", ""]),
     ]
 
 

@@ -16,7 +16,7 @@ STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "comp
 STEPS += ["kernels-fp16", "kernels-causal", "compile-bf16-explicit", "compile-bf16-sdpa"]
 STEPS += ["compile-b8-explicit", "compile-b8-sdpa", "bench-b1-compiled", "kernels-split"]
 STEPS += ["profile", "compile-8192-explicit", "compile-8192-sdpa", "feedforward-sums"]
-STEPS += ["lm-loss", "split-layers"]
+STEPS += ["lm-loss", "split-layers", "bench-b8-bf16-compiled"]
 
 
 def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
@@ -62,6 +62,11 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
     lm_loss = results["lm-loss"]
     assert [row["model"] for row in lm_loss["rows"]] == ["tiny causal", "tiny masked"]
     assert all(set(row["peak_mib"]) == {"logits", "chunked"} for row in lm_loss["rows"])
+    fused = results["bench-b8-bf16-compiled"]
+    assert fused["settings"]["batch_size"] == 2 and fused["settings"]["peers"] is False
+    assert {row["variant"] for row in fused["rows"] if row["compile"]} == {
+        "linformer kv [compiled aot_eager]"
+    }
     summary = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in summary] == STEPS
     assert all(": done in " in line for line in summary), summary
