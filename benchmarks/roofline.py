@@ -46,13 +46,25 @@ OUT = Path(__file__).parent / "kernels" / "roofline"
 COMMAND = "PYTHONPATH=src python benchmarks/roofline.py"
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e, NVIDIA's figure
 # Ops bounded by their arithmetic, not their bytes: dense products and fused attention.
-COMPUTE_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "scaled_dot_product")
-# Ops that move no data: views, metadata, fake-tensor queries.
-FREE_OPS = (
-    "prim.", "view", "transpose", "detach", "aten.t.", "expand", "unsqueeze", "squeeze",
-    "permute", "alias", "slice", "select", "as_strided", "split", "unbind", "reshape",
-    "empty", "lift_fresh",
-)  # fmt: skip
+COMPUTE_OPS = {"mm", "addmm", "bmm", "baddbmm"}
+# Ops that move no data (views, allocations), by the name between namespace and overload;
+# and the `prim` namespace (metadata queries of fake tensors).
+FREE_OPS = {
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "transpose", "t", "permute",
+    "detach", "alias", "expand", "unsqueeze", "squeeze", "slice", "select", "as_strided",
+    "split", "split_with_sizes", "unbind", "empty", "empty_like", "empty_strided",
+    "new_empty", "new_empty_strided", "lift_fresh",
+}  # fmt: skip
+
+
+def op_name(name: str) -> str:
+    """An op's name without namespace and overload: `aten.addmm.default` -> `addmm`."""
+    return name.split(".")[1]
+
+
+def is_compute(name: str) -> bool:
+    """Whether the op (`aten.mm.default`) is a product or fused attention."""
+    return op_name(name) in COMPUTE_OPS or "scaled_dot_product" in op_name(name)
 
 
 def tensor_bytes(values: Any) -> int:
@@ -74,7 +86,7 @@ class ByteCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
         name = str(func)
-        if not any(part in name for part in FREE_OPS):
+        if not name.startswith("prim.") and op_name(name) not in FREE_OPS:
             entry = self.ops[name]
             entry[0] += 1
             entry[1] += tensor_bytes(list(args)) + tensor_bytes(list((kwargs or {}).values()))
@@ -127,7 +139,7 @@ def layer_step_bytes(scope: str, shape: Shape, dtype: str, sharing: str) -> dict
 
 def bound(ops: dict[str, list[int]], gflop: float, ceiling_gflops: float, bandwidth_gbs: float):
     """The counted bytes and the ceiling fraction the op sequence can reach at most."""
-    compute_bytes = sum(b for n, (_, b) in ops.items() if any(c in n for c in COMPUTE_OPS))
+    compute_bytes = sum(b for name, (_, b) in ops.items() if is_compute(name))
     other_bytes = sum(b for _, b in ops.values()) - compute_bytes
     compute_ms = gflop / ceiling_gflops * 1e3
     memory_ms = other_bytes / 1e9 / bandwidth_gbs * 1e3
