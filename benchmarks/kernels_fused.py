@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -29,11 +28,8 @@ def with_torch_ops(step: Callable[[], None]) -> Callable[[], None]:
     """The step with the compiled kernel switched off: the mask from PyTorch ops."""
 
     def run() -> None:
-        os.environ[native.ENV_SWITCH] = "0"
-        try:
+        with native.kernels_off():
             step()
-        finally:
-            del os.environ[native.ENV_SWITCH]
 
     return run
 

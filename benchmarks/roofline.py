@@ -25,10 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from linformer_kit.bench.flops import Shape
 from linformer_kit.bench.variants import SCOPES, Variant, build_variant, variant_flops
 from linformer_kit.kernel_rule import use_kernel
 from linformer_kit.linear_backend import use_linear_backend
-from linformer_kit.native import ENV_SWITCH
+from linformer_kit.native import kernels_off
 
 OUT = Path(__file__).parent / "kernels" / "roofline"
 COMMAND = "PYTHONPATH=src python benchmarks/roofline.py"
@@ -101,21 +100,6 @@ def count_bytes(run: Callable[[], None]) -> dict[str, list[int]]:
     return dict(counter.ops)
 
 
-@contextlib.contextmanager
-def pytorch_ops() -> Iterator[None]:
-    """Our CPU kernels switched off inside (`LINFORMER_KIT_NATIVE=0`, read at each call):
-    the PyTorch ops a GPU runs."""
-    before = os.environ.get(ENV_SWITCH)
-    os.environ[ENV_SWITCH] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[ENV_SWITCH]
-        else:
-            os.environ[ENV_SWITCH] = before
-
-
 def layer_step_bytes(scope: str, shape: Shape, dtype: str, sharing: str) -> dict[str, list[int]]:
     """The ops of one forward + backward of ours (the GPU's op sequence) on fake tensors."""
     autocast = (
@@ -123,7 +107,8 @@ def layer_step_bytes(scope: str, shape: Shape, dtype: str, sharing: str) -> dict
         if dtype == "bfloat16"
         else contextlib.nullcontext()
     )
-    with pytorch_ops(), FakeTensorMode(), use_linear_backend("blas"), use_kernel("sdpa"):
+    # our CPU kernels off: the PyTorch ops a GPU runs
+    with kernels_off(), FakeTensorMode(), use_linear_backend("blas"), use_kernel("sdpa"):
         module = build_variant(Variant(name=sharing, kind="ours", sharing=sharing), shape, scope)
         module.train()
         x = torch.randn(shape.batch_size, shape.seq_len, shape.dim, requires_grad=True)
@@ -137,7 +122,9 @@ def layer_step_bytes(scope: str, shape: Shape, dtype: str, sharing: str) -> dict
         return count_bytes(step)
 
 
-def bound(ops: dict[str, list[int]], gflop: float, ceiling_gflops: float, bandwidth_gbs: float):
+def bound(
+    ops: dict[str, list[int]], gflop: float, ceiling_gflops: float, bandwidth_gbs: float
+) -> dict[str, Any]:
     """The counted bytes and the ceiling fraction the op sequence can reach at most."""
     compute_bytes = sum(b for name, (_, b) in ops.items() if is_compute(name))
     other_bytes = sum(b for _, b in ops.values()) - compute_bytes

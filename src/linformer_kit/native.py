@@ -20,6 +20,7 @@ float32 where MKL runs its AVX2 code on an AVX-512 CPU (AMD's; `kernel_gemm`,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -28,6 +29,7 @@ import re
 import shutil
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -123,6 +125,21 @@ def _build() -> object:
 def _switched_off() -> bool:
     """Whether `LINFORMER_KIT_NATIVE=0` switches the kernels off."""
     return os.environ.get(ENV_SWITCH, "1") == "0"
+
+
+@contextlib.contextmanager
+def kernels_off() -> Iterator[None]:
+    """The compiled kernels switched off inside, as `LINFORMER_KIT_NATIVE=0` does (read at
+    each call): PyTorch ops everywhere. The environment is restored on leaving."""
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ENV_SWITCH]
+        else:
+            os.environ[ENV_SWITCH] = before
 
 
 def kernel_gemm() -> str:
