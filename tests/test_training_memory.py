@@ -8,8 +8,9 @@ import sys
 import textwrap
 
 import pytest
+from train_helpers import tiny_run
 
-from linformer_kit.training import keep_freed_memory
+from linformer_kit.training import keep_freed_memory, loop, pretrain
 from linformer_kit.training.settings import MAX_MMAP_THRESHOLD
 
 SCRIPT = textwrap.dedent(
@@ -58,10 +59,6 @@ def test_a_threshold_out_of_range_is_a_clear_error(threshold):
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_training_on_cpu_keeps_freed_memory_unless_told_not_to(tmp_path, monkeypatch, keep):
-    from train_helpers import tiny_run
-
-    from linformer_kit.training import loop, pretrain
-
     calls = []
     monkeypatch.setattr(loop, "keep_freed_memory", lambda: calls.append(True) or True)
     run = tiny_run(tmp_path, max_steps=1, eval_every=1, save_every=1, device="cpu")
