@@ -9,9 +9,9 @@ product of several of one name takes the time), and the step's wall time timed o
 profiler (`time_interleaved`: CUDA events on a GPU). Ours runs with each sharing of
 `--sharing` (kv by default), on the rule's kernel and pinned to each (`--kernel`);
 `--compile inductor` adds every variant compiled (Inductor's generated kernels then appear
-by their names). The
-peers need their packages (`linformer==0.2.3`, `linformer-pytorch==0.19.3`); a missing one
-is skipped.
+by their names). The peers need their packages (`linformer==0.2.3`,
+`linformer-pytorch==0.19.3`); a missing one is skipped. On CPU glibc keeps freed memory
+(`--no-keep-freed-memory`: its defaults), as `linformer bench` does while it times.
 
 Writes OUT/profile.json (default benchmarks/kernels/cuda/profile, or kernels/profile on
 CPU) and prints each variant's top kernels and operators.
@@ -46,6 +46,7 @@ from linformer_kit.bench.variants import (
 )
 from linformer_kit.kernel_rule import KERNELS
 from linformer_kit.training.compare import machine
+from linformer_kit.training.settings import keep_freed_memory
 
 OUT = Path(__file__).parent / "kernels"
 COMMAND = "PYTHONPATH=src python benchmarks/kernels_profile.py"
@@ -137,7 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="unprofiled steps first")
     parser.add_argument("--out", type=Path, default=None, help="writes profile.json there")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU: glibc keeps freed memory (training.keep_freed_memory), as the bench times",
+    )
     args = parser.parse_args(argv)
+    kept = args.device == "cpu" and args.keep_freed_memory and keep_freed_memory()
     kernels = [k for k in args.kernel.split(",") if k]
     unknown = [k for k in kernels if k not in ("rule", *KERNELS)]
     if unknown:
@@ -197,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(),
         "shape": dataclasses.asdict(shape),
         "scope": args.scope,
+        "freed_memory_kept": kept,
         "variants": results,
     }
     (out_dir / "profile.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -43,9 +43,11 @@ def test_the_profile_script_lists_each_variant_s_kernels(tmp_path):
     script = load_script(BENCHMARKS / "kernels_profile.py")
     args = "--n 64 --dim 32 --proj-dim 16 --scope attention --kernel rule,explicit --steps 1"
     args += " --sharing kv,headwise"
+    args += " --no-keep-freed-memory"  # (process-wide: the test process stays untouched)
     script.main([*args.split(), "--warmup", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "profile.json").read_text())
     assert result["shape"]["seq_len"] == 64 and result["scope"] == "attention"
+    assert result["freed_memory_kept"] is False
     ours = ["linformer kv [rule]", "linformer kv [explicit]"]
     ours += ["linformer headwise [rule]", "linformer headwise [explicit]"]
     assert list(result["variants"])[:4] == ours
