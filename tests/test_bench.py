@@ -174,6 +174,10 @@ def test_sweep_writes_json_csv_and_plots(tmp_path, monkeypatch):
     for row in result["rows"]:
         assert row["status"] == "ok" and len(row["times_ms"]) == 1
         assert row["gflop_per_s"] > 0 and row["ceiling_fraction"] > 0
+        # by best-of-rounds times against the probe's fastest round
+        best_ceiling = saved["ceiling_gflop_per_s_best"][str(row["n"])]["float32"] * 1e9
+        best = row["gflop"] * 1e9 / (row["min_ms"] / 1e3) / best_ceiling
+        assert row["ceiling_fraction_best"] == pytest.approx(best)
     sdpa = [r for r in result["rows"] if r["kind"] == "sdpa"]
     assert all(r["speedup_vs_sdpa"] == 1.0 for r in sdpa)
     with open(out / "bench.csv") as handle:
@@ -228,6 +232,7 @@ def test_summary_reads_the_targets_off_the_rows():
             median_ms=ms,
             peak_mem_mb=mem,
             ceiling_fraction=0.5,
+            ceiling_fraction_best=0.6,
             speedup_vs_sdpa=None,
             status="ok",
         )
@@ -244,6 +249,7 @@ def test_summary_reads_the_targets_off_the_rows():
     entry = summarise(rows)["attention"]["float32"]["linformer kv k=8"][64]
     assert entry["speedup_vs_faster_peer"] == pytest.approx(1.5)
     assert entry["speedup_vs_faster_peer_by_min"] == pytest.approx(1.5)
+    assert (entry["ceiling_fraction"], entry["ceiling_fraction_best"]) == (0.5, 0.6)
     assert entry["time_growth_from_half_n"] == pytest.approx(2.0)
     assert entry["memory_growth_from_half_n"] == pytest.approx(1.9)
     assert entry["memory_vs_sdpa"] == pytest.approx(0.95)

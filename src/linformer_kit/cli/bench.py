@@ -23,6 +23,7 @@ COLUMNS = (
     "median_ms",
     "gflop_per_s",
     "ceiling_fraction",
+    "ceiling_fraction_best",
     "peak_mem_mb",
     "speedup_vs_sdpa",
     "reason",
