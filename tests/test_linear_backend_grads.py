@@ -76,3 +76,15 @@ def test_torch_func_grad_gives_linears_gradient():
     got = torch.func.grad(loss(onednn_linear))(weight.detach())
     torch.testing.assert_close(got, torch.func.grad(loss(F.linear))(weight.detach()),
                                atol=1e-3, rtol=1e-4)  # fmt: skip
+
+
+def test_plain_operands_inside_a_transform_of_something_else():
+    # torch.func transforms z; x, the weight and the bias are plain tensors, the weight
+    # wanting a gradient from autograd: no autograd Function may run there (it would raise).
+    x, weight, bias, _ = leaves(3)
+    scale = torch.randn(40)
+    loss = lambda fn: lambda s: (fn(x, weight, bias) * s).sum()  # noqa: E731
+    got = torch.func.grad(loss(onednn_linear))(scale)
+    torch.testing.assert_close(got, torch.func.grad(loss(F.linear))(scale), atol=1e-3, rtol=1e-4)
+    batched = torch.func.vmap(lambda s: onednn_linear(x, weight, bias) * s)(scale[:3, None])
+    torch.testing.assert_close(batched[1], F.linear(x, weight, bias) * scale[1])

@@ -65,7 +65,8 @@ def test_the_fresh_process_ends_when_its_parent_is_killed(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while not pid_file.exists() or not pid_file.read_text():
-            assert parent.poll() is None and time.monotonic() < deadline, stderr.read_text()
+            alive = parent.poll() is None and time.monotonic() < deadline
+            assert alive, f"no fresh process: {stderr.read_text()}"
             time.sleep(0.1)
         child = int(pid_file.read_text())
         assert child != parent.pid and _alive(child)

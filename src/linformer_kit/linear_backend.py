@@ -4,9 +4,9 @@ PyTorch's CPU build sends a float32 `F.linear` / `torch.mm` to MKL, and MKL runs
 code on AMD CPUs, AVX-512 or not (`MKL_VERBOSE` names the generic "Intel(R) Architecture
 processors" path there). oneDNN, which the same build carries for convolutions, runs
 AVX-512 on them. So on an AMD CPU with AVX-512 our layers' linear maps go through oneDNN,
-as a 1 x 1 convolution over a channels-last view of the rows: no copy in or out, and
-autograd's convolution backward gives the input, weight and bias gradients (oneDNN too).
-The result is `F.linear`'s to float32 rounding.
+as a 1 x 1 convolution over a channels-last view of the rows: no copy in or out; its
+backward is the convolution's for the input and weight gradients (oneDNN too) and a sum
+for the bias's. The result is `F.linear`'s to float32 rounding.
 
 The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py`
 (`benchmarks/linear_backend/ab.json`; AMD EPYC with AVX-512 and AVX-512 BF16, no AMX,
@@ -138,10 +138,13 @@ def _plain_float32_cpu(*tensors: Tensor) -> bool:
 
 
 def transformed(*tensors: Tensor | None) -> bool:
-    """Whether a functorch transform (torch.func) wraps any of `tensors`, or a forward-AD
-    dual level is open: ops without batching or forward-mode rules (the compiled kernels,
-    oneDNN's matmul) must not run there."""
+    """Whether a functorch transform (torch.func) is active or wraps any of `tensors`, or a
+    forward-AD dual level is open: ops without batching or forward-mode rules (the compiled
+    kernels, oneDNN's matmul, an autograd Function without `setup_context`) must not run
+    there, not even on plain tensors inside a transform of something else."""
     if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
+        return True
+    if torch._C._are_functorch_transforms_active():
         return True
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     return any(t is not None and wrapped(t) for t in tensors)
@@ -191,7 +194,7 @@ def _pointwise_conv_backward(
     needed): oneDNN's backward for the image and kernel, the bias's a plain sum of `grad`.
     oneDNN's backward-weights with the bias ran 1.04-1.10x slower than without it plus the
     sum (2 threads, AMD EPYC, 256 x 256 kernel, 4096-16384 rows); the attention layer's step
-    at n 16384 1.03x faster for it."""
+    1.00 / 1.02 / 1.01x faster for it at n 4096 / 8192 / 16384."""
     grad_image, grad_kernel, _ = torch.ops.aten.convolution_backward(
         grad, image, kernel, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
         [needs[0], needs[1], False],

@@ -50,7 +50,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         entry: dict[str, Any] = {
             "median_ms": row["median_ms"],
             "ceiling_fraction": row["ceiling_fraction"],
-            "ceiling_fraction_best": row.get("ceiling_fraction_best"),
+            "ceiling_fraction_best": row["ceiling_fraction_best"],
             "speedup_vs_sdpa": row["speedup_vs_sdpa"],
         }
         if peers:

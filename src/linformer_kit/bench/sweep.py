@@ -214,9 +214,9 @@ def _key(call: Call) -> str:
 def _row(
     call: Call, ceilings: tuple[float, float] | None, seconds: list[float] | None
 ) -> dict[str, Any]:
-    """One result row; `ceilings`: the matmul probe's FLOP/s by its median and its fastest
-    round, for the ceiling fraction by median and by best-of-rounds times (interference on
-    a shared machine only adds time, to both)."""
+    """One result row; `ceilings`: the probe's FLOP/s by its median and by its fastest round,
+    for the ceiling fraction by median and by best-of-rounds times (interference only adds
+    time, to both)."""
     flops = variant_flops(call.variant, call.shape, call.scope, backward=call.backward)
     row: dict[str, Any] = {
         "scope": call.scope,
@@ -354,11 +354,8 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             del steps
             if compiling:
                 torch._dynamo.reset()  # this n's compiled code is not needed again
-            flop_s = {  # by the probe's median and by its fastest round
-                d: tuple(matmul_flops(sizes[d]) / pick(times[f"matmul {d}"])
-                         for pick in (statistics.median, min))
-                for d in dtypes
-            }  # fmt: skip
+            flop_s = {d: tuple(matmul_flops(sizes[d]) / pick(times[f"matmul {d}"])
+                               for pick in (statistics.median, min)) for d in dtypes}  # fmt: skip
             ceilings[seq_len] = {d: f[0] / 1e9 for d, f in flop_s.items()}
             best_ceilings[seq_len] = {d: f[1] / 1e9 for d, f in flop_s.items()}
             for call, _ in runnable:
