@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import native
+from .linear_backend import transformed
 
 # Dropout probabilities are rounded to a multiple of 2^-16 (|error| <= 7.6e-6): the mask
 # compares 16 uniform random bits with a threshold. The rescaling uses the rounded value,
@@ -118,10 +119,12 @@ def rescaling(dropout_p: float) -> float:
 
 def native_ops(x: Tensor, dtype: torch.dtype | None = None) -> object | None:
     """The compiled kernels where they apply to `x`, or to x cast to `dtype` (CPU, fp32 /
-    fp64 / bf16; eager or under torch.compile, which traces each op as one node) and could
-    be built; None otherwise."""
+    fp64 / bf16; eager or under torch.compile, which traces each op as one node; not inside
+    a torch.func transform) and could be built; None otherwise."""
     if x.device.type != "cpu" or (dtype or x.dtype) not in NATIVE_DTYPES:
         return None
+    if not torch.compiler.is_compiling() and transformed(x):
+        return None  # torch.func: the compiled kernels have no batching rules
     return native.cpu_ops()
 
 

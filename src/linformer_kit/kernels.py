@@ -53,6 +53,7 @@ from .kernel_rule import (
     compute_dtype,
     pinned_kernel,
 )
+from .linear_backend import transformed
 
 # Blocks of the explicit kernel (`block_rows`): rows of queries per block between 64 (GEMMs
 # stay efficient) and 512, at most 2^22 weights (16 MiB in fp32). Measured on CPU (fp32,
@@ -267,6 +268,7 @@ def dot_product_attention(
 
     The contract of `F.scaled_dot_product_attention` with a bool mask; for the explicit
     kernel every row must have at least one allowed key (`functional.attendable` sees to it).
+    Inside a torch.func transform always SDPA, whatever the rule or a pin says.
     SDPA runs with its queries cut into as many chunks as `choose_splits` says (more than
     one on a GPU in training only; `sdpa(..., splits=1)` is always one call).
 
@@ -290,6 +292,10 @@ def dot_product_attention(
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True builds its own mask; got an attn_mask as well")
     check_kernel(kernel)
+    if not torch.compiler.is_compiling() and transformed(q, k, v, attn_mask):
+        # torch.func (grad, vmap, functional_call): neither explicit kernel (autograd
+        # Functions, C++ or Python) runs inside a transform; SDPA has its rules.
+        return sdpa(q, k, v, attn_mask, dropout_p, scale, is_causal)
     dtype = compute_dtype(q)
     call = {
         "device": q.device,

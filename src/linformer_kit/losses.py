@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .linear_backend import add_matmul_, linear, matmul
+from .linear_backend import add_matmul_, linear, matmul, transformed
 
 # Rows per chunk on CPU (`benchmarks/lm_loss/ab.json`, 2 threads, the head and loss alone,
 # forward + backward): at vocabulary 4096, dim 128, 4096 rows, 256-512 rows a chunk took
@@ -119,7 +119,8 @@ def linear_cross_entropy(
     to float32 (float64 stays float64), gradients included: the GEMMs run in the inputs'
     dtype (under autocast, in its dtype), the softmax in float32 (float64 for float64). When
     grad mode is on and an input requires grad, the forward pass also computes the
-    gradients, chunk by chunk; backward then only scales them (no double backward).
+    gradients, chunk by chunk; backward then only scales them (no double backward). Inside
+    a torch.func transform it is that `F.cross_entropy` itself, all logits at once.
 
     Args:
         hidden: (..., dim) the head's input.
@@ -159,6 +160,11 @@ def linear_cross_entropy(
             )
     if rows_per_chunk is not None and rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
+    if not torch.compiler.is_compiling() and transformed(hidden, weight, bias):
+        # torch.func: the chunked loss is an autograd Function, which cannot run there
+        logits = F.linear(hidden, weight, bias).flatten(0, -2)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)
     rows = targets.numel()
     step = rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
