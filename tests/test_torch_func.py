@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
+from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM
 from linformer_kit.dropout import Dropout
 from linformer_kit.encoder import LinformerEncoderLayer
 from linformer_kit.kernel_rule import use_kernel
@@ -90,3 +91,26 @@ def test_dropout_inside_grad_is_torchs():
     got = grad(lambda t: drop(t).sum())(torch.randn(4, 64))
     # the gradient is the mask over 1 - p: every element 0 or 2, both present
     assert set(got.unique().tolist()) == {0.0, 2.0}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_language_models_under_grad(causal):
+    # the masked LM's head at the scored positions, the causal LM's block attention, and
+    # both losses (chunked outside a transform)
+    torch.manual_seed(0)
+    sizes = {"vocab_size": 64, "dim": 32, "depth": 2, "num_heads": 4, "max_seq_len": 128}
+    config = LinformerConfig(
+        **sizes, proj_dim=16, dropout=0.0, attention_dropout=0.0, causal=causal
+    )
+    model = (LinformerForCausalLM if causal else LinformerForMaskedLM)(config).train()
+    ids = torch.randint(0, 64, (2, 128))
+    labels = ids.clone() if causal else torch.where(torch.rand(2, 128) < 0.3, ids, -100)
+
+    def loss(params: dict) -> torch.Tensor:
+        kwargs = {"labels": labels}
+        return functional_call(model, params, (ids,), kwargs, tie_weights=False).loss
+
+    with use_kernel("explicit"):
+        got = grad(loss)({name: p.detach() for name, p in model.named_parameters()})
+        loss(dict(model.named_parameters())).backward()
+    close(got, {name: p.grad for name, p in model.named_parameters()})
