@@ -93,24 +93,44 @@ def test_dropout_inside_grad_is_torchs():
     assert set(got.unique().tolist()) == {0.0, 2.0}
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_language_models_under_grad(causal):
-    # the masked LM's head at the scored positions, the causal LM's block attention, and
-    # both losses (chunked outside a transform)
+def language_model(causal: bool) -> LinformerForCausalLM | LinformerForMaskedLM:
     torch.manual_seed(0)
     sizes = {"vocab_size": 64, "dim": 32, "depth": 2, "num_heads": 4, "max_seq_len": 128}
     config = LinformerConfig(
         **sizes, proj_dim=16, dropout=0.0, attention_dropout=0.0, causal=causal
     )
-    model = (LinformerForCausalLM if causal else LinformerForMaskedLM)(config).train()
+    return (LinformerForCausalLM if causal else LinformerForMaskedLM)(config).train()
+
+
+def lm_loss(model, params: dict, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss as the trainers ask for it (`return_logits=False`: the chunked loss)."""
+    kwargs = {"labels": labels, "return_logits": False}
+    return functional_call(model, params, (ids,), kwargs, tie_weights=False).loss
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_language_models_under_grad(causal):
+    # the masked LM's head at the scored positions, the causal LM's block attention, the
+    # loss (chunked outside a transform, F.cross_entropy inside)
+    model = language_model(causal)
     ids = torch.randint(0, 64, (2, 128))
     labels = ids.clone() if causal else torch.where(torch.rand(2, 128) < 0.3, ids, -100)
-
-    def loss(params: dict) -> torch.Tensor:
-        kwargs = {"labels": labels}
-        return functional_call(model, params, (ids,), kwargs, tie_weights=False).loss
-
+    params = {name: p.detach() for name, p in model.named_parameters()}
     with use_kernel("explicit"):
-        got = grad(loss)({name: p.detach() for name, p in model.named_parameters()})
-        loss(dict(model.named_parameters())).backward()
+        got = grad(lambda p: lm_loss(model, p, ids, labels))(params)
+        lm_loss(model, dict(model.named_parameters()), ids, labels).backward()
     close(got, {name: p.grad for name, p in model.named_parameters()})
+
+
+def test_per_sample_gradients_of_a_language_model_with_per_sample_labels():
+    # vmapped targets: the loss's data-dependent range check must not run inside vmap
+    model = language_model(causal=True)
+    ids = torch.randint(0, 64, (3, 128))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    one = lambda p, x: lm_loss(model, p, x[None], x[None])  # noqa: E731
+    per_sample = vmap(grad(one), in_dims=(None, 0))(params, ids)
+    for i in (0, 2):
+        model.zero_grad()
+        one(dict(model.named_parameters()), ids[i]).backward()
+        got = {name: g[i] for name, g in per_sample.items()}
+        close(got, {name: p.grad for name, p in model.named_parameters()})

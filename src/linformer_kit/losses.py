@@ -137,7 +137,8 @@ def linear_cross_entropy(
 
     Raises:
         ValueError: if the shapes disagree, a target is outside [0, vocab_size) and is not
-            `ignore_index` (checked on CPU outside torch.compile), or rows_per_chunk is below 1.
+            `ignore_index` (checked on CPU outside torch.compile and torch.func), or
+            rows_per_chunk is below 1.
     """
     vocab_size, dim = weight.shape
     if hidden.shape[-1:] != (dim,) or targets.shape != hidden.shape[:-1]:
@@ -148,6 +149,16 @@ def linear_cross_entropy(
         )
     if bias is not None and bias.shape != (vocab_size,):
         raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
+    if rows_per_chunk is not None and rows_per_chunk < 1:
+        raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
+    if not torch.compiler.is_compiling() and transformed(hidden, weight, bias, targets):
+        # torch.func: the chunked loss is an autograd Function, which cannot run there (and
+        # the range check below is data-dependent, which vmap refuses; cross_entropy checks)
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        bias = None if bias is None else bias.to(dtype)
+        logits = F.linear(hidden.to(dtype), weight.to(dtype), bias).flatten(0, -2)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)
     device = hidden.device.type
     # Checked on CPU in eager mode; on a GPU (no host sync) an out-of-range target fails in
     # gather's device-side assert, as in F.cross_entropy.
@@ -158,13 +169,6 @@ def linear_cross_entropy(
                 f"targets must lie in [0, {vocab_size}) or equal ignore_index {ignore_index}; "
                 f"got {int(targets[bad][0])}"
             )
-    if rows_per_chunk is not None and rows_per_chunk < 1:
-        raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
-    if not torch.compiler.is_compiling() and transformed(hidden, weight, bias):
-        # torch.func: the chunked loss is an autograd Function, which cannot run there
-        logits = F.linear(hidden, weight, bias).flatten(0, -2)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)
     rows = targets.numel()
     step = rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
