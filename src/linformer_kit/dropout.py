@@ -123,7 +123,7 @@ def native_ops(x: Tensor, dtype: torch.dtype | None = None) -> object | None:
     a torch.func transform) and could be built; None otherwise."""
     if x.device.type != "cpu" or (dtype or x.dtype) not in NATIVE_DTYPES:
         return None
-    if not torch.compiler.is_compiling() and transformed(x):
+    if transformed(x):
         return None  # torch.func: the compiled kernels have no batching rules
     return native.cpu_ops()
 

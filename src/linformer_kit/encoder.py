@@ -75,7 +75,7 @@ class FeedForward(nn.Module):
             and self.down.bias is not None
             and all(p.dtype == x.dtype and p.device == x.device for p in self.parameters())
             and not any(hooked(m) for m in (self.up, self.act, self.down))
-            and (torch.compiler.is_compiling() or not transformed(x, *self.parameters()))
+            and not transformed(x, *self.parameters())
         ):
             return None
         if type(self.act) is nn.GELU and self.act.approximate == "none":

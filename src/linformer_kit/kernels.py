@@ -292,7 +292,7 @@ def dot_product_attention(
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True builds its own mask; got an attn_mask as well")
     check_kernel(kernel)
-    if not torch.compiler.is_compiling() and transformed(q, k, v, attn_mask):
+    if transformed(q, k, v, attn_mask):
         # torch.func (grad, vmap, functional_call): neither explicit kernel (autograd
         # Functions, C++ or Python) runs inside a transform; SDPA has its rules.
         return sdpa(q, k, v, attn_mask, dropout_p, scale, is_causal)

@@ -141,7 +141,10 @@ def transformed(*tensors: Tensor | None) -> bool:
     """Whether a functorch transform (torch.func) is active or wraps any of `tensors`, or a
     forward-AD dual level is open: ops without batching or forward-mode rules (the compiled
     kernels, oneDNN's matmul, an autograd Function without `setup_context`) must not run
-    there, not even on plain tensors inside a transform of something else."""
+    there, not even on plain tensors inside a transform of something else. False while
+    torch.compile traces: the callers keep the ops they put in compiled graphs."""
+    if torch.compiler.is_compiling():
+        return False
     if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
         return True
     if torch._C._are_functorch_transforms_active():
@@ -318,7 +321,7 @@ def _kernel_matmul(a: Tensor, b: Tensor) -> bool:
         and a.dim() == b.dim()
         and a.dim() in (2, 3)
         and native.kernel_gemm() == "onednn"
-        and (torch.compiler.is_compiling() or not transformed(a, b))
+        and not transformed(a, b)
     )
 
 

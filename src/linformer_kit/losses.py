@@ -151,7 +151,7 @@ def linear_cross_entropy(
         raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
     if rows_per_chunk is not None and rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
-    if not torch.compiler.is_compiling() and transformed(hidden, weight, bias, targets):
+    if transformed(hidden, weight, bias, targets):
         # torch.func: the chunked loss is an autograd Function, which cannot run there (and
         # the range check below is data-dependent, which vmap refuses; cross_entropy checks)
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
