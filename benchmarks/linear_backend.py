@@ -5,18 +5,20 @@ same seconds of a shared machine), float32 on CPU:
 
 - `gemm`: one linear map, (rows, in) x (in, out) + bias, with its backward (`train`: the
   input, weight and bias gradients) and without (`inference`), through `F.linear` (`blas`)
-  and through oneDNN's 1 x 1 convolution (`onednn`), at rows 1 ... 8192 and the layers'
-  widths;
+  and through `onednn_linear` (`onednn`: in training, the kernels' `matmul` up to
+  `MATMUL_MAX_OUTPUTS` outputs and oneDNN's 1 x 1 convolution beyond; `convolution`: the
+  convolution whatever the size), at rows 1 ... 16384 and the layers' widths;
 - `layer`: the bench's encoder layer and attention layer (dim 256, 4 heads, k 256, kv,
   feed-forward 1024, no dropout, forward + backward) with the backend pinned each way
   (`use_linear_backend`, which also pins the compiled kernels' GEMMs: `sgemm_` or oneDNN's
   micro-kernel, and with them the sequence projection's and, without dropout, the
-  attention kernel the rule picks);
+  attention kernel the rule picks), and oneDNN in its convolution form only;
 - `model`: a whole language model's training step (forward, the loss in chunks of rows,
   backward; `benchmarks/lm_loss.py`'s demo causal and masked Linformers, `--models`, names
   separated by ';'), pinned each way.
 
-Writes OUT/ab.json and OUT/ab.png (blas time / onednn time, > 1: oneDNN is faster).
+Writes OUT/ab.json and OUT/ab.png (blas time / onednn time, > 1: oneDNN is faster;
+`matmul_speedup`: convolution time / onednn time, > 1: the matmul form pays).
 
     PYTHONPATH=src python benchmarks/linear_backend.py
 """
@@ -24,11 +26,13 @@ Writes OUT/ab.json and OUT/ab.png (blas time / onednn time, > 1: oneDNN is faste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -36,76 +40,105 @@ from lm_loss import MODELS, TINY_MODELS, batch_for, model_and_optimizer
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from linformer_kit import linear_backend
 from linformer_kit.bench.flops import Shape
 from linformer_kit.bench.timing import module_step, time_interleaved
 from linformer_kit.bench.variants import Variant, build_variant
-from linformer_kit.linear_backend import LINEAR_BACKENDS, onednn_linear, use_linear_backend
+from linformer_kit.linear_backend import onednn_linear, use_linear_backend
 from linformer_kit.training.compare import machine
 
 OUT = Path(__file__).parent / "linear_backend"
 COMMAND = "PYTHONPATH=src python benchmarks/linear_backend.py"
-LINEARS = {"blas": F.linear, "onednn": onednn_linear}
+WAYS = ("blas", "onednn", "convolution")
+
+
+@contextlib.contextmanager
+def pinned(way: str) -> Iterator[None]:
+    """`use_linear_backend` for blas and onednn; convolution: onednn with no product small
+    enough for its matmul form."""
+    if way != "convolution":
+        with use_linear_backend(way):
+            yield
+        return
+    with use_linear_backend("onednn"), mock.patch.object(linear_backend, "MATMUL_MAX_OUTPUTS", 0):
+        yield
+
+
 DEMO_LINFORMERS = [name for name in MODELS if name.startswith("demo") and "Linformer" in name]
 
 
 def gemm_steps(rows: int, sizes: tuple[int, int]) -> dict[str, Callable[[], None]]:
-    """(mode backend) -> one call of the linear map at this shape."""
+    """(mode way) -> one call of the linear map at this shape."""
     in_features, out_features = sizes
     x = torch.randn(rows, in_features, requires_grad=True)
     weight = torch.randn(out_features, in_features, requires_grad=True)
     bias = torch.randn(out_features, requires_grad=True)
     grad = torch.randn(rows, out_features)
     steps = {}
-    for name, fn in LINEARS.items():
+    for way in WAYS:
+        fn = F.linear if way == "blas" else onednn_linear
 
-        def train(fn=fn) -> None:
-            fn(x, weight, bias).backward(grad)
+        def train(fn=fn, way=way) -> None:
+            with pinned(way):
+                fn(x, weight, bias).backward(grad)
 
-        def inference(fn=fn) -> None:
-            with torch.no_grad():
+        def inference(fn=fn, way=way) -> None:
+            with pinned(way), torch.no_grad():
                 fn(x, weight, bias)
 
-        steps[f"train {name}"], steps[f"inference {name}"] = train, inference
+        steps[f"train {way}"], steps[f"inference {way}"] = train, inference
     return steps
 
 
 def layer_steps(n: int, scope: str) -> dict[str, Callable[[], None]]:
-    """backend -> one forward + backward of the bench's layer with the backend pinned."""
+    """way -> one forward + backward of the bench's layer with the way pinned."""
     shape = Shape(batch_size=1, seq_len=n, dim=256, num_heads=4, proj_dim=256, ffn_dim=1024)
     torch.manual_seed(0)
     module = build_variant(Variant(name="ours", kind="ours", sharing="kv"), shape, scope).train()
     step = module_step(module, torch.randn(1, n, 256, requires_grad=True), backward=True)
 
-    def pinned(backend: str) -> Callable[[], None]:
-        def run() -> None:
-            with use_linear_backend(backend):
+    def run(way: str) -> Callable[[], None]:
+        def one() -> None:
+            with pinned(way):
                 step()
 
-        return run
+        return one
 
-    return {backend: pinned(backend) for backend in LINEAR_BACKENDS}
+    return {way: run(way) for way in WAYS}
 
 
 def model_steps(name: str, tiny: bool) -> dict[str, Callable[[], None]]:
-    """backend -> one training step (no optimiser) of `lm_loss`'s model `name`, pinned."""
+    """way -> one training step (no optimiser) of `lm_loss`'s model `name`, pinned."""
     fields, batch = (TINY_MODELS if tiny else MODELS)[name]
     model, _ = model_and_optimizer(fields, "cpu")
     inputs = batch_for(fields, batch, "cpu")
 
-    def pinned(backend: str) -> Callable[[], None]:
-        def run() -> None:
-            with use_linear_backend(backend):
+    def run(way: str) -> Callable[[], None]:
+        def one() -> None:
+            with pinned(way):
                 model(**inputs, return_logits=False).loss.backward()
 
-        return run
+        return one
 
-    return {backend: pinned(backend) for backend in LINEAR_BACKENDS}
+    return {way: run(way) for way in WAYS}
 
 
 def medians(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
     """Median milliseconds of each step, timed interleaved."""
     times = time_interleaved(steps, warmup=2, repeats=repeats, device="cpu")
     return {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
+
+
+def timings(ms: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """Each way's milliseconds (the steps named prefix + way) and the two ratios."""
+    blas, onednn, convolution = (ms[prefix + way] for way in WAYS)
+    return dict(
+        blas_ms=blas,
+        onednn_ms=onednn,
+        convolution_ms=convolution,
+        onednn_speedup=round(blas / onednn, 3),
+        matmul_speedup=round(convolution / onednn, 3),
+    )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -125,9 +158,13 @@ def plot(result: dict, path: Path) -> None:
     left.set(xscale="log", xlabel="rows", ylabel="blas time / onednn time", title="one linear map")
     for scope in sorted({r["scope"] for r in result["layer"]}):
         rows = [r for r in result["layer"] if r["scope"] == scope]
-        right.plot([r["n"] for r in rows], [r["onednn_speedup"] for r in rows], marker="o",
-                   label=f"{scope} (fwd+bwd)")  # fmt: skip
-    right.set(xscale="log", xlabel="n", title="the bench's layer, kv, k 256")
+        for key, style, what in (
+            ("onednn", "-", "blas / onednn"),
+            ("matmul", "--", "conv / onednn"),
+        ):
+            right.plot([r["n"] for r in rows], [r[f"{key}_speedup"] for r in rows], style,
+                       marker="o", label=f"{scope}: {what}")  # fmt: skip
+    right.set(xscale="log", xlabel="n", title="the bench's layer, kv, k 256, fwd+bwd")
     for ax in (left, right):
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.legend(fontsize=7)
@@ -140,9 +177,11 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Times both parts and writes ab.json and ab.png."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,16,64,128,256,512,2048,8192")
+    parser.add_argument("--rows", default="1,16,64,128,256,512,2048,8192,16384")
     parser.add_argument("--sizes", default="256x256,256x1024,1024x256,768x768", help="in x out")
-    parser.add_argument("--n", default="1024,4096,16384", help="the layers' sequence lengths")
+    parser.add_argument(
+        "--n", default="1024,2048,4096,8192,16384", help="the layers' sequence lengths"
+    )
     parser.add_argument("--scope", default="layer,attention")
     parser.add_argument("--models", default=";".join(DEMO_LINFORMERS), help="; separated")
     parser.add_argument("--repeats", type=int, default=15)
@@ -167,19 +206,16 @@ def main(argv: list[str] | None = None) -> None:
     for rows, size in tqdm(shapes, desc="linear maps"):
         ms = medians(gemm_steps(rows, size), args.repeats)
         for mode in ("train", "inference"):
-            blas, onednn = ms[f"{mode} blas"], ms[f"{mode} onednn"]
-            row = dict(mode=mode, rows=rows, sizes=size, blas_ms=blas, onednn_ms=onednn)
-            result["gemm"].append(row | {"onednn_speedup": round(blas / onednn, 3)})
+            row = dict(mode=mode, rows=rows, sizes=size) | timings(ms, f"{mode} ")
+            result["gemm"].append(row)
     cells = [(s, n) for s in args.scope.split(",") for n in map(int, args.n.split(","))]
     for scope, n in tqdm(cells, desc="layers"):
         ms = medians(layer_steps(n, scope), args.repeats)
-        row = dict(scope=scope, n=n, blas_ms=ms["blas"], onednn_ms=ms["onednn"])
-        result["layer"].append(row | {"onednn_speedup": round(ms["blas"] / ms["onednn"], 3)})
+        result["layer"].append(dict(scope=scope, n=n) | timings(ms))
         tqdm.write(json.dumps(result["layer"][-1]))
     for name in tqdm(args.models.split(";"), desc="models"):
         ms = medians(model_steps(name, args.tiny), max(3, args.repeats // 3))
-        row = dict(model=name, blas_ms=ms["blas"], onednn_ms=ms["onednn"])
-        result["model"].append(row | {"onednn_speedup": round(ms["blas"] / ms["onednn"], 3)})
+        result["model"].append(dict(model=name) | timings(ms))
         tqdm.write(json.dumps(result["model"][-1]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ab.json").write_text(json.dumps(result, indent=1) + "\n")

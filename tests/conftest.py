@@ -4,8 +4,9 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from linformer_kit import kernels, native, precision
+from linformer_kit import kernels, linear_backend, native, precision
 
 
 @pytest.fixture
@@ -71,3 +72,32 @@ def explicit_calls(monkeypatch):
                                  ("_fused_attention", "apply"), real):  # fmt: skip
         monkeypatch.setattr(owner, name, lambda *a, call=call: calls.append("explicit") or call(*a))
     return calls
+
+
+@pytest.fixture
+def onednn_maps(monkeypatch):
+    """A list that gets an entry each time a linear map runs in one of oneDNN's forms with
+    gradients: "convolution" or "matmul" (oneDNN's brgemm through the kernels' GEMMs)."""
+    calls = []
+
+    def recording(real, form):
+        def record(*args, **kwargs):
+            calls.append(form)
+            return real(*args, **kwargs)
+
+        return record
+
+    for module, name, form in ((F, "conv2d", "convolution"), (linear_backend, "matmul", "matmul")):
+        monkeypatch.setattr(module, name, recording(getattr(module, name), form))
+    return calls
+
+
+@pytest.fixture(params=["convolution", "matmul"])
+def form(request, monkeypatch):
+    """oneDNN's form for the products that need gradients: the convolution (no product
+    small enough for `matmul`) or, where the kernels build, `matmul` up to its limit."""
+    if request.param == "convolution":
+        monkeypatch.setattr(linear_backend, "MATMUL_MAX_OUTPUTS", 0)
+    elif native.cpu_ops() is None:
+        pytest.skip("no C++ compiler here: the kernels' GEMMs cannot be built")
+    return request.param

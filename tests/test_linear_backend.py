@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from script_helpers import BENCHMARKS, load_script
 from torch import nn
@@ -19,6 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from linformer_kit import LinformerCrossAttention, native, precision
 from linformer_kit.encoder import FeedForward, LinformerEncoderLayer
 from linformer_kit.linear_backend import (
+    MATMUL_MAX_OUTPUTS,
     ONEDNN_MIN_MACS,
     ONEDNN_MIN_ROWS,
     ONEDNN_MIN_WIDTH,
@@ -41,15 +42,6 @@ def two_threads():
     torch.set_num_threads(2)
 
 
-@pytest.fixture
-def convolutions(monkeypatch):
-    """A list that gets an entry each time a linear map runs as oneDNN's convolution."""
-    calls = []
-    real = F.conv2d
-    monkeypatch.setattr(F, "conv2d", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 def value_and_grads(fn, x, weight, bias, grad):
     leaves = [t.detach().requires_grad_() for t in (x, weight, bias) if t is not None]
     out = fn(*leaves, *([None] if bias is None else []))
@@ -57,21 +49,29 @@ def value_and_grads(fn, x, weight, bias, grad):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     lead=st.sampled_from([(1,), (7,), (2, 3), (2, 1, 5), (300,)]),
     sizes=st.tuples(st.integers(1, 40), st.integers(1, 40)),
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_onednn_linear_is_linear_in_value_and_every_gradient(lead, sizes, with_bias, seed):
+def test_onednn_linear_is_linear_in_value_and_every_gradient(
+    lead, sizes, with_bias, seed, onednn_maps, form
+):
+    # (the fixtures hold for every example: the form patched once, the record cleared)
     torch.manual_seed(seed)
     in_features, out_features = sizes
     x = torch.randn(*lead, in_features)
     weight = torch.randn(out_features, in_features)
     bias = torch.randn(out_features) if with_bias else None
     grad = torch.randn(*lead, out_features)
-    got = value_and_grads(onednn_linear, x, weight, bias, grad)
+    onednn_maps.clear()
+    with use_linear_backend("onednn"):  # (the kernels' GEMMs on oneDNN's brgemm)
+        got = value_and_grads(onednn_linear, x, weight, bias, grad)
+    assert onednn_maps == [form]
     as_double = [t.double() if t is not None else None for t in (x, weight, bias, grad)]
     wanted = value_and_grads(F.linear, *as_double)
     assert got[0].shape == wanted[0].shape and got[0].dtype == torch.float32
@@ -81,7 +81,7 @@ def test_onednn_linear_is_linear_in_value_and_every_gradient(lead, sizes, with_b
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
-def test_without_gradients_onednn_linear_runs_onednns_matmul(with_bias, no_grad, convolutions):
+def test_without_gradients_onednn_linear_runs_onednns_matmul(with_bias, no_grad, onednn_maps):
     # No operand needs a gradient: oneDNN's matmul on the dense tensors, not the convolution
     # (and with a gradient wanted, the convolution: the hypothesis test above).
     x, columns = torch.randn(2, 300, 24), torch.randn(300, 24).t()  # (24, 300), a view
@@ -91,7 +91,7 @@ def test_without_gradients_onednn_linear_runs_onednns_matmul(with_bias, no_grad,
     with no_grad():
         got = onednn_linear(x, weight, bias)
         wide = onednn_linear(columns, rows_weight)  # (24, 300) x (40, 300)^T, both views
-    assert not convolutions and got.dtype == torch.float32
+    assert not onednn_maps and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), wanted, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(wide, F.linear(columns, rows_weight), atol=1e-4, rtol=1e-4)
 
@@ -120,13 +120,23 @@ def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypa
     assert choose_linear_backend(many.double(), weight.double()) == "blas"
     assert choose_linear_backend(many.bfloat16(), weight.bfloat16()) == "blas"
     assert choose_linear_backend(many[:, :0], weight) == "blas"
-    torch.set_num_threads(1)  # training: a tie there, F.linear; inference: oneDNN's matmul
-    trained = weight.detach().requires_grad_()
+    # One thread, training: F.linear (a tie with the convolution there), but oneDNN's
+    # brgemm through the kernels' matmul up to MATMUL_MAX_OUTPUTS outputs where the kernels'
+    # GEMMs are oneDNN's; inference: oneDNN's matmul
+    torch.set_num_threads(1)
+    trained, bias = weight.detach().requires_grad_(), torch.zeros(256, requires_grad=True)
+    monkeypatch.setattr(native, "kernel_gemm", lambda: "blas")
     assert choose_linear_backend(many, trained) == "blas"
     assert choose_linear_backend(many, weight) == "onednn"
-    assert choose_linear_backend(many, weight, torch.zeros(256, requires_grad=True)) == "blas"
+    assert choose_linear_backend(many, weight, bias) == "blas"
     with torch.no_grad():
         assert choose_linear_backend(many, trained) == "onednn"
+    monkeypatch.setattr(native, "kernel_gemm", lambda: "onednn")
+    assert choose_linear_backend(many, trained) == "onednn"
+    assert choose_linear_backend(many, weight, bias) == "onednn"
+    most = torch.randn(MATMUL_MAX_OUTPUTS // 256, 256)
+    assert choose_linear_backend(most, trained) == "onednn"
+    assert choose_linear_backend(torch.cat([most, most[:1]]), trained) == "blas"
     torch.set_num_threads(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert choose_linear_backend(many, weight) == "blas"
@@ -167,14 +177,14 @@ def test_cpu_features_names_the_vendor():
     assert precision.cpu_features()["vendor"] == (vendors[0] if vendors else "")
 
 
-def test_a_pin_overrides_the_rule_and_is_checked(convolutions):
+def test_a_pin_overrides_the_rule_and_is_checked(onednn_maps, form):
     x, weight = torch.randn(3, 8), torch.randn(4, 8, requires_grad=True)
     with use_linear_backend("onednn"):
         out = linear(x, weight)
         with use_linear_backend(None):  # the rule again: blas on the fixture's CPU
             linear(x, weight)
         linear(x.double(), weight.double())  # oneDNN cannot take it: F.linear
-    assert len(convolutions) == 1
+    assert onednn_maps == [form]
     torch.testing.assert_close(out, F.linear(x, weight))
     with pytest.raises(ValueError, match="backend must be one of blas, onednn or None; got 'mkl'"):
         with use_linear_backend("mkl"):
@@ -182,13 +192,13 @@ def test_a_pin_overrides_the_rule_and_is_checked(convolutions):
 
 
 @pytest.mark.parametrize("backend", ["blas", "onednn"])
-def test_apply_linear_calls_the_module_where_more_than_its_forward_runs(backend, convolutions):
+def test_apply_linear_calls_the_module_where_more_than_its_forward_runs(backend, onednn_maps, form):
     layer = nn.Linear(8, 4)
     x = torch.randn(5, 8, requires_grad=True)
     with use_linear_backend(backend):
         torch.testing.assert_close(apply_linear(layer, x), layer(x))
-        assert len(convolutions) == (backend == "onednn")
-        convolutions.clear()
+        assert onednn_maps == ([form] if backend == "onednn" else [])
+        onednn_maps.clear()
         seen = []
         registers = {
             "forward": layer.register_forward_hook,
@@ -213,7 +223,7 @@ def test_apply_linear_calls_the_module_where_more_than_its_forward_runs(backend,
     assert seen == [
         "forward", "pre", "backward", "backward pre", "global backward", "instance forward"
     ]  # fmt: skip
-    assert not convolutions and lazy.weight.shape == (4, 8)
+    assert not onednn_maps and lazy.weight.shape == (4, 8)
 
 
 def test_onednn_linear_keeps_f_linears_empty_results_and_errors():
@@ -223,11 +233,11 @@ def test_onednn_linear_keeps_f_linears_empty_results_and_errors():
         onednn_linear(torch.randn(3, 7), weight)
 
 
-def test_traced_graphs_keep_plain_linear(convolutions):
+def test_traced_graphs_keep_plain_linear(onednn_maps):
     layer = nn.Linear(8, 4)
     with use_linear_backend("onednn"):
         traced = torch.jit.trace(layer, torch.randn(300, 8))
-    assert not convolutions and "aten::linear" in str(traced.inlined_graph)
+    assert not onednn_maps and "aten::linear" in str(traced.inlined_graph)
 
 
 def layer_outputs_and_grads(layer, x, key_padding_mask):
@@ -240,7 +250,7 @@ def layer_outputs_and_grads(layer, x, key_padding_mask):
 
 
 @pytest.mark.parametrize("sharing", ["kv", "none", "exact"])
-def test_an_encoder_layer_on_onednn_equals_it_on_blas(sharing, convolutions):
+def test_an_encoder_layer_on_onednn_equals_it_on_blas(sharing, onednn_maps, form):
     torch.manual_seed(0)
     n, dim = 64, 32
     if sharing == "exact":
@@ -256,17 +266,17 @@ def test_an_encoder_layer_on_onednn_equals_it_on_blas(sharing, convolutions):
     mask = torch.ones(3, n, dtype=torch.bool)
     mask[1, 40:] = False
     wanted = layer_outputs_and_grads(layer, x, mask)
-    assert not convolutions
+    assert not onednn_maps
     with use_linear_backend("onednn"):
         got = layer_outputs_and_grads(layer, x, mask)
     # q, k and v (on the projected rows or all n), out; the feed-forward block runs its
     # kernel (its GEMMs on oneDNN's micro-kernel), or its two layers where none is built
-    assert len(convolutions) == (4 if native.cpu_ops() is not None else 6)
+    assert onednn_maps == [form] * (4 if native.cpu_ops() is not None else 6)
     for a, b in zip(got, wanted):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_feed_forward_runs_its_kernel_on_onednn(convolutions, monkeypatch, two_threads):
+def test_feed_forward_runs_its_kernel_on_onednn(onednn_maps, monkeypatch, two_threads):
     if native.cpu_ops() is None:
         pytest.skip("no C++ compiler here: the feed-forward kernel cannot be built")
     ffn = FeedForward(dim=128, hidden_dim=512)  # 256 rows: 2^24 multiply-adds a layer
@@ -277,10 +287,10 @@ def test_feed_forward_runs_its_kernel_on_onednn(convolutions, monkeypatch, two_t
     with use_linear_backend("onednn"):
         assert native.cpu_ops().float_gemm() == "onednn"  # the kernel's GEMMs
         torch.testing.assert_close(ffn(x), wanted, atol=1e-5, rtol=1e-5)
-    assert not convolutions  # the kernel both times, not its two modules on oneDNN
+    assert not onednn_maps  # the kernel both times, not its two modules on oneDNN
 
 
-def test_cross_attention_queries_on_onednn(convolutions):
+def test_cross_attention_queries_on_onednn(onednn_maps, form):
     torch.manual_seed(0)
     attn = LinformerCrossAttention(
         dim=16, num_heads=2, max_seq_len=32, proj_k=MatrixProjection(max_seq_len=32, proj_dim=8)
@@ -289,11 +299,11 @@ def test_cross_attention_queries_on_onednn(convolutions):
     wanted = attn(x, memory)
     with use_linear_backend("onednn"):
         got = attn(x, memory)
-    assert len(convolutions) == 4  # q, k and v on the projected memory, out
+    assert onednn_maps == [form] * 4  # q, k and v on the projected memory, out
     torch.testing.assert_close(got, wanted, atol=1e-5, rtol=1e-5)
 
 
-def test_the_benchmark_times_both_backends(tmp_path, convolutions, monkeypatch):
+def test_the_benchmark_times_both_backends(tmp_path, onednn_maps, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/lm_loss.py
     script = load_script(BENCHMARKS / "linear_backend.py")
     script.main(["--tiny", "--threads", "1", "--out", str(tmp_path)])
@@ -305,7 +315,11 @@ def test_the_benchmark_times_both_backends(tmp_path, convolutions, monkeypatch):
     assert [r["model"] for r in result["model"]] == ["tiny causal", "tiny masked"]
     for row in result["gemm"] + result["layer"] + result["model"]:
         assert row["onednn_speedup"] == round(row["blas_ms"] / row["onednn_ms"], 3)
-    assert convolutions  # the onednn rows ran oneDNN's form, on any CPU
+        assert row["matmul_speedup"] == round(row["convolution_ms"] / row["onednn_ms"], 3)
+    # the onednn rows ran oneDNN's forms on any CPU: the convolution, and the matmul one
+    # where the kernels build
+    assert "convolution" in onednn_maps
+    assert "matmul" in onednn_maps or native.cpu_ops() is None
     assert (tmp_path / "ab.png").stat().st_size > 0
 
 

@@ -1,18 +1,21 @@
 """`linear_backend`'s backward of oneDNN's linear map: the convolution's backward gives the
 input and weight gradients, the bias gradient is a sum of the output gradient (eager and the
-compiled op alike), and eager double backward and torch.func transforms still give
-`F.linear`'s results."""
+compiled op alike); products up to `MATMUL_MAX_OUTPUTS` outputs take `matmul` instead; eager
+double backward and torch.func transforms give `F.linear`'s results in either form."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from linformer_kit.linear_backend import onednn_linear
+from linformer_kit import linear_backend
+from linformer_kit.linear_backend import MATMUL_MAX_OUTPUTS, onednn_linear, use_linear_backend
 
 
 @pytest.fixture
 def masks(monkeypatch):
-    """The output mask of every `aten.convolution_backward` call, in order."""
+    """The output mask of every `aten.convolution_backward` call, in order (every product
+    in the convolution form)."""
+    monkeypatch.setattr(linear_backend, "MATMUL_MAX_OUTPUTS", 0)
     calls = []
     real = torch.ops.aten.convolution_backward
 
@@ -57,34 +60,56 @@ def test_only_the_gradients_asked_for_are_computed(masks):
     assert masks == [[False, True, False]]
 
 
-def test_eager_double_backward_gives_linears_second_derivatives():
+def test_a_product_takes_matmul_up_to_its_limit_then_the_convolution(onednn_maps, form):
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(256, 8, generator=gen, requires_grad=True)
+    bias = torch.randn(256, generator=gen, requires_grad=True)
+    for rows in (MATMUL_MAX_OUTPUTS // 256, MATMUL_MAX_OUTPUTS // 256 + 1):
+        x = torch.randn(rows, 8, generator=gen, requires_grad=True)
+        grad = torch.randn(rows, 256, generator=gen)
+        with use_linear_backend("onednn"):  # (the kernels' GEMMs on oneDNN's brgemm)
+            onednn_linear(x, weight, bias).backward(grad)
+        as_double = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+        wanted = torch.autograd.grad(F.linear(*as_double), as_double, grad.double())
+        for got, want in zip((x.grad, weight.grad, bias.grad), wanted):
+            torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-4)
+        weight.grad = bias.grad = None
+    assert onednn_maps == [form, "convolution"]
+
+
+def test_eager_double_backward_gives_linears_second_derivatives(onednn_maps, form):
     x, weight, bias, grad = leaves(1)
     results = []
     for fn in (onednn_linear, F.linear):
-        grad_x, grad_weight, grad_bias = torch.autograd.grad(
-            fn(x, weight, bias), (x, weight, bias), grad, create_graph=True
-        )
+        with use_linear_backend("onednn"):
+            grad_x, grad_weight, grad_bias = torch.autograd.grad(
+                fn(x, weight, bias), (x, weight, bias), grad, create_graph=True
+            )
         penalty = grad_x.square().sum() + grad_weight.square().sum() + grad_bias.sum()
         results.append(torch.autograd.grad(penalty, (x, weight)))
+    assert onednn_maps == [form]
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
-def test_torch_func_grad_gives_linears_gradient():
+def test_torch_func_grad_gives_linears_gradient(form):
     x, weight, bias, _ = leaves(2)
     loss = lambda fn: lambda w: fn(x.detach(), w, bias.detach()).square().sum()  # noqa: E731
-    got = torch.func.grad(loss(onednn_linear))(weight.detach())
+    with use_linear_backend("onednn"):
+        got = torch.func.grad(loss(onednn_linear))(weight.detach())
     torch.testing.assert_close(got, torch.func.grad(loss(F.linear))(weight.detach()),
                                atol=1e-3, rtol=1e-4)  # fmt: skip
 
 
-def test_plain_operands_inside_a_transform_of_something_else():
+def test_plain_operands_inside_a_transform_of_something_else(form):
     # torch.func transforms z; x, the weight and the bias are plain tensors, the weight
-    # wanting a gradient from autograd: no autograd Function may run there (it would raise).
+    # wanting a gradient from autograd: no autograd Function (nor the kernels' matmul, whose
+    # backward is one) may run there (it would raise).
     x, weight, bias, _ = leaves(3)
     scale = torch.randn(40)
     loss = lambda fn: lambda s: (fn(x, weight, bias) * s).sum()  # noqa: E731
-    got = torch.func.grad(loss(onednn_linear))(scale)
+    with use_linear_backend("onednn"):
+        got = torch.func.grad(loss(onednn_linear))(scale)
+        batched = torch.func.vmap(lambda s: onednn_linear(x, weight, bias) * s)(scale[:3, None])
     torch.testing.assert_close(got, torch.func.grad(loss(F.linear))(scale), atol=1e-3, rtol=1e-4)
-    batched = torch.func.vmap(lambda s: onednn_linear(x, weight, bias) * s)(scale[:3, None])
     torch.testing.assert_close(batched[1], F.linear(x, weight, bias) * scale[1])

@@ -57,6 +57,9 @@ LINEAR_BACKENDS = ("blas", "onednn")
 # Rows (the product of x's leading dimensions), in and out features, and multiply-adds
 # (rows x in x out) from which oneDNN pays where the rule allows it.
 ONEDNN_MIN_ROWS, ONEDNN_MIN_WIDTH, ONEDNN_MIN_MACS = 256, 128, 2**24
+# Outputs (rows x out features) up to which a product that needs gradients runs on the
+# kernels' GEMMs (`matmul`) rather than oneDNN's convolution (module docstring).
+MATMUL_MAX_OUTPUTS = 2**21
 HOOK_KINDS = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
 # The backend `use_linear_backend` pins for the products oneDNN can compute (None: the rule).
 _pinned: str | None = None
@@ -119,7 +122,7 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
     if not precision.mkl_without_avx512():
         return "blas"
     one_thread = not torch.compiler.is_compiling() and torch.get_num_threads() == 1
-    if one_thread and _needs_grad(x, weight, bias):
+    if one_thread and _needs_grad(x, weight, bias) and not _on_kernel_matmul(x, weight):
         return "blas"
     rows = x.numel() // x.shape[-1]
     big = rows >= ONEDNN_MIN_ROWS and rows * weight.numel() >= ONEDNN_MIN_MACS
@@ -153,6 +156,14 @@ def transformed(*tensors: Tensor | None) -> bool:
     return any(t is not None and wrapped(t) for t in tensors)
 
 
+def _on_kernel_matmul(x: Tensor, weight: Tensor) -> bool:
+    """Whether oneDNN's form of a product that needs gradients is `matmul` (the kernels'
+    GEMMs, where those are oneDNN's brgemm) rather than the convolution: up to
+    `MATMUL_MAX_OUTPUTS` outputs."""
+    rows = x.numel() // x.shape[-1]
+    return rows * weight.shape[0] <= MATMUL_MAX_OUTPUTS and native.kernel_gemm() == "onednn"
+
+
 def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether autograd will want a gradient of any operand of the product."""
     operands = (x, weight) if bias is None else (x, weight, bias)
@@ -171,11 +182,12 @@ def _as_rows(image: Tensor, lead: torch.Size) -> Tensor:
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` on oneDNN: without gradients, its matmul on the dense
-    tensors (`mkldnn::_linear_pointwise`, the op Inductor's CPU fusions call); with them, its
-    1 x 1 convolution over a channels-last view of x's rows (no copy where x is contiguous),
-    differentiable in every argument (`_pointwise_conv_backward`: the bias's gradient a
-    sum). Under torch.compile, one graph node (`linformer_kit::onednn_linear`, with its
-    backward)."""
+    tensors (`mkldnn::_linear_pointwise`, the op Inductor's CPU fusions call); with them, up
+    to `MATMUL_MAX_OUTPUTS` outputs `matmul` (its brgemm micro-kernel, differentiable) and
+    the bias added, beyond its 1 x 1 convolution over a channels-last view of x's rows (no
+    copy where x is contiguous), differentiable in every argument
+    (`_pointwise_conv_backward`: the bias's gradient a sum). Under torch.compile, one graph
+    node (`linformer_kit::onednn_linear`, with its backward: the convolution's)."""
     if x.numel() == 0 or x.shape[-1] != weight.shape[-1]:
         return F.linear(x, weight, bias)  # F.linear's empty result, or its error
     if torch.compiler.is_compiling():
@@ -183,6 +195,10 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     if not _needs_grad(x, weight, bias) and not transformed(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     out_features, in_features = weight.shape
+    if not transformed(x, weight, bias) and _on_kernel_matmul(x, weight):
+        out = matmul(x.reshape(-1, in_features), weight.t())
+        out = out if bias is None else out + bias
+        return out.view(*x.shape[:-1], out_features)
     kernel = weight.reshape(out_features, in_features, 1, 1)
     image = _as_image(x, in_features)
     if transformed(x, weight, bias):  # torch.func: conv2d has the batching rules
