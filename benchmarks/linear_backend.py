@@ -17,8 +17,10 @@ same seconds of a shared machine), float32 on CPU:
   backward; `benchmarks/lm_loss.py`'s demo causal and masked Linformers, `--models`, names
   separated by ';'), pinned each way.
 
-Writes OUT/ab.json and OUT/ab.png (blas time / onednn time, > 1: oneDNN is faster;
-`matmul_speedup`: convolution time / onednn time, > 1: the matmul form pays).
+glibc keeps freed memory (`--no-keep-freed-memory`: its defaults), as `linformer bench`
+does while it times. Writes OUT/ab.json and OUT/ab.png (blas time / onednn time, > 1:
+oneDNN is faster; `matmul_speedup`: convolution time / onednn time, > 1: the matmul form
+pays).
 
     PYTHONPATH=src python benchmarks/linear_backend.py
 """
@@ -46,6 +48,7 @@ from linformer_kit.bench.timing import module_step, time_interleaved
 from linformer_kit.bench.variants import Variant, build_variant
 from linformer_kit.linear_backend import onednn_linear, use_linear_backend
 from linformer_kit.training.compare import machine
+from linformer_kit.training.settings import keep_freed_memory
 
 OUT = Path(__file__).parent / "linear_backend"
 COMMAND = "PYTHONPATH=src python benchmarks/linear_backend.py"
@@ -142,30 +145,30 @@ def timings(ms: dict[str, float], prefix: str = "") -> dict[str, float]:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Left: the linear map's speed-up by rows per width; right: the layers' by n."""
-    fig = Figure(figsize=(11, 4.2))
-    left, right = fig.subplots(1, 2)
-    for mode, style in (("train", "-"), ("inference", ":")):
-        for sizes in sorted({tuple(r["sizes"]) for r in result["gemm"]}):
+    """Left: one linear map's speed-up on oneDNN by rows per width; middle: its matmul
+    form's over the convolution (training); right: the layers' both ways, by n."""
+    fig = Figure(figsize=(15, 4.2))
+    left, middle, right = fig.subplots(1, 3)
+    for sizes in sorted({tuple(r["sizes"]) for r in result["gemm"]}):
+        for mode, style in (("train", "-"), ("inference", ":")):
             rows = [r for r in result["gemm"] if tuple(r["sizes"]) == sizes and r["mode"] == mode]
-            left.plot(
-                [r["rows"] for r in rows],
-                [r["onednn_speedup"] for r in rows],
-                style,
-                marker="o",
-                label=f"{mode} {sizes[0]}->{sizes[1]}",
-            )
+            label = f"{mode} {sizes[0]}->{sizes[1]}"
+            left.plot([r["rows"] for r in rows], [r["onednn_speedup"] for r in rows], style,
+                      marker="o", label=label)  # fmt: skip
+            if mode == "train":
+                middle.plot([r["rows"] for r in rows], [r["matmul_speedup"] for r in rows],
+                            marker="o", label=label)  # fmt: skip
     left.set(xscale="log", xlabel="rows", ylabel="blas time / onednn time", title="one linear map")
+    middle.set(xscale="log", xlabel="rows", ylabel="convolution time / onednn time",
+               title="one linear map, with gradients: matmul form")  # fmt: skip
     for scope in sorted({r["scope"] for r in result["layer"]}):
         rows = [r for r in result["layer"] if r["scope"] == scope]
-        for key, style, what in (
-            ("onednn", "-", "blas / onednn"),
-            ("matmul", "--", "conv / onednn"),
-        ):
+        ways = (("onednn", "-", "blas / onednn"), ("matmul", "--", "conv / onednn"))
+        for key, style, what in ways:
             right.plot([r["n"] for r in rows], [r[f"{key}_speedup"] for r in rows], style,
                        marker="o", label=f"{scope}: {what}")  # fmt: skip
     right.set(xscale="log", xlabel="n", title="the bench's layer, kv, k 256, fwd+bwd")
-    for ax in (left, right):
+    for ax in (left, middle, right):
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
@@ -183,12 +186,21 @@ def main(argv: list[str] | None = None) -> None:
         "--n", default="1024,2048,4096,8192,16384", help="the layers' sequence lengths"
     )
     parser.add_argument("--scope", default="layer,attention")
-    parser.add_argument("--models", default=";".join(DEMO_LINFORMERS), help="; separated")
+    parser.add_argument(
+        "--models", default=";".join(DEMO_LINFORMERS), help="; separated (empty: none)"
+    )
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a quick smoke run (tests)")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="glibc keeps freed memory (training.keep_freed_memory), as the bench times",
+    )
     args = parser.parse_args(argv)
+    kept = args.keep_freed_memory and keep_freed_memory()
     if args.tiny:
         args.rows, args.sizes, args.n, args.repeats = "16,256", "32x64", "256", 3
         args.models = ";".join(TINY_MODELS)
@@ -199,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join([COMMAND, *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine(),
         "threads": args.threads,
+        "freed_memory_kept": kept,
         "gemm": [],
         "layer": [],
         "model": [],
@@ -213,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         ms = medians(layer_steps(n, scope), args.repeats)
         result["layer"].append(dict(scope=scope, n=n) | timings(ms))
         tqdm.write(json.dumps(result["layer"][-1]))
-    for name in tqdm(args.models.split(";"), desc="models"):
+    for name in tqdm([m for m in args.models.split(";") if m], desc="models"):
         ms = medians(model_steps(name, args.tiny), max(3, args.repeats // 3))
         result["model"].append(dict(model=name) | timings(ms))
         tqdm.write(json.dumps(result["model"][-1]))

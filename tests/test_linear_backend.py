@@ -104,17 +104,19 @@ def test_onednn_linear_takes_non_contiguous_input_and_weight():
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypatch, two_threads):
-    # (256, 256) at 256 rows: the row and multiply-add thresholds just met; (128, 128) needs
-    # 1024 rows; width 64 never
-    weight, narrow = torch.randn(256, 256), torch.randn(128, 128)
-    many, few = torch.randn(2, ONEDNN_MIN_ROWS // 2, 256), torch.randn(ONEDNN_MIN_ROWS - 1, 256)
-    assert ONEDNN_MIN_ROWS * weight.numel() == ONEDNN_MIN_MACS
+    # (256, 256) at 128 rows: the multiply-add threshold just met; (128, 128) needs 512
+    # rows; (768, 768) 16, the fewest rows; width 64 never
+    weight, narrow, wide = torch.randn(256, 256), torch.randn(128, 128), torch.randn(768, 768)
+    many, few = torch.randn(2, 64, 256), torch.randn(127, 256)
+    assert 128 * weight.numel() == ONEDNN_MIN_MACS
     assert choose_linear_backend(many, weight) == "blas"  # the fixture's Intel CPU
     monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)
     assert choose_linear_backend(many, weight) == "onednn"
     assert choose_linear_backend(few, weight) == "blas"
-    assert choose_linear_backend(torch.randn(1024, 128), narrow) == "onednn"
-    assert choose_linear_backend(torch.randn(1023, 128), narrow) == "blas"
+    assert choose_linear_backend(torch.randn(512, 128), narrow) == "onednn"
+    assert choose_linear_backend(torch.randn(511, 128), narrow) == "blas"
+    assert choose_linear_backend(torch.randn(ONEDNN_MIN_ROWS, 768), wide) == "onednn"
+    assert choose_linear_backend(torch.randn(ONEDNN_MIN_ROWS - 1, 768), wide) == "blas"
     assert choose_linear_backend(torch.randn(8192, 256), torch.randn(64, 256)) == "blas"
     assert ONEDNN_MIN_WIDTH == 128
     assert choose_linear_backend(many.double(), weight.double()) == "blas"
@@ -306,7 +308,8 @@ def test_cross_attention_queries_on_onednn(onednn_maps, form):
 def test_the_benchmark_times_both_backends(tmp_path, onednn_maps, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/lm_loss.py
     script = load_script(BENCHMARKS / "linear_backend.py")
-    script.main(["--tiny", "--threads", "1", "--out", str(tmp_path)])
+    # (--no-keep-freed-memory: process-wide, the test process stays untouched)
+    script.main(["--tiny", "--threads", "1", "--no-keep-freed-memory", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "ab.json").read_text())
     assert [(r["mode"], r["rows"]) for r in result["gemm"]] == [
         ("train", 16), ("inference", 16), ("train", 256), ("inference", 256)

@@ -4,36 +4,47 @@ PyTorch's CPU build sends a float32 `F.linear` / `torch.mm` to MKL, and MKL runs
 code on AMD CPUs, AVX-512 or not (`MKL_VERBOSE` names the generic "Intel(R) Architecture
 processors" path there). oneDNN, which the same build carries for convolutions, runs
 AVX-512 on them. So on an AMD CPU with AVX-512 our layers' linear maps go through oneDNN,
-as a 1 x 1 convolution over a channels-last view of the rows: no copy in or out; its
-backward is the convolution's for the input and weight gradients (oneDNN too) and a sum
-for the bias's. The result is `F.linear`'s to float32 rounding.
+in one of three forms: without gradients, its matmul on the dense tensors; with them, up
+to `MATMUL_MAX_OUTPUTS` (2^21) outputs (rows x out features) the compiled kernels'
+`matmul` (oneDNN's brgemm micro-kernel, where the kernels' GEMMs are oneDNN's,
+`native.kernel_gemm`) with the bias added, beyond that its 1 x 1 convolution over a
+channels-last view of the rows (no copy in or out; its backward the convolution's for the
+input and weight gradients, on oneDNN too, and a sum for the bias's). The result is
+`F.linear`'s to float32 rounding.
 
 The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py`
-(`benchmarks/linear_backend/ab.json`; AMD EPYC with AVX-512 and AVX-512 BF16, no AMX,
-2 threads, torch 2.13.0 with MKL 2024.2 and oneDNN 3.12). With its backward (the
-convolution), one linear map of width 256-1024 ran 1.19-1.79x faster through oneDNN at 256
-rows and 1.66-1.86x at 2048, mixed below (0.92-1.64x at 128 rows, 0.71-1.29x at 1-64: the
-convolution's fixed cost); without (oneDNN's matmul), 1.70-2.33x at 256 rows. The bench's
-encoder layer (kv, k 256, fwd+bwd) ran 1.40 / 1.46 / 1.34x faster at n 1024 / 4096 / 16384,
-its attention layer 1.13-1.20x (an earlier run: 1.41-1.49x and 1.18-1.20x). Narrower maps
-need more rows (`narrow/`, `narrow-rows/`): (128, 128) trains 0.75x at 256 rows, 0.97x at
-512, 1.31-1.87x from 1024; width 64 is erratic (0.56-2.61x in training, 0.41-1.93x in
-inference over 64-16384 rows). So a product needs at least `ONEDNN_MIN_ROWS` rows, a width
-(in and out) of `ONEDNN_MIN_WIDTH` and `ONEDNN_MIN_MACS` multiply-adds (2^24). With one
+(`benchmarks/linear_backend/ab.json`, `narrow/`, `threads1/`; AMD EPYC with AVX-512 and
+AVX-512 BF16, no AMX, torch 2.13.0 with MKL 2024.2 and oneDNN 3.12, glibc keeping freed
+memory; one cell timed twice the same way differs by up to 10 %). With 2 threads one linear
+map of width 128-1024 ran, through oneDNN against `F.linear`, 1.12-1.22x faster with its
+backward at 2^23 multiply-adds (16-512 rows) and 1.35-2.18x above; without, 1.40-1.52x and
+1.57-2.24x; at 2^22 0.89-0.97x in training (1.36x for one shape) and 0.93-1.19x without; at
+one row 0.39-0.86x, at 16 rows 0.43-0.93x but for (768, 768) and (1024, 256) (1.16-1.52x);
+width 64 0.37-0.84x in training up to 1024 rows. So a product needs `ONEDNN_MIN_MACS` (2^23)
+multiply-adds, `ONEDNN_MIN_ROWS` (16) rows and a width (in and out) of `ONEDNN_MIN_WIDTH`
+(128). The matmul form against the convolution, with the backward: one map 0.97-1.83x at up
+to 2^19 outputs, 0.94-1.03x at 2^21; the bench's attention layer (kv, k 256, fwd+bwd) 1.14 /
+1.08 / 1.06 / 1.02x at n 1024 / 2048 / 4096 / 8192, its encoder layer 1.05 / 1.03 / 1.02 /
+1.01x, the demo language models 1.03x: inside a layer the convolution's per-call cost shows
+more than alone (a 1024-row map's backward 0.75 against 0.63 ms in the attention layer,
+where alone they tie; scratch). Past 2^21 outputs the matmul's weight gradient copies the
+output gradient transposed (blas.h), and the layers ran as fast on the convolution. With one
 thread ATen keeps a 1 x 1 convolution of one image on its own GEMM path (MKL's; "THNN is
-faster when single-threaded", says its `use_mkldnn`), so in training the two ways tie
-(0.93-1.02x, `linear_backend/threads1/`; the layer 0.96x) and the feed-forward kernel is
-faster than its modules: `F.linear`; oneDNN's matmul still pays there without gradients
-(1.66-2.30x). So float32 products past the thresholds go through oneDNN (with one thread,
-only those that need no gradient) on AMD CPUs with AVX-512 (any non-Intel vendor,
+faster when single-threaded", says its `use_mkldnn`), so the convolution form ties
+`F.linear` in training (0.84-1.00x past 2^21 outputs) while the matmul form runs 1.03-2.15x
+faster than the convolution (the attention layer 1.43-1.49x, the encoder layer 1.18-1.19x at
+n 1024-8192, `threads1/`); oneDNN's matmul pays there without gradients (1.44-2.34x from
+2^23). So float32 products past the thresholds go through oneDNN (with one thread, those
+that need gradients only up to 2^21 outputs) on AMD CPUs with AVX-512 (any non-Intel vendor,
 `precision.mkl_without_avx512`; measured on AMD only); everything else stays on `F.linear`:
 Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 % of the probe before this
 rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN), autocast, torch.export
 and torch.jit.trace (their graphs keep plain `linear`), and builds without MKL or oneDNN.
 Under torch.compile the product is one custom op with its backward
-(`linformer_kit::onednn_linear`; Inductor's own lowering of the convolution fails on a
-dynamic row count, torch 2.13), taken whatever the thread count, which Dynamo cannot read:
-with one thread its forward runs oneDNN's matmul and its backward ATen's MKL path.
+(`linformer_kit::onednn_linear`, the convolution's; Inductor's own lowering of the
+convolution fails on a dynamic row count, torch 2.13), taken whatever the thread count,
+which Dynamo cannot read: with one thread its forward runs oneDNN's matmul and its backward
+ATen's MKL path.
 
 Products that are not a linear map of rows (the sequence projection E^T X, the language
 models' loss's gradient GEMMs) go through `matmul` and `add_matmul_`: on the compiled
@@ -56,7 +67,7 @@ from . import native, precision
 LINEAR_BACKENDS = ("blas", "onednn")
 # Rows (the product of x's leading dimensions), in and out features, and multiply-adds
 # (rows x in x out) from which oneDNN pays where the rule allows it.
-ONEDNN_MIN_ROWS, ONEDNN_MIN_WIDTH, ONEDNN_MIN_MACS = 256, 128, 2**24
+ONEDNN_MIN_ROWS, ONEDNN_MIN_WIDTH, ONEDNN_MIN_MACS = 16, 128, 2**23
 # Outputs (rows x out features) up to which a product that needs gradients runs on the
 # kernels' GEMMs (`matmul`) rather than oneDNN's convolution (module docstring).
 MATMUL_MAX_OUTPUTS = 2**21
