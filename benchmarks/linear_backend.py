@@ -34,7 +34,6 @@ import statistics
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +62,12 @@ def pinned(way: str) -> Iterator[None]:
         with use_linear_backend(way):
             yield
         return
-    with use_linear_backend("onednn"), mock.patch.object(linear_backend, "MATMUL_MAX_OUTPUTS", 0):
-        yield
+    with use_linear_backend("onednn"):
+        limit, linear_backend.MATMUL_MAX_OUTPUTS = linear_backend.MATMUL_MAX_OUTPUTS, 0
+        try:
+            yield
+        finally:
+            linear_backend.MATMUL_MAX_OUTPUTS = limit
 
 
 DEMO_LINFORMERS = [name for name in MODELS if name.startswith("demo") and "Linformer" in name]

@@ -7,8 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linformer_kit import linear_backend
-from linformer_kit.linear_backend import MATMUL_MAX_OUTPUTS, onednn_linear, use_linear_backend
+from linformer_kit import linear_backend, native, precision
+from linformer_kit.linear_backend import (
+    MATMUL_MAX_OUTPUTS,
+    linear,
+    onednn_linear,
+    use_linear_backend,
+)
 
 
 @pytest.fixture
@@ -77,6 +82,32 @@ def test_a_product_takes_matmul_up_to_its_limit_then_the_convolution(onednn_maps
     assert onednn_maps == [form, "convolution"]
 
 
+@pytest.mark.parametrize(
+    "make_x",
+    [
+        lambda: torch.randn(24),  # one row, no leading dims
+        lambda: torch.randn(24, 300).t(),  # transposed
+        lambda: torch.randn(1, 24).expand(300, 24),  # every row the same storage
+        lambda: torch.randn(2, 24, 5, 30).permute(0, 2, 3, 1),  # 4-D, not contiguous
+    ],
+    ids=["vector", "transposed", "expanded", "permuted"],
+)
+def test_either_form_takes_any_layout_of_x(make_x, onednn_maps, form):
+    torch.manual_seed(5)
+    x, weight, bias = make_x(), torch.randn(40, 24), torch.randn(40)
+    grad = torch.randn(*x.shape[:-1], 40)
+    leaves = [t.requires_grad_() for t in (x, weight, bias)]
+    with use_linear_backend("onednn"):
+        out = onednn_linear(*leaves)
+    out.backward(grad)
+    assert onednn_maps == [form] and out.shape == (*x.shape[:-1], 40)
+    as_double = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    wanted = F.linear(*as_double)
+    torch.testing.assert_close(out.double(), wanted.detach(), atol=1e-4, rtol=1e-4)
+    for got, want in zip(leaves, torch.autograd.grad(wanted, as_double, grad.double())):
+        torch.testing.assert_close(got.grad.double(), want, atol=1e-3, rtol=1e-4)
+
+
 def test_eager_double_backward_gives_linears_second_derivatives(onednn_maps, form):
     x, weight, bias, grad = leaves(1)
     results = []
@@ -113,3 +144,35 @@ def test_plain_operands_inside_a_transform_of_something_else(form):
         batched = torch.func.vmap(lambda s: onednn_linear(x, weight, bias) * s)(scale[:3, None])
     torch.testing.assert_close(got, torch.func.grad(loss(F.linear))(scale), atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(batched[1], F.linear(x, weight, bias) * scale[1])
+
+
+def test_the_onednn_op_gives_only_the_gradients_asked_for():
+    x, weight, bias = torch.randn(5, 8), torch.randn(4, 8, requires_grad=True), torch.randn(4)
+    out = torch.ops.linformer_kit.onednn_linear(x, weight, bias)
+    (grad_weight,) = torch.autograd.grad(out.sum(), weight)
+    torch.testing.assert_close(out, F.linear(x, weight, bias))
+    torch.testing.assert_close(grad_weight, torch.ones(5, 4).t() @ x)
+    torch.library.opcheck(torch.ops.linformer_kit.onednn_linear.default, (x, weight, bias))
+
+
+def test_the_ops_backward_has_no_double_backward():
+    x, weight = torch.randn(5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    out = torch.ops.linformer_kit.onednn_linear(x, weight, None)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        grad_x.sum().backward()
+
+
+def test_one_thread_keeps_f_linear_inside_a_transform(monkeypatch, onednn_maps):
+    # With one thread the convolution runs on ATen's MKL path (a tie with F.linear), and
+    # inside torch.func the matmul form cannot run: so F.linear, as before the matmul form.
+    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)  # an AMD CPU
+    monkeypatch.setattr(native, "kernel_gemm", lambda: "onednn")
+    torch.set_num_threads(1)  # (the conftest restores the count)
+    x, weight = torch.randn(256, 256), torch.randn(256, 256)
+    got = torch.func.grad(lambda w: linear(x, w).square().sum())(weight)
+    assert not onednn_maps
+    wanted = torch.func.grad(lambda w: F.linear(x, w).square().sum())(weight)
+    torch.testing.assert_close(got, wanted, atol=1e-3, rtol=1e-4)
+    linear(x, weight.requires_grad_()).sum().backward()  # outside: the matmul form
+    assert onednn_maps == ["matmul"] or native.cpu_ops() is None

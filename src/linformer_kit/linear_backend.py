@@ -15,25 +15,26 @@ input and weight gradients, on oneDNN too, and a sum for the bias's). The result
 The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py`
 (`benchmarks/linear_backend/ab.json`, `narrow/`, `threads1/`; AMD EPYC with AVX-512 and
 AVX-512 BF16, no AMX, torch 2.13.0 with MKL 2024.2 and oneDNN 3.12, glibc keeping freed
-memory; one cell timed twice the same way differs by up to 10 %). With 2 threads one linear
-map of width 128-1024 ran, through oneDNN against `F.linear`, 1.12-1.22x faster with its
-backward at 2^23 multiply-adds (16-512 rows) and 1.35-2.18x above; without, 1.40-1.52x and
-1.57-2.24x; at 2^22 0.89-0.97x in training (1.36x for one shape) and 0.93-1.19x without; at
-one row 0.39-0.86x, at 16 rows 0.43-0.93x but for (768, 768) and (1024, 256) (1.16-1.52x);
-width 64 0.37-0.84x in training up to 1024 rows. So a product needs `ONEDNN_MIN_MACS` (2^23)
-multiply-adds, `ONEDNN_MIN_ROWS` (16) rows and a width (in and out) of `ONEDNN_MIN_WIDTH`
-(128). The matmul form against the convolution, with the backward: one map 0.97-1.83x at up
-to 2^19 outputs, 0.94-1.03x at 2^21; the bench's attention layer (kv, k 256, fwd+bwd) 1.14 /
-1.08 / 1.06 / 1.02x at n 1024 / 2048 / 4096 / 8192, its encoder layer 1.05 / 1.03 / 1.02 /
-1.01x, the demo language models 1.03x: inside a layer the convolution's per-call cost shows
-more than alone (a 1024-row map's backward 0.75 against 0.63 ms in the attention layer,
-where alone they tie; scratch). Past 2^21 outputs the matmul's weight gradient copies the
-output gradient transposed (blas.h), and the layers ran as fast on the convolution. With one
-thread ATen keeps a 1 x 1 convolution of one image on its own GEMM path (MKL's; "THNN is
-faster when single-threaded", says its `use_mkldnn`), so the convolution form ties
-`F.linear` in training (0.84-1.00x past 2^21 outputs) while the matmul form runs 1.03-2.15x
-faster than the convolution (the attention layer 1.43-1.49x, the encoder layer 1.18-1.19x at
-n 1024-8192, `threads1/`); oneDNN's matmul pays there without gradients (1.44-2.34x from
+memory; the same code timed twice in a cell reads up to 15 % apart). With 2 threads one
+linear map of width 128-1024 ran, through oneDNN against `F.linear`, 1.12-1.22x faster with
+its backward at 2^23 multiply-adds (16-512 rows) and 1.35-2.18x above; without, 1.40-1.52x
+and 1.57-2.24x; at 2^22 0.89-0.97x in training (1.36x for one shape) and 0.93-1.19x without;
+at one row 0.39-0.86x, at 16 rows 0.43-0.93x but for (768, 768) and (1024, 256)
+(1.16-1.52x); width 64 0.37-0.84x in training up to 1024 rows. So a product needs
+`ONEDNN_MIN_MACS` (2^23) multiply-adds, `ONEDNN_MIN_ROWS` (16) rows and a width (in and out)
+of `ONEDNN_MIN_WIDTH` (128). The matmul form against the convolution, with the backward, for
+the products the rule sends to oneDNN: one map 0.97-1.83x at up to 2^19 outputs, 0.94-1.03x
+at 2^21; the bench's attention layer (kv, k 256, fwd+bwd) 1.14 / 1.08 / 1.06 / 1.02x at n
+1024 / 2048 / 4096 / 8192, its encoder layer 1.05 / 1.03 / 1.02 / 1.01x, the demo language
+models 1.03x: inside a layer the convolution's per-call cost shows more than alone (a
+1024-row map's backward 0.75 against 0.63 ms in the attention layer, where alone they tie;
+scratch). Past 2^21 outputs the matmul's weight gradient copies the output gradient
+transposed (blas.h), and the layers ran as fast on the convolution. With one thread ATen
+keeps a 1 x 1 convolution of one image on its own GEMM path (MKL's; "THNN is faster when
+single-threaded", says its `use_mkldnn`), so the convolution form ties `F.linear` in
+training (0.84-1.00x past 2^21 outputs) while the matmul form runs 1.36-2.15x faster than
+the convolution (the attention layer 1.43-1.49x, the encoder layer 1.18-1.19x at n
+1024-8192, `threads1/`); oneDNN's matmul pays there without gradients (1.44-2.34x from
 2^23). So float32 products past the thresholds go through oneDNN (with one thread, those
 that need gradients only up to 2^21 outputs) on AMD CPUs with AVX-512 (any non-Intel vendor,
 `precision.mkl_without_avx512`; measured on AMD only); everything else stays on `F.linear`:
@@ -133,9 +134,9 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
     if not precision.mkl_without_avx512():
         return "blas"
     one_thread = not torch.compiler.is_compiling() and torch.get_num_threads() == 1
-    if one_thread and _needs_grad(x, weight, bias) and not _on_kernel_matmul(x, weight):
+    if one_thread and _needs_grad(x, weight, bias) and not _matmul_form(x, weight, bias):
         return "blas"
-    rows = x.numel() // x.shape[-1]
+    rows = _rows(x)
     big = rows >= ONEDNN_MIN_ROWS and rows * weight.numel() >= ONEDNN_MIN_MACS
     return "onednn" if big and min(weight.shape) >= ONEDNN_MIN_WIDTH else "blas"
 
@@ -167,12 +168,20 @@ def transformed(*tensors: Tensor | None) -> bool:
     return any(t is not None and wrapped(t) for t in tensors)
 
 
-def _on_kernel_matmul(x: Tensor, weight: Tensor) -> bool:
+def _rows(x: Tensor) -> int:
+    """The number of rows of a product's input (..., in_features)."""
+    return x.numel() // x.shape[-1]
+
+
+def _matmul_form(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether oneDNN's form of a product that needs gradients is `matmul` (the kernels'
     GEMMs, where those are oneDNN's brgemm) rather than the convolution: up to
-    `MATMUL_MAX_OUTPUTS` outputs."""
-    rows = x.numel() // x.shape[-1]
-    return rows * weight.shape[0] <= MATMUL_MAX_OUTPUTS and native.kernel_gemm() == "onednn"
+    `MATMUL_MAX_OUTPUTS` outputs, outside torch.func transforms."""
+    return (
+        _rows(x) * weight.shape[0] <= MATMUL_MAX_OUTPUTS
+        and native.kernel_gemm() == "onednn"
+        and not transformed(x, weight, bias)
+    )
 
 
 def _needs_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -203,16 +212,17 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
         return F.linear(x, weight, bias)  # F.linear's empty result, or its error
     if torch.compiler.is_compiling():
         return torch.ops.linformer_kit.onednn_linear(x, weight, bias)
-    if not _needs_grad(x, weight, bias) and not transformed(x, weight, bias):
+    in_transform = transformed(x, weight, bias)
+    if not _needs_grad(x, weight, bias) and not in_transform:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     out_features, in_features = weight.shape
-    if not transformed(x, weight, bias) and _on_kernel_matmul(x, weight):
+    if _matmul_form(x, weight, bias):
         out = matmul(x.reshape(-1, in_features), weight.t())
-        out = out if bias is None else out + bias
+        out = out if bias is None else out + bias  # (in place ran 1.09-1.13x slower)
         return out.view(*x.shape[:-1], out_features)
     kernel = weight.reshape(out_features, in_features, 1, 1)
     image = _as_image(x, in_features)
-    if transformed(x, weight, bias):  # torch.func: conv2d has the batching rules
+    if in_transform:  # torch.func: conv2d has the batching rules
         return _as_rows(F.conv2d(image, kernel, bias), x.shape[:-1])
     return _as_rows(_PointwiseConv.apply(image, kernel, bias), x.shape[:-1])
 
