@@ -6,8 +6,9 @@ same seconds of a shared machine), float32 on CPU:
 - `gemm`: one linear map, (rows, in) x (in, out) + bias, with its backward (`train`: the
   input, weight and bias gradients) and without (`inference`), through `F.linear` (`blas`)
   and through `onednn_linear` (`onednn`: in training, the kernels' `matmul` up to
-  `MATMUL_MAX_OUTPUTS` outputs and oneDNN's 1 x 1 convolution beyond; `convolution`: the
-  convolution whatever the size), at rows 1 ... 16384 and the layers' widths;
+  `MATMUL_MAX_OUTPUTS` outputs, any number with one thread, and oneDNN's 1 x 1 convolution
+  beyond; `convolution`: the convolution whatever the size), at rows 1 ... 16384 and the
+  layers' widths;
 - `layer`: the bench's encoder layer and attention layer (dim 256, 4 heads, k 256, kv,
   feed-forward 1024, no dropout, forward + backward) with the backend pinned each way
   (`use_linear_backend`, which also pins the compiled kernels' GEMMs: `sgemm_` or oneDNN's
@@ -41,11 +42,10 @@ from lm_loss import MODELS, TINY_MODELS, batch_for, model_and_optimizer
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
-from linformer_kit import linear_backend
 from linformer_kit.bench.flops import Shape
 from linformer_kit.bench.timing import module_step, time_interleaved
 from linformer_kit.bench.variants import Variant, build_variant
-from linformer_kit.linear_backend import onednn_linear, use_linear_backend
+from linformer_kit.linear_backend import onednn_linear, use_linear_backend, use_matmul_form
 from linformer_kit.training.compare import machine
 from linformer_kit.training.settings import keep_freed_memory
 
@@ -56,18 +56,14 @@ WAYS = ("blas", "onednn", "convolution")
 
 @contextlib.contextmanager
 def pinned(way: str) -> Iterator[None]:
-    """`use_linear_backend` for blas and onednn; convolution: onednn with no product small
-    enough for its matmul form."""
+    """`use_linear_backend` for blas and onednn; convolution: onednn with its matmul form
+    off (`use_matmul_form`)."""
     if way != "convolution":
         with use_linear_backend(way):
             yield
         return
-    with use_linear_backend("onednn"):
-        limit, linear_backend.MATMUL_MAX_OUTPUTS = linear_backend.MATMUL_MAX_OUTPUTS, 0
-        try:
-            yield
-        finally:
-            linear_backend.MATMUL_MAX_OUTPUTS = limit
+    with use_linear_backend("onednn"), use_matmul_form(False):
+        yield
 
 
 DEMO_LINFORMERS = [name for name in MODELS if name.startswith("demo") and "Linformer" in name]

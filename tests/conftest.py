@@ -93,14 +93,15 @@ def onednn_maps(monkeypatch):
 
 
 @pytest.fixture(params=["convolution", "matmul"])
-def form(request, monkeypatch):
-    """oneDNN's form for the products that need gradients: the convolution (no product
-    small enough for `matmul`) or, where the kernels build, `matmul` up to its limit."""
+def form(request):
+    """oneDNN's form for the products that need gradients: the convolution (the matmul form
+    off) or, where the kernels' GEMMs can be oneDNN's, `matmul` up to its limit."""
     if request.param == "convolution":
-        monkeypatch.setattr(linear_backend, "MATMUL_MAX_OUTPUTS", 0)
-        return request.param
+        with linear_backend.use_matmul_form(False):
+            yield request.param
+        return
     native.cpu_ops()  # (built first, so that kernel_gemm reads what they took)
     with linear_backend.use_linear_backend("onednn"):
         if native.kernel_gemm() != "onednn":
             pytest.skip("the kernels' GEMMs cannot be oneDNN's here (no compiler or brgemm)")
-    return request.param
+    yield request.param

@@ -122,9 +122,9 @@ def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypa
     assert choose_linear_backend(many.double(), weight.double()) == "blas"
     assert choose_linear_backend(many.bfloat16(), weight.bfloat16()) == "blas"
     assert choose_linear_backend(many[:, :0], weight) == "blas"
-    # One thread, training: F.linear (a tie with the convolution there), but oneDNN's
-    # brgemm through the kernels' matmul up to MATMUL_MAX_OUTPUTS outputs where the kernels'
-    # GEMMs are oneDNN's; inference: oneDNN's matmul
+    # One thread, training: oneDNN's brgemm through the kernels' matmul at any size where the
+    # kernels' GEMMs are oneDNN's, else F.linear (a tie with the convolution there);
+    # inference: oneDNN's matmul
     torch.set_num_threads(1)
     trained, bias = weight.detach().requires_grad_(), torch.zeros(256, requires_grad=True)
     monkeypatch.setattr(native, "kernel_gemm", lambda: "blas")
@@ -138,7 +138,7 @@ def test_the_rule_sends_float32_rows_to_onednn_only_where_mkl_runs_avx2(monkeypa
     assert choose_linear_backend(many, weight, bias) == "onednn"
     most = torch.randn(MATMUL_MAX_OUTPUTS // 256, 256)
     assert choose_linear_backend(most, trained) == "onednn"
-    assert choose_linear_backend(torch.cat([most, most[:1]]), trained) == "blas"
+    assert choose_linear_backend(torch.cat([most, most[:1]]), trained) == "onednn"
     torch.set_num_threads(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert choose_linear_backend(many, weight) == "blas"

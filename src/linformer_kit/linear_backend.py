@@ -56,6 +56,7 @@ machines), else torch's. `use_linear_backend` pins both kinds.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,11 +71,14 @@ LINEAR_BACKENDS = ("blas", "onednn")
 # (rows x in x out) from which oneDNN pays where the rule allows it.
 ONEDNN_MIN_ROWS, ONEDNN_MIN_WIDTH, ONEDNN_MIN_MACS = 16, 128, 2**23
 # Outputs (rows x out features) up to which a product that needs gradients runs on the
-# kernels' GEMMs (`matmul`) rather than oneDNN's convolution (module docstring).
+# kernels' GEMMs (`matmul`) rather than oneDNN's convolution, with two threads or more (with
+# one, where the convolution runs on ATen's MKL path, at any size; module docstring).
 MATMUL_MAX_OUTPUTS = 2**21
 HOOK_KINDS = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
 # The backend `use_linear_backend` pins for the products oneDNN can compute (None: the rule).
 _pinned: str | None = None
+# False inside `use_matmul_form(False)`: oneDNN's products with gradients as the convolution.
+_matmul_form_on = True
 
 
 @contextlib.contextmanager
@@ -105,6 +109,23 @@ def use_linear_backend(backend: str | None) -> Iterator[None]:
         _pinned = before
         if backend is not None:
             native.set_kernel_gemm(kernels_before)
+
+
+@contextlib.contextmanager
+def use_matmul_form(enabled: bool) -> Iterator[None]:
+    """Turns the matmul form of oneDNN's products that need gradients on or off inside (off:
+    the convolution whatever the size; process-wide, for comparisons such as
+    `benchmarks/linear_backend.py`).
+
+    Args:
+        enabled: whether products small enough take `matmul` (the default) or none does.
+    """
+    global _matmul_form_on
+    before, _matmul_form_on = _matmul_form_on, enabled
+    try:
+        yield
+    finally:
+        _matmul_form_on = before
 
 
 def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> str:
@@ -176,9 +197,13 @@ def _rows(x: Tensor) -> int:
 def _matmul_form(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether oneDNN's form of a product that needs gradients is `matmul` (the kernels'
     GEMMs, where those are oneDNN's brgemm) rather than the convolution: up to
-    `MATMUL_MAX_OUTPUTS` outputs, outside torch.func transforms."""
+    `MATMUL_MAX_OUTPUTS` outputs (any number with one thread), outside torch.func
+    transforms and `use_matmul_form(False)`. (Eager only: under torch.compile the product
+    is the custom op.)"""
+    most = math.inf if torch.get_num_threads() == 1 else MATMUL_MAX_OUTPUTS
     return (
-        _rows(x) * weight.shape[0] <= MATMUL_MAX_OUTPUTS
+        _matmul_form_on
+        and _rows(x) * weight.shape[0] <= most
         and native.kernel_gemm() == "onednn"
         and not transformed(x, weight, bias)
     )
