@@ -5,9 +5,9 @@ code on AMD CPUs, AVX-512 or not (`MKL_VERBOSE` names the generic "Intel(R) Arch
 processors" path there). oneDNN, which the same build carries for convolutions, runs
 AVX-512 on them. So on an AMD CPU with AVX-512 our layers' linear maps go through oneDNN,
 in one of three forms: without gradients, its matmul on the dense tensors; with them, up
-to `MATMUL_MAX_OUTPUTS` (2^21) outputs (rows x out features) the compiled kernels'
-`matmul` (oneDNN's brgemm micro-kernel, where the kernels' GEMMs are oneDNN's,
-`native.kernel_gemm`) with the bias added, beyond that its 1 x 1 convolution over a
+to `MATMUL_MAX_OUTPUTS` (2^21) outputs (rows x out features; with one thread at any size)
+the compiled kernels' `matmul` (oneDNN's brgemm micro-kernel, where the kernels' GEMMs are
+oneDNN's, `native.kernel_gemm`) with the bias added, beyond that its 1 x 1 convolution over a
 channels-last view of the rows (no copy in or out; its backward the convolution's for the
 input and weight gradients, on oneDNN too, and a sum for the bias's). The result is
 `F.linear`'s to float32 rounding.
@@ -32,16 +32,16 @@ scratch). Past 2^21 outputs the matmul's weight gradient copies the output gradi
 transposed (blas.h), and the layers ran as fast on the convolution. With one thread ATen
 keeps a 1 x 1 convolution of one image on its own GEMM path (MKL's; "THNN is faster when
 single-threaded", says its `use_mkldnn`), so the convolution form ties `F.linear` in
-training (0.84-1.00x past 2^21 outputs) while the matmul form runs 1.36-2.15x faster than
-the convolution (the attention layer 1.43-1.49x, the encoder layer 1.18-1.19x at n
-1024-8192, `threads1/`); oneDNN's matmul pays there without gradients (1.44-2.34x from
-2^23). So float32 products past the thresholds go through oneDNN (with one thread, those
-that need gradients only up to 2^21 outputs) on AMD CPUs with AVX-512 (any non-Intel vendor,
-`precision.mkl_without_avx512`; measured on AMD only); everything else stays on `F.linear`:
-Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 % of the probe before this
-rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN), autocast, torch.export
-and torch.jit.trace (their graphs keep plain `linear`), and builds without MKL or oneDNN.
-Under torch.compile the product is one custom op with its backward
+training (0.84-1.00x past 2^21 outputs) while the matmul form runs 1.37-2.25x faster than
+the convolution at every size (1.36-2.11x `F.linear` past 2^21 outputs; the attention layer
+1.42-1.49x, the encoder layer 1.18-1.19x at n 1024-16384, `threads1/`): so with one thread
+the matmul form has no limit; oneDNN's matmul pays there without gradients (1.49-2.32x from
+2^23). So float32 products past the thresholds go through oneDNN on AMD CPUs with AVX-512
+(any non-Intel vendor, `precision.mkl_without_avx512`; measured on AMD only); everything
+else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 %
+of the probe before this rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN),
+autocast, torch.export and torch.jit.trace (their graphs keep plain `linear`), and builds
+without MKL or oneDNN. Under torch.compile the product is one custom op with its backward
 (`linformer_kit::onednn_linear`, the convolution's; Inductor's own lowering of the
 convolution fails on a dynamic row count, torch 2.13), taken whatever the thread count,
 which Dynamo cannot read: with one thread its forward runs oneDNN's matmul and its backward
