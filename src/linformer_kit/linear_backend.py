@@ -42,10 +42,10 @@ else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs 
 of the probe before this rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN),
 autocast, torch.export and torch.jit.trace (their graphs keep plain `linear`), and builds
 without MKL or oneDNN. Under torch.compile the product is one custom op with its backward
-(`linformer_kit::onednn_linear`, the convolution's; Inductor's own lowering of the
-convolution fails on a dynamic row count, torch 2.13), taken whatever the thread count,
-which Dynamo cannot read: with one thread its forward runs oneDNN's matmul and its backward
-ATen's MKL path.
+(`linformer_kit::onednn_linear`, in the matmul or the convolution form by the same rule,
+picked when it runs; Inductor's own lowering of the convolution fails on a dynamic row
+count, torch 2.13), taken whatever the thread count, which Dynamo cannot read (with one
+thread its forward runs oneDNN's matmul, its backward the matmul form).
 
 Products that are not a linear map of rows (the sequence projection E^T X, the language
 models' loss's gradient GEMMs) go through `matmul` and `add_matmul_`: on the compiled
@@ -232,7 +232,8 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     the bias added, beyond its 1 x 1 convolution over a channels-last view of x's rows (no
     copy where x is contiguous), differentiable in every argument
     (`_pointwise_conv_backward`: the bias's gradient a sum). Under torch.compile, one graph
-    node (`linformer_kit::onednn_linear`, with its backward: the convolution's)."""
+    node (`linformer_kit::onednn_linear`, with its backward: in the same form, picked when it
+    runs)."""
     if x.numel() == 0 or x.shape[-1] != weight.shape[-1]:
         return F.linear(x, weight, bias)  # F.linear's empty result, or its error
     if torch.compiler.is_compiling():
@@ -298,6 +299,13 @@ def _onednn_linear_backward_op(
     grad: Tensor, x: Tensor, weight: Tensor, needs_x: bool, needs_weight: bool, needs_bias: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     out_features, in_features = weight.shape
+    if _matmul_form(x, weight, None):  # eager's form, picked when the op runs (no guard)
+        rows, grad_rows = x.reshape(-1, in_features), grad.reshape(-1, out_features)
+        return (
+            matmul(grad_rows, weight).view(x.shape) if needs_x else x.new_empty(0),
+            matmul(grad_rows.t(), rows) if needs_weight else x.new_empty(0),
+            grad_rows.sum(0) if needs_bias else x.new_empty(0),
+        )
     grads = _pointwise_conv_backward(
         _as_image(grad, out_features), _as_image(x, in_features),
         weight.reshape(out_features, in_features, 1, 1), (needs_x, needs_weight, needs_bias),
