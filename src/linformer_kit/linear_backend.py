@@ -12,40 +12,29 @@ channels-last view of the rows (no copy in or out; its backward the convolution'
 input and weight gradients, on oneDNN too, and a sum for the bias's). The result is
 `F.linear`'s to float32 rounding.
 
-The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py`
-(`benchmarks/linear_backend/ab.json`, `narrow/`, `threads1/`; AMD EPYC with AVX-512 and
-AVX-512 BF16, no AMX, torch 2.13.0 with MKL 2024.2 and oneDNN 3.12, glibc keeping freed
-memory; the same code timed twice in a cell reads up to 15 % apart). With 2 threads one
-linear map of width 128-1024 ran, through oneDNN against `F.linear`, 1.12-1.22x faster with
-its backward at 2^23 multiply-adds (16-512 rows) and 1.35-2.18x above; without, 1.40-1.52x
-and 1.57-2.24x; at 2^22 0.89-0.97x in training (1.36x for one shape) and 0.93-1.19x without;
-at one row 0.39-0.86x, at 16 rows 0.43-0.93x but for (768, 768) and (1024, 256)
-(1.16-1.52x); width 64 0.37-0.84x in training up to 1024 rows. So a product needs
+The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py` (`ab.json`,
+`narrow/`, `threads1/` in `benchmarks/linear_backend/`; AMD EPYC with AVX-512, no AMX, torch
+2.13.0, MKL 2024.2, oneDNN 3.12; more figures in the README's "AMD CPUs"). With 2 threads
+one linear map of width 128-1024 ran 1.12-1.22x faster through oneDNN with its backward at
+2^23 multiply-adds and 1.35-2.18x above (without: 1.40-1.52x and 1.57-2.24x), but 0.89-0.97x
+at 2^22, mostly below 1x at 1-16 rows, 0.37-0.84x at width 64: so a product needs
 `ONEDNN_MIN_MACS` (2^23) multiply-adds, `ONEDNN_MIN_ROWS` (16) rows and a width (in and out)
-of `ONEDNN_MIN_WIDTH` (128). The matmul form against the convolution, with the backward, for
-the products the rule sends to oneDNN: one map 0.97-1.83x at up to 2^19 outputs, 0.94-1.03x
-at 2^21; the bench's attention layer (kv, k 256, fwd+bwd) 1.14 / 1.08 / 1.06 / 1.02x at n
-1024 / 2048 / 4096 / 8192, its encoder layer 1.05 / 1.03 / 1.02 / 1.01x, the demo language
-models 1.03x: inside a layer the convolution's per-call cost shows more than alone (a
-1024-row map's backward 0.75 against 0.63 ms in the attention layer, where alone they tie;
-scratch). Past 2^21 outputs the matmul's weight gradient copies the output gradient
-transposed (blas.h), and the layers ran as fast on the convolution. With one thread ATen
-keeps a 1 x 1 convolution of one image on its own GEMM path (MKL's; "THNN is faster when
-single-threaded", says its `use_mkldnn`), so the convolution form ties `F.linear` in
-training (0.84-1.00x past 2^21 outputs) while the matmul form runs 1.37-2.25x faster than
-the convolution at every size (1.36-2.11x `F.linear` past 2^21 outputs; the attention layer
-1.42-1.49x, the encoder layer 1.18-1.19x at n 1024-16384, `threads1/`): so with one thread
-the matmul form has no limit; oneDNN's matmul pays there without gradients (1.49-2.32x from
-2^23). So float32 products past the thresholds go through oneDNN on AMD CPUs with AVX-512
-(any non-Intel vendor, `precision.mkl_without_avx512`; measured on AMD only); everything
-else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there: the layers' GEMMs at 80-92 %
-of the probe before this rule), AVX2-only CPUs, other dtypes (bf16 already goes to oneDNN),
-autocast, torch.export and torch.jit.trace (their graphs keep plain `linear`), and builds
-without MKL or oneDNN. Under torch.compile the product is one custom op with its backward
-(`linformer_kit::onednn_linear`, in the matmul or the convolution form by the same rule,
-picked when it runs; Inductor's own lowering of the convolution fails on a dynamic row
-count, torch 2.13), taken whatever the thread count, which Dynamo cannot read (with one
-thread its forward runs oneDNN's matmul, its backward the matmul form).
+of `ONEDNN_MIN_WIDTH` (128). The matmul form ran the bench's attention layer 1.14 / 1.08 /
+1.06 / 1.02x faster than the convolution at n 1024 / 2048 / 4096 / 8192 (the encoder layer
+1.05-1.01x): inside a layer the convolution's per-call cost shows more than alone; past 2^21
+outputs the matmul's weight gradient copies the output gradient transposed (blas.h) and the
+layers ran as fast on the convolution. With one thread ATen keeps a 1 x 1 convolution of one
+image on its own GEMM path (MKL's; "THNN is faster when single-threaded", says its
+`use_mkldnn`), a tie with `F.linear` in training, while the matmul form ran 1.37-2.25x
+faster at every size (the attention layer 1.42-1.49x): so with one thread it has no limit.
+Everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there), AVX2-only CPUs
+(any non-Intel vendor with AVX-512 counts, `precision.mkl_without_avx512`; measured on AMD
+only), other dtypes (bf16 already goes to oneDNN), autocast, torch.export and
+torch.jit.trace (their graphs keep plain `linear`), and builds without MKL or oneDNN. Under
+torch.compile the product is one custom op with its backward
+(`linformer_kit::onednn_linear`, its backward in the matmul or the convolution form by the
+same rule, picked when it runs; Inductor's own lowering of the convolution fails on a
+dynamic row count, torch 2.13), taken whatever the thread count, which Dynamo cannot read.
 
 Products that are not a linear map of rows (the sequence projection E^T X, the language
 models' loss's gradient GEMMs) go through `matmul` and `add_matmul_`: on the compiled
@@ -198,8 +187,8 @@ def _matmul_form(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether oneDNN's form of a product that needs gradients is `matmul` (the kernels'
     GEMMs, where those are oneDNN's brgemm) rather than the convolution: up to
     `MATMUL_MAX_OUTPUTS` outputs (any number with one thread), outside torch.func
-    transforms and `use_matmul_form(False)`. (Eager only: under torch.compile the product
-    is the custom op.)"""
+    transforms and `use_matmul_form(False)`. (Not read while torch.compile traces: the
+    custom op's backward reads it when it runs.)"""
     most = math.inf if torch.get_num_threads() == 1 else MATMUL_MAX_OUTPUTS
     return (
         _matmul_form_on
@@ -228,9 +217,9 @@ def _as_rows(image: Tensor, lead: torch.Size) -> Tensor:
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` on oneDNN: without gradients, its matmul on the dense
     tensors (`mkldnn::_linear_pointwise`, the op Inductor's CPU fusions call); with them, up
-    to `MATMUL_MAX_OUTPUTS` outputs `matmul` (its brgemm micro-kernel, differentiable) and
-    the bias added, beyond its 1 x 1 convolution over a channels-last view of x's rows (no
-    copy where x is contiguous), differentiable in every argument
+    to `MATMUL_MAX_OUTPUTS` outputs (any with one thread) `matmul` (its brgemm micro-kernel,
+    differentiable) and the bias added, beyond its 1 x 1 convolution over a channels-last
+    view of x's rows (no copy where x is contiguous), differentiable in every argument
     (`_pointwise_conv_backward`: the bias's gradient a sum). Under torch.compile, one graph
     node (`linformer_kit::onednn_linear`, with its backward: in the same form, picked when it
     runs)."""
@@ -257,10 +246,8 @@ def _pointwise_conv_backward(
     grad: Tensor, image: Tensor, kernel: Tensor, needs: tuple[bool, bool, bool]
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The gradients of `F.conv2d(image, kernel, bias)` for a 1 x 1 kernel (None where not
-    needed): oneDNN's backward for the image and kernel, the bias's a plain sum of `grad`.
-    oneDNN's backward-weights with the bias ran 1.04-1.10x slower than without it plus the
-    sum (2 threads, AMD EPYC, 256 x 256 kernel, 4096-16384 rows); the attention layer's step
-    1.00 / 1.02 / 1.01x faster for it at n 4096 / 8192 / 16384."""
+    needed): oneDNN's backward for the image and kernel, the bias's a plain sum of `grad`
+    (oneDNN's with the bias ran 1.04-1.10x slower; README, "AMD CPUs")."""
     grad_image, grad_kernel, _ = torch.ops.aten.convolution_backward(
         grad, image, kernel, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
         [needs[0], needs[1], False],
