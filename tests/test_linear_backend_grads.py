@@ -112,15 +112,15 @@ def test_either_form_takes_any_layout_of_x(make_x, onednn_maps, form):
     torch.manual_seed(5)
     x, weight, bias = make_x(), torch.randn(40, 24), torch.randn(40)
     grad = torch.randn(*x.shape[:-1], 40)
-    leaves = [t.requires_grad_() for t in (x, weight, bias)]
+    inputs = [t.requires_grad_() for t in (x, weight, bias)]
     with use_linear_backend("onednn"):
-        out = onednn_linear(*leaves)
+        out = onednn_linear(*inputs)
     out.backward(grad)
     assert onednn_maps == [form] and out.shape == (*x.shape[:-1], 40)
     as_double = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
     wanted = F.linear(*as_double)
     torch.testing.assert_close(out.double(), wanted.detach(), atol=1e-4, rtol=1e-4)
-    for got, want in zip(leaves, torch.autograd.grad(wanted, as_double, grad.double())):
+    for got, want in zip(inputs, torch.autograd.grad(wanted, as_double, grad.double())):
         torch.testing.assert_close(got.grad.double(), want, atol=1e-3, rtol=1e-4)
 
 
