@@ -92,12 +92,8 @@ def gemm_steps(rows: int, sizes: tuple[int, int]) -> dict[str, Callable[[], None
     return steps
 
 
-def layer_steps(n: int, scope: str) -> dict[str, Callable[[], None]]:
-    """way -> one forward + backward of the bench's layer with the way pinned."""
-    shape = Shape(batch_size=1, seq_len=n, dim=256, num_heads=4, proj_dim=256, ffn_dim=1024)
-    torch.manual_seed(0)
-    module = build_variant(Variant(name="ours", kind="ours", sharing="kv"), shape, scope).train()
-    step = module_step(module, torch.randn(1, n, 256, requires_grad=True), backward=True)
+def each_way(step: Callable[[], None]) -> dict[str, Callable[[], None]]:
+    """way -> `step` run with that way pinned."""
 
     def run(way: str) -> Callable[[], None]:
         def one() -> None:
@@ -109,20 +105,20 @@ def layer_steps(n: int, scope: str) -> dict[str, Callable[[], None]]:
     return {way: run(way) for way in WAYS}
 
 
+def layer_steps(n: int, scope: str) -> dict[str, Callable[[], None]]:
+    """way -> one forward + backward of the bench's layer with the way pinned."""
+    shape = Shape(batch_size=1, seq_len=n, dim=256, num_heads=4, proj_dim=256, ffn_dim=1024)
+    torch.manual_seed(0)
+    module = build_variant(Variant(name="ours", kind="ours", sharing="kv"), shape, scope).train()
+    return each_way(module_step(module, torch.randn(1, n, 256, requires_grad=True), backward=True))
+
+
 def model_steps(name: str, tiny: bool) -> dict[str, Callable[[], None]]:
     """way -> one training step (no optimiser) of `lm_loss`'s model `name`, pinned."""
     fields, batch = (TINY_MODELS if tiny else MODELS)[name]
     model, _ = model_and_optimizer(fields, "cpu")
     inputs = batch_for(fields, batch, "cpu")
-
-    def run(way: str) -> Callable[[], None]:
-        def one() -> None:
-            with pinned(way):
-                model(**inputs, return_logits=False).loss.backward()
-
-        return one
-
-    return {way: run(way) for way in WAYS}
+    return each_way(lambda: model(**inputs, return_logits=False).loss.backward())
 
 
 def medians(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
