@@ -44,6 +44,14 @@ def leaves(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
     return x, weight, bias, torch.randn(2, 300, 40, generator=gen)
 
 
+def assert_linears_gradients(x, weight, bias, grad, atol=1e-3):
+    """x's, the weight's and the bias's `.grad` equal float64 `F.linear`'s for `grad`."""
+    as_double = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    wanted = torch.autograd.grad(F.linear(*as_double), as_double, grad.double())
+    for got, want in zip((x.grad, weight.grad, bias.grad), wanted):
+        torch.testing.assert_close(got.double(), want, atol=atol, rtol=1e-4)
+
+
 def test_the_ops_backward_takes_eagers_form(onednn_maps, form):
     # The compiled graphs' op picks the form when its backward runs (the convolution's
     # backward is aten's, not recorded: the record is F.conv2d's)
@@ -51,10 +59,7 @@ def test_the_ops_backward_takes_eagers_form(onednn_maps, form):
     with use_linear_backend("onednn"):
         torch.ops.linformer_kit.onednn_linear(x, weight, bias).backward(grad)
     assert onednn_maps == (["matmul"] * 2 if form == "matmul" else [])
-    as_double = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
-    wanted = torch.autograd.grad(F.linear(*as_double), as_double, grad.double())
-    for got, want in zip((x.grad, weight.grad, bias.grad), wanted):
-        torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-4)
+    assert_linears_gradients(x, weight, bias, grad)
 
 
 @pytest.mark.parametrize("path", ["eager", "op"])
@@ -65,10 +70,7 @@ def test_the_bias_gradient_is_a_sum_not_onednns(path, masks):
     out = fn(x, weight, bias)
     out.backward(grad)
     assert masks == [[True, True, False]]
-    as_double = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
-    wanted = torch.autograd.grad(F.linear(*as_double), as_double, grad.double())
-    for got, want in zip((x.grad, weight.grad, bias.grad), wanted):
-        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    assert_linears_gradients(x, weight, bias, grad, atol=1e-4)
 
 
 def test_only_the_gradients_asked_for_are_computed(masks):
@@ -90,10 +92,7 @@ def test_a_product_takes_matmul_up_to_its_limit_then_the_convolution(threads, on
         grad = torch.randn(rows, 256, generator=gen)
         with use_linear_backend("onednn"):  # (the kernels' GEMMs on oneDNN's brgemm)
             onednn_linear(x, weight, bias).backward(grad)
-        as_double = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
-        wanted = torch.autograd.grad(F.linear(*as_double), as_double, grad.double())
-        for got, want in zip((x.grad, weight.grad, bias.grad), wanted):
-            torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-4)
+        assert_linears_gradients(x, weight, bias, grad)
         weight.grad = bias.grad = None
     assert onednn_maps == [form, "convolution" if threads > 1 else form]
 
@@ -117,11 +116,9 @@ def test_either_form_takes_any_layout_of_x(make_x, onednn_maps, form):
         out = onednn_linear(*inputs)
     out.backward(grad)
     assert onednn_maps == [form] and out.shape == (*x.shape[:-1], 40)
-    as_double = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
-    wanted = F.linear(*as_double)
-    torch.testing.assert_close(out.double(), wanted.detach(), atol=1e-4, rtol=1e-4)
-    for got, want in zip(inputs, torch.autograd.grad(wanted, as_double, grad.double())):
-        torch.testing.assert_close(got.grad.double(), want, atol=1e-3, rtol=1e-4)
+    wanted = F.linear(*(t.detach().double() for t in (x, weight, bias)))
+    torch.testing.assert_close(out.double(), wanted, atol=1e-4, rtol=1e-4)
+    assert_linears_gradients(x, weight, bias, grad)
 
 
 def test_eager_double_backward_gives_linears_second_derivatives(onednn_maps, form):
