@@ -43,7 +43,9 @@ SOURCES = tuple(
     CSRC / name
     for name in ("dropout.cpp", "attention.cpp", "feedforward.cpp", "autograd.cpp", "blas.cpp")
 )
-HEADERS = tuple(CSRC / name for name in ("bits.h", "blas.h", "matrices.h", "vmath.h"))
+HEADERS = tuple(
+    CSRC / name for name in ("bf16_gemm.h", "bits.h", "blas.h", "matrices.h", "vmath.h")
+)
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 MARCH_SWITCH = "LINFORMER_KIT_MARCH"
 # =widen: the bf16 GEMMs widen to fp32 for sgemm_ instead of calling MKL's bf16 GEMM (what a

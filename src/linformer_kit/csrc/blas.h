@@ -2,9 +2,10 @@
 // libtorch_cpu links in (Fortran interface, column-major: C^T = op(B)^T op(A)^T). Inputs of
 // type S, products in its compute type `Opmath<S>`: float and double as they are (`sgemm_`,
 // `dgemm_`); bfloat16 into float through MKL's `GEMM_BF16BF16F32` (AMX or AVX-512 BF16 where
-// the CPU has them), or, in a libtorch without MKL (or with LINFORMER_KIT_BF16_GEMM=widen in
-// the environment, read once per process), by widening the inputs to float for `sgemm_`;
-// where float GEMMs are oneDNN's (below), widened for those too (`widen_bf16`).
+// the CPU has them), or off MKL (`off_mkl_bf16`: a libtorch without it, float GEMMs on
+// oneDNN's micro-kernel below, LINFORMER_KIT_BF16_GEMM=widen) on AVX-512 BF16's dot products
+// (`bf16_dot_gemm`, bf16_gemm.h) where the CPU has them and the widening is not forced, else
+// by widening the inputs to float for the float GEMM.
 //
 // Float GEMMs go instead to oneDNN's brgemm micro-kernel (`at::native::cpublas::brgemm`)
 // while `onednn_float_gemm()` is set (`float_gemm` op, blas.cpp; set from Python where MKL
@@ -31,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_gemm.h"
 #include "bits.h"  // Opmath, widen
 
 extern "C" {
@@ -229,19 +231,26 @@ inline void brgemm_float(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
   trim_copies(a_copy, b_copy);
 }
 
-// Whether bfloat16 GEMMs widen their inputs to float: no MKL bf16 GEMM in this libtorch,
-// LINFORMER_KIT_BF16_GEMM=widen (the path a libtorch without MKL takes, for tests and as an
-// escape hatch), or float GEMMs on oneDNN's micro-kernel (`plain_operands`). There (MKL
-// running its generic code on an AMD CPU) MKL's bf16 GEMM made the attention kernel 2.2x
-// slower than in float32; widened onto the micro-kernel, 1.1x (fwd+bwd, n 4096, k 256, 4
-// heads of 64, 2 threads, AMD EPYC with AVX-512 BF16). libtorch's bf16 brgemm there packs
-// nothing (`cpublas::could_pack` false) and ran at less than half the fp32 one's rate.
-inline bool widen_bf16() {
+// LINFORMER_KIT_BF16_GEMM=widen in the environment (read once per process): bfloat16 GEMMs
+// widen their inputs to float (the path a libtorch without MKL takes on a CPU without
+// AVX-512 BF16; for tests and as an escape hatch).
+inline bool widen_forced() {
   static const bool forced = [] {
     const char* value = std::getenv("LINFORMER_KIT_BF16_GEMM");
-    return GEMM_BF16BF16F32 == nullptr || (value != nullptr && std::string_view(value) == "widen");
+    return value != nullptr && std::string_view(value) == "widen";
   }();
-  return forced || plain_operands<float>();
+  return forced;
+}
+
+// Whether bfloat16 GEMMs leave MKL's `GEMM_BF16BF16F32`: none in this libtorch, the widening
+// forced, or float GEMMs on oneDNN's micro-kernel (`plain_operands`). There (MKL running its
+// generic code on an AMD CPU) MKL's bf16 GEMM made the attention kernel 2.2x slower than in
+// float32; widened onto the micro-kernel, 1.1x (fwd+bwd, n 4096, k 256, 4 heads of 64, 2
+// threads, AMD EPYC with AVX-512 BF16). libtorch's bf16 brgemm there packs nothing
+// (`cpublas::could_pack` false) and ran at less than half the fp32 one's rate. Off MKL they
+// run `bf16_dot_gemm` where the CPU has AVX-512 BF16 (bf16_gemm.h), else widen.
+inline bool off_mkl_bf16() {
+  return GEMM_BF16BF16F32 == nullptr || widen_forced() || plain_operands<float>();
 }
 
 // The rows x cols matrix at `a` (row stride ld) widened to float, contiguous, into `out`.
@@ -265,7 +274,12 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S>
   lda = std::max<int64_t>({lda, trans_a ? m : k, 1});
   ldb = std::max<int64_t>({ldb, trans_b ? k : n, 1});
   if constexpr (std::is_same_v<S, at::BFloat16>) {
-    if (widen_bf16()) {
+    if (kBf16Dot && !widen_forced() && off_mkl_bf16()) {
+      bf16_dot_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                    std::max<int64_t>(ldc, n));
+      return;
+    }
+    if (off_mkl_bf16()) {
       thread_local std::vector<float> a32, b32;
       const int64_t a_rows = trans_a ? k : m, b_rows = trans_b ? n : k;
       const float* wide_a = widened(a, a_rows, trans_a ? m : k, lda, a32);

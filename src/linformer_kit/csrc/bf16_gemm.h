@@ -1,0 +1,217 @@
+// bfloat16 GEMMs on the CPU's bf16 dot-product instruction (AVX-512 BF16's vdpbf16ps: two
+// bf16 products a lane added to a float sum), for blas.h's gemm<bfloat16> where neither MKL
+// nor oneDNN's micro-kernel multiplies bf16 at the CPU's bf16 rate (AMD CPUs with AVX-512:
+// MKL runs generic code there, libtorch's bf16 brgemm packs nothing, blas.h).
+//
+// C (m x n, float) = alpha op(A) op(B) + beta C, in blocks of kDepth pairs of the inner
+// dimension: op(B) is packed per block into panels of 32 columns, each inner pair's 32
+// columns as 64 bf16 (pair-interleaved, the instruction's operand layout; zeros past n and
+// k), op(A) read in place as pairs of a row (packed first where transposed or where its
+// pairs would be split: an odd k or row stride). A micro-kernel of up to 12 rows x 32
+// columns keeps its 24 sums in registers over the block. Products are exact in float; sums
+// run in float, in a different order than a float GEMM's (float rounding).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+namespace linformer_kit {
+
+#ifdef __AVX512BF16__
+constexpr bool kBf16Dot = true;
+
+namespace bf16_dot {
+
+constexpr int64_t kRows = 12;    // micro-kernel rows
+constexpr int64_t kCols = 32;    // micro-kernel columns (two vectors of 16 floats)
+constexpr int64_t kDepth = 128;  // inner pairs per block (256 of k)
+
+// op(M)[r, c] of a bf16 matrix, row-major with row stride ld, as its 16 bits.
+inline uint16_t at(const at::BFloat16* x, bool trans, int64_t ld, int64_t r, int64_t c) {
+  return (trans ? x[c * ld + r] : x[r * ld + c]).x;
+}
+
+// Pairs p0 .. p0 + pairs of op(B) (k x n) into panels of kCols columns: panel j, pair q at
+// out[(j * pairs + q) * 2 * kCols], column c's pair at 2c, 2c + 1; zeros past k and n.
+// Untransposed, two rows' 16 columns at a time are widened to 32 bits and interleaved.
+inline void pack_b(bool trans, int64_t k, int64_t n, const at::BFloat16* b, int64_t ldb,
+                   int64_t p0, int64_t pairs, std::vector<uint16_t>& out) {
+  const int64_t panels = (n + kCols - 1) / kCols;
+  out.resize(panels * pairs * 2 * kCols);
+  for (int64_t j = 0; j < panels; ++j) {
+    const int64_t c0 = j * kCols, cols = std::min(kCols, n - c0);
+    for (int64_t q = 0; q < pairs; ++q) {
+      uint16_t* dest = out.data() + (j * pairs + q) * 2 * kCols;
+      const int64_t r = 2 * (p0 + q);
+      if (!trans && cols == kCols && r + 1 < k) {
+        const at::BFloat16* even = b + r * ldb + c0;
+        for (int64_t h = 0; h < kCols; h += 16) {
+          const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + h)));
+          const __m512i high =
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + ldb + h)));
+          _mm512_storeu_si512(dest + 2 * h, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+        }
+        continue;
+      }
+      for (int64_t c = 0; c < kCols; ++c) {
+        const bool inside = c < cols;
+        dest[2 * c] = inside && r < k ? at(b, trans, ldb, r, c0 + c) : 0;
+        dest[2 * c + 1] = inside && r + 1 < k ? at(b, trans, ldb, r + 1, c0 + c) : 0;
+      }
+    }
+  }
+}
+
+// op(A) (m x k) as 32-bit pairs, pair q of row r at out[q * m + r] (pair-major: A^T's rows
+// 2q and 2q + 1 interleaved, 16 at a time where A is transposed), zero-padded past k.
+inline const uint32_t* pack_a(bool trans, int64_t m, int64_t k, const at::BFloat16* a,
+                              int64_t lda, std::vector<uint32_t>& out) {
+  const int64_t pairs = (k + 1) / 2;
+  out.resize(m * pairs);
+  for (int64_t q = 0; q < pairs; ++q) {
+    uint32_t* dest = out.data() + q * m;
+    int64_t r = 0;
+    if (trans && 2 * q + 1 < k) {
+      const at::BFloat16* even = a + 2 * q * lda;
+      for (; r + 16 <= m; r += 16) {
+        const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + r)));
+        const __m512i high =
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + lda + r)));
+        _mm512_storeu_si512(dest + r, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+      }
+    }
+    for (; r < m; ++r) {
+      const uint32_t low = at(a, trans, lda, r, 2 * q);
+      const uint32_t high = 2 * q + 1 < k ? at(a, trans, lda, r, 2 * q + 1) : 0;
+      dest[r] = low | (high << 16);
+    }
+  }
+  return out.data();
+}
+
+// rows x up to kCols of C from the sums: alpha * sum + (first block ? beta C : C).
+template <int64_t R>
+inline void store(const __m512 (&sums)[R][2], int64_t cols, float alpha, float beta,
+                  bool first, float* c, int64_t ldc) {
+  const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
+  const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
+  const __m512 scale = _mm512_set1_ps(alpha);
+  const float old = first ? beta : 1.0f;
+  for (int64_t r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      const __mmask16 mask = h == 0 ? low : high;
+      if (mask == 0) continue;
+      float* dest = c + r * ldc + 16 * h;
+      __m512 value = _mm512_mul_ps(sums[r][h], scale);
+      if (old != 0.0f) {
+        const __m512 before = _mm512_maskz_loadu_ps(mask, dest);
+        value = _mm512_fmadd_ps(before, _mm512_set1_ps(old), value);
+      }
+      _mm512_mask_storeu_ps(dest, mask, value);
+    }
+  }
+}
+
+// 32 bits of bf16 memory (two elements): may alias it.
+typedef uint32_t PairBits __attribute__((may_alias));
+
+// A's pairs: row r's pair q at at[r * row + q * pair].
+struct Pairs {
+  const PairBits* at;
+  int64_t row, pair;
+};
+
+// R rows x kCols: sums over `pairs` pairs of A's rows times one packed panel of B, then
+// stored.
+template <int64_t R>
+inline void micro(int64_t pairs, Pairs a, const uint16_t* panel,
+                  int64_t cols, float alpha, float beta, bool first, float* c, int64_t ldc) {
+  __m512 sums[R][2];
+  for (int64_t r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < pairs; ++q) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + q * 2 * kCols);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + q * 2 * kCols + kCols);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh pair = (__m512bh)_mm512_set1_epi32(int(a.at[r * a.row + q * a.pair]));
+      sums[r][0] = _mm512_dpbf16_ps(sums[r][0], pair, b0);
+      sums[r][1] = _mm512_dpbf16_ps(sums[r][1], pair, b1);
+    }
+  }
+  store<R>(sums, cols, alpha, beta, first, c, ldc);
+}
+
+// micro<R> for R = rows (1 .. kRows).
+template <int64_t R = kRows>
+inline void micro_rows(int64_t rows, int64_t pairs, Pairs a, const uint16_t* panel,
+                       int64_t cols, float alpha, float beta, bool first, float* c, int64_t ldc) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      micro_rows<R - 1>(rows, pairs, a, panel, cols, alpha, beta, first, c, ldc);
+      return;
+    }
+  }
+  micro<R>(pairs, a, panel, cols, alpha, beta, first, c, ldc);
+}
+
+}  // namespace bf16_dot
+
+// Row-major C (m x n) = alpha * op(A) op(B) + beta * C for bf16 A and B (row strides lda,
+// ldb), float C (ldc), on the calling thread (the attention kernel calls it inside its
+// parallel loop).
+inline void bf16_dot_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                          float alpha, const at::BFloat16* a, int64_t lda,
+                          const at::BFloat16* b, int64_t ldb, float beta, float* c,
+                          int64_t ldc) {
+  using namespace bf16_dot;
+  thread_local std::vector<uint16_t> b_packed;
+  thread_local std::vector<uint32_t> a_packed;
+  const Pairs pairs_of_a = trans_a || k % 2 != 0 || lda % 2 != 0
+                              ? Pairs{pack_a(trans_a, m, k, a, lda, a_packed), 1, m}
+                              : Pairs{reinterpret_cast<const PairBits*>(a), lda / 2, 1};
+  const int64_t all_pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
+  if (all_pairs == 0) {  // C = beta C
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+      }
+    }
+    return;
+  }
+  for (int64_t p0 = 0; p0 < all_pairs; p0 += kDepth) {
+    const int64_t pairs = std::min(kDepth, all_pairs - p0);
+    pack_b(trans_b, k, n, b, ldb, p0, pairs, b_packed);
+    for (int64_t j = 0; j < panels; ++j) {
+      const uint16_t* panel = b_packed.data() + j * pairs * 2 * kCols;
+      const int64_t cols = std::min(kCols, n - j * kCols);
+      for (int64_t i = 0; i < m; i += kRows) {
+        const Pairs rows_of_a{pairs_of_a.at + i * pairs_of_a.row + p0 * pairs_of_a.pair,
+                              pairs_of_a.row, pairs_of_a.pair};
+        micro_rows(std::min(kRows, m - i), pairs, rows_of_a, panel, cols, alpha, beta, p0 == 0,
+                   c + i * ldc + j * kCols, ldc);
+      }
+    }
+  }
+  if (b_packed.capacity() > (size_t(1) << 22)) std::vector<uint16_t>().swap(b_packed);
+  if (a_packed.capacity() > (size_t(1) << 22)) std::vector<uint32_t>().swap(a_packed);
+}
+
+#else
+constexpr bool kBf16Dot = false;
+
+// Never called without AVX-512 BF16 (blas.h checks kBf16Dot).
+inline void bf16_dot_gemm(bool, bool, int64_t, int64_t, int64_t, float, const at::BFloat16*,
+                          int64_t, const at::BFloat16*, int64_t, float, float*, int64_t) {
+  TORCH_CHECK(false, "bf16_dot_gemm: this build has no AVX-512 BF16");
+}
+#endif
+
+}  // namespace linformer_kit
