@@ -93,8 +93,8 @@ def pick(dtype, *, dropout=False, backward=True, compiled=True, queries=4096):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_without_dropout_the_explicit_kernel_runs_on_onednn_gemms(dtype, monkeypatch):
-    # benchmarks/kernels/amd-epyc/table: explicit on the micro-kernel (bf16 widened to fp32)
-    # against SDPA's sgemm_ calls (MKL's AVX2 code there)
+    # benchmarks/kernels/amd-epyc/table, table-bf16-dot: explicit on the micro-kernel (bf16
+    # on AVX-512 BF16's dot products) against SDPA's sgemm_ calls (MKL's AVX2 code there)
     assert pick(dtype, backward=False) == "sdpa"  # the conftest's Intel CPU: its MKL
     monkeypatch.setattr(native, "kernel_gemm", lambda: "onednn")
     assert pick(dtype) == "explicit"

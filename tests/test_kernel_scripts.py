@@ -2,8 +2,9 @@
 `kernels_split_layers.py` in the layers), the kernel-by-kernel profile
 (`benchmarks/kernels_profile.py`), the feed-forward kernel's weight-gradient rule
 (`benchmarks/kernels_feedforward_sums.py`), the check of a fused CPU attention sub-layer
-(`benchmarks/kernels_sublayer.py`) and the bytes-against-FLOPs bound
-(`benchmarks/roofline.py`), run on CPU at small sizes: a GPU call runs the first three with
+(`benchmarks/kernels_sublayer.py`), the bytes-against-FLOPs bound
+(`benchmarks/roofline.py`) and the bf16 GEMMs' A/B (`benchmarks/kernels_bf16_gemm.py`), run
+on CPU at small sizes: a GPU call runs the first three with
 `--device cuda`."""
 
 import json
@@ -83,6 +84,30 @@ def test_the_feedforward_sums_script_times_each_way_against_the_modules(tmp_path
         ratio = ms["all rows"] / ms["thread sums"]
         assert row["all_rows_over_thread_sums"] == pytest.approx(ratio, abs=0.002)
     assert (tmp_path / "table.png").stat().st_size > 0
+
+
+def test_the_bf16_gemm_script_times_both_ways_in_their_own_processes(tmp_path, monkeypatch):
+    from linformer_kit import native
+    from linformer_kit.precision import bf16_support
+
+    monkeypatch.undo()  # this CPU as it is (the conftest's Intel CPU would keep MKL's GEMMs)
+    native.set_kernel_gemm(None)
+    if native.cpu_ops() is None or native.kernel_gemm() != "onednn" or not bf16_support().native:
+        pytest.skip("the bf16 GEMMs leave MKL only where the kernels' GEMMs are oneDNN's")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/kernels.py
+    script = load_script(BENCHMARKS / "kernels_bf16_gemm.py")
+    args = "--n 64,96 --threads 1 --rounds 1 --min-seconds 0.01"
+    script.main([*args.split(), "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [(r["mode"], r["n"]) for r in rows] == [
+        (mode, n) for mode in ("train", "inference") for n in (64, 96)
+    ]
+    for row in rows:
+        ms = row["median_ms"]
+        assert set(ms) == {f"{d}, {w}" for d in ("float32", "bfloat16") for w in ("dot", "widened")}
+        assert all(t > 0 for t in ms.values())
+        ratio = ms["bfloat16, widened"] / ms["bfloat16, dot"]
+        assert row["dot_speedup"] == pytest.approx(ratio)
 
 
 def test_the_sublayer_script_s_one_backward_equals_the_module(tmp_path):

@@ -115,8 +115,9 @@ def choose_kernel(
     On an AMD CPU with AVX-512 BF16 and no AMX (`benchmarks/kernels/amd-epyc/table/`, the
     same 27 shapes in fp32 and bf16, AMD EPYC), where MKL runs its generic AVX2 code
     (`precision.mkl_without_avx512`), the explicit kernel's float32 GEMMs are oneDNN's
-    brgemm micro-kernel (`native.kernel_gemm`), and its bf16 ones widen to fp32 for it,
-    while SDPA's flash kernel calls MKL. fp32: explicit 1.65-2.28x faster in training
+    brgemm micro-kernel (`native.kernel_gemm`), and its bf16 ones run AVX-512 BF16's dot
+    products (`csrc/bf16_gemm.h`; first measured widened to fp32 for the fp32 one), while
+    SDPA's flash kernel calls MKL. fp32: explicit 1.65-2.28x faster in training
     without dropout (geometric means 1.96 / 2.14 / 2.07 at k = 64 / 256 / 1024),
     1.18-2.20x in inference (1.84 / 2.07 / 2.02), 2.38-8.46x with dropout; exact causal
     attention (`amd-epyc/table-causal/`, n 1024 and 4096, head_dim 64) 2.12-2.24x without
@@ -126,13 +127,14 @@ def choose_kernel(
     explicit from 64 queries wherever the kernels' GEMMs are oneDNN's (and the kernel is
     compiled: the PyTorch-ops one runs torch's own GEMMs). Before, on MKL's `sgemm_`, it
     was a tie without dropout (training 0.94-1.17x, inference 0.72-1.10x,
-    `amd-epyc/table-mkl/`). bf16: explicit 1.30-2.33x in training without dropout
-    (geometric means 1.90 / 1.57 / 1.38), 1.65-2.13x in inference, 2.29-7.46x with dropout,
-    exact causal 1.30-1.96x; on MKL's bf16 GEMM it had lost without dropout (training
+    `amd-epyc/table-mkl/`). bf16 (`amd-epyc/table-bf16-dot/`, on the dot products): explicit
+    1.72-3.26x in training without dropout (geometric means 2.81 / 2.39 / 2.03), 2.07-3.46x
+    in inference, 3.67-9.35x with dropout (widened: 1.30-2.33x, 1.65-2.13x, 2.29-7.46x;
+    exact causal 1.30-1.96x); on MKL's bf16 GEMM it had lost without dropout (training
     0.65-1.29x, inference 0.98-1.12x, `amd-epyc/table-bf16-mkl/`). Below 64 queries the bf16
-    rows are mixed (explicit 0.86-1.97x in training, SDPA's bf16 backward being slow;
-    0.72-1.25x in inference), so bf16 goes explicit at any query count in training and
-    from 64 in inference.
+    rows are mixed (`amd-epyc/table-queries-bf16-dot/`: explicit 0.75-2.11x in training,
+    SDPA's bf16 backward being slow; 0.81-1.32x in inference, 0.81-0.98x at 16 queries), so
+    bf16 goes explicit at any query count in training and from 64 in inference.
 
     n and head_dim did not change the winner anywhere on CPU, and k only training without
     dropout on Intel (in the rule, only bf16's).

@@ -48,8 +48,9 @@ HEADERS = tuple(
 )
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 MARCH_SWITCH = "LINFORMER_KIT_MARCH"
-# =widen: the bf16 GEMMs widen to fp32 for sgemm_ instead of calling MKL's bf16 GEMM (what a
-# libtorch without MKL runs; read by csrc/blas.h once per process).
+# =widen: the bf16 GEMMs widen to fp32 for the float GEMM instead of calling MKL's bf16 GEMM
+# or AVX-512 BF16's dot products (what a libtorch without MKL runs on a CPU without them;
+# read by csrc/blas.h once per process).
 BF16_GEMM_SWITCH = "LINFORMER_KIT_BF16_GEMM"
 _loaded: dict[str, object] = {}
 # The library of the kernels' float GEMMs: the one `set_kernel_gemm` set ("blas", "onednn",
@@ -175,8 +176,9 @@ def set_kernel_gemm(backend: str | None) -> str | None:
     `linear_backend.matmul`'s, to `backend`, process-wide: "blas" (`sgemm_`, MKL in
     torch's wheel) or "onednn" (oneDNN's brgemm micro-kernel, 2.2-2.7x MKL's AVX2 code at
     the kernels' block shapes on an AMD EPYC); None, the machine's choice (`kernel_gemm`).
-    On "onednn" the kernels' bfloat16 GEMMs widen to float32 for the same micro-kernel (an
-    Intel CPU with AMX pinned there gives up its AMX bf16 GEMMs).
+    On "onednn" the kernels' bfloat16 GEMMs leave MKL too: AVX-512 BF16's dot products
+    (`csrc/bf16_gemm.h`) where the CPU has them, else widened to float32 for the same
+    micro-kernel (an Intel CPU with AMX pinned there gives up its AMX bf16 GEMMs).
     `linear_backend.use_linear_backend` sets it with the linear maps' backend. Applied now
     if the kernels are loaded, else when they load.
 
