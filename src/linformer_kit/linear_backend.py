@@ -13,20 +13,13 @@ input and weight gradients, on oneDNN too, and a sum for the bias's). The result
 `F.linear`'s to float32 rounding.
 
 The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py` (`ab.json`,
-`narrow/`, `threads1/` in `benchmarks/linear_backend/`; AMD EPYC with AVX-512, no AMX, torch
-2.13.0, MKL 2024.2, oneDNN 3.12; more figures in the README's "AMD CPUs"). With 2 threads
-one linear map of width 128-1024 ran 1.12-1.22x faster through oneDNN with its backward at
-2^23 multiply-adds and 1.35-2.18x above (without: 1.40-1.52x and 1.57-2.24x), but 0.89-0.97x
-at 2^22, mostly below 1x at 1-16 rows, 0.37-0.84x at width 64: so a product needs
-`ONEDNN_MIN_MACS` (2^23) multiply-adds, `ONEDNN_MIN_ROWS` (16) rows and a width (in and out)
-of `ONEDNN_MIN_WIDTH` (128). The matmul form ran the bench's attention layer 1.14 / 1.08 /
-1.06 / 1.02x faster than the convolution at n 1024 / 2048 / 4096 / 8192 (the encoder layer
-1.05-1.01x): inside a layer the convolution's per-call cost shows more than alone; past 2^21
-outputs the matmul's weight gradient copies the output gradient transposed (blas.h) and the
-layers ran as fast on the convolution. With one thread ATen keeps a 1 x 1 convolution of one
-image on its own GEMM path (MKL's; "THNN is faster when single-threaded", says its
-`use_mkldnn`), a tie with `F.linear` in training, while the matmul form ran 1.37-2.25x
-faster at every size (the attention layer 1.42-1.49x): so with one thread it has no limit.
+`narrow/`, `threads1/` in `benchmarks/linear_backend/`; AMD EPYC, figures in the README's
+"AMD CPUs"): a product goes to oneDNN from `ONEDNN_MIN_MACS` (2^23) multiply-adds,
+`ONEDNN_MIN_ROWS` (16) rows and a width (in and out) of `ONEDNN_MIN_WIDTH` (128) (1.12-1.22x
+with its backward at 2^23, 0.89-0.97x at 2^22, 0.37-0.84x at width 64). The matmul form beat
+the convolution inside the layers (the attention layer 1.02-1.14x at n 1024-8192), as fast
+past 2^21 outputs, where its weight gradient copies the output gradient transposed; with one
+thread ATen runs the convolution on its MKL path, and the matmul form wins at every size.
 Everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there), AVX2-only CPUs
 (any non-Intel vendor with AVX-512 counts, `precision.mkl_without_avx512`; measured on AMD
 only), other dtypes (bf16 already goes to oneDNN), autocast, torch.export and
@@ -73,11 +66,9 @@ _matmul_form_on = True
 @contextlib.contextmanager
 def use_linear_backend(backend: str | None) -> Iterator[None]:
     """Runs the layers' float32 CPU linear maps inside on `backend` instead of the rule's
-    choice, and the compiled kernels' float32 GEMMs (`native.set_kernel_gemm`: oneDNN's
-    brgemm micro-kernel or `sgemm_`) too (as `kernel_rule.use_kernel` pins the attention
-    kernel; process-wide state for the duration of the block). Products oneDNN cannot take
-    (other dtypes and devices, autocast, torch.export, torch.jit.trace) stay on `F.linear`
-    whatever is pinned.
+    choice, and the compiled kernels' float32 GEMMs (`native.set_kernel_gemm`) too
+    (process-wide, for the block). Products oneDNN cannot take (other dtypes and devices,
+    autocast, torch.export, torch.jit.trace) stay on `F.linear` whatever is pinned.
 
     Args:
         backend: "blas" (`F.linear`) or "onednn"; None follows the rule.
@@ -103,8 +94,7 @@ def use_linear_backend(backend: str | None) -> Iterator[None]:
 @contextlib.contextmanager
 def use_matmul_form(enabled: bool) -> Iterator[None]:
     """Turns the matmul form of oneDNN's products that need gradients on or off inside (off:
-    the convolution whatever the size; process-wide, for comparisons such as
-    `benchmarks/linear_backend.py`).
+    the convolution at any size; process-wide, for `benchmarks/linear_backend.py`).
 
     Args:
         enabled: whether products small enough take `matmul` (the default) or none does.
@@ -185,10 +175,9 @@ def _rows(x: Tensor) -> int:
 
 def _matmul_form(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether oneDNN's form of a product that needs gradients is `matmul` (the kernels'
-    GEMMs, where those are oneDNN's brgemm) rather than the convolution: up to
-    `MATMUL_MAX_OUTPUTS` outputs (any number with one thread), outside torch.func
-    transforms and `use_matmul_form(False)`. (Not read while torch.compile traces: the
-    custom op's backward reads it when it runs.)"""
+    GEMMs, where those are oneDNN's) rather than the convolution: up to `MATMUL_MAX_OUTPUTS`
+    outputs (any with one thread), outside torch.func transforms and `use_matmul_form(False)`
+    (read when the custom op's backward runs, not while torch.compile traces)."""
     most = math.inf if torch.get_num_threads() == 1 else MATMUL_MAX_OUTPUTS
     return (
         _matmul_form_on
@@ -232,9 +221,8 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     out_features, in_features = weight.shape
     if _matmul_form(x, weight, bias):
-        # (batched: the op's own output, not a view of it, so that the bias goes in in place:
-        # out of place kept a second output alive, 14 MiB more peak in the attention layer
-        # at n 8192; in place on a view, autograd's as_strided backward, 1.09-1.13x slower)
+        # 3-D: the bias in place on the op's own output (out of place kept a second output
+        # alive; in place on a 2-D view, autograd's as_strided backward: 1.09-1.13x slower)
         out = matmul(x.reshape(1, -1, in_features), weight.t().unsqueeze(0))
         out = out if bias is None else out.add_(bias)
         return out.view(*x.shape[:-1], out_features)
