@@ -119,7 +119,7 @@ def test_blocks_past_the_gemm_tiles_equal_the_float64_reference(dtype, gemm, mas
     # 300 queries and keys, head_dim 64, value_dim 40: each GEMM of a block crosses oneDNN's
     # 256-wide tiles in some dimension (rows of 300 and 512, keys as columns and as the sum);
     # in bf16 off MKL (gemm "onednn") the dot-product GEMM's 256-deep blocks of the sum and
-    # the edges of its 12 x 32 tiles (csrc/bf16_gemm.h)
+    # the edges of its 8 x 32 tiles (csrc/bf16_gemm.h)
     g = torch.Generator().manual_seed(7)
     q = heads_last((1, 2, 300, 64), dtype, g).requires_grad_()
     k = heads_last((1, 2, 300, 64), dtype, g).requires_grad_()

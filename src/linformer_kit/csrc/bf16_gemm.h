@@ -7,9 +7,11 @@
 // dimension: op(B) is packed per block into panels of 32 columns, each inner pair's 32
 // columns as 64 bf16 (pair-interleaved, the instruction's operand layout; zeros past n and
 // k), op(A) read in place as pairs of a row (packed first where transposed or where its
-// pairs would be split: an odd k or row stride). A micro-kernel of up to 12 rows x 32
-// columns keeps its 24 sums in registers over the block. Products are exact in float; sums
-// run in float, in a different order than a float GEMM's (float rounding).
+// pairs would be split: an odd k or row stride). A micro-kernel of up to 8 rows x 32
+// columns keeps its 16 sums in registers over the block (8 rows: 429-503 GFLOP/s on one
+// thread of an AMD EPYC at the attention kernel's block shapes; 12 rows, 24 sums: 357-488;
+// 6: 395-465; 10: 361-493). Products are exact in float; sums run in float, in a different
+// order than a float GEMM's (float rounding).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,7 +33,7 @@ constexpr bool kBf16Dot = true;
 
 namespace bf16_dot {
 
-constexpr int64_t kRows = 12;    // micro-kernel rows
+constexpr int64_t kRows = 8;     // micro-kernel rows (header comment)
 constexpr int64_t kCols = 32;    // micro-kernel columns (two vectors of 16 floats)
 constexpr int64_t kDepth = 128;  // inner pairs per block (256 of k)
 
