@@ -134,6 +134,30 @@ def test_blocks_past_the_gemm_tiles_equal_the_float64_reference(dtype, gemm, mas
         torch.testing.assert_close(a.double(), b.double(), atol=grad_tol, rtol=grad_tol)
 
 
+@pytest.mark.parametrize("gemm", ["blas", "onednn"])
+@pytest.mark.parametrize("layout", ["odd offset", "odd row stride"])
+def test_bf16_views_at_odd_offsets_and_strides_equal_the_float64_reference(gemm, layout):
+    # q, k and v as views of wider bf16 tensors. The dot-product GEMM (csrc/bf16_gemm.h)
+    # reads A's pairs of elements in place as 2-byte-aligned 32-bit words where its row
+    # stride is even (here: the first head starts at an odd element), and packs them where it
+    # is odd (rows 129 elements apart).
+    g = torch.Generator().manual_seed(11)
+
+    def view(n):  # (1, 2, n, 64) over wider memory
+        if layout == "odd offset":  # (1, n, 2, 65)[..., 1:]: offset 1, row stride 130
+            return torch.randn(1, n, 2, 65, generator=g).bfloat16()[..., 1:].transpose(1, 2)
+        wide = torch.randn(1, n, 129, generator=g).bfloat16()[..., 1:]  # row stride 129
+        return wide.unflatten(-1, (2, 64)).transpose(1, 2)
+
+    q, k, v = (view(n).requires_grad_() for n in (100, 40, 40))
+    (out, got), (expected, wanted) = kernel_and_reference(
+        q, k, v, None, False, 0.125, 0.0, 64, gemm, g
+    )
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+    for a, b in zip(got, wanted):
+        torch.testing.assert_close(a.double(), b.double(), atol=3e-2, rtol=3e-2)
+
+
 BF16_CASES = [(None, False, 0.0), ("general", False, 0.3), (None, True, 0.3)]
 
 
@@ -158,10 +182,11 @@ def bf16_results(path=None):
     return (q, k, v, allowed, grad), results
 
 
-def test_bf16_without_mkl_widens_to_fp32_and_gives_the_same_results(tmp_path):
-    # csrc/blas.h: where libtorch has no MKL bf16 GEMM (or LINFORMER_KIT_BF16_GEMM=widen,
-    # read once per process: hence a subprocess) the bf16 GEMMs widen their inputs to fp32
-    # for sgemm_. Both paths must give the float64 reference's results to bf16 rounding.
+def test_bf16_widened_to_fp32_gives_the_same_results(tmp_path):
+    # csrc/blas.h: with LINFORMER_KIT_BF16_GEMM=widen (read once per process: hence a
+    # subprocess) the bf16 GEMMs widen their inputs to fp32 for the fp32 GEMM (as a libtorch
+    # without MKL does on a CPU without AVX-512 BF16). Both paths must give the float64
+    # reference's results to bf16 rounding.
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); "
         "from test_compiled_attention import bf16_results; bf16_results(sys.argv[2])"

@@ -16,7 +16,8 @@
 // no transposed operand, and copying one costs least where it is the block's few rows.
 //
 // Inputs float, double or bfloat16. Bfloat16 q, k, v and gradient go into the GEMMs as they
-// are (AMX where the CPU has it; widened to float where the float GEMMs are oneDNN's);
+// are (MKL's bf16 GEMM, AMX where the CPU has it; where the float GEMMs are oneDNN's, AVX-512
+// BF16's dot products, `bf16_gemm.h`, or widened to float without them);
 // scores, softmax, logsumexp and dK, dV sums are float, and the weights and the scores'
 // gradient are rounded to bfloat16 for the GEMMs that read them.
 #include <ATen/ATen.h>

@@ -11,7 +11,9 @@
 // columns keeps its 16 sums in registers over the block (8 rows: 429-503 GFLOP/s on one
 // thread of an AMD EPYC at the attention kernel's block shapes; 12 rows, 24 sums: 357-488;
 // 6: 395-465; 10: 361-493). Products are exact in float; sums run in float, in a different
-// order than a float GEMM's (float rounding).
+// order than a float GEMM's (float rounding), and the instruction treats denormal inputs,
+// products and sums as zero whatever MXCSR says (at most ~1e-38 a step: nothing to the
+// kernels, whose weights are 0 below exp(-87)).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -123,8 +125,9 @@ inline void store(const __m512 (&sums)[R][2], int64_t cols, float alpha, float b
   }
 }
 
-// 32 bits of bf16 memory (two elements): may alias it.
-typedef uint32_t PairBits __attribute__((may_alias));
+// 32 bits of bf16 memory (two elements): may alias it, and is only 2-byte aligned (a view
+// at an odd element offset).
+typedef uint32_t PairBits __attribute__((may_alias, aligned(2)));
 
 // A's pairs: row r's pair q at at[r * row + q * pair].
 struct Pairs {
@@ -176,11 +179,8 @@ inline void bf16_dot_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int6
   using namespace bf16_dot;
   thread_local std::vector<uint16_t> b_packed;
   thread_local std::vector<uint32_t> a_packed;
-  const Pairs pairs_of_a = trans_a || k % 2 != 0 || lda % 2 != 0
-                              ? Pairs{pack_a(trans_a, m, k, a, lda, a_packed), 1, m}
-                              : Pairs{reinterpret_cast<const PairBits*>(a), lda / 2, 1};
   const int64_t all_pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
-  if (all_pairs == 0) {  // C = beta C
+  if (all_pairs == 0 || alpha == 0.0f) {  // C = beta C (A and B not read, as in BLAS)
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t j = 0; j < n; ++j) {
         c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
@@ -188,6 +188,9 @@ inline void bf16_dot_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int6
     }
     return;
   }
+  const Pairs pairs_of_a = trans_a || k % 2 != 0 || lda % 2 != 0
+                              ? Pairs{pack_a(trans_a, m, k, a, lda, a_packed), 1, m}
+                              : Pairs{reinterpret_cast<const PairBits*>(a), lda / 2, 1};
   for (int64_t p0 = 0; p0 < all_pairs; p0 += kDepth) {
     const int64_t pairs = std::min(kDepth, all_pairs - p0);
     pack_b(trans_b, k, n, b, ldb, p0, pairs, b_packed);
