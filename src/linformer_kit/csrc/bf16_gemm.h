@@ -40,7 +40,7 @@ constexpr int64_t kCols = 32;    // micro-kernel columns (two vectors of 16 floa
 constexpr int64_t kDepth = 128;  // inner pairs per block (256 of k)
 
 // op(M)[r, c] of a bf16 matrix, row-major with row stride ld, as its 16 bits.
-inline uint16_t at(const at::BFloat16* x, bool trans, int64_t ld, int64_t r, int64_t c) {
+inline uint16_t element(const at::BFloat16* x, bool trans, int64_t ld, int64_t r, int64_t c) {
   return (trans ? x[c * ld + r] : x[r * ld + c]).x;
 }
 
@@ -68,8 +68,8 @@ inline void pack_b(bool trans, int64_t k, int64_t n, const at::BFloat16* b, int6
       }
       for (int64_t c = 0; c < kCols; ++c) {
         const bool inside = c < cols;
-        dest[2 * c] = inside && r < k ? at(b, trans, ldb, r, c0 + c) : 0;
-        dest[2 * c + 1] = inside && r + 1 < k ? at(b, trans, ldb, r + 1, c0 + c) : 0;
+        dest[2 * c] = inside && r < k ? element(b, trans, ldb, r, c0 + c) : 0;
+        dest[2 * c + 1] = inside && r + 1 < k ? element(b, trans, ldb, r + 1, c0 + c) : 0;
       }
     }
   }
@@ -94,8 +94,8 @@ inline const uint32_t* pack_a(bool trans, int64_t m, int64_t k, const at::BFloat
       }
     }
     for (; r < m; ++r) {
-      const uint32_t low = at(a, trans, lda, r, 2 * q);
-      const uint32_t high = 2 * q + 1 < k ? at(a, trans, lda, r, 2 * q + 1) : 0;
+      const uint32_t low = element(a, trans, lda, r, 2 * q);
+      const uint32_t high = 2 * q + 1 < k ? element(a, trans, lda, r, 2 * q + 1) : 0;
       dest[r] = low | (high << 16);
     }
   }
