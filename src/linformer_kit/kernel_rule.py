@@ -129,9 +129,10 @@ def choose_kernel(
     was a tie without dropout (training 0.94-1.17x, inference 0.72-1.10x,
     `amd-epyc/table-mkl/`). bf16 (`amd-epyc/table-bf16-dot/`, on the dot products): explicit
     1.72-3.26x in training without dropout (geometric means 2.81 / 2.39 / 2.03), 2.07-3.46x
-    in inference, 3.67-9.35x with dropout (widened: 1.30-2.33x, 1.65-2.13x, 2.29-7.46x;
-    exact causal 1.30-1.96x); on MKL's bf16 GEMM it had lost without dropout (training
-    0.65-1.29x, inference 0.98-1.12x, `amd-epyc/table-bf16-mkl/`). Below 64 queries the bf16
+    in inference, 3.67-9.35x with dropout (widened: 1.30-2.33x, 1.65-2.13x, 2.29-7.46x);
+    exact causal 1.95-3.06x (`amd-epyc/table-causal-bf16-dot/`; widened 1.30-1.96x); on
+    MKL's bf16 GEMM it had lost without dropout (training 0.65-1.29x, inference 0.98-1.12x,
+    `amd-epyc/table-bf16-mkl/`). Below 64 queries the bf16
     rows are mixed (`amd-epyc/table-queries-bf16-dot/`: explicit 0.75-2.11x in training,
     SDPA's bf16 backward being slow; 0.81-1.32x in inference, 0.81-0.98x at 16 queries), so
     bf16 goes explicit at any query count in training and from 64 in inference.
