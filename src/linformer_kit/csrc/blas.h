@@ -274,12 +274,12 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S>
   lda = std::max<int64_t>({lda, trans_a ? m : k, 1});
   ldb = std::max<int64_t>({ldb, trans_b ? k : n, 1});
   if constexpr (std::is_same_v<S, at::BFloat16>) {
-    if (kBf16Dot && !widen_forced() && off_mkl_bf16()) {
-      bf16_dot_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
-                    std::max<int64_t>(ldc, n));
-      return;
-    }
     if (off_mkl_bf16()) {
+      if (kBf16Dot && !widen_forced()) {
+        bf16_dot_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                      std::max<int64_t>(ldc, n));
+        return;
+      }
       thread_local std::vector<float> a32, b32;
       const int64_t a_rows = trans_a ? k : m, b_rows = trans_b ? n : k;
       const float* wide_a = widened(a, a_rows, trans_a ? m : k, lda, a32);
