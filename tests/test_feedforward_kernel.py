@@ -2,8 +2,8 @@
 and every gradient equal the PyTorch modules' own (Linear -> GELU / ReLU -> Linear) on any
 number of rows, block cut and thread count, its float32 GEMMs on either library (`sgemm_` or
 oneDNN's micro-kernel, in tiles past 256); without grad nothing is kept; where it does not
-apply (autocast, bf16) the modules run; a double backward and bad input are clear errors.
-Under torch.compile: `test_export_compile.py`."""
+apply (bf16 weights, autocast on few rows) the modules run; a double backward and bad input
+are clear errors. Under torch.compile: `test_export_compile.py`."""
 
 import pytest
 import torch
@@ -110,8 +110,9 @@ def test_runs_the_kernel_and_keeps_only_the_pre_activation(monkeypatch):
 
 
 def test_where_it_does_not_apply_the_modules_run(monkeypatch):
-    """bf16 and autocast take the modules' path (autocast then casts as it does for
-    nn.Linear)."""
+    """bf16 weights, and autocast below `BF16_KERNEL_MIN_ROWS` rows, take the modules' path
+    (autocast then casts as it does for nn.Linear; from there, where the kernels multiply
+    bf16 on AVX-512 BF16, its bf16 form: `test_feedforward_bf16.py`)."""
     monkeypatch.setattr(
         "linformer_kit.encoder.native_ops", lambda x: pytest.fail("the kernel was used")
     )

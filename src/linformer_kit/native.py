@@ -41,10 +41,18 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("dropout.cpp", "attention.cpp", "feedforward.cpp", "autograd.cpp", "blas.cpp")
+    for name in (
+        "dropout.cpp",
+        "attention.cpp",
+        "feedforward.cpp",
+        "feedforward_bf16.cpp",
+        "autograd.cpp",
+        "blas.cpp",
+    )
 )
 HEADERS = tuple(
-    CSRC / name for name in ("bf16_gemm.h", "bits.h", "blas.h", "matrices.h", "vmath.h")
+    CSRC / name
+    for name in ("bf16_gemm.h", "bits.h", "blas.h", "feedforward.h", "matrices.h", "vmath.h")
 )
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 MARCH_SWITCH = "LINFORMER_KIT_MARCH"

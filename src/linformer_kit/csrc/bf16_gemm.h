@@ -44,17 +44,22 @@ inline uint16_t element(const at::BFloat16* x, bool trans, int64_t ld, int64_t r
   return (trans ? x[c * ld + r] : x[r * ld + c]).x;
 }
 
-// Pairs p0 .. p0 + pairs of op(B) (k x n) into panels of kCols columns: panel j, pair q at
-// out[(j * pairs + q) * 2 * kCols], column c's pair at 2c, 2c + 1; zeros past k and n.
-// Untransposed, two rows' 16 columns at a time are widened to 32 bits and interleaved.
+// The size of op(B) (k x n) packed: every pair of its rows, in panels of kCols columns.
+inline int64_t packed_size(int64_t k, int64_t n) {
+  return (n + kCols - 1) / kCols * ((k + 1) / 2) * 2 * kCols;
+}
+
+// Pairs p0 .. p0 + pairs of op(B) (k x n) into panels of kCols columns at `out`: panel j,
+// pair q at out[(j * pairs + q) * 2 * kCols], column c's pair at 2c, 2c + 1; zeros past k
+// and n. Untransposed, two rows' 16 columns at a time are widened to 32 bits and
+// interleaved; transposed, a column's pair is one 32-bit word of B's row.
 inline void pack_b(bool trans, int64_t k, int64_t n, const at::BFloat16* b, int64_t ldb,
-                   int64_t p0, int64_t pairs, std::vector<uint16_t>& out) {
+                   int64_t p0, int64_t pairs, uint16_t* out) {
   const int64_t panels = (n + kCols - 1) / kCols;
-  out.resize(panels * pairs * 2 * kCols);
   for (int64_t j = 0; j < panels; ++j) {
     const int64_t c0 = j * kCols, cols = std::min(kCols, n - c0);
     for (int64_t q = 0; q < pairs; ++q) {
-      uint16_t* dest = out.data() + (j * pairs + q) * 2 * kCols;
+      uint16_t* dest = out + (j * pairs + q) * 2 * kCols;
       const int64_t r = 2 * (p0 + q);
       if (!trans && cols == kCols && r + 1 < k) {
         const at::BFloat16* even = b + r * ldb + c0;
@@ -63,6 +68,14 @@ inline void pack_b(bool trans, int64_t k, int64_t n, const at::BFloat16* b, int6
           const __m512i high =
               _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + ldb + h)));
           _mm512_storeu_si512(dest + 2 * h, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+        }
+        continue;
+      }
+      if (trans && r + 1 < k) {
+        for (int64_t c = 0; c < kCols; ++c) {
+          uint32_t word = 0;
+          if (c < cols) std::memcpy(&word, b + (c0 + c) * ldb + r, sizeof(word));
+          std::memcpy(dest + 2 * c, &word, sizeof(word));
         }
         continue;
       }
@@ -75,14 +88,16 @@ inline void pack_b(bool trans, int64_t k, int64_t n, const at::BFloat16* b, int6
   }
 }
 
-// op(A) (m x k) as 32-bit pairs, pair q of row r at out[q * m + r] (pair-major: A^T's rows
-// 2q and 2q + 1 interleaved, 16 at a time where A is transposed), zero-padded past k.
+// op(A) (m x k) as 32-bit pairs in groups of kRows rows, each group's pairs one after
+// another (the micro-kernel's reads contiguous): row r's pair q at out[(r - r % kRows) *
+// pairs + q * kRows + r % kRows], zero-padded past k (the last group's rows past m are never
+// read); 16 rows at a time where A is transposed (A^T's rows 2q and 2q + 1 interleaved).
+// (Pair-major over all m rows put a pair's 8 words m words apart: 4 KiB at m 1024.)
 inline const uint32_t* pack_a(bool trans, int64_t m, int64_t k, const at::BFloat16* a,
                               int64_t lda, std::vector<uint32_t>& out) {
-  const int64_t pairs = (k + 1) / 2;
-  out.resize(m * pairs);
+  const int64_t pairs = (k + 1) / 2, groups = (m + kRows - 1) / kRows;
+  out.resize(groups * kRows * pairs);  // (rows past m: never read)
   for (int64_t q = 0; q < pairs; ++q) {
-    uint32_t* dest = out.data() + q * m;
     int64_t r = 0;
     if (trans && 2 * q + 1 < k) {
       const at::BFloat16* even = a + 2 * q * lda;
@@ -90,13 +105,17 @@ inline const uint32_t* pack_a(bool trans, int64_t m, int64_t k, const at::BFloat
         const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + r)));
         const __m512i high =
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + lda + r)));
-        _mm512_storeu_si512(dest + r, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+        const __m512i words = _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+        _mm256_storeu_si256((__m256i*)(out.data() + r * pairs + q * kRows),
+                            _mm512_castsi512_si256(words));
+        _mm256_storeu_si256((__m256i*)(out.data() + (r + kRows) * pairs + q * kRows),
+                            _mm512_extracti64x4_epi64(words, 1));
       }
     }
     for (; r < m; ++r) {
       const uint32_t low = element(a, trans, lda, r, 2 * q);
       const uint32_t high = 2 * q + 1 < k ? element(a, trans, lda, r, 2 * q + 1) : 0;
-      dest[r] = low | (high << 16);
+      out[(r - r % kRows) * pairs + q * kRows + r % kRows] = low | (high << 16);
     }
   }
   return out.data();
@@ -129,10 +148,12 @@ inline void store(const __m512 (&sums)[R][2], int64_t cols, float alpha, float b
 // at an odd element offset).
 typedef uint32_t PairBits __attribute__((may_alias, aligned(2)));
 
-// A's pairs: row r's pair q at at[r * row + q * pair].
+// A's pairs: row i + r's pair q at at[i * group + r * row + q * pair], for i a multiple
+// of kRows and r < kRows (in place: group = row = the row stride in pairs, pair 1; packed
+// by pack_a: group = all pairs, row 1, pair kRows).
 struct Pairs {
   const PairBits* at;
-  int64_t row, pair;
+  int64_t row, pair, group;
 };
 
 // R rows x kCols: sums over `pairs` pairs of A's rows times one packed panel of B, then
@@ -167,7 +188,65 @@ inline void micro_rows(int64_t rows, int64_t pairs, Pairs a, const uint16_t* pan
   micro<R>(pairs, a, panel, cols, alpha, beta, first, c, ldc);
 }
 
+// op(A) (m x k) as the micro-kernel reads it: in place, or packed into `copy` where
+// transposed or where its pairs would be split (an odd k or row stride).
+inline Pairs pairs_of_a(bool trans, int64_t m, int64_t k, const at::BFloat16* a, int64_t lda,
+                        std::vector<uint32_t>& copy) {
+  if (trans || k % 2 != 0 || lda % 2 != 0) {
+    const uint32_t* packed = pack_a(trans, m, k, a, lda, copy);
+    return Pairs{reinterpret_cast<const PairBits*>(packed), 1, kRows, (k + 1) / 2};
+  }
+  return Pairs{reinterpret_cast<const PairBits*>(a), lda / 2, 1, lda / 2};
+}
+
+// C (m x n) = alpha A B + (p0 == 0 ? beta C : C) over pairs p0 .. p0 + pairs of the inner
+// dimension, B's pairs packed (pack_b) at `panels`.
+inline void depth_block(int64_t m, int64_t n, Pairs a, int64_t p0, int64_t pairs,
+                        const uint16_t* panels, float alpha, float beta, float* c, int64_t ldc) {
+  for (int64_t j = 0; j * kCols < n; ++j) {
+    const uint16_t* panel = panels + j * pairs * 2 * kCols;
+    const int64_t cols = std::min(kCols, n - j * kCols);
+    for (int64_t i = 0; i < m; i += kRows) {
+      const Pairs rows{a.at + i * a.group + p0 * a.pair, a.row, a.pair, a.group};
+      micro_rows(std::min(kRows, m - i), pairs, rows, panel, cols, alpha, beta, p0 == 0,
+                 c + i * ldc + j * kCols, ldc);
+    }
+  }
+}
+
+// C = beta C, A and B not read (k or alpha 0, as in BLAS).
+inline void scale_only(int64_t m, int64_t n, float beta, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+  }
+}
+
 }  // namespace bf16_dot
+
+// op(B) (k x n) packed once for several GEMMs with it (the feed-forward kernel's weights,
+// read by every block of rows): `pack_b`'s depth blocks one after another.
+struct PackedB {
+  std::vector<uint16_t> panels;
+  int64_t k = 0, n = 0;
+};
+
+inline void pack_b_once(bool trans, int64_t k, int64_t n, const at::BFloat16* b, int64_t ldb,
+                        PackedB& out) {
+  using namespace bf16_dot;
+  out.k = k, out.n = n;
+  out.panels.resize(packed_size(k, n));
+  const int64_t all_pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
+  // (in parallel over the blocks' panels: a 256-deep B is one block)
+  const int64_t blocks = (all_pairs + kDepth - 1) / kDepth;
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t p0 = task / panels * kDepth, j = task % panels;
+      const int64_t pairs = std::min(kDepth, all_pairs - p0);
+      pack_b(trans, k, std::min(kCols, n - j * kCols), b + (trans ? j * kCols * ldb : j * kCols),
+             ldb, p0, pairs, out.panels.data() + p0 * 2 * kCols * panels + j * pairs * 2 * kCols);
+    }
+  });
+}
 
 // Row-major C (m x n) = alpha * op(A) op(B) + beta * C for bf16 A and B (row strides lda,
 // ldb), float C (ldc), on the calling thread (the attention kernel calls it inside its
@@ -180,41 +259,50 @@ inline void bf16_dot_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int6
   thread_local std::vector<uint16_t> b_packed;
   thread_local std::vector<uint32_t> a_packed;
   const int64_t all_pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
-  if (all_pairs == 0 || alpha == 0.0f) {  // C = beta C (A and B not read, as in BLAS)
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < n; ++j) {
-        c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
-      }
-    }
-    return;
-  }
-  const Pairs pairs_of_a = trans_a || k % 2 != 0 || lda % 2 != 0
-                              ? Pairs{pack_a(trans_a, m, k, a, lda, a_packed), 1, m}
-                              : Pairs{reinterpret_cast<const PairBits*>(a), lda / 2, 1};
+  if (all_pairs == 0 || alpha == 0.0f) return scale_only(m, n, beta, c, ldc);
+  const Pairs pairs = pairs_of_a(trans_a, m, k, a, lda, a_packed);
   for (int64_t p0 = 0; p0 < all_pairs; p0 += kDepth) {
-    const int64_t pairs = std::min(kDepth, all_pairs - p0);
-    pack_b(trans_b, k, n, b, ldb, p0, pairs, b_packed);
-    for (int64_t j = 0; j < panels; ++j) {
-      const uint16_t* panel = b_packed.data() + j * pairs * 2 * kCols;
-      const int64_t cols = std::min(kCols, n - j * kCols);
-      for (int64_t i = 0; i < m; i += kRows) {
-        const Pairs rows_of_a{pairs_of_a.at + i * pairs_of_a.row + p0 * pairs_of_a.pair,
-                              pairs_of_a.row, pairs_of_a.pair};
-        micro_rows(std::min(kRows, m - i), pairs, rows_of_a, panel, cols, alpha, beta, p0 == 0,
-                   c + i * ldc + j * kCols, ldc);
-      }
-    }
+    const int64_t block = std::min(kDepth, all_pairs - p0);
+    b_packed.resize(panels * block * 2 * kCols);
+    pack_b(trans_b, k, n, b, ldb, p0, block, b_packed.data());
+    depth_block(m, n, pairs, p0, block, b_packed.data(), alpha, beta, c, ldc);
   }
   if (b_packed.capacity() > (size_t(1) << 22)) std::vector<uint16_t>().swap(b_packed);
+  if (a_packed.capacity() > (size_t(1) << 22)) std::vector<uint32_t>().swap(a_packed);
+}
+
+// The same with op(B) packed once (`pack_b_once`).
+inline void bf16_dot_gemm(bool trans_a, int64_t m, float alpha, const at::BFloat16* a,
+                          int64_t lda, const PackedB& b, float beta, float* c, int64_t ldc) {
+  using namespace bf16_dot;
+  thread_local std::vector<uint32_t> a_packed;
+  const int64_t all_pairs = (b.k + 1) / 2, panels = (b.n + kCols - 1) / kCols;
+  if (m == 0 || b.n == 0) return;
+  if (all_pairs == 0 || alpha == 0.0f) return scale_only(m, b.n, beta, c, ldc);
+  const Pairs pairs = pairs_of_a(trans_a, m, b.k, a, lda, a_packed);
+  for (int64_t p0 = 0; p0 < all_pairs; p0 += kDepth) {
+    depth_block(m, b.n, pairs, p0, std::min(kDepth, all_pairs - p0),
+                b.panels.data() + p0 * 2 * kCols * panels, alpha, beta, c, ldc);
+  }
   if (a_packed.capacity() > (size_t(1) << 22)) std::vector<uint32_t>().swap(a_packed);
 }
 
 #else
 constexpr bool kBf16Dot = false;
 
-// Never called without AVX-512 BF16 (blas.h checks kBf16Dot).
+struct PackedB {};
+
+// Never called without AVX-512 BF16 (blas.h checks kBf16Dot; the feed-forward kernel's bf16
+// path is refused before).
+inline void pack_b_once(bool, int64_t, int64_t, const at::BFloat16*, int64_t, PackedB&) {
+  TORCH_CHECK(false, "bf16_dot_gemm: this build has no AVX-512 BF16");
+}
 inline void bf16_dot_gemm(bool, bool, int64_t, int64_t, int64_t, float, const at::BFloat16*,
                           int64_t, const at::BFloat16*, int64_t, float, float*, int64_t) {
+  TORCH_CHECK(false, "bf16_dot_gemm: this build has no AVX-512 BF16");
+}
+inline void bf16_dot_gemm(bool, int64_t, float, const at::BFloat16*, int64_t, const PackedB&,
+                          float, float*, int64_t) {
   TORCH_CHECK(false, "bf16_dot_gemm: this build has no AVX-512 BF16");
 }
 #endif

@@ -30,31 +30,13 @@
 #include <vector>
 
 #include "blas.h"
+#include "feedforward.h"
 #include "vmath.h"
 
 namespace {
 
 using linformer_kit::gemm;
-
-// Rows per block, forward and backward: a block's hidden activations (128 x 1024 floats,
-// 512 KiB) stay in L2. Measured at 4096 rows of width 256 / 1024, 2 threads (AVX-512 Xeon):
-// forward, the GEMMs alone, 32 / 64 / 128 rows took 26 / 21 / 18 ms; backward (three such
-// buffers a block, and the weight gradients' GEMMs summing over the block's rows) 128 / 256
-// / 512 rows 39-40 / 34-37 / 36-37 ms; in an encoder layer (n 1024 / 4096) 128 to 512 rows
-// within 3 % of each other. Fewer rows where that leaves a thread without a block (at least
-// `kFewestRows`): every thread busy matters more than the GEMMs' best shape.
-constexpr int64_t kRows = 128;
-constexpr int64_t kBackRows = 256;
-constexpr int64_t kFewestRows = 32;
-
-int64_t threads() { return std::max<int64_t>(1, at::get_num_threads()); }
-
-// Rows per block for `rows` rows: `most`, or fewer so that each thread gets a block.
-int64_t block_rows(int64_t rows, int64_t most) {
-  return std::clamp<int64_t>((rows + threads() - 1) / threads(), kFewestRows, most);
-}
-
-enum Activation : int64_t { kGelu = 0, kRelu = 1 };
+using namespace linformer_kit::feedforward;
 
 // a[c] = act(h[c] + bias[c]) over a row, and h <- h + bias when `keep_sum`.
 template <typename T>
@@ -121,27 +103,6 @@ const T* weight_t(const at::Tensor& w, bool plain, std::vector<T>& copy, int64_t
   return w.data_ptr<T>();
 }
 
-// x and the others: contiguous CPU tensors of x's dtype; x (rows, dim), w1 (hidden, dim) and
-// w2 (dim, hidden).
-void check_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-                  std::initializer_list<const at::Tensor*> others) {
-  for (const at::Tensor* t : others) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == x.scalar_type(),
-                "fused feed-forward: inputs, weights, biases and gradients must be contiguous "
-                "CPU tensors of one dtype; got ", t->sizes(), " ", t->scalar_type(), " on ",
-                t->device());
-  }
-  TORCH_CHECK(x.dim() == 2 && w1.dim() == 2 && w1.size(1) == x.size(1) &&
-                  w2.sizes() == at::IntArrayRef({w1.size(1), w1.size(0)}),
-              "fused feed-forward: shapes x ", x.sizes(), ", w1 ", w1.sizes(), ", w2 ",
-              w2.sizes(), " do not match (rows, dim), (hidden, dim), (dim, hidden)");
-}
-
-void check_activation(int64_t activation) {
-  TORCH_CHECK(activation == kGelu || activation == kRelu,
-              "fused feed-forward: activation must be 0 (gelu) or 1 (relu); got ", activation);
-}
-
 // How backward sums the weight gradients over the rows (`weight_sums`): each thread into its
 // own copies of dW1 and dW2 (2 x dim x hidden), added once the loop is done (kThreadSums), or
 // from A and dH kept for every row (2 x rows x hidden), by two GEMMs over all rows that the
@@ -170,16 +131,6 @@ bool all_rows(int64_t weight_sums, int64_t rows, int64_t dim, int64_t blocks) {
   return rows < 2 * copies * dim;
 }
 
-// A thread's share of the weight and bias gradients, from the blocks begin .. end.
-template <typename T>
-struct Partial {
-  Partial(int64_t begin, int64_t hidden, int64_t dim)
-      : begin(begin), w1(hidden * dim), b1(hidden), w2(dim * hidden), b2(dim) {}  // zeros
-
-  int64_t begin;
-  std::vector<T> w1, b1, w2, b2;
-};
-
 }  // namespace
 
 // (rows, dim) -> (rows, dim), and the (rows, hidden) pre-activation H for backward when
@@ -187,12 +138,15 @@ struct Partial {
 std::tuple<at::Tensor, at::Tensor> feedforward_forward(
     const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
     const at::Tensor& b2, int64_t activation, bool keep_hidden) {
-  check_inputs(x, w1, w2, {&x, &w1, &b1, &w2, &b2});
+  check_inputs(x, w1, w2, {&x}, {&w1, &b1, &w2, &b2});
   check_activation(activation);
   TORCH_CHECK(b1.sizes() == at::IntArrayRef({w1.size(0)}) &&
                   b2.sizes() == at::IntArrayRef({w1.size(1)}),
               "fused feed-forward: biases ", b1.sizes(), ", ", b2.sizes(),
               " do not match (hidden), (dim) of w1 ", w1.sizes());
+  if (x.scalar_type() == at::kBFloat16) {
+    return forward_bf16(x, w1, b1, w2, b2, activation, keep_hidden);
+  }
   const int64_t rows = x.size(0), dim = x.size(1), hidden = w1.size(0);
   at::Tensor out = at::empty({rows, dim}, x.options());
   at::Tensor kept = at::empty({keep_hidden ? rows : 0, hidden}, x.options());
@@ -234,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
     const at::Tensor& hidden_in, int64_t activation, std::array<bool, 2> needs,
     int64_t weight_sums) {
-  check_inputs(x, w1, w2, {&x, &w1, &w2, &grad, &hidden_in});
+  check_inputs(x, w1, w2, {&x, &grad, &hidden_in}, {&w1, &w2});
   check_activation(activation);
   TORCH_CHECK(weight_sums >= kRule && weight_sums <= kAllRows,
               "fused feed-forward backward: weight_sums must be -1 (the rule), 0 (each "
@@ -243,6 +197,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
   TORCH_CHECK(grad.sizes() == x.sizes() && hidden_in.sizes() == at::IntArrayRef({rows, hidden}),
               "fused feed-forward backward: grad ", grad.sizes(), " and hidden ",
               hidden_in.sizes(), " do not match (rows, dim) and (rows, hidden)");
+  if (x.scalar_type() == at::kBFloat16) {  // (each thread's sums, whatever weight_sums says)
+    return backward_bf16(grad, x, w1, w2, hidden_in, activation, needs);
+  }
   const auto [need_x, need_weights] = needs;
   const auto none = [&] { return at::empty({0}, x.options()); };  // (one each: no aliases)
   at::Tensor grad_x = need_x ? at::empty_like(x) : none();
@@ -313,24 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feedforwa
       at::sum_out(grad_b1, dh_all, 0);
       at::sum_out(grad_b2, grad, 0);
     }
-    if (!thread_sums) return;
-    std::sort(partials.begin(), partials.end(),
-              [](const Partial<T>& p, const Partial<T>& q) { return p.begin < q.begin; });
-    // Each total the sum of the threads' sums in the order of their rows, in parallel over
-    // its elements (no rows: zeros).
-    const std::pair<at::Tensor*, std::vector<T> Partial<T>::*> totals[] = {
-        {&grad_w1, &Partial<T>::w1}, {&grad_b1, &Partial<T>::b1},
-        {&grad_w2, &Partial<T>::w2}, {&grad_b2, &Partial<T>::b2}};
-    for (const auto& [total, member] : totals) {
-      T* out = total->data_ptr<T>();
-      at::parallel_for(0, total->numel(), 1 << 14, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          T sum = T(0);
-          for (const Partial<T>& part : partials) sum += (part.*member)[i];
-          out[i] = sum;
-        }
-      });
-    }
+    if (thread_sums) sum_partials(partials, {&grad_w1, &grad_b1, &grad_w2, &grad_b2});
   });
   return {grad_x, grad_w1, grad_b1, grad_w2, grad_b2};
 }

@@ -1,5 +1,6 @@
 // Elementwise math in plain loops g++ vectorizes (`#pragma omp simd`, -fno-trapping-math):
-// the exp of attention.cpp's softmax and the activations of feedforward.cpp.
+// the exp of attention.cpp's softmax, the activations of feedforward.cpp and
+// feedforward_bf16.cpp, and bfloat16's conversions.
 #pragma once
 
 #include <cmath>
@@ -58,6 +59,17 @@ inline float gelu(float x, float* slope) {
   if (slope != nullptr) *slope = cdf + x * e * 0.39894228040143268f;
   return x * cdf;
 }
+
+// bfloat16 as its 16 bits, to and from float in loops g++ vectorizes (c10::BFloat16's
+// conversions are calls it leaves scalar): x rounded to nearest even, NaN to 0x7FC0, as
+// c10::BFloat16(x) rounds.
+inline uint16_t to_bf16(float x) {
+  const uint32_t bits = bit_cast<uint32_t>(x);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return x != x ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
+inline float from_bf16(uint16_t bits) { return bit_cast<float>(uint32_t(bits) << 16); }
 
 inline double gelu(double x, double* slope) {
   const double cdf = 0.5 * std::erfc(-x * 0.70710678118654752);
