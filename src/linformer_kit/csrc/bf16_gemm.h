@@ -88,16 +88,14 @@ inline void pack_b(bool trans, int64_t k, int64_t n, const at::BFloat16* b, int6
   }
 }
 
-// op(A) (m x k) as 32-bit pairs in groups of kRows rows, each group's pairs one after
-// another (the micro-kernel's reads contiguous): row r's pair q at out[(r - r % kRows) *
-// pairs + q * kRows + r % kRows], zero-padded past k (the last group's rows past m are never
-// read); 16 rows at a time where A is transposed (A^T's rows 2q and 2q + 1 interleaved).
-// (Pair-major over all m rows put a pair's 8 words m words apart: 4 KiB at m 1024.)
+// op(A) (m x k) as 32-bit pairs, pair q of row r at out[q * m + r] (pair-major: A^T's rows
+// 2q and 2q + 1 interleaved, 16 at a time where A is transposed), zero-padded past k.
 inline const uint32_t* pack_a(bool trans, int64_t m, int64_t k, const at::BFloat16* a,
                               int64_t lda, std::vector<uint32_t>& out) {
-  const int64_t pairs = (k + 1) / 2, groups = (m + kRows - 1) / kRows;
-  out.resize(groups * kRows * pairs);  // (rows past m: never read)
+  const int64_t pairs = (k + 1) / 2;
+  out.resize(m * pairs);
   for (int64_t q = 0; q < pairs; ++q) {
+    uint32_t* dest = out.data() + q * m;
     int64_t r = 0;
     if (trans && 2 * q + 1 < k) {
       const at::BFloat16* even = a + 2 * q * lda;
@@ -105,17 +103,13 @@ inline const uint32_t* pack_a(bool trans, int64_t m, int64_t k, const at::BFloat
         const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + r)));
         const __m512i high =
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + lda + r)));
-        const __m512i words = _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
-        _mm256_storeu_si256((__m256i*)(out.data() + r * pairs + q * kRows),
-                            _mm512_castsi512_si256(words));
-        _mm256_storeu_si256((__m256i*)(out.data() + (r + kRows) * pairs + q * kRows),
-                            _mm512_extracti64x4_epi64(words, 1));
+        _mm512_storeu_si512(dest + r, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
       }
     }
     for (; r < m; ++r) {
       const uint32_t low = element(a, trans, lda, r, 2 * q);
       const uint32_t high = 2 * q + 1 < k ? element(a, trans, lda, r, 2 * q + 1) : 0;
-      out[(r - r % kRows) * pairs + q * kRows + r % kRows] = low | (high << 16);
+      dest[r] = low | (high << 16);
     }
   }
   return out.data();
@@ -148,12 +142,10 @@ inline void store(const __m512 (&sums)[R][2], int64_t cols, float alpha, float b
 // at an odd element offset).
 typedef uint32_t PairBits __attribute__((may_alias, aligned(2)));
 
-// A's pairs: row i + r's pair q at at[i * group + r * row + q * pair], for i a multiple
-// of kRows and r < kRows (in place: group = row = the row stride in pairs, pair 1; packed
-// by pack_a: group = all pairs, row 1, pair kRows).
+// A's pairs: row r's pair q at at[r * row + q * pair].
 struct Pairs {
   const PairBits* at;
-  int64_t row, pair, group;
+  int64_t row, pair;
 };
 
 // R rows x kCols: sums over `pairs` pairs of A's rows times one packed panel of B, then
@@ -193,10 +185,9 @@ inline void micro_rows(int64_t rows, int64_t pairs, Pairs a, const uint16_t* pan
 inline Pairs pairs_of_a(bool trans, int64_t m, int64_t k, const at::BFloat16* a, int64_t lda,
                         std::vector<uint32_t>& copy) {
   if (trans || k % 2 != 0 || lda % 2 != 0) {
-    const uint32_t* packed = pack_a(trans, m, k, a, lda, copy);
-    return Pairs{reinterpret_cast<const PairBits*>(packed), 1, kRows, (k + 1) / 2};
+    return Pairs{pack_a(trans, m, k, a, lda, copy), 1, m};
   }
-  return Pairs{reinterpret_cast<const PairBits*>(a), lda / 2, 1, lda / 2};
+  return Pairs{reinterpret_cast<const PairBits*>(a), lda / 2, 1};
 }
 
 // C (m x n) = alpha A B + (p0 == 0 ? beta C : C) over pairs p0 .. p0 + pairs of the inner
@@ -207,7 +198,7 @@ inline void depth_block(int64_t m, int64_t n, Pairs a, int64_t p0, int64_t pairs
     const uint16_t* panel = panels + j * pairs * 2 * kCols;
     const int64_t cols = std::min(kCols, n - j * kCols);
     for (int64_t i = 0; i < m; i += kRows) {
-      const Pairs rows{a.at + i * a.group + p0 * a.pair, a.row, a.pair, a.group};
+      const Pairs rows{a.at + i * a.row + p0 * a.pair, a.row, a.pair};
       micro_rows(std::min(kRows, m - i), pairs, rows, panel, cols, alpha, beta, p0 == 0,
                  c + i * ldc + j * kCols, ldc);
     }
