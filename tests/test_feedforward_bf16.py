@@ -3,7 +3,7 @@ weights, rounding where CPU bf16 autocast's three modules round. Checked against
 reference that rounds at the same places (nearly every element the same bits), on odd widths,
 any row count and thread count; `FeedForward` under autocast takes it from
 `BF16_KERNEL_MIN_ROWS` rows and the modules below. With the kernels' GEMMs pinned off MKL
-(as on AMD CPUs); skipped where the build has no AVX-512 BF16 (`ops.bf16_feedforward()`)."""
+(as on AMD CPUs); skipped where the build has no AVX-512 BF16 (`native.bf16_feedforward`)."""
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ def ops():
     if ops is None:
         pytest.skip("no C++ compiler here: the compiled kernels cannot be built")
     with use_linear_backend("onednn"):
-        if not ops.bf16_feedforward():
+        if not native.bf16_feedforward():
             pytest.skip("the feed-forward kernel's bf16 form needs AVX-512 BF16")
         yield ops
 
@@ -106,8 +106,6 @@ def test_feed_forward_under_autocast_takes_it_from_the_row_threshold(ops, monkey
     real = ops.feedforward_forward
 
     class Spy:
-        bf16_feedforward = staticmethod(ops.bf16_feedforward)
-
         @staticmethod
         def feedforward_forward(*args):
             calls.append(args[0].dtype)
@@ -139,3 +137,25 @@ def test_bf16_rows_need_float32_weights(ops):
         ops.feedforward_forward(x, w1.bfloat16(), b1, w2, b2, 0, False)
     with pytest.raises(RuntimeError, match="where BFloat16 was due"):
         ops.feedforward_backward(torch.randn(3, 4), x, w1, w2, torch.randn(3, 6), 0, [True, True])
+
+
+def test_torch_compile_traces_it_as_one_node(ops):
+    """Under torch.compile (fullgraph: the rule is Python state, no graph break) the compiled
+    block calls the bf16 kernel and gives the eager block's output and gradients."""
+    torch.manual_seed(0)
+    ffn = FeedForward(dim=16, hidden_dim=32)
+    x = torch.randn(1, BF16_KERNEL_MIN_ROWS, 16, requires_grad=True)
+
+    def block(t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return ffn(t)
+
+    results = []
+    for run in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        out = run(x)
+        out.float().sum().backward()
+        results.append([out, x.grad, ffn.up.weight.grad])
+        x.grad = None
+        ffn.zero_grad(set_to_none=True)
+    for got, wanted in zip(*results):
+        assert torch.equal(got, wanted)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from . import native
 from .attention import CausalState, LinformerSelfAttention
 from .config import LinformerConfig
 from .dropout import Dropout, native_ops
@@ -17,7 +18,7 @@ from .projection import SequenceProjection, build_sharing_plan
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
 # Under CPU bf16 autocast the kernel takes blocks of at least this many rows (where its bf16
-# GEMMs are AVX-512 BF16's dot products, `ops.bf16_feedforward()`). Its GEMMs run at about
+# GEMMs are AVX-512 BF16's dot products, `native.bf16_feedforward()`). Its GEMMs run at about
 # oneDNN's bf16 rate (the modules'), so it gains by the passes it fuses and the memory it
 # never writes, which pay from here: fwd+bwd, dim 256, hidden 1024, 2 threads, AMD EPYC,
 # the block alone 0.84 / 0.88 / 0.93 / 0.99 / 1.06x the modules' speed at 512 / 1024 / 2048
@@ -103,7 +104,7 @@ class FeedForward(nn.Module):
         else:
             return None
         ops = native_ops(x)
-        if ops is None or (autocast and not ops.bf16_feedforward()):
+        if ops is None or (autocast and not native.bf16_feedforward()):
             return None
         return ops, code
 

@@ -130,6 +130,7 @@ def _build() -> object:
     )
     _register_python_side()
     _apply_kernel_gemm(torch.ops.linformer_kit)
+    _loaded["bf16_dot"] = bool(torch.ops.linformer_kit.bf16_dot())
     return torch.ops.linformer_kit
 
 
@@ -164,6 +165,14 @@ def kernel_gemm() -> str:
     if kernels_off or not torch.backends.mkldnn.enabled:
         return "blas"
     return _kernel_gemm["applied"] or _wanted_kernel_gemm()
+
+
+def bf16_feedforward() -> bool:
+    """Whether the feed-forward kernel takes bf16 rows (`csrc/feedforward_bf16.cpp`): the
+    kernels are loaded with their float32 GEMMs on oneDNN (`kernel_gemm`), so their bf16
+    GEMMs off MKL, and built with AVX-512 BF16's dot products (`csrc/bf16_gemm.h`; not where
+    `LINFORMER_KIT_BF16_GEMM=widen`). Python state only: torch.compile traces it."""
+    return bool(_loaded.get("bf16_dot")) and kernel_gemm() == "onednn"
 
 
 def _wanted_kernel_gemm() -> str:

@@ -112,19 +112,16 @@ void matmul_add_(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b
   product(a, b, out, true);
 }
 
-// Whether the feed-forward kernel takes bf16 rows (feedforward_bf16.cpp): where the kernels'
-// bf16 GEMMs are AVX-512 BF16's dot products (off MKL, `gemm<bf16>`), not MKL's (AMX on
-// Intel CPUs) nor widened.
-bool bf16_feedforward() {
-  return linformer_kit::kBf16Dot && linformer_kit::off_mkl_bf16() &&
-         !linformer_kit::widen_forced();
-}
+// Whether the bf16 GEMMs off MKL are AVX-512 BF16's dot products (this build has them and
+// the widening is not forced): where the feed-forward kernel's bf16 form can run
+// (`native.bf16_feedforward`, with the float GEMMs on oneDNN).
+bool bf16_dot() { return linformer_kit::kBf16Dot && !linformer_kit::widen_forced(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
   m.def("float_gemm(str? backend=None) -> str", &float_gemm);
-  m.def("bf16_feedforward() -> bool", &bf16_feedforward);
+  m.def("bf16_dot() -> bool", &bf16_dot);
   m.def("matmul(Tensor a, Tensor b) -> Tensor");
   m.def("matmul_add_(Tensor(a!) out, Tensor a, Tensor b) -> ()");
 }
