@@ -5,6 +5,8 @@ any row count and thread count; `FeedForward` under autocast takes it from
 `BF16_KERNEL_MIN_ROWS` rows and the modules below. With the kernels' GEMMs pinned off MKL
 (as on AMD CPUs); skipped where the build has no AVX-512 BF16 (`native.bf16_feedforward`)."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,3 +161,21 @@ def test_torch_compile_traces_it_as_one_node(ops):
         ffn.zero_grad(set_to_none=True)
     for got, wanted in zip(*results):
         assert torch.equal(got, wanted)
+
+
+def test_the_ab_script_times_the_bf16_kernel_against_the_modules(ops, tmp_path, monkeypatch):
+    # benchmarks/kernels_feedforward.py --dtype bfloat16: the kernel's bf16 form on bf16 rows
+    # below the row threshold too (lowered for the run; restored here), the modules without
+    from test_dropout import run_ab_script
+
+    from linformer_kit import encoder
+
+    monkeypatch.setattr(encoder, "BF16_KERNEL_MIN_ROWS", encoder.BF16_KERNEL_MIN_ROWS)
+    calls = []
+    real = ops.feedforward_forward
+    monkeypatch.setattr(ops, "feedforward_forward", lambda *t: calls.append(t[0].dtype) or real(*t))
+    args = ("kernels_feedforward.py", encoder, (16, 32), tmp_path, monkeypatch)
+    rows, paths, _ = run_ab_script(*args, extra=("--dtype", "bfloat16"))
+    assert paths == {True, False} and set(calls) == {torch.bfloat16}
+    assert json.loads((tmp_path / "ab.json").read_text())["settings"]["dtype"] == "bfloat16"
+    assert all(row["kernel_speedup"]["feed-forward"] > 0 for row in rows)
