@@ -17,13 +17,14 @@ from .linear_backend import apply_linear, hooked, transformed
 from .projection import SequenceProjection, build_sharing_plan
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
-# Under CPU bf16 autocast the kernel takes blocks of at least this many rows (where its bf16
+# Under CPU bf16 autocast the kernel takes inputs of at least this many rows (where its bf16
 # GEMMs are AVX-512 BF16's dot products, `native.bf16_feedforward()`). Its GEMMs run at about
 # oneDNN's bf16 rate (the modules'), so it gains by the passes it fuses and the memory it
-# never writes, which pay from here: fwd+bwd, dim 256, hidden 1024, 2 threads, AMD EPYC,
-# the block alone 0.84 / 0.88 / 0.93 / 0.99 / 1.06x the modules' speed at 512 / 1024 / 2048
-# / 4096 / 8192 rows, 1.28-1.43x at 16384; in a bf16 encoder layer (kv) 0.97x at n 1024,
-# 1.04x at 4096, 1.16-1.21x at 16384.
+# never writes, which pay from about here: fwd+bwd, dim 256, hidden 1024, 2 threads, AMD
+# EPYC (`benchmarks/kernels_feedforward.py --dtype bfloat16`, `benchmarks/kernels/amd-epyc/
+# feedforward-bf16/`), the block 0.75 / 1.04 / 1.17 / 1.07 / 1.31x the modules' speed at
+# 1024 / 2048 / 4096 / 8192 / 16384 rows, an encoder layer (attention on SDPA) 0.87 / 1.02
+# / 1.11 / 1.11 / 1.11x.
 BF16_KERNEL_MIN_ROWS = 4096
 
 

@@ -2,7 +2,7 @@
 for `dropout.Dropout`), `attention_forward` / `attention_backward` (`csrc/attention.cpp`,
 the explicit attention kernel with its dropout, `kernels._fused_attention`) and
 `feedforward_forward` / `feedforward_backward` (`csrc/feedforward.cpp`, for
-`encoder.FeedForward`), their backward formulas (`csrc/autograd.cpp`) and fake kernels
+`encoder.FeedForward`; bf16 rows in `csrc/feedforward_bf16.cpp`), their backward formulas (`csrc/autograd.cpp`) and fake kernels
 (torch.compile, `_register_python_side`).
 
 `cpu_ops()` compiles the C++ files with torch's `cpp_extension` (g++ and ninja; about

@@ -190,17 +190,23 @@ inline Pairs pairs_of_a(bool trans, int64_t m, int64_t k, const at::BFloat16* a,
   return Pairs{reinterpret_cast<const PairBits*>(a), lda / 2, 1};
 }
 
-// C (m x n) = alpha A B + (p0 == 0 ? beta C : C) over pairs p0 .. p0 + pairs of the inner
-// dimension, B's pairs packed (pack_b) at `panels`.
-inline void depth_block(int64_t m, int64_t n, Pairs a, int64_t p0, int64_t pairs,
-                        const uint16_t* panels, float alpha, float beta, float* c, int64_t ldc) {
-  for (int64_t j = 0; j * kCols < n; ++j) {
-    const uint16_t* panel = panels + j * pairs * 2 * kCols;
-    const int64_t cols = std::min(kCols, n - j * kCols);
-    for (int64_t i = 0; i < m; i += kRows) {
-      const Pairs rows{a.at + i * a.row + p0 * a.pair, a.row, a.pair};
-      micro_rows(std::min(kRows, m - i), pairs, rows, panel, cols, alpha, beta, p0 == 0,
-                 c + i * ldc + j * kCols, ldc);
+// C (m x n) = alpha A op(B) + beta C over op(B)'s pairs in blocks of kDepth, each block's
+// pairs packed (pack_b) at `block_of_b(p0, pairs)`.
+template <typename BlockOfB>
+inline void gemm_blocks(int64_t m, int64_t n, int64_t all_pairs, Pairs a, float alpha,
+                        float beta, float* c, int64_t ldc, BlockOfB block_of_b) {
+  const int64_t panels = (n + kCols - 1) / kCols;
+  for (int64_t p0 = 0; p0 < all_pairs; p0 += kDepth) {
+    const int64_t pairs = std::min(kDepth, all_pairs - p0);
+    const uint16_t* packed = block_of_b(p0, pairs);
+    for (int64_t j = 0; j < panels; ++j) {
+      const uint16_t* panel = packed + j * pairs * 2 * kCols;
+      const int64_t cols = std::min(kCols, n - j * kCols);
+      for (int64_t i = 0; i < m; i += kRows) {
+        const Pairs rows{a.at + i * a.row + p0 * a.pair, a.row, a.pair};
+        micro_rows(std::min(kRows, m - i), pairs, rows, panel, cols, alpha, beta, p0 == 0,
+                   c + i * ldc + j * kCols, ldc);
+      }
     }
   }
 }
@@ -251,13 +257,12 @@ inline void bf16_dot_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int6
   thread_local std::vector<uint32_t> a_packed;
   const int64_t all_pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
   if (all_pairs == 0 || alpha == 0.0f) return scale_only(m, n, beta, c, ldc);
-  const Pairs pairs = pairs_of_a(trans_a, m, k, a, lda, a_packed);
-  for (int64_t p0 = 0; p0 < all_pairs; p0 += kDepth) {
-    const int64_t block = std::min(kDepth, all_pairs - p0);
-    b_packed.resize(panels * block * 2 * kCols);
-    pack_b(trans_b, k, n, b, ldb, p0, block, b_packed.data());
-    depth_block(m, n, pairs, p0, block, b_packed.data(), alpha, beta, c, ldc);
-  }
+  gemm_blocks(m, n, all_pairs, pairs_of_a(trans_a, m, k, a, lda, a_packed), alpha, beta, c, ldc,
+              [&](int64_t p0, int64_t pairs) {
+                b_packed.resize(panels * pairs * 2 * kCols);
+                pack_b(trans_b, k, n, b, ldb, p0, pairs, b_packed.data());
+                return b_packed.data();
+              });
   if (b_packed.capacity() > (size_t(1) << 22)) std::vector<uint16_t>().swap(b_packed);
   if (a_packed.capacity() > (size_t(1) << 22)) std::vector<uint32_t>().swap(a_packed);
 }
@@ -270,11 +275,9 @@ inline void bf16_dot_gemm(bool trans_a, int64_t m, float alpha, const at::BFloat
   const int64_t all_pairs = (b.k + 1) / 2, panels = (b.n + kCols - 1) / kCols;
   if (m == 0 || b.n == 0) return;
   if (all_pairs == 0 || alpha == 0.0f) return scale_only(m, b.n, beta, c, ldc);
-  const Pairs pairs = pairs_of_a(trans_a, m, b.k, a, lda, a_packed);
-  for (int64_t p0 = 0; p0 < all_pairs; p0 += kDepth) {
-    depth_block(m, b.n, pairs, p0, std::min(kDepth, all_pairs - p0),
-                b.panels.data() + p0 * 2 * kCols * panels, alpha, beta, c, ldc);
-  }
+  const uint16_t* panels_of_b = b.panels.data();
+  gemm_blocks(m, b.n, all_pairs, pairs_of_a(trans_a, m, b.k, a, lda, a_packed), alpha, beta,
+              c, ldc, [&](int64_t p0, int64_t) { return panels_of_b + p0 * 2 * kCols * panels; });
   if (a_packed.capacity() > (size_t(1) << 22)) std::vector<uint32_t>().swap(a_packed);
 }
 

@@ -14,7 +14,7 @@
 // or, where those copies would cost more (few rows for the threads and width, `all_rows`),
 // A and dH kept for every row and the weight gradients as two GEMMs over all rows after the
 // loop. Only the gradients asked for are computed. Float and double; the GEMMs in the loop
-// are single-threaded BLAS calls (`blas.h`).
+// are single-threaded BLAS calls (`blas.h`). bf16 rows with float weights: feedforward_bf16.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
