@@ -2,8 +2,8 @@
 for `dropout.Dropout`), `attention_forward` / `attention_backward` (`csrc/attention.cpp`,
 the explicit attention kernel with its dropout, `kernels._fused_attention`) and
 `feedforward_forward` / `feedforward_backward` (`csrc/feedforward.cpp`, for
-`encoder.FeedForward`; bf16 rows in `csrc/feedforward_bf16.cpp`), their backward formulas (`csrc/autograd.cpp`) and fake kernels
-(torch.compile, `_register_python_side`).
+`encoder.FeedForward`; bf16 rows in `csrc/feedforward_bf16.cpp`), their backward formulas
+(`csrc/autograd.cpp`) and fake kernels (torch.compile, `_register_python_side`).
 
 `cpu_ops()` compiles the C++ files with torch's `cpp_extension` (g++ and ninja; about
 20 s once per machine, then loaded from torch's extension cache) and returns
