@@ -36,15 +36,16 @@ def rounded(t):
 
 def reference(x, w1, b1, w2, b2, grad, activation):
     """Output and gradients (x, w1, b1, w2, b2) in float64, rounded to bf16 where the kernel
-    rounds: H, A = act(H), Y, dH = dA * act'(H) and dX; the weight gradients' sums exact."""
+    and autocast round: the weights and biases, H, A = act(H), Y, dH = dA * act'(H) and dX;
+    the weight gradients' sums exact."""
     x, grad = x.double(), grad.double()
     w1r, w2r = rounded(w1), rounded(w2)
-    h = rounded(x @ w1r.T + b1.double()).requires_grad_()
+    h = rounded(x @ w1r.T + rounded(b1)).requires_grad_()
     act = F.gelu if activation == "gelu" else torch.relu
     a = act(h)
     (slope,) = torch.autograd.grad(a.sum(), h)
     h, a = h.detach(), rounded(a.detach())
-    y = rounded(a @ w2r.T + b2.double())
+    y = rounded(a @ w2r.T + rounded(b2))
     dh = rounded((grad @ w2r) * slope)
     return y, rounded(dh @ w1r), dh.T @ x, dh.sum(0), grad.T @ a, grad.sum(0)
 
@@ -129,6 +130,7 @@ def test_feed_forward_under_autocast_takes_it_from_the_row_threshold(ops, monkey
         with torch.autocast("cpu", dtype=torch.bfloat16):
             wanted = ffn.down(ffn.act(ffn.up(x)))
         assert relative_error(out, wanted.double()) < 1e-2
+        assert same_bits_fraction(out, wanted.double()) >= 0.99  # (rounded as autocast rounds)
         ffn.zero_grad(set_to_none=True)
 
 
@@ -179,3 +181,17 @@ def test_the_ab_script_times_the_bf16_kernel_against_the_modules(ops, tmp_path, 
     assert paths == {True, False} and set(calls) == {torch.bfloat16}
     assert json.loads((tmp_path / "ab.json").read_text())["settings"]["dtype"] == "bfloat16"
     assert all(row["kernel_speedup"]["feed-forward"] > 0 for row in rows)
+
+
+def test_relu_passes_nan_as_the_modules_do(ops):
+    torch.manual_seed(0)
+    x = torch.randn(6, 8).bfloat16()
+    x[2, 3] = float("nan")
+    grad = torch.randn(6, 8).bfloat16()
+    w1, b1, w2, b2 = torch.randn(16, 8), torch.randn(16), torch.randn(8, 16), torch.randn(8)
+    y, kept = ops.feedforward_forward(x, w1, b1, w2, b2, 1, True)
+    dx = ops.feedforward_backward(grad, x, w1, w2, kept, 1, [True, False])[0]
+    wanted_y, wanted_dx = reference(x, w1, b1, w2, b2, grad, "relu")[:2]
+    assert torch.equal(y.isnan(), wanted_y.isnan()) and y[2].isnan().all()
+    assert torch.equal(dx.isnan(), wanted_dx.isnan()) and not dx.isnan().any()
+    assert relative_error(dx, wanted_dx) < 1e-2

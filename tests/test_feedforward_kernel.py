@@ -391,3 +391,18 @@ def test_vectorized_jacobian_equals_the_modules():
     got = torch.autograd.functional.jacobian(ffn, x, vectorize=True)
     wanted = torch.autograd.functional.jacobian(lambda t: modules_path(ffn, t), x)
     torch.testing.assert_close(got, wanted)
+
+
+def test_relu_passes_nan_as_the_modules_do():
+    """A NaN pre-activation stays NaN through ReLU, and its gradient passes (as torch.relu
+    and its backward do): the kernel's output and input gradient have the modules' NaNs."""
+    torch.manual_seed(0)
+    ffn = FeedForward(dim=8, hidden_dim=16, activation="relu")
+    x = torch.randn(5, 8)
+    x[2, 3] = float("nan")
+    grad = torch.randn(5, 8)
+    got = outputs_and_grads(ffn, x, grad, ffn)
+    wanted = outputs_and_grads(ffn, x, grad, lambda t: modules_path(ffn, t))
+    for name, a, b in zip(["out", "x"], got[:2], wanted[:2]):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), msg=name)

@@ -46,7 +46,7 @@ void activate_row(T* h, const T* bias, T* a, int64_t cols, int64_t activation, b
     for (int64_t c = 0; c < cols; ++c) {
       const T x = h[c] + bias[c];
       if (keep_sum) h[c] = x;
-      a[c] = x > T(0) ? x : T(0);
+      a[c] = x <= T(0) ? T(0) : x;  // (NaN stays NaN, as in torch.relu)
     }
     return;
   }
@@ -64,8 +64,8 @@ void activate_with_slope(const T* h, T* a, T* slope, int64_t cols, int64_t activ
   if (activation == kRelu) {
 #pragma omp simd
     for (int64_t c = 0; c < cols; ++c) {
-      a[c] = h[c] > T(0) ? h[c] : T(0);
-      slope[c] = h[c] > T(0) ? T(1) : T(0);
+      a[c] = h[c] <= T(0) ? T(0) : h[c];
+      slope[c] = h[c] <= T(0) ? T(0) : T(1);  // (NaN passes the gradient, as ATen's)
     }
     return;
   }

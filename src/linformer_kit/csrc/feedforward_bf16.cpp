@@ -3,13 +3,13 @@
 // BF16's dot products (bf16_gemm.h) with the weights rounded to bf16 and packed once a call.
 //
 // It rounds where autocast's three modules round, so that it computes what they compute to
-// float rounding: the pre-activation H = X W1^T + b1 is kept in bf16 (addmm's bf16 output),
-// the activation A = act(H) and the output Y = A W2^T + b2 are bf16; in backward dH =
-// (dY W2) * act'(H) is rounded to bf16 before dX = dH W1 and the weight gradients dW2 = dY^T
-// A, dW1 = dH^T X (summed as X^T dH), whose sums run in float (each thread's own, added in the
-// order of their rows: `sum_partials`) and come back in float32 for the float32 weights. Per
-// block of rows, as the float path: the hidden activations stay in the thread's cache; only
-// H is kept.
+// float rounding: the weights and biases are rounded to bf16 (autocast's casts for addmm),
+// the pre-activation H = X W1^T + b1 is kept in bf16 (addmm's bf16 output), the activation
+// A = act(H) and the output Y = A W2^T + b2 are bf16; in backward dH = (dY W2) * act'(H) is
+// rounded to bf16 before dX = dH W1 and the weight gradients dW2 = dY^T A, dW1 = dH^T X
+// (summed as X^T dH), whose sums run in float (each thread's own, added in the order of
+// their rows: `sum_partials`) and come back in float32 for the float32 weights. Per block of
+// rows, as the float path: the hidden activations stay in the thread's cache; only H is kept.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -20,7 +20,7 @@
 #include <tuple>
 #include <vector>
 
-#include "bf16_gemm.h"
+#include "blas.h"
 #include "feedforward.h"
 #include "vmath.h"
 
@@ -30,9 +30,9 @@ namespace {
 using at::BFloat16;
 
 void check_bf16_dot() {
-  TORCH_CHECK(kBf16Dot,
-              "fused feed-forward: bfloat16 needs a build with AVX-512 BF16 (this one has "
-              "none); run the modules instead");
+  TORCH_CHECK(kBf16Dot && !widen_forced(),
+              "fused feed-forward: bfloat16 needs AVX-512 BF16's dot products (this build has "
+              "none, or LINFORMER_KIT_BF16_GEMM=widen); run the modules instead");
 }
 
 // bf16 tensors' memory as the 16 bits vmath.h's conversions take.
@@ -47,7 +47,8 @@ void activate_row(const float* h, const float* bias, uint16_t* kept, uint16_t* a
     for (int64_t c = 0; c < cols; ++c) {
       const uint16_t v = to_bf16(h[c] + bias[c]);
       if (kept != nullptr) kept[c] = v;
-      a[c] = to_bf16(std::max(from_bf16(v), 0.0f));
+      const float x = from_bf16(v);
+      a[c] = to_bf16(x <= 0.0f ? 0.0f : x);  // (NaN stays NaN, as in torch.relu)
     }
     return;
   }
@@ -66,8 +67,8 @@ void activate_backward(const uint16_t* h, const float* da, uint16_t* a, uint16_t
 #pragma omp simd
     for (int64_t c = 0; c < cols; ++c) {
       const float x = from_bf16(h[c]);
-      a[c] = to_bf16(std::max(x, 0.0f));
-      dh[c] = to_bf16(x > 0.0f ? da[c] : 0.0f);
+      a[c] = to_bf16(x <= 0.0f ? 0.0f : x);
+      dh[c] = to_bf16(x <= 0.0f ? 0.0f : da[c]);  // (NaN passes the gradient, as ATen's)
     }
     return;
   }
@@ -118,8 +119,11 @@ std::tuple<at::Tensor, at::Tensor> forward_bf16(const at::Tensor& x, const at::T
   at::Tensor out = at::empty({rows, dim}, x.options());
   at::Tensor kept = at::empty({keep_hidden ? rows : 0, hidden}, x.options());
   const PackedB up = packed_weight(w1, true), down = packed_weight(w2, true);  // W1^T, W2^T
+  // the biases rounded to bf16 too, as autocast casts them for addmm
+  const at::Tensor b1_rounded = b1.to(at::kBFloat16).to(at::kFloat);
+  const at::Tensor b2_rounded = b2.to(at::kBFloat16).to(at::kFloat);
   const BFloat16* in = x.data_ptr<BFloat16>();
-  const float *bias1 = b1.data_ptr<float>(), *bias2 = b2.data_ptr<float>();
+  const float *bias1 = b1_rounded.data_ptr<float>(), *bias2 = b2_rounded.data_ptr<float>();
   BFloat16* y = out.data_ptr<BFloat16>();
   BFloat16* h_all = keep_hidden ? kept.data_ptr<BFloat16>() : nullptr;
   const int64_t step = block_rows(rows, kRows), blocks = (rows + step - 1) / step;
