@@ -44,9 +44,12 @@ inline uint16_t element(const at::BFloat16* x, bool trans, int64_t ld, int64_t r
   return (trans ? x[c * ld + r] : x[r * ld + c]).x;
 }
 
+// The panels of kCols columns that n columns take.
+inline int64_t panel_count(int64_t n) { return (n + kCols - 1) / kCols; }
+
 // The size of op(B) (k x n) packed: every pair of its rows, in panels of kCols columns.
 inline int64_t packed_size(int64_t k, int64_t n) {
-  return (n + kCols - 1) / kCols * ((k + 1) / 2) * 2 * kCols;
+  return panel_count(n) * ((k + 1) / 2) * 2 * kCols;
 }
 
 // Pairs p0 .. p0 + pairs of op(B) (k x n) into panels of kCols columns at `out`: panel j,
@@ -55,7 +58,7 @@ inline int64_t packed_size(int64_t k, int64_t n) {
 // interleaved; transposed, a column's pair is one 32-bit word of B's row.
 inline void pack_b(bool trans, int64_t k, int64_t n, const at::BFloat16* b, int64_t ldb,
                    int64_t p0, int64_t pairs, uint16_t* out) {
-  const int64_t panels = (n + kCols - 1) / kCols;
+  const int64_t panels = panel_count(n);
   for (int64_t j = 0; j < panels; ++j) {
     const int64_t c0 = j * kCols, cols = std::min(kCols, n - c0);
     for (int64_t q = 0; q < pairs; ++q) {
@@ -195,7 +198,7 @@ inline Pairs pairs_of_a(bool trans, int64_t m, int64_t k, const at::BFloat16* a,
 template <typename BlockOfB>
 inline void gemm_blocks(int64_t m, int64_t n, int64_t all_pairs, Pairs a, float alpha,
                         float beta, float* c, int64_t ldc, BlockOfB block_of_b) {
-  const int64_t panels = (n + kCols - 1) / kCols;
+  const int64_t panels = panel_count(n);
   for (int64_t p0 = 0; p0 < all_pairs; p0 += kDepth) {
     const int64_t pairs = std::min(kDepth, all_pairs - p0);
     const uint16_t* packed = block_of_b(p0, pairs);
@@ -232,7 +235,7 @@ inline void pack_b_once(bool trans, int64_t k, int64_t n, const at::BFloat16* b,
   using namespace bf16_dot;
   out.k = k, out.n = n;
   out.panels.resize(packed_size(k, n));
-  const int64_t all_pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
+  const int64_t all_pairs = (k + 1) / 2, panels = panel_count(n);
   // (in parallel over the blocks' panels: a 256-deep B is one block)
   const int64_t blocks = (all_pairs + kDepth - 1) / kDepth;
   at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
@@ -255,7 +258,7 @@ inline void bf16_dot_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int6
   using namespace bf16_dot;
   thread_local std::vector<uint16_t> b_packed;
   thread_local std::vector<uint32_t> a_packed;
-  const int64_t all_pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
+  const int64_t all_pairs = (k + 1) / 2, panels = panel_count(n);
   if (all_pairs == 0 || alpha == 0.0f) return scale_only(m, n, beta, c, ldc);
   gemm_blocks(m, n, all_pairs, pairs_of_a(trans_a, m, k, a, lda, a_packed), alpha, beta, c, ldc,
               [&](int64_t p0, int64_t pairs) {
@@ -272,7 +275,7 @@ inline void bf16_dot_gemm(bool trans_a, int64_t m, float alpha, const at::BFloat
                           int64_t lda, const PackedB& b, float beta, float* c, int64_t ldc) {
   using namespace bf16_dot;
   thread_local std::vector<uint32_t> a_packed;
-  const int64_t all_pairs = (b.k + 1) / 2, panels = (b.n + kCols - 1) / kCols;
+  const int64_t all_pairs = (b.k + 1) / 2, panels = panel_count(b.n);
   if (m == 0 || b.n == 0) return;
   if (all_pairs == 0 || alpha == 0.0f) return scale_only(m, b.n, beta, c, ldc);
   const uint16_t* panels_of_b = b.panels.data();
@@ -286,8 +289,8 @@ constexpr bool kBf16Dot = false;
 
 struct PackedB {};
 
-// Never called without AVX-512 BF16 (blas.h checks kBf16Dot; the feed-forward kernel's bf16
-// path is refused before).
+// Never called without AVX-512 BF16 (blas.h checks bf16_dot_products(); the feed-forward
+// kernel's bf16 path is refused before).
 inline void pack_b_once(bool, int64_t, int64_t, const at::BFloat16*, int64_t, PackedB&) {
   TORCH_CHECK(false, "bf16_dot_gemm: this build has no AVX-512 BF16");
 }

@@ -112,10 +112,9 @@ void matmul_add_(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b
   product(a, b, out, true);
 }
 
-// Whether the bf16 GEMMs off MKL are AVX-512 BF16's dot products (this build has them and
-// the widening is not forced): where the feed-forward kernel's bf16 form can run
+// `bf16_dot_products()` for Python: where the feed-forward kernel's bf16 form can run
 // (`native.bf16_feedforward`, with the float GEMMs on oneDNN).
-bool bf16_dot() { return linformer_kit::kBf16Dot && !linformer_kit::widen_forced(); }
+bool bf16_dot() { return linformer_kit::bf16_dot_products(); }
 
 }  // namespace
 

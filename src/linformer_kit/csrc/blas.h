@@ -253,6 +253,10 @@ inline bool off_mkl_bf16() {
   return GEMM_BF16BF16F32 == nullptr || widen_forced() || plain_operands<float>();
 }
 
+// Whether bfloat16 GEMMs off MKL run AVX-512 BF16's dot products (`bf16_dot_gemm`): this
+// build has them and the widening is not forced.
+inline bool bf16_dot_products() { return kBf16Dot && !widen_forced(); }
+
 // The rows x cols matrix at `a` (row stride ld) widened to float, contiguous, into `out`.
 inline const float* widened(const at::BFloat16* a, int64_t rows, int64_t cols, int64_t ld,
                             std::vector<float>& out) {
@@ -275,7 +279,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S>
   ldb = std::max<int64_t>({ldb, trans_b ? k : n, 1});
   if constexpr (std::is_same_v<S, at::BFloat16>) {
     if (off_mkl_bf16()) {
-      if (kBf16Dot && !widen_forced()) {
+      if (bf16_dot_products()) {
         bf16_dot_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
                       std::max<int64_t>(ldc, n));
         return;

@@ -30,7 +30,7 @@ namespace {
 using at::BFloat16;
 
 void check_bf16_dot() {
-  TORCH_CHECK(kBf16Dot && !widen_forced(),
+  TORCH_CHECK(bf16_dot_products(),
               "fused feed-forward: bfloat16 needs AVX-512 BF16's dot products (this build has "
               "none, or LINFORMER_KIT_BF16_GEMM=widen); run the modules instead");
 }
