@@ -289,3 +289,39 @@ def test_transposed_operands_are_copied_exactly(ops, shape):
     assert torch.equal(ops.matmul(shared, torch.eye(cols).expand(3, -1, -1)), shared)
     shared = torch.randn(rows, cols).mT.expand(3, -1, -1)  # (3, cols, rows)
     assert torch.equal(ops.matmul(torch.eye(cols).expand(3, -1, -1), shared), shared)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 12])
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (17, 40, 2049), (256, 256, 4096), (40, 300, 2600)])
+def test_a_split_reduction_equals_a_at_b_and_repeats_its_bits(ops, shape, threads):
+    # A transposed (a weight gradient's X^T dY) with k >= 2048 and 8x the longer side: each
+    # thread sums its own 256-deep blocks (12 threads: some have none; k 2049 and 2600: a
+    # short last block), the sums added into C; B as is and transposed, and added to C
+    m, n, k = shape
+    g = torch.Generator().manual_seed(k)
+    a = torch.randn(1, k, m, generator=g).mT
+    before = torch.get_num_threads()
+    native.set_kernel_gemm("onednn")
+    torch.set_num_threads(threads)
+    try:
+        assert ops.split_reduction() is True  # on by default
+        for b in (torch.randn(1, k, n, generator=g), torch.randn(1, n, k, generator=g).mT):
+            wanted = a.double() @ b.double()
+            split = ops.matmul(a, b)
+            torch.testing.assert_close(split.double(), wanted, atol=1e-4, rtol=1e-4)
+            assert torch.equal(ops.matmul(a, b), split)  # the same bits every call
+            assert ops.split_reduction(False) is False
+            tiled = ops.matmul(a, b)  # the output tiled over a transposed copy of A
+            assert ops.split_reduction(True) is True
+            torch.testing.assert_close(tiled, split, atol=1e-4, rtol=1e-4)
+            if k >= 4096:  # another order of sums: other bits (so the split ran)
+                assert not torch.equal(tiled, split)
+            storage = torch.randn(1, m, n + 3, generator=g)
+            out, beyond = storage[..., :n], storage[..., n:].clone()
+            total = out.double() + wanted
+            ops.matmul_add_(out, a, b)
+            torch.testing.assert_close(out.double(), total, atol=1e-4, rtol=1e-4)
+            assert torch.equal(storage[..., n:], beyond)  # nothing written past the width
+    finally:
+        torch.set_num_threads(before)
+        ops.split_reduction(True)

@@ -3,7 +3,8 @@
 (`benchmarks/kernels_profile.py`), the feed-forward kernel's weight-gradient rule
 (`benchmarks/kernels_feedforward_sums.py`), the check of a fused CPU attention sub-layer
 (`benchmarks/kernels_sublayer.py`), the bytes-against-FLOPs bound
-(`benchmarks/roofline.py`) and the bf16 GEMMs' A/B (`benchmarks/kernels_bf16_gemm.py`), run
+(`benchmarks/roofline.py`), the bf16 GEMMs' A/B (`benchmarks/kernels_bf16_gemm.py`) and the
+split reduction's table (`benchmarks/gemm_split.py`), run
 on CPU at small sizes: a GPU call runs the first three with
 `--device cuda`."""
 
@@ -178,3 +179,29 @@ def test_the_roofline_script_counts_each_op_s_bytes_and_bounds_the_fraction(tmp_
         assert row["bound_fraction"] == pytest.approx(compute / (compute + other))
     with pytest.raises(SystemExit):
         script.main(["--out", str(tmp_path)])  # neither --bench nor --ceiling-gflops
+
+
+def test_the_gemm_split_script_times_both_ways_and_leaves_the_split_on(tmp_path, monkeypatch):
+    from linformer_kit import native
+
+    ops = native.cpu_ops()
+    if ops is None:
+        pytest.skip("no C++ compiler here: the kernels cannot be built")
+    script = load_script(BENCHMARKS / "gemm_split.py")
+    monkeypatch.setattr(script, "keep_freed_memory", lambda: True)  # (process-wide)
+    settings, real = [], ops.split_reduction
+    monkeypatch.setattr(ops, "split_reduction", lambda on=None: settings.append(on) or real(on))
+    args = "--outputs 8x16 --k 64,2048 --n 32 --threads 2 --repeats 2 --min-seconds 0"
+    script.main([*args.split(), "--out", str(tmp_path)])
+    table = json.loads((tmp_path / "table.json").read_text())
+    shapes = [(row["m"], row["n"], row["k"], row["trans_a"]) for row in table["products"]]
+    assert shapes == [(8, 16, 64, True), (8, 16, 2048, True), (8, 16, 64, False),
+                      (8, 16, 2048, False)]  # fmt: skip
+    for row in table["products"]:
+        ms = row["median_ms"]
+        assert set(ms) == {"split", "tiles"} and all(t > 0 for t in ms.values())
+        assert row["split_speedup"] == pytest.approx(ms["tiles"] / ms["split"], abs=0.002)
+    (layers,) = table["layers"]
+    assert layers["n"] == 32 and set(layers["split_speedup"]) == {"attention", "layer"}
+    assert False in settings and real() is True  # both ways ran; the split left on
+    assert (tmp_path / "table.png").stat().st_size > 0

@@ -1,7 +1,8 @@
 // The switch between the float GEMMs' two libraries (blas.h): `float_gemm("onednn")` sends
 // the attention and feed-forward kernels' float GEMMs to oneDNN's brgemm micro-kernel,
 // `float_gemm("blas")` back to `sgemm_`; `float_gemm()` only reads it. Set from Python
-// (`native.set_kernel_gemm`), process-wide. And `matmul` / `matmul_add_`, a batched product
+// (`native.set_kernel_gemm`), process-wide; `split_reduction`, whether the threaded ones
+// may split their reduction. And `matmul` / `matmul_add_`, a batched product
 // on those GEMMs (`linear_backend.matmul`, `add_matmul_`: the sequence projection and the
 // language models' loss where they are oneDNN's).
 #include <ATen/ATen.h>
@@ -112,6 +113,14 @@ void matmul_add_(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b
   product(a, b, out, true);
 }
 
+// Whether threaded float products on oneDNN's micro-kernel may split their reduction
+// between the threads (blas.h `split_reduction`; on by default); sets it first if given.
+// Process-wide, for A/B timings (`benchmarks/gemm_split.py`) and tests.
+bool split_reduction(std::optional<bool> enabled) {
+  if (enabled) linformer_kit::split_reduction_on().store(*enabled);
+  return linformer_kit::split_reduction_on().load();
+}
+
 // `bf16_dot_products()` for Python: where the feed-forward kernel's bf16 form can run
 // (`native.bf16_feedforward`, with the float GEMMs on oneDNN).
 bool bf16_dot() { return linformer_kit::bf16_dot_products(); }
@@ -121,6 +130,7 @@ bool bf16_dot() { return linformer_kit::bf16_dot_products(); }
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
   m.def("float_gemm(str? backend=None) -> str", &float_gemm);
   m.def("bf16_dot() -> bool", &bf16_dot);
+  m.def("split_reduction(bool? enabled=None) -> bool", &split_reduction);
   m.def("matmul(Tensor a, Tensor b) -> Tensor");
   m.def("matmul_add_(Tensor(a!) out, Tensor a, Tensor b) -> ()");
 }

@@ -215,13 +215,95 @@ inline void trim_copies(std::vector<float>& a, std::vector<float>& b) {
   }
 }
 
+// Whether threaded products may split their reduction (`split_reduction`; process-wide,
+// on unless set off: the `split_reduction` op, blas.cpp, for A/B timings and tests).
+inline std::atomic<bool>& split_reduction_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+// The shortest reduction, and the most outputs, of a product `split_reduction` takes.
+constexpr int64_t kSplitMinK = 2048, kSplitMaxOutputs = int64_t(1) << 18;
+
+// Whether brgemm_float splits the reduction of this product between the threads rather
+// than its output: op(A) transposed (a weight gradient X^T dY, the projection E^T X), k
+// from kSplitMinK and at least 8x the output's longer side, at most kSplitMaxOutputs
+// outputs, called outside a parallel region with threads to share. There the output
+// tiling halves a 256 x 256 output into four 128 x 128 tiles over a whole transposed copy
+// of A; each thread transposing its own k blocks of A as it multiplies them ran (256, 256,
+// k) products 1.08 / 1.12 / 1.29x faster at k 2048 / 4096 / 16384, (512, 512, k) 1.12 /
+// 1.19x at 4096 / 16384, (64, 256, 16384) 1.14x, (256, 1024, 16384) 1.08x; the attention
+// layer 1.01-1.03x (2 threads, caches flushed between calls, AMD EPYC;
+// `benchmarks/gemm_split.py`). Forced below 8x, or with A untransposed: 0.82-1.04x.
+inline bool split_reduction(bool trans_a, int64_t m, int64_t n, int64_t k) {
+  return trans_a && k >= std::max<int64_t>(kSplitMinK, 8 * std::max(m, n)) &&
+         m * n <= kSplitMaxOutputs && !at::in_parallel_region() && at::get_num_threads() > 1 &&
+         split_reduction_on().load(std::memory_order_relaxed);
+}
+
+// C (m x n) = alpha A^T op(B) (+ C when `add`), A k x m, with k split into blocks of kTile
+// shared among the threads: each multiplies its blocks into its own m x n sum (the block of
+// A^T, and of op(B) where transposed, laid out untransposed in its cache first), and the
+// sums are added into C in thread order (the same bits at every call with as many threads).
+inline void brgemm_split_k(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                           const float* a, int64_t lda, const float* b, int64_t ldb, bool add,
+                           float* c, int64_t ldc) {
+  constexpr int64_t kTile = 256;
+  const int64_t blocks = (k + kTile - 1) / kTile;
+  std::vector<std::vector<float>> sums(at::get_num_threads());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> a_copy, b_copy;
+    std::vector<float>& sum = sums[at::get_thread_num()];
+    sum.assign(m * n, 0.0f);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t p = block * kTile, depth = std::min(kTile, k - p);
+      // op(A)[:, p .. p + depth) and op(B)[p .. p + depth, :], untransposed
+      const int64_t ld_a = copy_stride(depth);
+      a_copy.resize(m * ld_a);
+      for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        transposed_rows(r0, std::min(m, r0 + 16), depth, alpha, a + p * lda, lda, a_copy.data(),
+                        ld_a);
+      }
+      const float* b_block = b + p * ldb;
+      int64_t ld_b = ldb;
+      if (trans_b) {
+        ld_b = copy_stride(n);
+        b_copy.resize(depth * ld_b);
+        for (int64_t r0 = 0; r0 < depth; r0 += 16) {
+          transposed_rows(r0, std::min(depth, r0 + 16), n, 1.0f, b + p, ldb, b_copy.data(), ld_b);
+        }
+        b_block = b_copy.data();
+      }
+      brgemm_tiles(m, n, depth, a_copy.data(), ld_a, b_block, ld_b, true, sum.data(), n);
+    }
+    trim_copies(a_copy, b_copy);
+  });
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = c + i * ldc;
+      if (!add) std::fill_n(row, n, 0.0f);
+      for (const std::vector<float>& sum : sums) {
+        if (sum.empty()) continue;  // a thread without blocks
+        const float* from = sum.data() + i * n;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] += from[j];
+      }
+    }
+  });
+}
+
 // gemm<float> on brgemm: op(A) and op(B) copied where transposed (A also where alpha != 1:
-// the micro-kernel has no alpha); beta 0 or 1, all the kernels use. The copies live in the
-// thread's buffers, freed after a call that grew them past 16 MiB.
+// the micro-kernel has no alpha), or the reduction split (`split_reduction`); beta 0 or 1,
+// all the kernels use. The copies live in the thread's buffers, freed after a call that
+// grew them past 16 MiB.
 inline void brgemm_float(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                          float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
                          float beta, float* c, int64_t ldc) {
   TORCH_CHECK(beta == 0.0f || beta == 1.0f, "gemm on oneDNN: beta must be 0 or 1; got ", beta);
+  if (split_reduction(trans_a, m, n, k)) {
+    brgemm_split_k(trans_b, m, n, k, alpha, a, lda, b, ldb, beta != 0.0f, c, ldc);
+    return;
+  }
   thread_local std::vector<float> a_copy, b_copy;
   if (trans_a || alpha != 1.0f) {
     a = packed(trans_a, m, k, alpha, a, lda, a_copy), lda = copy_stride(k);
