@@ -254,6 +254,21 @@ def test_output_is_laid_out_for_the_head_merge():
     torch.testing.assert_close(merged, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("keys", [1, 5])
+def test_the_kernel_leaves_its_inputs_as_they_were(dtype, keys):
+    # only the outputs are written: one key's K^T ((B, H, 1, D) transposed) is already
+    # contiguous, K's own memory, so a copy made of it must not be changed in place
+    g = torch.Generator().manual_seed(keys)
+    q, k, v = (heads_last((1, 2, n, 8), dtype, g) for n in (6, keys, keys))
+    before = [t.clone() for t in (q, k, v)]
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    out = dot_product_attention(*inputs, scale=0.3, kernel="explicit")
+    torch.autograd.grad(out.sum(), inputs)
+    for t, kept in zip((q, k, v), before):
+        assert torch.equal(t, kept)
+
+
 @pytest.mark.parametrize("lead", [(6,), (2, 3), (1, 2, 3)])
 def test_any_leading_dimensions_as_sdpa(lead):
     g = torch.Generator().manual_seed(1)
