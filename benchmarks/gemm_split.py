@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from kernels_fused import compiled_ops, write_table
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
-from linformer_kit import native
 from linformer_kit.bench.flops import Shape
 from linformer_kit.bench.timing import module_step, time_interleaved
 from linformer_kit.bench.variants import Variant, build_variant
@@ -122,10 +120,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Times the products and the layers both ways and writes the table."""
     args = parse_args(argv)
-    ops = native.cpu_ops()
-    if ops is None:
-        sys.exit("the compiled CPU kernels are not available here (no compiler?)")
-    torch.set_num_threads(args.threads)
+    ops = compiled_ops(args.threads)
     keep_freed_memory()
     before, products, layers = machine(), [], []
     with use_linear_backend("onednn"):  # (the split is the micro-kernel's)
@@ -144,20 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                        for scope in ("attention", "layer")}  # fmt: skip
             layers.append({"n": n, "median_ms": ms, "split_speedup": speedup})
             print(f"n {n}: {ms} -> {speedup}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = ["PYTHONPATH=src python benchmarks/gemm_split.py"]
-    command += sys.argv[1:] if argv is None else argv
-    result = {
-        "command": " ".join(command),
-        "threads": args.threads,
-        "machine": before,
-        "load_avg_after": machine()["load_avg_1_5_15min"],
-        "products": products,
-        "layers": layers,
-    }
-    (args.out / "table.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(products, args.out / "table.png")
-    print("wrote", args.out / "table.json", args.out / "table.png")
+    fields = {"threads": args.threads, "products": products, "layers": layers}
+    write_table(args.out, "gemm_split.py", argv, before, fields, lambda path: plot(products, path))
 
 
 if __name__ == "__main__":

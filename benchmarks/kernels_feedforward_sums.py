@@ -14,18 +14,16 @@ and OUT/table.png (all rows over thread sums against rows / (threads x dim)).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from kernels_fused import compiled_ops, write_table
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 from tqdm.auto import tqdm
 
-from linformer_kit import native
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.training.compare import machine
 
@@ -95,10 +93,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Times every width x row count and writes the table."""
     args = parse_args(argv)
-    ops = native.cpu_ops()
-    if ops is None:
-        sys.exit("the compiled CPU kernels are not available here (no compiler?)")
-    torch.set_num_threads(args.threads)
+    ops = compiled_ops(args.threads)
     before, rows = machine(), []
     shapes = [(dim, count) for dim in args.dim for count in args.rows]
     for dim, count in tqdm(shapes, desc="shapes", unit="shape"):
@@ -114,18 +109,9 @@ def main(argv: list[str] | None = None) -> None:
             "rule_over_modules": round(ms["rule"] / ms["modules"], 3),
         })  # fmt: skip
         tqdm.write(f"dim {dim} rows {count}: {ms}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = ["PYTHONPATH=src python benchmarks/kernels_feedforward_sums.py"]
-    command += sys.argv[1:] if argv is None else argv
-    result = {
-        "command": " ".join(command),
-        "machine": before,
-        "load_avg_after": machine()["load_avg_1_5_15min"],
-        "rows": rows,
-    }
-    (args.out / "table.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, args.out / "table.png")
-    print("wrote", args.out / "table.json", args.out / "table.png")
+    fields = {"rows": rows}
+    write_table(args.out, "kernels_feedforward_sums.py", argv, before, fields,
+                lambda path: plot(rows, path))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +48,39 @@ def write_report(args: argparse.Namespace, before: dict, rows: list[dict]) -> No
     out.mkdir(parents=True, exist_ok=True)
     report = {"settings": vars(args), "machine": before, "rows": rows}
     (out / "ab.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def compiled_ops(threads: int) -> object:
+    """The compiled kernels' ops, with torch's threads set; exits where they cannot run."""
+    ops = native.cpu_ops()
+    if ops is None:
+        sys.exit("the compiled CPU kernels are not available here (no compiler?)")
+    torch.set_num_threads(threads)
+    return ops
+
+
+def write_table(
+    out: Path,
+    script: str,
+    argv: list[str] | None,
+    before: dict,
+    fields: dict,
+    plot: Callable[[Path], None],
+) -> None:
+    """OUT/table.json (the command that ran `script`, the machine before, the load after,
+    and `fields`) and OUT/table.png (drawn by `plot`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [f"PYTHONPATH=src python benchmarks/{script}"]
+    command += sys.argv[1:] if argv is None else argv
+    result = {
+        "command": " ".join(command),
+        "machine": before,
+        "load_avg_after": machine()["load_avg_1_5_15min"],
+        **fields,
+    }
+    (out / "table.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(out / "table.png")
+    print("wrote", out / "table.json", out / "table.png")
 
 
 def parse_ab_args(

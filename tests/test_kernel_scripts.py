@@ -69,7 +69,8 @@ def test_the_profile_script_lists_each_variant_s_kernels(tmp_path):
             script.main(wrong)
 
 
-def test_the_feedforward_sums_script_times_each_way_against_the_modules(tmp_path):
+def test_the_feedforward_sums_script_times_each_way_against_the_modules(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/kernels_fused.py
     script = load_script(BENCHMARKS / "kernels_feedforward_sums.py")
     args = "--dim 8,16 --rows 32,64 --threads 1 --repeats 1"
     script.main([*args.split(), "--out", str(tmp_path)])
@@ -187,6 +188,7 @@ def test_the_gemm_split_script_times_both_ways_and_leaves_the_split_on(tmp_path,
     ops = native.cpu_ops()
     if ops is None:
         pytest.skip("no C++ compiler here: the kernels cannot be built")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/kernels_fused.py
     script = load_script(BENCHMARKS / "gemm_split.py")
     monkeypatch.setattr(script, "keep_freed_memory", lambda: True)  # (process-wide)
     settings, real = [], ops.split_reduction
