@@ -7,8 +7,8 @@ same seconds of a shared machine), float32 on CPU:
   input, weight and bias gradients) and without (`inference`), through `F.linear` (`blas`)
   and through `onednn_linear` (`onednn`: in training, the kernels' `matmul` up to
   `MATMUL_MAX_OUTPUTS` outputs, any number with one thread, and oneDNN's 1 x 1 convolution
-  beyond; `convolution`: the convolution whatever the size), at rows 1 ... 16384 and the
-  layers' widths;
+  beyond; `convolution`: the convolution whatever the size; `matmul`: the matmul form
+  whatever the size), at rows 1 ... 16384 and the layers' widths;
 - `layer`: the bench's encoder layer and attention layer (dim 256, 4 heads, k 256, kv,
   feed-forward 1024, no dropout, forward + backward) with the backend pinned each way
   (`use_linear_backend`, which also pins the compiled kernels' GEMMs: `sgemm_` or oneDNN's
@@ -21,7 +21,8 @@ same seconds of a shared machine), float32 on CPU:
 glibc keeps freed memory (`--no-keep-freed-memory`: its defaults), as `linformer bench`
 does while it times. Writes OUT/ab.json and OUT/ab.png (blas time / onednn time, > 1:
 oneDNN is faster; `matmul_speedup`: convolution time / onednn time, > 1: the matmul form
-pays).
+pays; `any_size_speedup`: onednn time / matmul time, > 1: the matmul form would pay past
+the limit too).
 
     PYTHONPATH=src python benchmarks/linear_backend.py
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -42,6 +44,7 @@ from lm_loss import MODELS, TINY_MODELS, batch_for, model_and_optimizer
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from linformer_kit import linear_backend
 from linformer_kit.bench.flops import Shape
 from linformer_kit.bench.timing import module_step, time_interleaved
 from linformer_kit.bench.variants import Variant, build_variant
@@ -51,19 +54,28 @@ from linformer_kit.training.settings import keep_freed_memory
 
 OUT = Path(__file__).parent / "linear_backend"
 COMMAND = "PYTHONPATH=src python benchmarks/linear_backend.py"
-WAYS = ("blas", "onednn", "convolution")
+WAYS = ("blas", "onednn", "convolution", "matmul")
 
 
 @contextlib.contextmanager
 def pinned(way: str) -> Iterator[None]:
     """`use_linear_backend` for blas and onednn; convolution: onednn with its matmul form
-    off (`use_matmul_form`)."""
-    if way != "convolution":
+    off (`use_matmul_form`); matmul: onednn with the form's output limit lifted (this
+    process's `linear_backend.MATMUL_MAX_OUTPUTS`, restored after)."""
+    if way in ("blas", "onednn"):
         with use_linear_backend(way):
             yield
         return
-    with use_linear_backend("onednn"), use_matmul_form(False):
-        yield
+    if way == "convolution":
+        with use_linear_backend("onednn"), use_matmul_form(False):
+            yield
+        return
+    limit, linear_backend.MATMUL_MAX_OUTPUTS = linear_backend.MATMUL_MAX_OUTPUTS, math.inf
+    try:
+        with use_linear_backend("onednn"):
+            yield
+    finally:
+        linear_backend.MATMUL_MAX_OUTPUTS = limit
 
 
 DEMO_LINFORMERS = [name for name in MODELS if name.startswith("demo") and "Linformer" in name]
@@ -128,14 +140,16 @@ def medians(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, flo
 
 
 def timings(ms: dict[str, float], prefix: str = "") -> dict[str, float]:
-    """Each way's milliseconds (the steps named prefix + way) and the two ratios."""
-    blas, onednn, convolution = (ms[prefix + way] for way in WAYS)
+    """Each way's milliseconds (the steps named prefix + way) and the three ratios."""
+    blas, onednn, convolution, matmul = (ms[prefix + way] for way in WAYS)
     return dict(
         blas_ms=blas,
         onednn_ms=onednn,
         convolution_ms=convolution,
+        matmul_ms=matmul,
         onednn_speedup=round(blas / onednn, 3),
         matmul_speedup=round(convolution / onednn, 3),
+        any_size_speedup=round(onednn / matmul, 3),
     )
 
 
@@ -158,7 +172,11 @@ def plot(result: dict, path: Path) -> None:
                title="one linear map, with gradients: matmul form")  # fmt: skip
     for scope in sorted({r["scope"] for r in result["layer"]}):
         rows = [r for r in result["layer"] if r["scope"] == scope]
-        ways = (("onednn", "-", "blas / onednn"), ("matmul", "--", "conv / onednn"))
+        ways = (
+            ("onednn", "-", "blas / onednn"),
+            ("matmul", "--", "conv / onednn"),
+            ("any_size", ":", "onednn / matmul at any size"),
+        )
         for key, style, what in ways:
             right.plot([r["n"] for r in rows], [r[f"{key}_speedup"] for r in rows], style,
                        marker="o", label=f"{scope}: {what}")  # fmt: skip

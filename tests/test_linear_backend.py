@@ -319,6 +319,7 @@ def test_the_benchmark_times_both_backends(tmp_path, onednn_maps, monkeypatch):
     for row in result["gemm"] + result["layer"] + result["model"]:
         assert row["onednn_speedup"] == round(row["blas_ms"] / row["onednn_ms"], 3)
         assert row["matmul_speedup"] == round(row["convolution_ms"] / row["onednn_ms"], 3)
+        assert row["any_size_speedup"] == round(row["onednn_ms"] / row["matmul_ms"], 3)
     # the onednn rows ran oneDNN's forms on any CPU: the convolution, and the matmul one
     # where the kernels build
     assert "convolution" in onednn_maps

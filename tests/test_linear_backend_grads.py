@@ -85,11 +85,12 @@ def test_a_product_takes_matmul_up_to_its_limit_then_the_convolution(threads, on
     # With one thread (the convolution then on ATen's MKL path) there is no limit.
     torch.set_num_threads(threads)  # (the conftest restores the count)
     gen = torch.Generator().manual_seed(4)
-    weight = torch.randn(256, 8, generator=gen, requires_grad=True)
-    bias = torch.randn(256, generator=gen, requires_grad=True)
-    for rows in (MATMUL_MAX_OUTPUTS // 256, MATMUL_MAX_OUTPUTS // 256 + 1):
+    width = 4096  # (wide, so that the weight gradient sums few rows: 4096 at the limit)
+    weight = torch.randn(width, 8, generator=gen, requires_grad=True)
+    bias = torch.randn(width, generator=gen, requires_grad=True)
+    for rows in (MATMUL_MAX_OUTPUTS // width, MATMUL_MAX_OUTPUTS // width + 1):
         x = torch.randn(rows, 8, generator=gen, requires_grad=True)
-        grad = torch.randn(rows, 256, generator=gen)
+        grad = torch.randn(rows, width, generator=gen)
         with use_linear_backend("onednn"):  # (the kernels' GEMMs on oneDNN's brgemm)
             onednn_linear(x, weight, bias).backward(grad)
         assert_linears_gradients(x, weight, bias, grad)

@@ -5,7 +5,7 @@ code on AMD CPUs, AVX-512 or not (`MKL_VERBOSE` names the generic "Intel(R) Arch
 processors" path there). oneDNN, which the same build carries for convolutions, runs
 AVX-512 on them. So on an AMD CPU with AVX-512 our layers' linear maps go through oneDNN,
 in one of three forms: without gradients, its matmul on the dense tensors; with them, up
-to `MATMUL_MAX_OUTPUTS` (2^21) outputs (rows x out features; with one thread at any size)
+to `MATMUL_MAX_OUTPUTS` (2^24) outputs (rows x out features; with one thread at any size)
 the compiled kernels' `matmul` (oneDNN's brgemm micro-kernel, where the kernels' GEMMs are
 oneDNN's, `native.kernel_gemm`) with the bias added, beyond that its 1 x 1 convolution over a
 channels-last view of the rows (no copy in or out; its backward the convolution's for the
@@ -17,9 +17,10 @@ The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py` (`ab.jso
 "AMD CPUs"): a product goes to oneDNN from `ONEDNN_MIN_MACS` (2^23) multiply-adds,
 `ONEDNN_MIN_ROWS` (16) rows and a width (in and out) of `ONEDNN_MIN_WIDTH` (128) (1.12-1.22x
 with its backward at 2^23, 0.89-0.97x at 2^22, 0.37-0.84x at width 64). The matmul form beat
-the convolution inside the layers (the attention layer 1.02-1.14x at n 1024-8192), as fast
-past 2^21 outputs, where its weight gradient copies the output gradient transposed; with one
-thread ATen runs the convolution on its MKL path, and the matmul form wins at every size.
+the convolution inside the layers (the attention layer 1.02-1.14x at n 1024-8192) and, since
+its weight gradient splits its reduction between the threads (`csrc/blas.h`), up to 2^24
+outputs too (1.00-1.05x a map, `gemm-split/` there); with one thread ATen runs the
+convolution on its MKL path, and the matmul form wins at every size.
 Everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there), AVX2-only CPUs
 (any non-Intel vendor with AVX-512 counts, `precision.mkl_without_avx512`; measured on AMD
 only), other dtypes (bf16 already goes to oneDNN), autocast, torch.export and
@@ -54,8 +55,9 @@ LINEAR_BACKENDS = ("blas", "onednn")
 ONEDNN_MIN_ROWS, ONEDNN_MIN_WIDTH, ONEDNN_MIN_MACS = 16, 128, 2**23
 # Outputs (rows x out features) up to which a product that needs gradients runs on the
 # kernels' GEMMs (`matmul`) rather than oneDNN's convolution, with two threads or more (with
-# one, where the convolution runs on ATen's MKL path, at any size; module docstring).
-MATMUL_MAX_OUTPUTS = 2**21
+# one, where the convolution runs on ATen's MKL path, at any size; module docstring): the
+# largest measured (2^21 before the weight gradients split their reduction).
+MATMUL_MAX_OUTPUTS = 2**24
 HOOK_KINDS = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
 # The backend `use_linear_backend` pins for the products oneDNN can compute (None: the rule).
 _pinned: str | None = None
