@@ -53,21 +53,20 @@ inline const int16_t* row_bits(uint64_t seed, int64_t row, int64_t words_per_row
 template <typename S>
 using Opmath = at::opmath_type<S>;
 
-// bfloat16 <-> float by their bits, in loops g++ vectorizes (c10::BFloat16's own conversions,
-// with the same rounding, leave them scalar: a 4096 x 256 dropout took 2.5x fp32's time):
-// the float's top 16 bits rounded to nearest even, a nan a quiet nan.
+// bfloat16 <-> float by their bits (vmath.h's `to_bf16` / `from_bf16`), in loops g++
+// vectorizes (c10::BFloat16's own conversions, with the same rounding, leave them scalar: a
+// 4096 x 256 dropout took 2.5x fp32's time): the float's top 16 bits rounded to nearest
+// even, a nan a quiet nan.
 template <typename T>
 inline T widen(T x) {
   return x;
 }
-inline float widen(at::BFloat16 x) { return bit_cast<float>(uint32_t(x.x) << 16); }
+inline float widen(at::BFloat16 x) { return from_bf16(x.x); }
 
 template <typename S, typename T>
 inline S narrow(T x) {
   if constexpr (std::is_same_v<S, at::BFloat16>) {
-    const uint32_t u = bit_cast<uint32_t>(float(x));
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return at::BFloat16(x != x ? uint16_t(0x7FC0) : uint16_t(rounded), at::BFloat16::from_bits());
+    return at::BFloat16(to_bf16(float(x)), at::BFloat16::from_bits());
   } else {
     return S(x);
   }

@@ -167,6 +167,9 @@ inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, 
   return dest;
 }
 
+// The side of brgemm_tiles' tiles, and the depth of each micro-kernel call.
+constexpr int64_t kTile = 256;
+
 // Row-major C (m x n) = A B (+ C when `add`), A m x k, B k x n, with oneDNN's brgemm in
 // kTile^3 tiles: on whole large operands its speed falls away (a (256, 1024, 8192) product
 // in one call ran at 11 GFLOP/s, in 256^3 tiles at 197; (64..2048) x (256..1024) x
@@ -175,7 +178,6 @@ inline const float* packed(bool trans, int64_t rows, int64_t cols, float alpha, 
 // halved (down to 64) until every thread has one.
 inline void brgemm_tiles(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                          const float* b, int64_t ldb, bool add, float* c, int64_t ldc) {
-  constexpr int64_t kTile = 256;
   const bool threaded = !at::in_parallel_region() && at::get_num_threads() > 1;
   int64_t side = kTile;
   auto count = [&](int64_t length) { return (length + side - 1) / side; };
@@ -243,12 +245,12 @@ inline bool split_reduction(bool trans_a, int64_t m, int64_t n, int64_t k) {
 
 // C (m x n) = alpha A^T op(B) (+ C when `add`), A k x m, with k split into blocks of kTile
 // shared among the threads: each multiplies its blocks into its own m x n sum (the block of
-// A^T, and of op(B) where transposed, laid out untransposed in its cache first), and the
-// sums are added into C in thread order (the same bits at every call with as many threads).
+// A^T, and of op(B) where transposed, laid out untransposed in its cache first: `packed`),
+// and the sums are added into C in thread order (the same bits at every call with as many
+// threads).
 inline void brgemm_split_k(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                            const float* a, int64_t lda, const float* b, int64_t ldb, bool add,
                            float* c, int64_t ldc) {
-  constexpr int64_t kTile = 256;
   const int64_t blocks = (k + kTile - 1) / kTile;
   std::vector<std::vector<float>> sums(at::get_num_threads());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -258,23 +260,11 @@ inline void brgemm_split_k(bool trans_b, int64_t m, int64_t n, int64_t k, float 
     for (int64_t block = begin; block < end; ++block) {
       const int64_t p = block * kTile, depth = std::min(kTile, k - p);
       // op(A)[:, p .. p + depth) and op(B)[p .. p + depth, :], untransposed
-      const int64_t ld_a = copy_stride(depth);
-      a_copy.resize(m * ld_a);
-      for (int64_t r0 = 0; r0 < m; r0 += 16) {
-        transposed_rows(r0, std::min(m, r0 + 16), depth, alpha, a + p * lda, lda, a_copy.data(),
-                        ld_a);
-      }
-      const float* b_block = b + p * ldb;
-      int64_t ld_b = ldb;
-      if (trans_b) {
-        ld_b = copy_stride(n);
-        b_copy.resize(depth * ld_b);
-        for (int64_t r0 = 0; r0 < depth; r0 += 16) {
-          transposed_rows(r0, std::min(depth, r0 + 16), n, 1.0f, b + p, ldb, b_copy.data(), ld_b);
-        }
-        b_block = b_copy.data();
-      }
-      brgemm_tiles(m, n, depth, a_copy.data(), ld_a, b_block, ld_b, true, sum.data(), n);
+      const float* a_block = packed(true, m, depth, alpha, a + p * lda, lda, a_copy);
+      const float* b_block =
+          trans_b ? packed(true, depth, n, 1.0f, b + p, ldb, b_copy) : b + p * ldb;
+      brgemm_tiles(m, n, depth, a_block, copy_stride(depth), b_block,
+                   trans_b ? copy_stride(n) : ldb, true, sum.data(), n);
     }
     trim_copies(a_copy, b_copy);
   });
