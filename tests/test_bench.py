@@ -121,7 +121,7 @@ def test_timing_interleaves_and_rotates_the_order():
     ticks = []
     times = time_interleaved(steps, warmup=1, repeats=2, device="cpu", tick=lambda: ticks.append(1))
     assert {name: len(t) for name, t in times.items()} == {"a": 2, "b": 2, "c": 2}
-    # Each call on CPU comes twice: an untimed one settles the caches, then the timed one.
+    # Each call comes twice: an untimed one settles the caches, then the timed one.
     assert calls == list("aabbccbbccaaccaabb")
     assert len(ticks) == 3
 

@@ -238,7 +238,9 @@ def choose_splits(
       each of at least 64 queries) as keep B x H x chunks x ceil(M / 64) <= 512, about four
       blocks per SM: 0.91-1.00x the best cut measured at every shape (geometric mean 0.985),
       never slower than one call; e.g. B 1, k 256, n 16384: 32 chunks, 0.71 ms against 4.45
-      uncut (and 2.15 on the explicit kernel);
+      uncut (and 2.15 on the explicit kernel). Re-timed in the eighth GPU call, same
+      shapes (`cuda/split-run8/`): 0.95-1.00x the best cut (geometric mean 0.985), bf16
+      0.74-1.00x (0.981), never slower than one call;
     - bf16 (flash): cutting costs its copies and launches (B 1, n 4096, k 256 without
       dropout: 0.34 ms uncut, 0.47 in 8 chunks). The best cut of one call gains
       1.09-1.43x at n 16384, B 1 (1.00-1.30x at B 8) and 2.0-3.3x at n 65536 (1.0-1.5x
