@@ -61,11 +61,12 @@ compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels neede
 1-21 have run on an H200 (`benchmarks/kernels/cuda/`; 2, 3, 13, 14, 15, 20 and 21 last, in
 the eighth call, `cuda/log-run8.txt`, about 420 s in all; 21 by hand there, since its step
 lacked the memory budget it now has). The bench steps now settle each timed step with an
-untimed call of itself (`bench.timing.time_interleaved`), about twice their GPU time of
-then (85 s each for steps 2 and 3). The next call's, with the peer wheels: `--steps
-kernels,bench-b8,compile-b8-explicit,compile-b8-sdpa` (one argument, no spaces; the table
-the CUDA rule is read from was last measured before SDPA was cut, and B 8 at n 4096-8192 is
-where the fp32 encoder layer stays under 1.2x).
+untimed call of itself (`bench.timing.time_interleaved`), up to twice their GPU time of
+then (85 s each for steps 2 and 3): steps 2 and 3 again first, since their eighth-call
+tables timed headwise right after linformer-pytorch (`cuda/settle/`): `--steps
+bench-b1,bench-b8` (one argument, no spaces, the peer wheels needed), then `--steps
+kernels,profile` (step 1's table, which the CUDA rule reads, was last timed before SDPA
+was cut, unsettled).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
