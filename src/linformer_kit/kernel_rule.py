@@ -239,8 +239,8 @@ def choose_splits(
       blocks per SM: 0.91-1.00x the best cut measured at every shape (geometric mean 0.985),
       never slower than one call; e.g. B 1, k 256, n 16384: 32 chunks, 0.71 ms against 4.45
       uncut (and 2.15 on the explicit kernel). Re-timed in the eighth GPU call, same
-      shapes (`cuda/split-run8/`): 0.95-1.00x the best cut (geometric mean 0.985), bf16
-      0.74-1.00x (0.981), never slower than one call;
+      shapes (`cuda/split-run8/`): 0.95-1.00x the best cut (geometric mean 0.985), never
+      slower than one call;
     - bf16 (flash): cutting costs its copies and launches (B 1, n 4096, k 256 without
       dropout: 0.34 ms uncut, 0.47 in 8 chunks). The best cut of one call gains
       1.09-1.43x at n 16384, B 1 (1.00-1.30x at B 8) and 2.0-3.3x at n 65536 (1.0-1.5x
@@ -253,7 +253,9 @@ def choose_splits(
       0.1 (`split-layers/dropout/`) 32 chunks took 1.09-1.13x at B 1, n 8192-16384,
       0.98-1.00x at 32768 and 1.01-1.04x at B 8, n 16384; at B 1, n 65536
       (`split-layers/threshold/`) 0.84x (bursts: 1.08x attention, 0.94x layer): the cut
-      pays there;
+      pays there. Re-timed (`cuda/split-run8/`), the calls the rule cuts (n 65536) ran
+      1.12-4.14x faster than uncut, 0.98-1.00x the best cut but one (0.74x: B 1, k 256
+      without dropout, 32 chunks against the best 64);
     - CPU (`benchmarks/kernels/split-cpu/`, the same script with `--device cpu`, fp32,
       2 threads, B 1, n 1024 / 4096, k 64 / 256; Intel Xeon): the best cut was 0.85-0.97x
       one call at n 1024 and with dropout (which runs the explicit kernel anyway), and
