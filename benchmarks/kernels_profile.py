@@ -5,8 +5,10 @@ k 256, feed-forward 1024, no dropout), forward + backward, profiled with `torch.
 for `--steps` steps after a warm-up: per variant the device time of every kernel (on a
 GPU; on CPU each operator's own CPU time), grouped by name, the kernel count per step,
 the operators by input shapes with the time of what each launched itself (`ops`: which
-product of several of one name takes the time), and the step's wall time timed outside the
-profiler (`time_interleaved`: CUDA events on a GPU). Ours runs with each sharing of
+product of several of one name takes the time), the operators' own CPU time (`host`, by
+name and by thread: on a GPU the cost of issuing the kernels, which bounds a step at
+batch 1), and the step's wall time timed outside the profiler (`time_interleaved`: CUDA
+events on a GPU). Ours runs with each sharing of
 `--sharing` (kv by default), on the rule's kernel and pinned to each (`--kernel`);
 `--compile inductor` adds every variant compiled (Inductor's generated kernels then appear
 by their names). The peers need their packages (`linformer==0.2.3`,
@@ -74,7 +76,8 @@ def profile_step(step: Any, *, device: str, steps: int) -> dict[str, Any]:
     """Per-step device time of each kernel name (CPU: operator self time), summed over
     `steps` profiled calls of `step`; and `ops`: each operator with its input shapes and
     the device time of the kernels it launched itself (CPU: its self time), which tells
-    apart products of one name (the projection's E^T X from the attention's, say)."""
+    apart products of one name (the projection's E^T X from the attention's, say); and
+    `host`: the CPU side, each operator's own CPU time by name and by thread."""
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -96,6 +99,7 @@ def profile_step(step: Any, *, device: str, steps: int) -> dict[str, Any]:
                 totals[event.key][1] += event.self_cpu_time_total
     rows = sorted(totals.items(), key=lambda item: -item[1][1])
     own = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    host, threads = _host_time(prof)
     ops = [e for e in prof.key_averages(group_by_input_shape=True) if getattr(e, own) > 0]
     ops.sort(key=lambda e: -getattr(e, own))
     return {
@@ -118,7 +122,36 @@ def profile_step(step: Any, *, device: str, steps: int) -> dict[str, Any]:
             }
             for e in ops[:TOP]
         ],
+        # The CPU side (on a GPU, what launching takes): operators' own CPU time by name and
+        # by thread (CUDA backwards run on the autograd engine's device thread). The step's
+        # wall time less this is Python and the gaps between operators.
+        "host": {
+            "ms_per_step": round(sum(threads.values()) / steps / 1e3, 4),
+            "threads_ms_per_step": [round(us / steps / 1e3, 4) for us in threads.values()],
+            "top": [
+                {
+                    "name": name,
+                    "calls_per_step": count / steps,
+                    "ms_per_step": round(us / steps / 1e3, 4),
+                }
+                for name, (count, us) in host[:TOP]
+            ],
+        },
     }
+
+
+def _host_time(prof: Any) -> tuple[list[tuple[str, list[float]]], dict[int, float]]:
+    """(operator name, [calls, own CPU µs]) from the most CPU time down, and own CPU µs
+    by thread (most first), of a profile's CPU operators."""
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_thread: dict[int, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CPU and event.self_cpu_time_total > 0:
+            by_name[event.name][0] += 1
+            by_name[event.name][1] += event.self_cpu_time_total
+            by_thread[event.thread] += event.self_cpu_time_total
+    threads = dict(sorted(by_thread.items(), key=lambda item: -item[1]))
+    return sorted(by_name.items(), key=lambda item: -item[1][1]), threads
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
                     f"    {top['ms_per_step']:8.3f} ms",
                     f"x{top['calls_per_step']:<5g} {top['name'][:100]}",
                 )
+            host = row["host"]
+            print(
+                f"  host: {host['ms_per_step']} ms of operators' own CPU time a step, by "
+                f"thread {host['threads_ms_per_step']}"
+            )
             print("  by operator and input shapes:")
             for op in row["ops"][:8]:
                 print(

@@ -61,6 +61,11 @@ def test_the_profile_script_lists_each_variant_s_kernels(tmp_path):
         by_name = {top["name"]: top["ms_per_step"] for top in row["top"]}
         for op in row["ops"]:
             assert op["ms_per_step"] <= by_name.get(op["name"], float("inf")) + 1e-3, op
+        # the host's share: operators' own CPU time, whole and split by thread and by name
+        host = row["host"]
+        assert host["ms_per_step"] > 0 and host["top"], name
+        assert sum(host["threads_ms_per_step"]) == pytest.approx(host["ms_per_step"], abs=1e-3)
+        assert sum(top["ms_per_step"] for top in host["top"]) <= host["ms_per_step"] + 1e-3
     # the explicit kernel shows up as its own operator (compiled) or as its GEMMs
     names = " ".join(top["name"] for top in result["variants"][ours[1]]["top"])
     assert "attention_forward" in names or "bmm" in names
