@@ -86,25 +86,21 @@ def profile_step(step: Any, *, device: str, steps: int) -> dict[str, Any]:
             step()
         if device == "cuda":
             torch.cuda.synchronize()
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    host, threads = _host_time(prof)
+    rows = host  # on CPU the operators are the kernels
     if device == "cuda":
+        totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 totals[event.name][0] += 1
                 totals[event.name][1] += event.device_time_total
-    else:
-        for event in prof.key_averages():
-            if event.self_cpu_time_total > 0:
-                totals[event.key][0] += event.count
-                totals[event.key][1] += event.self_cpu_time_total
-    rows = sorted(totals.items(), key=lambda item: -item[1][1])
+        rows = sorted(totals.items(), key=lambda item: -item[1][1])
     own = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    host, threads = _host_time(prof)
     ops = [e for e in prof.key_averages(group_by_input_shape=True) if getattr(e, own) > 0]
     ops.sort(key=lambda e: -getattr(e, own))
     return {
-        "kernels_per_step": sum(count for count, _ in totals.values()) / steps,
-        "kernel_ms_per_step": round(sum(us for _, us in totals.values()) / steps / 1e3, 4),
+        "kernels_per_step": sum(count for _, (count, _) in rows) / steps,
+        "kernel_ms_per_step": round(sum(us for _, (_, us) in rows) / steps / 1e3, 4),
         "top": [
             {
                 "name": name[:160],

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import native
-from .linear_backend import transformed
+from .native import transformed
 
 # Dropout probabilities are rounded to a multiple of 2^-16 (|error| <= 7.6e-6): the mask
 # compares 16 uniform random bits with a threshold. The rescaling uses the rounded value,

@@ -13,7 +13,8 @@ from . import native
 from .attention import CausalState, LinformerSelfAttention
 from .config import LinformerConfig
 from .dropout import Dropout, native_ops
-from .linear_backend import apply_linear, hooked, transformed
+from .linear_backend import apply_linear, hooked
+from .native import transformed
 from .projection import SequenceProjection, build_sharing_plan
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}

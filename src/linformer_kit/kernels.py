@@ -53,7 +53,7 @@ from .kernel_rule import (
     compute_dtype,
     pinned_kernel,
 )
-from .linear_backend import transformed
+from .native import transformed
 
 # Blocks of the explicit kernel (`block_rows`): rows of queries per block between 64 (GEMMs
 # stay efficient) and 512, at most 2^22 weights (16 MiB in fp32). Measured on CPU (fp32,

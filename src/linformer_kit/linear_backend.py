@@ -1,16 +1,15 @@
 """Which library multiplies a layer's linear maps on CPU: torch's BLAS (`F.linear`) or oneDNN.
 
-PyTorch's CPU build sends a float32 `F.linear` / `torch.mm` to MKL, and MKL runs its AVX2
-code on AMD CPUs, AVX-512 or not (`MKL_VERBOSE` names the generic "Intel(R) Architecture
-processors" path there). oneDNN, which the same build carries for convolutions, runs
-AVX-512 on them. So on an AMD CPU with AVX-512 our layers' linear maps go through oneDNN,
-in one of three forms: without gradients, its matmul on the dense tensors; with them, up
-to `MATMUL_MAX_OUTPUTS` (2^24) outputs (rows x out features; with one thread at any size)
-the compiled kernels' `matmul` (oneDNN's brgemm micro-kernel, where the kernels' GEMMs are
-oneDNN's, `native.kernel_gemm`) with the bias added, beyond that its 1 x 1 convolution over a
-channels-last view of the rows (no copy in or out; its backward the convolution's for the
-input and weight gradients, on oneDNN too, and a sum for the bias's). The result is
-`F.linear`'s to float32 rounding.
+PyTorch's CPU build sends a float32 `F.linear` / `torch.mm` to MKL, which runs its AVX2 code
+on AMD CPUs, AVX-512 or not (`MKL_VERBOSE`: the generic "Intel(R) Architecture processors"
+path), while oneDNN, which the build carries for convolutions, runs AVX-512 there. So on an
+AMD CPU with AVX-512 the layers' linear maps go through oneDNN, in one of three forms:
+without gradients, its matmul on the dense tensors; with them, up to `MATMUL_MAX_OUTPUTS`
+(2^24) outputs (rows x out features; with one thread at any size) the compiled kernels'
+`matmul` (oneDNN's brgemm micro-kernel, where the kernels' GEMMs are oneDNN's,
+`native.kernel_gemm`) with the bias added, beyond that its 1 x 1 convolution over a
+channels-last view of the rows (no copy; its backward the convolution's for the input and
+weight, a sum for the bias). The result is `F.linear`'s to float32 rounding.
 
 The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py` (`ab.json`,
 `narrow/`, `threads1/` in `benchmarks/linear_backend/`; AMD EPYC, figures in the README's
@@ -19,16 +18,16 @@ The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py` (`ab.jso
 with its backward at 2^23, 0.89-0.97x at 2^22, 0.37-0.84x at width 64). The matmul form beat
 the convolution inside the layers (the attention layer 1.02-1.14x at n 1024-8192) and, since
 its weight gradient splits its reduction between the threads (`csrc/blas.h`), up to 2^24
-outputs too (1.00-1.05x a map, `gemm-split/` there); with one thread ATen runs the
-convolution on its MKL path, and the matmul form wins at every size.
-Everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there), AVX2-only CPUs
-(any non-Intel vendor with AVX-512 counts, `precision.mkl_without_avx512`; measured on AMD
-only), other dtypes (bf16 already goes to oneDNN), autocast, torch.export and
-torch.jit.trace (their graphs keep plain `linear`), and builds without MKL or oneDNN. Under
-torch.compile the product is one custom op with its backward
-(`linformer_kit::onednn_linear`, its backward in the matmul or the convolution form by the
-same rule, picked when it runs; Inductor's own lowering of the convolution fails on a
-dynamic row count, torch 2.13), taken whatever the thread count, which Dynamo cannot read.
+outputs too (1.00-1.05x a map, `gemm-split/`); with one thread ATen runs the convolution on
+its MKL path, and the matmul form wins at every size. Everything else stays on `F.linear`:
+Intel CPUs (MKL runs AVX-512 there), AVX2-only CPUs (`precision.mkl_without_avx512`; emulated
+on the EPYC, oneDNN's AVX2 code ran the attention layer 1.10-1.15x faster but the encoder
+layer 0.96-0.97x, `avx2-emulated/`), other dtypes (bf16 already goes to oneDNN), autocast,
+torch.export and torch.jit.trace (their graphs keep plain `linear`), and builds without MKL
+or oneDNN. Under torch.compile the product is one custom op with its backward
+(`linformer_kit::onednn_linear`, the backward's form picked by the same rule when it runs;
+Inductor's lowering of the convolution fails on a dynamic row count, torch 2.13), taken
+whatever the thread count, which Dynamo cannot read.
 
 Products that are not a linear map of rows (the sequence projection E^T X, the language
 models' loss's gradient GEMMs) go through `matmul` and `add_matmul_`: on the compiled
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import native, precision
+from .native import transformed
 
 LINEAR_BACKENDS = ("blas", "onednn")
 # Rows (the product of x's leading dimensions), in and out features, and multiply-adds
@@ -136,7 +136,8 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
     if not precision.mkl_without_avx512():
         return "blas"
     one_thread = not torch.compiler.is_compiling() and torch.get_num_threads() == 1
-    if one_thread and _needs_grad(x, weight, bias) and not _matmul_form(x, weight, bias):
+    in_transform = one_thread and transformed(x, weight, bias)
+    if one_thread and _needs_grad(x, weight, bias) and not _matmul_form(x, weight, in_transform):
         return "blas"
     rows = _rows(x)
     big = rows >= ONEDNN_MIN_ROWS and rows * weight.numel() >= ONEDNN_MIN_MACS
@@ -154,38 +155,23 @@ def _plain_float32_cpu(*tensors: Tensor) -> bool:
     )
 
 
-def transformed(*tensors: Tensor | None) -> bool:
-    """Whether a functorch transform (torch.func) is active or wraps any of `tensors`, or a
-    forward-AD dual level is open: ops without batching or forward-mode rules (the compiled
-    kernels, oneDNN's matmul, an autograd Function without `setup_context`) must not run
-    there, not even on plain tensors inside a transform of something else. False while
-    torch.compile traces: the callers keep the ops they put in compiled graphs."""
-    if torch.compiler.is_compiling():
-        return False
-    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
-        return True
-    if torch._C._are_functorch_transforms_active():
-        return True
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return any(t is not None and wrapped(t) for t in tensors)
-
-
 def _rows(x: Tensor) -> int:
     """The number of rows of a product's input (..., in_features)."""
     return x.numel() // x.shape[-1]
 
 
-def _matmul_form(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+def _matmul_form(x: Tensor, weight: Tensor, in_transform: bool) -> bool:
     """Whether oneDNN's form of a product that needs gradients is `matmul` (the kernels'
     GEMMs, where those are oneDNN's) rather than the convolution: up to `MATMUL_MAX_OUTPUTS`
-    outputs (any with one thread), outside torch.func transforms and `use_matmul_form(False)`
-    (read when the custom op's backward runs, not while torch.compile traces)."""
+    outputs (any with one thread), outside torch.func transforms (`in_transform`, the
+    caller's `transformed`) and `use_matmul_form(False)` (read when the custom op's backward
+    runs, not while torch.compile traces)."""
     most = math.inf if torch.get_num_threads() == 1 else MATMUL_MAX_OUTPUTS
     return (
         _matmul_form_on
         and _rows(x) * weight.shape[0] <= most
         and native.kernel_gemm() == "onednn"
-        and not transformed(x, weight, bias)
+        and not in_transform
     )
 
 
@@ -222,7 +208,7 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     if not _needs_grad(x, weight, bias) and not in_transform:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     out_features, in_features = weight.shape
-    if _matmul_form(x, weight, bias):
+    if _matmul_form(x, weight, in_transform):
         # 3-D: the bias in place on the op's own output (out of place kept a second output
         # alive; in place on a 2-D view, autograd's as_strided backward: 1.09-1.13x slower)
         out = matmul(x.reshape(1, -1, in_features), weight.t().unsqueeze(0))
@@ -279,7 +265,8 @@ def _onednn_linear_backward_op(
     grad: Tensor, x: Tensor, weight: Tensor, needs_x: bool, needs_weight: bool, needs_bias: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     out_features, in_features = weight.shape
-    if _matmul_form(x, weight, None):  # eager's form, picked when the op runs (no guard)
+    # eager's form, picked when the op runs (no guard)
+    if _matmul_form(x, weight, transformed(x, weight)):
         rows, grad_rows = x.reshape(-1, in_features), grad.reshape(-1, out_features)
         return (
             matmul(grad_rows, weight).view(x.shape) if needs_x else x.new_empty(0),

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .linear_backend import add_matmul_, linear, matmul, transformed
+from .linear_backend import add_matmul_, linear, matmul
+from .native import transformed
 
 # Rows per chunk on CPU (`benchmarks/lm_loss/ab.json`, 2 threads, the head and loss alone,
 # forward + backward): at vocabulary 4096, dim 128, 4096 rows, 256-512 rows a chunk took

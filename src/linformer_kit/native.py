@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from . import precision
 
@@ -303,6 +304,22 @@ def _register_python_side() -> None:
             no_double_backward,
             setup_context=lambda ctx, inputs, output: None,  # noqa: ARG005
         )
+
+
+def transformed(*tensors: Tensor | None) -> bool:
+    """Whether a functorch transform (torch.func) is active or wraps any of `tensors`, or a
+    forward-AD dual level is open: ops without batching or forward-mode rules (the compiled
+    kernels, oneDNN's matmul, an autograd Function without `setup_context`) must not run
+    there, not even on plain tensors inside a transform of something else. False while
+    torch.compile traces: the callers keep the ops they put in compiled graphs."""
+    if torch.compiler.is_compiling():
+        return False
+    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
+        return True
+    if torch._C._are_functorch_transforms_active():
+        return True
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(t is not None and wrapped(t) for t in tensors)
 
 
 def cpu_ops() -> object | None:
