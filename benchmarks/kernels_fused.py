@@ -65,10 +65,10 @@ def write_table(
     argv: list[str] | None,
     before: dict,
     fields: dict,
-    plot: Callable[[Path], None],
+    plot: Callable[[Path], None] | None = None,
 ) -> None:
     """OUT/table.json (the command that ran `script`, the machine before, the load after,
-    and `fields`) and OUT/table.png (drawn by `plot`)."""
+    and `fields`) and, where `plot` is given, OUT/table.png (drawn by it)."""
     out.mkdir(parents=True, exist_ok=True)
     command = [f"PYTHONPATH=src python benchmarks/{script}"]
     command += sys.argv[1:] if argv is None else argv
@@ -79,8 +79,11 @@ def write_table(
         **fields,
     }
     (out / "table.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(out / "table.png")
-    print("wrote", out / "table.json", out / "table.png")
+    written = [out / "table.json"]
+    if plot is not None:
+        plot(out / "table.png")
+        written.append(out / "table.png")
+    print("wrote", *written)
 
 
 def parse_ab_args(

@@ -19,14 +19,13 @@ Writes OUT/table.json (default benchmarks/kernels/sublayer/).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from kernels_fused import compiled_ops, write_table
 from torch import Tensor, nn
 
 from linformer_kit import native
@@ -148,9 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds")
     parser.add_argument("--out", type=Path, default=OUT, help="writes table.json there")
     args = parser.parse_args(argv)
-    if native.cpu_ops() is None:
-        sys.exit("the compiled CPU kernels are not available here (no compiler?)")
-    torch.set_num_threads(args.threads)
+    compiled_ops(args.threads)
     before, rows = machine(), []
     for n in (int(part) for part in args.n.split(",")):
         row: dict[str, object] = {"n": n}
@@ -162,13 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         row["GEMMs / kernel, bwd"] = round(row["its 5 GEMMs"] / row["kernel backward"], 3)
         rows.append(row)
         print(row, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = ["PYTHONPATH=src python benchmarks/kernels_sublayer.py"]
-    command += sys.argv[1:] if argv is None else argv
-    result = {"command": " ".join(command), "machine": before, "rows": rows}
-    result["load_avg_after"] = machine()["load_avg_1_5_15min"]
-    (args.out / "table.json").write_text(json.dumps(result, indent=1) + "\n")
-    print("wrote", args.out / "table.json")
+    write_table(args.out, "kernels_sublayer.py", argv, before, {"rows": rows})
 
 
 if __name__ == "__main__":
