@@ -35,11 +35,11 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    alone should the pinned run fail);
 14. `kernels_split.py`: the table of SDPA cut into query chunks behind
    `kernel_rule.choose_splits` (about 90 s);
-15. `kernels_profile.py`, B 1, n = 4096, eager and compiled: each variant's kernels, ours
-   kv and headwise (headwise took 0.3-1.5 ms more than kv a step at B 1 in the
-   sixth call's benches, 4 more kernels in a CPU emulation: where does it go? Its `ops`,
-   by input shapes, tell E^T X and F^T X, products with a 256 x 256 output over n, from the
-   rest);
+15. `kernels_profile.py`, B 1, n = 4096, eager, compiled and under CUDA graphs: each
+   variant's kernels and host time, ours kv and headwise. In the ninth call, compiled,
+   ours' kernels took 0.81 ms a step against lucidrains' 1.15, yet under CUDA graphs its
+   step took 1.29 ms against 1.23 (`cuda/bench-b1-compiled-run9/`): where do ours' other
+   0.4 ms go? (`reduce-overhead` is profiled since.)
 16. and 17. `kernels_compile.py` at n = 8192 on each kernel: the compiled cell between
    the rule's explicit (n 4096) and SDPA (n 16384) measurements;
 18. `kernels_feedforward_sums.py --threads 16`, on the machine's CPU (no GPU involved; it
@@ -58,15 +58,12 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 Steps 5-21 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
-1-21 have run on an H200 (`benchmarks/kernels/cuda/`; 2, 3, 13, 14, 15, 20 and 21 last, in
-the eighth call, `cuda/log-run8.txt`, about 420 s in all; 21 by hand there, since its step
-lacked the memory budget it now has). The bench steps now settle each timed step with an
-untimed call of itself (`bench.timing.time_interleaved`), up to twice their GPU time of
-then (85 s each for steps 2 and 3): steps 2 and 3 again first, since their eighth-call
-tables timed headwise right after linformer-pytorch (`cuda/settle/`): `--steps
-bench-b1,bench-b8` (one argument, no spaces, the peer wheels needed), then `--steps
-kernels,profile` (step 1's table, which the CUDA rule reads, was last timed before SDPA
-was cut, unsettled).
+1-21 have run on an H200 (`benchmarks/kernels/cuda/`). The ninth call (`cuda/log-run9.txt`)
+ran 1, 2, 3, 15, then 4, 13 and 21, settled, in about 480 s of commands: `--steps
+kernels,bench-b1,bench-b8,profile` (378 s; the peer wheels needed), then `--steps
+compile,bench-b1-compiled,bench-b8-bf16-compiled` (107 s). Next: `--steps profile` (15, now
+with CUDA graphs), then the compiled steps 5, 6, 9-12, 16 and 17 (the fourth to sixth calls,
+before SDPA was cut into query chunks).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
@@ -132,7 +129,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         compiled += "--scope layer --sharing kv --compile inductor,reduce-overhead"
         compile_n, long_n, short_n, batch = [], ["--n", "16384"], ["--n", "4096"], "8"
         mid_n, split = ["--n", "8192"], ""
-        profile = "--n 4096 --batch 1 --sharing kv,headwise --compile inductor"
+        profile = "--n 4096 --batch 1 --sharing kv,headwise --compile inductor,reduce-overhead"
         fp16 = "--dtype float16 --batch 1,8 --n 4096,16384,65536 --k 64,256,1024 --head-dim 64 "
         fp16 += "--min-seconds 1"
         causal = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192 --head-dim 64 "

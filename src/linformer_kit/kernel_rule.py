@@ -150,7 +150,9 @@ def choose_kernel(
       n >= 16384, k 1024, fp32 without dropout). The layers agree (`cuda/bench-b1-split`,
       `bench-b8-split`, k 256, ours on the rule's kernel and pinned to explicit): the rule
       0.97-1.95x explicit's speed, the two cells below 1 (0.97x, 0.98x) B 1 and 8 at n 4096
-      in the fp32 attention layer. Before the cut (`cuda/table.json`, `table-mid/`: uncut SDPA
+      in the fp32 attention layer. Re-timed settled (ninth call, `cuda/table-run9/`, the
+      same shapes and n 8192 / 32768, SDPA as the rule runs it): explicit 0.11-1.04x, its
+      only wins 1.02-1.04x (B 8, k 1024, n >= 16384, fp32 training without dropout). Before the cut (`cuda/table.json`, `table-mid/`: uncut SDPA
       against explicit) the explicit kernel won fp32 training from n = 8192 at small
       B H M, 1.17-2.56x, because SDPA's backward, one thread block per 64 keys of each
       (batch, head), left most of the 132 SMs idle. Inference: SDPA everywhere (explicit
