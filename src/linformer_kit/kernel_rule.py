@@ -152,10 +152,11 @@ def choose_kernel(
       0.97-1.95x explicit's speed, the two cells below 1 (0.97x, 0.98x) B 1 and 8 at n 4096
       in the fp32 attention layer. Re-timed settled (ninth call, `cuda/table-run9/`, the
       same shapes and n 8192 / 32768, SDPA as the rule runs it): explicit 0.11-1.04x, its
-      only wins 1.02-1.04x (B 8, k 1024, n >= 16384, fp32 training without dropout). Before the cut (`cuda/table.json`, `table-mid/`: uncut SDPA
-      against explicit) the explicit kernel won fp32 training from n = 8192 at small
-      B H M, 1.17-2.56x, because SDPA's backward, one thread block per 64 keys of each
-      (batch, head), left most of the 132 SMs idle. Inference: SDPA everywhere (explicit
+      only wins 1.02-1.04x (B 8, k 1024, n >= 16384, fp32 training without dropout).
+      Before the cut (`cuda/table.json`, `table-mid/`: uncut SDPA against explicit) the
+      explicit kernel won fp32 training from n = 8192 at small B H M, 1.17-2.56x, because
+      SDPA's backward, one thread block per 64 keys of each (batch, head), left most of the
+      132 SMs idle. Inference: SDPA everywhere (explicit
       0.25-0.85x, uncut and cut alike: the forward is never cut). Exact causal
       (`cuda/table-causal/`, explicit 0.05-0.71x) and fp16 (`cuda/table-fp16/`, explicit
       0.11-0.92x but at n 65536 with B H M <= 1024, 1.23-1.44x in training, uncut) keep
