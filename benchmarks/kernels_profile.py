@@ -11,7 +11,10 @@ batch 1), and the step's wall time timed outside the profiler (`time_interleaved
 events on a GPU). Ours runs with each sharing of
 `--sharing` (kv by default), on the rule's kernel and pinned to each (`--kernel`);
 `--compile inductor` adds every variant compiled (Inductor's generated kernels then appear
-by their names). The peers need their packages (`linformer==0.2.3`,
+by their names; the spans a compiled graph marks on the GPU's timeline are not counted as
+kernels), `reduce-overhead` every variant under CUDA graphs (`cudagraphs`: Inductor's
+counts of graphs skipped, of partitions, between which ops run eagerly, and of inputs
+copied into a graph's own at each replay). The peers need their packages (`linformer==0.2.3`,
 `linformer-pytorch==0.19.3`); a missing one is skipped. On CPU glibc keeps freed memory
 (`--no-keep-freed-memory`: its defaults), as `linformer bench` does while it times.
 
@@ -33,11 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 from linformer_kit.bench.flops import Shape
 from linformer_kit.bench.timing import module_step, time_interleaved
 from linformer_kit.bench.variants import (
+    COMPILES,
     PEERS,
     SCOPES,
     SHARINGS,
@@ -190,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     if not sharings or set(sharings) - set(SHARINGS):
         parser.error(f"--sharing: {args.sharing!r}; choose from {', '.join(SHARINGS)}")
     compiles = [c for c in args.compile.split(",") if c]
+    if set(compiles) - set(COMPILES):
+        parser.error(f"--compile: {args.compile!r}; choose from {', '.join(COMPILES)}")
+    if "reduce-overhead" in compiles and args.device != "cuda":
+        parser.error("--compile reduce-overhead records CUDA graphs: it needs --device cuda")
     out_dir = args.out or (OUT / "profile" if args.device == "cpu" else OUT / "cuda" / "profile")
     shape = Shape(
         batch_size=args.batch,
@@ -203,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     with compile_limits():
         for variant in variants(kernels, compiles, sharings):
             torch.manual_seed(0)
+            counters.clear()
             module = build_variant(variant, shape, args.scope).to(args.device).train()
             x = torch.randn(
                 shape.batch_size, shape.seq_len, shape.dim, device=args.device, requires_grad=True
@@ -215,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
             )["step"]
             row = {"wall_ms": round(statistics.median(wall) * 1e3, 3)}
             row |= profile_step(step, device=args.device, steps=args.steps)
+            # Inductor's CUDA graphs (`reduce-overhead`): graphs skipped, partitions (the ops
+            # between them run eagerly) and inputs copied into the graphs' own at each replay
+            row["cudagraphs"] = {
+                name: count for name, count in counters["inductor"].items() if "cudagraph" in name
+            }
             results[variant.name] = row
             print(
                 f"{variant.name}: wall {row['wall_ms']} ms, kernels {row['kernel_ms_per_step']} ms "
@@ -231,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"  host: {host['ms_per_step']} ms of operators' own CPU time a step, by "
                 f"thread {host['threads_ms_per_step']}"
             )
+            if row["cudagraphs"]:
+                print(f"  CUDA graphs: {row['cudagraphs']}")
             print("  by operator and input shapes:")
             for op in row["ops"][:8]:
                 print(
