@@ -61,9 +61,10 @@ compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels neede
 1-21 have run on an H200 (`benchmarks/kernels/cuda/`). The ninth call (`cuda/log-run9.txt`)
 ran 1, 2, 3, 15, then 4, 13 and 21, settled, in about 480 s of commands: `--steps
 kernels,bench-b1,bench-b8,profile` (378 s; the peer wheels needed), then `--steps
-compile,bench-b1-compiled,bench-b8-bf16-compiled` (107 s). Next: `--steps profile` (15, now
-with CUDA graphs), then the compiled steps 5, 6, 9-12, 16 and 17 (the fourth to sixth calls,
-before SDPA was cut into query chunks).
+compile,bench-b1-compiled,bench-b8-bf16-compiled` (107 s). Next: `--steps
+bench-b1-compiled,profile` (13: the compiled rule has since kept SDPA without dropout, there
+against the explicit kernel under CUDA graphs; 15, now with CUDA graphs), then the compiled
+steps 5, 6, 9-12, 16 and 17 (the fourth to sixth calls, before SDPA was cut into chunks).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 

@@ -142,7 +142,8 @@ def choose_kernel(
 
     CUDA (H200, torch 2.11, fp32 without TF32, bf16; read as holding for any CUDA GPU until
     another is measured): SDPA, its queries cut into chunks in training (`choose_splits`),
-    but under torch.compile in fp32 training at 4096 <= n < 8192 with B H M <= 1024.
+    but under torch.compile in fp32 training with dropout at 4096 <= n < 8192 with
+    B H M <= 1024.
 
     - Eager: SDPA cut as `choose_splits` says beat the explicit kernel at every shape of
       `cuda/split/table.json` (fp32 and bf16, B 1 and 8, n 1024-65536, k 64 / 256 / 1024,
@@ -169,7 +170,11 @@ def choose_kernel(
       (n 4096 10.5 against 10.6 ms, n 16384 37.9 against 37.7), where SDPA's lower memory
       decides (5274 against 7647 MiB peak at n 16384). The explicit band rests on that
       one cell; the B 8, n 4096 pair's two runs came from two calls (explicit's before
-      the cut, which does not touch it). Not measured compiled: k other than 256, B H M
+      the cut, which does not touch it). Without dropout, where Inductor has no mask to
+      fuse, SDPA cut was the faster compiled kernel there (`cuda/profile/profile-b1-run9.json`,
+      one encoder layer, B 1, n 4096, fp32 training: kv 2.68 against 2.88 ms a step,
+      headwise 2.71 against 3.02; its kernels 0.81 against 1.06 ms, 0.87 against 1.13), so
+      the band takes dropout. Not measured compiled: k other than 256, B H M
       between 1024 and 8192. Compiled inference and bf16 stay on
       SDPA (`cuda/compiled/`: inference 0.63-0.95x on explicit; bf16 at B 1, n 16384,
       4.2 ms explicit against 4.1 on uncut SDPA). The explicit kernel's dropout bits add
@@ -196,7 +201,7 @@ def choose_kernel(
     """
     if device.type == "cuda":
         compiled_fp32 = torch.compiler.is_compiling() and dtype == torch.float32
-        if compiled_fp32 and backward and not causal and 4096 <= queries < 8192:
+        if compiled_fp32 and backward and dropout and not causal and 4096 <= queries < 8192:
             return "explicit" if groups * keys <= 1024 else "sdpa"
         return "sdpa"
     if device.type != "cpu":
