@@ -175,8 +175,8 @@ def choose_kernel(
       one encoder layer, B 1, n 4096, fp32 training: its kernels 0.81 against 1.06 ms a
       step in kv sharing, 0.87 against 1.13 in headwise) and its step was no slower (2.68
       against 2.88 ms, 2.71 against 3.02, at a size bound by the host, where two timings of
-      one kernel differed by 8 %), so the band takes dropout. Not measured compiled: k other than 256, B H M
-      between 1024 and 8192. Compiled inference and bf16 stay on
+      one kernel differed by 8 %), so the band takes dropout. Not measured compiled: k
+      other than 256, B H M between 1024 and 8192. Compiled inference and bf16 stay on
       SDPA (`cuda/compiled/`: inference 0.63-0.95x on explicit; bf16 at B 1, n 16384,
       4.2 ms explicit against 4.1 on uncut SDPA). The explicit kernel's dropout bits add
       the seed before the 64-bit product (`dropout.dropout_bits`): the first form failed to
