@@ -37,9 +37,10 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    `kernel_rule.choose_splits` (about 90 s);
 15. `kernels_profile.py`, B 1, n = 4096, eager, compiled and under CUDA graphs: each
    variant's kernels and host time, ours kv and headwise. In the ninth call, compiled,
-   ours' kernels took 0.81 ms a step against lucidrains' 1.15, yet under CUDA graphs its
-   step took 1.29 ms against 1.23 (`cuda/bench-b1-compiled-run9/`): where do ours' other
-   0.4 ms go? (`reduce-overhead` is profiled since.)
+   ours on the rule's kernel (explicit then) ran 1.06 ms of kernels a step, on SDPA 0.81,
+   lucidrains 1.15; under CUDA graphs ours' step took 1.29 ms against lucidrains' 1.23
+   (`cuda/bench-b1-compiled-run9/`), 0.23 ms beyond its kernels against 0.08: where do
+   they go? (`reduce-overhead` is profiled since, with Inductor's CUDA-graph counts.)
 16. and 17. `kernels_compile.py` at n = 8192 on each kernel: the compiled cell between
    the rule's explicit (n 4096) and SDPA (n 16384) measurements;
 18. `kernels_feedforward_sums.py --threads 16`, on the machine's CPU (no GPU involved; it

@@ -358,8 +358,8 @@ def test_the_compiled_cuda_rule_without_dropout_takes_the_kernel_of_less_gpu_wor
             for kernel in ("sdpa", "explicit")
         )
         assert sdpa["wall_ms"] < explicit["wall_ms"], sharing
-        # its kernels' time less the compiled graphs' two annotation spans a step, which the
-        # profile of then counted as kernels (benchmarks/kernels_profile.py)
+        # its kernels' time less the two spans a step that mark the compiled graphs, which
+        # kernels_profile.py counted as kernels then
         spans = [sum(t["ms_per_step"] for t in row["top"] if t["name"].startswith("## "))
                  for row in (sdpa, explicit)]  # fmt: skip
         assert sdpa["kernel_ms_per_step"] - spans[0] < explicit["kernel_ms_per_step"] - spans[1]
