@@ -21,6 +21,7 @@ from linformer_kit.bench import (
     build_variant,
     default_variants,
     peak_memory,
+    plots,
     run_bench,
     sweep,
     time_interleaved,
@@ -185,6 +186,7 @@ def test_sweep_writes_json_csv_and_plots(tmp_path, monkeypatch):
     assert len(table) == 16 and "times_ms" not in table[0]
     for name in ("scaling.png", "grid.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "peers.png").exists()  # no peers timed
 
 
 def test_a_sweep_stopped_early_keeps_the_lengths_it_finished(tmp_path, monkeypatch):
@@ -370,6 +372,7 @@ def test_compiled_variants_time_the_same_layers_under_torch_compile(tmp_path):
         peers = [rows[peer + setting]["median_ms"] for peer in ("lucidrains", "linformer-pytorch")]
         entry = result["summary"]["attention"]["float32"][f"linformer kv{setting} k=16"][64]
         assert entry["speedup_vs_faster_peer"] == pytest.approx(min(peers) / ours["median_ms"])
+    assert (tmp_path / "bench" / "peers.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="compile must be one of inductor, reduce-overhead"):
         tiny_settings(tmp_path, compile="aot_eager,tensorrt")
     with pytest.raises(ValueError, match="reduce-overhead records CUDA graphs"):
@@ -437,3 +440,37 @@ def test_the_timing_process_keeps_freed_memory_by_default(tmp_path):
     assert result["freed_memory_kept"] is True
     saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert saved["settings"]["keep_freed_memory"] is True and saved["freed_memory_kept"] is True
+
+
+def test_the_plots_keep_a_variant_s_colour_across_dtypes(tmp_path, monkeypatch):
+    # More than ten lines (tab10's colours) used to wrap around: two variants shared a
+    # colour. Now a variant and k keep one colour, a dtype one line style, in both plots.
+    figures = []
+    monkeypatch.setattr(plots.Figure, "savefig", lambda figure, *a, **k: figures.append(figure))
+    variants = [f"linformer v{i}" for i in range(6)] + ["lucidrains"]
+    rows, summary = [], {"attention": {}}
+    for dtype in ("float32", "bfloat16"):
+        for i, variant in enumerate(variants):
+            kind = "lucidrains" if variant == "lucidrains" else "ours"
+            for n in (64, 128):
+                row = dict(scope="attention", dtype=dtype, variant=variant, kind=kind, k=16)
+                rows.append(dict(row, n=n, status="ok", median_ms=1.0 + i, peak_mem_mb=None))
+            if kind == "ours":  # JSON's keys: n as text
+                by_n = {"64": {"speedup_vs_faster_peer": 1.5}, "128": {"median_ms": 2.0}}
+                summary["attention"].setdefault(dtype, {})[f"{variant} k=16"] = by_n
+    plots.plot_scaling(rows, tmp_path / "scaling.png", title="t")
+    assert plots.plot_peers(summary, tmp_path / "peers.png", title="t")
+    assert not plots.plot_peers({"attention": {"float32": {}}}, tmp_path / "none.png", title="t")
+    scaling, peers = figures
+    for figure, count in ((scaling, 14), (peers, 12)):
+        lines = [line for line in figure.axes[0].get_lines() if line.get_label()[0] != "_"]
+        assert len(lines) == count
+        by_label = {line.get_label(): line for line in lines}
+        colours = {line.get_color() for line in lines if line.get_label().endswith("float32")}
+        assert len(colours) == count // 2  # a colour each
+        for label, line in by_label.items():
+            if label.endswith("float32"):
+                twin = by_label[label.replace("float32", "bfloat16")]
+                assert twin.get_color() == line.get_color()
+                assert (line.get_linestyle(), twin.get_linestyle()) == ("-", "--")
+    assert len(peers.axes[0].get_lines()[1].get_xdata()) == 1  # n 128 has no peer ratio

@@ -1,5 +1,6 @@
-"""Plots of a sweep: time and peak memory vs n (log-log, one line per variant), and a
-Table-3-style grid of speed-up and memory saving over exact SDPA for n x k."""
+"""Plots of a sweep: time and peak memory vs n (log-log, one line per variant), ours'
+speed against the faster peer vs n, and a Table-3-style grid of speed-up and memory saving
+over exact SDPA for n x k."""
 
 from __future__ import annotations
 
@@ -7,45 +8,117 @@ import math
 from pathlib import Path
 from typing import Any
 
+from matplotlib import colormaps
 from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
+# One line style per dtype of a sweep, in the order asked for; a variant keeps its colour.
+DTYPE_STYLES = ("-", "--", ":", "-.")
 
-def _label(row: dict[str, Any], with_dtype: bool) -> str:
-    label = row["variant"] if row["k"] is None else f"{row['variant']} k={row['k']}"
-    return f"{label} {row['dtype']}" if with_dtype else label
+
+def _label(row: dict[str, Any]) -> str:
+    return row["variant"] if row["k"] is None else f"{row['variant']} k={row['k']}"
+
+
+def _colours(labels: list[str]) -> dict[str, Any]:
+    """A distinct colour per label (tab10, tab20 beyond ten), in first-seen order."""
+    labels = list(dict.fromkeys(labels))
+    cmap = colormaps["tab10" if len(labels) <= 10 else "tab20"]
+    return {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
+
+
+def _log2_n_axis(axis: Any) -> None:
+    axis.set_xscale("log", base=2)
+    axis.grid(True, which="both", alpha=0.3)
+    if axis.lines:
+        axis.legend(fontsize=7)
 
 
 def plot_scaling(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
-    """Median time and peak memory vs n, one panel per scope, one line per variant and k."""
+    """Median time and peak memory vs n, one panel per scope, one line per variant and k
+    (its colour) in each dtype (its line style); exact attention's points are squares."""
     scopes = list(dict.fromkeys(r["scope"] for r in rows))
-    with_dtype = len({r["dtype"] for r in rows}) > 1
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    colours = _colours([_label(r) for r in rows])
     fig = Figure(figsize=(6.5 * len(scopes), 9))
     axes = fig.subplots(2, len(scopes), squeeze=False)
     for col, scope in enumerate(scopes):
-        lines: dict[str, list[dict[str, Any]]] = {}
+        lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for row in rows:
             if row["scope"] == scope and row["status"] == "ok":
-                lines.setdefault(_label(row, with_dtype), []).append(row)
-        for label, points in lines.items():
-            exact = points[0]["kind"] in ("sdpa", "naive")
-            style = {"linestyle": "--" if exact else "-", "marker": "o", "label": label}
+                lines.setdefault((_label(row), row["dtype"]), []).append(row)
+        for (label, dtype), points in lines.items():
+            style = {
+                "color": colours[label],
+                "linestyle": DTYPE_STYLES[dtypes.index(dtype) % len(DTYPE_STYLES)],
+                "marker": "s" if points[0]["kind"] in ("sdpa", "naive") else "o",
+                "label": f"{label} {dtype}" if len(dtypes) > 1 else label,
+            }
             axes[0][col].plot([p["n"] for p in points], [p["median_ms"] for p in points], **style)
             memory = [p for p in points if p["peak_mem_mb"]]
             if memory:
                 axes[1][col].plot(
                     [p["n"] for p in memory], [p["peak_mem_mb"] for p in memory], **style
                 )
-        axes[0][col].set(title=f"{scope}: median time", ylabel="ms")
-        axes[1][col].set(title=f"{scope}: peak memory", ylabel="MiB", xlabel="sequence length n")
+        axes[0][col].set(title=f"{scope}: median time", ylabel="ms", yscale="log")
+        axes[1][col].set(
+            title=f"{scope}: peak memory", ylabel="MiB", xlabel="sequence length n", yscale="log"
+        )
         for axis in axes[:, col]:
-            axis.set(xscale="log", yscale="log")
-            axis.set_xscale("log", base=2)
-            axis.grid(True, which="both", alpha=0.3)
-            if axis.lines:
-                axis.legend(fontsize=7)
+            _log2_n_axis(axis)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
+    """The faster peer's median time over ours vs n (above 1: ours faster), one panel per
+    scope, one line per variant of ours and k (its colour) in each dtype (its line style),
+    from `summarise`'s `speedup_vs_faster_peer`.
+
+    Returns:
+        Whether there was anything to draw (a sweep without peers writes no file).
+    """
+    panels = {
+        scope: {
+            (label, dtype): sorted(
+                (int(n), entry["speedup_vs_faster_peer"])
+                for n, entry in by_n.items()
+                if "speedup_vs_faster_peer" in entry
+            )  # fmt: skip
+            for dtype, by_label in by_dtype.items()
+            for label, by_n in by_label.items()
+        }
+        for scope, by_dtype in summary.items()
+    }
+    panels = {scope: {k: v for k, v in lines.items() if v} for scope, lines in panels.items()}
+    panels = {scope: lines for scope, lines in panels.items() if lines}
+    if not panels:
+        return False
+    dtypes = list(dict.fromkeys(d for lines in panels.values() for _, d in lines))
+    colours = _colours([label for lines in panels.values() for label, _ in lines])
+    fig = Figure(figsize=(6.5 * len(panels), 5))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for axis, (scope, lines) in zip(axes, panels.items()):
+        axis.axhline(1.0, color="grey", linewidth=1)
+        for (label, dtype), points in lines.items():
+            axis.plot(
+                [n for n, _ in points],
+                [ratio for _, ratio in points],
+                color=colours[label],
+                linestyle=DTYPE_STYLES[dtypes.index(dtype) % len(DTYPE_STYLES)],
+                marker="o",
+                label=f"{label} {dtype}" if len(dtypes) > 1 else label,
+            )
+        axis.set(
+            title=f"{scope}: faster peer's time / ours",
+            xlabel="sequence length n",
+            ylabel="x (above 1: ours faster)",
+        )
+        _log2_n_axis(axis)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
 
 
 def plot_grid(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
@@ -98,3 +171,13 @@ def plot_grid(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
     fig.suptitle(f"{scope}, {dtype} ({title})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_result(result: dict[str, Any], out: Path, *, title: str) -> None:
+    """A sweep's plots in `out` (`run_bench`'s result, or its bench.json read back):
+    scaling.png, grid.png, and peers.png where peers were timed (else none, not even an
+    earlier run's)."""
+    plot_scaling(result["rows"], out / "scaling.png", title=title)
+    plot_grid(result["rows"], out / "grid.png", title=title)
+    if not plot_peers(result["summary"], out / "peers.png", title=title):
+        (out / "peers.png").unlink(missing_ok=True)

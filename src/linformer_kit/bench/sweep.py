@@ -287,7 +287,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         The result: settings, machine (with load averages before and after), ceilings and
         one row per configuration.
     """
-    from .plots import plot_grid, plot_scaling
+    from .plots import plot_result
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -378,8 +378,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             row["peak_mem_mb"] = peak_memory(call) / 2**20
     final = result()
     write_outputs(final, Path(settings.out))
-    plot_scaling(final["rows"], Path(settings.out) / "scaling.png", title=_title(settings))
-    plot_grid(final["rows"], Path(settings.out) / "grid.png", title=_title(settings))
+    plot_result(final, Path(settings.out), title=_title(settings))
     return final
 
 
