@@ -45,6 +45,7 @@ def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys, nat
     ]
     assert result["bf16"] == support.to_dict()
     assert (out / "grid.png").exists() and (out / "bench.csv").exists()
+    assert not (out / "peers.png").exists() and "faster peer" not in printed
     bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
     if native:
         low = result["summary"]["attention"]["bfloat16"]["linformer layerwise k=8"]["32"]
@@ -57,6 +58,24 @@ def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys, nat
         assert all(r["status"] == "emulated" and r["speedup_vs_sdpa"] is None for r in bf16)
         assert all("not a result: this CPU has no native bf16" in r["reason"] for r in bf16)
         assert "bfloat16 rows marked 'emulated' are not a result" in printed
+
+
+def test_bench_with_peers_prints_and_plots_the_faster_peer_over_ours(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = "bench --peers --n 32,64 --proj-dim 16 --dim 16 --num-heads 2 --sharing kv "
+    args += "--scope attention --repeats 1 --min-time-s 0 --warmup 0 --threads 1 --no-memory "
+    args += "--no-keep-freed-memory"
+    main([*args.split(), "--exact", "", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "the faster peer's median time over ours (above 1: ours faster):" in printed
+    table = printed.split("ours faster):\n")[1].splitlines()
+    assert table[0].split() == ["scope", "dtype", "variant", "n=32", "n=64"]
+    entries = json.loads((out / "bench.json").read_text())["summary"]["attention"]["float32"]
+    by_n = entries["linformer kv k=16"]
+    cells = [f"{by_n[n]['speedup_vs_faster_peer']:.2f}x" for n in ("32", "64")]
+    assert table[1].split() == ["attention", "float32", "linformer", "kv", "k=16", *cells]
+    assert (out / "peers.png").read_bytes()[:4] == b"\x89PNG"
+    assert str(out / "peers.png") in printed.splitlines()[-1]
 
 
 def test_bench_command_reports_bad_settings_without_a_traceback(tmp_path):

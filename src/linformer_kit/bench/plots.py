@@ -11,6 +11,8 @@ from typing import Any
 from matplotlib import colormaps
 from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
+from .summary import peer_ratios
+
 # One line style per dtype of a sweep, in the order asked for; a variant keeps its colour.
 DTYPE_STYLES = ("-", "--", ":", "-.")
 
@@ -72,26 +74,15 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
 
 def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
     """The faster peer's median time over ours vs n (above 1: ours faster), one panel per
-    scope, one line per variant of ours and k (its colour) in each dtype (its line style),
-    from `summarise`'s `speedup_vs_faster_peer`.
+    scope, one line per variant of ours and k (its colour) in each dtype (its line style):
+    `summary.peer_ratios`.
 
     Returns:
         Whether there was anything to draw (a sweep without peers writes no file).
     """
-    panels = {
-        scope: {
-            (label, dtype): sorted(
-                (int(n), entry["speedup_vs_faster_peer"])
-                for n, entry in by_n.items()
-                if "speedup_vs_faster_peer" in entry
-            )  # fmt: skip
-            for dtype, by_label in by_dtype.items()
-            for label, by_n in by_label.items()
-        }
-        for scope, by_dtype in summary.items()
-    }
-    panels = {scope: {k: v for k, v in lines.items() if v} for scope, lines in panels.items()}
-    panels = {scope: lines for scope, lines in panels.items() if lines}
+    panels: dict[str, dict[tuple[str, str], list[tuple[int, float]]]] = {}
+    for (scope, dtype, label), points in peer_ratios(summary).items():
+        panels.setdefault(scope, {})[(label, dtype)] = points
     if not panels:
         return False
     dtypes = list(dict.fromkeys(d for lines in panels.values() for _, d in lines))

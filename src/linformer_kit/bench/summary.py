@@ -73,3 +73,20 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         summary.setdefault(scope, {}).setdefault(dtype, {}).setdefault(f"{variant} k={k}", {})
         summary[scope][dtype][f"{variant} k={k}"][n] = entry
     return summary
+
+
+def peer_ratios(summary: dict[str, Any]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
+    """The faster peer's median time over ours, (n, ratio) by n, for each (scope, dtype,
+    "variant k=K") of `summarise`'s result that has one (n may be text: bench.json read
+    back). Above 1, ours is faster."""
+    ratios = {
+        (scope, dtype, label): sorted(
+            (int(n), entry["speedup_vs_faster_peer"])
+            for n, entry in by_n.items()
+            if "speedup_vs_faster_peer" in entry
+        )
+        for scope, by_dtype in summary.items()
+        for dtype, by_label in by_dtype.items()
+        for label, by_n in by_label.items()
+    }
+    return {key: points for key, points in ratios.items() if points}

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..bench.summary import peer_ratios
 from ..bench.sweep import EMULATED, RESULT_NAME, TABLE_NAME, BenchSettings, run_bench
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
 from .overrides import exit_on_user_error
@@ -49,10 +50,19 @@ def run(args: argparse.Namespace) -> None:
     emulated = [row for row in result["rows"] if row["status"] == EMULATED]
     if emulated:
         print(f"bfloat16 rows marked {EMULATED!r} are {emulated[0]['reason']}")
+    ratios = peer_ratios(result["summary"])
+    if ratios:
+        lengths = sorted({n for points in ratios.values() for n, _ in points})
+        table = [
+            {"scope": scope, "dtype": dtype, "variant": label}
+            | {f"n={n}": f"{dict(points)[n]:.2f}x" if n in dict(points) else "-" for n in lengths}
+            for (scope, dtype, label), points in ratios.items()
+        ]
+        print("the faster peer's median time over ours (above 1: ours faster):")
+        print(format_table(table))
     out = Path(settings.out)
-    print(
-        f"wrote {out / RESULT_NAME}, {out / TABLE_NAME}, {out / 'scaling.png'}, {out / 'grid.png'}"
-    )
+    plots = ["scaling.png", "grid.png", *(["peers.png"] if ratios else [])]
+    print("wrote " + ", ".join(str(out / name) for name in (RESULT_NAME, TABLE_NAME, *plots)))
 
 
 def register(commands: argparse._SubParsersAction) -> None:
