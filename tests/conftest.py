@@ -37,10 +37,13 @@ def mkl_runs_avx512(monkeypatch):
     on the CPU it runs on (in this process: a subprocess a test starts reads the real CPU).
     Tests of the rule set it themselves; `use_linear_backend` pins oneDNN on any CPU.
     Afterwards the kernels' GEMM library is found again under this CPU (`native.kernel_gemm`
-    keeps what it found), so a test that set it, or found it on another CPU, leaves no trace."""
-    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: False)
+    keeps what it found), so a test that set it, or found it on another CPU, leaves no trace.
+    (Not an AMD CPU without AVX-512 either, where the attention kernel's GEMMs go to oneDNN.)"""
+    for name in ("mkl_without_avx512", "non_intel_avx2"):
+        monkeypatch.setattr(precision, name, lambda: False)
     yield
-    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: False)
+    for name in ("mkl_without_avx512", "non_intel_avx2"):
+        monkeypatch.setattr(precision, name, lambda: False)
     native.set_kernel_gemm(None)
 
 

@@ -19,7 +19,7 @@ from test_kernels import CPU
 from linformer_kit import native, precision
 from linformer_kit.encoder import LinformerEncoderLayer
 from linformer_kit.functional import project_linear
-from linformer_kit.kernel_rule import choose_kernel
+from linformer_kit.kernel_rule import choose_kernel, use_kernel
 from linformer_kit.linear_backend import add_matmul_, matmul, use_linear_backend
 from linformer_kit.projection import MatrixProjection
 
@@ -64,6 +64,57 @@ def test_the_machine_picks_onednn_where_mkl_runs_avx2_code_unless_set(ops, monke
     torch.testing.assert_close(ops.matmul(a[None], b[None])[0], a @ b, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="backend must be 'blas', 'onednn' or None; got 'mkl'"):
         native.set_kernel_gemm("mkl")
+
+
+def test_each_side_has_its_own_switch_and_amd_avx2_moves_the_attention_side(ops, monkeypatch):
+    # The attention side (attention kernel, `matmul`) and the feed-forward kernel apart:
+    # oneDNN's AVX2 code ran the attention layer 1.10-1.16x faster than MKL's, the
+    # feed-forward's 256 x 1024 products slower (benchmarks/kernels/avx2-emulated/).
+    sides = native.GEMM_SIDES
+    assert ops.float_gemm("onednn", "attention") == "onednn"
+    assert ops.float_gemm(None, "feedforward") == "blas"  # the other side untouched
+    assert ops.float_gemm("onednn", "feedforward") == "onednn"
+    assert ops.float_gemm("blas") == "blas"  # the attention side by default
+    assert ops.float_gemm(None, "feedforward") == "onednn"
+    with pytest.raises(RuntimeError, match="which must be 'attention' or 'feedforward'; got 'x'"):
+        ops.float_gemm(None, "x")
+    native.set_kernel_gemm(None)  # the conftest's Intel CPU: the BLAS on both sides
+    assert [native.kernel_gemm(side) for side in sides] == ["blas", "blas"]
+    monkeypatch.setattr(precision, "non_intel_avx2", lambda: True)  # an AMD CPU, AVX2 only
+    native.set_kernel_gemm(None)
+    assert [native.kernel_gemm(side) for side in sides] == ["onednn", "blas"]
+    assert [ops.float_gemm(None, side) for side in sides] == ["onednn", "blas"]
+    assert not native.bf16_feedforward()  # the feed-forward side decides it
+    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: True)  # ... with AVX-512
+    native.set_kernel_gemm(None)
+    assert [native.kernel_gemm(side) for side in sides] == ["onednn", "onednn"]
+    assert native.set_kernel_gemm("blas") is None  # a setting covers both sides
+    assert [ops.float_gemm(None, side) for side in sides] == ["blas", "blas"]
+    with pytest.raises(ValueError, match="side must be one of attention, feedforward; got 'x'"):
+        native.kernel_gemm("x")
+
+
+def test_an_encoder_layer_computes_the_same_with_its_sides_on_either_library(ops):
+    torch.manual_seed(0)
+    proj = MatrixProjection(max_seq_len=64, proj_dim=16)
+    layer = LinformerEncoderLayer(
+        dim=32, num_heads=4, max_seq_len=64, proj_k=proj, proj_v=proj, ffn_dim=64,
+        dropout=0.0, attention_dropout=0.0,
+    ).train()  # fmt: skip
+    x = torch.randn(2, 64, 32, requires_grad=True)
+    inputs = (x, *layer.parameters())
+    results = []
+    for libraries in (("blas", "blas"), ("onednn", "blas"), ("blas", "onednn")):
+        for side, library in zip(native.GEMM_SIDES, libraries):
+            assert ops.float_gemm(library, side) == library
+        with use_kernel("explicit"):  # the attention kernel, whichever its library
+            out = layer(x)[0]
+        results.append((out, torch.autograd.grad(out.square().sum(), inputs)))
+    (wanted, wanted_grads), *others = results
+    for out, grads in others:
+        torch.testing.assert_close(out, wanted, atol=1e-5, rtol=1e-5)
+        for got, expected in zip(grads, wanted_grads):
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_the_linear_maps_pin_sets_the_kernels_library_and_restores_it(ops):

@@ -1,38 +1,39 @@
 """Which library multiplies a layer's linear maps on CPU: torch's BLAS (`F.linear`) or oneDNN.
 
-PyTorch's CPU build sends a float32 `F.linear` / `torch.mm` to MKL, which runs its AVX2 code
-on AMD CPUs, AVX-512 or not (`MKL_VERBOSE`: the generic "Intel(R) Architecture processors"
-path), while oneDNN, which the build carries for convolutions, runs AVX-512 there. So on an
-AMD CPU with AVX-512 the layers' linear maps go through oneDNN, in one of three forms:
-without gradients, its matmul on the dense tensors; with them, up to `MATMUL_MAX_OUTPUTS`
-(2^24) outputs (rows x out features; with one thread at any size) the compiled kernels'
-`matmul` (oneDNN's brgemm micro-kernel, where the kernels' GEMMs are oneDNN's,
-`native.kernel_gemm`) with the bias added, beyond that its 1 x 1 convolution over a
-channels-last view of the rows (no copy; its backward the convolution's for the input and
-weight, a sum for the bias). The result is `F.linear`'s to float32 rounding.
+PyTorch's CPU build sends a float32 `F.linear` / `torch.mm` to MKL, which runs its AVX2 code on
+AMD CPUs, AVX-512 or not (`MKL_VERBOSE`: the generic "Intel(R) Architecture processors" path),
+while oneDNN, which the build carries for convolutions, runs AVX-512 there. So on an AMD CPU
+with AVX-512 the layers' linear maps go through oneDNN, in one of three forms: without
+gradients, its matmul on the dense tensors; with them, up to `MATMUL_MAX_OUTPUTS` (2^24) outputs
+(rows x out features; with one thread at any size) the compiled kernels' `matmul` (oneDNN's
+brgemm micro-kernel, where the kernels' GEMMs are oneDNN's, `native.kernel_gemm`) with the bias
+added, beyond that its 1 x 1 convolution over a channels-last view of the rows (no copy; its
+backward the convolution's for the input and weight, a sum for the bias). The result is
+`F.linear`'s to float32 rounding.
 
-The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py` (`ab.json`,
-`narrow/`, `threads1/` in `benchmarks/linear_backend/`; AMD EPYC, figures in the README's
-"AMD CPUs"): a product goes to oneDNN from `ONEDNN_MIN_MACS` (2^23) multiply-adds,
-`ONEDNN_MIN_ROWS` (16) rows and a width (in and out) of `ONEDNN_MIN_WIDTH` (128) (1.12-1.22x
-with its backward at 2^23, 0.89-0.97x at 2^22, 0.37-0.84x at width 64). The matmul form beat
-the convolution inside the layers (the attention layer 1.02-1.14x at n 1024-8192) and, since
-its weight gradient splits its reduction between the threads (`csrc/blas.h`), up to 2^24
-outputs too (1.00-1.05x a map, `gemm-split/`); with one thread ATen runs the convolution on
-its MKL path, and the matmul form wins at every size. Everything else stays on `F.linear`:
-Intel CPUs (MKL runs AVX-512 there), AVX2-only CPUs (`precision.mkl_without_avx512`; emulated
-on the EPYC, oneDNN's AVX2 code ran the attention layer 1.10-1.15x faster but the encoder
-layer 0.96-0.97x, `avx2-emulated/`), other dtypes (bf16 already goes to oneDNN), autocast,
-torch.export and torch.jit.trace (their graphs keep plain `linear`), and builds without MKL
-or oneDNN. Under torch.compile the product is one custom op with its backward
-(`linformer_kit::onednn_linear`, the backward's form picked by the same rule when it runs;
-Inductor's lowering of the convolution fails on a dynamic row count, torch 2.13), taken
-whatever the thread count, which Dynamo cannot read.
+The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py` (`ab.json`, `narrow/`,
+`threads1/` in `benchmarks/linear_backend/`; AMD EPYC, figures in the README's "AMD CPUs"): a
+product goes to oneDNN from `ONEDNN_MIN_MACS` (2^23) multiply-adds, `ONEDNN_MIN_ROWS` (16) rows
+and a width (in and out) of `ONEDNN_MIN_WIDTH` (128) (1.12-1.22x with its backward at 2^23,
+0.89-0.97x at 2^22, 0.37-0.84x at width 64). The matmul form beat the convolution inside the
+layers (the attention layer 1.02-1.14x at n 1024-8192) and, since its weight gradient splits its
+reduction between the threads (`csrc/blas.h`), up to 2^24 outputs too (1.00-1.05x a map,
+`gemm-split/`); with one thread ATen runs the convolution on its MKL path, and the matmul form
+wins at every size. Everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there),
+AVX2-only CPUs (`precision.mkl_without_avx512`; emulated on the EPYC, with every GEMM on
+oneDNN's AVX2 code the attention layer ran 1.10-1.15x faster but the encoder layer 0.96-0.97x,
+`avx2-emulated/`: there only the attention kernel's GEMMs and `matmul` go to oneDNN,
+`native.kernel_gemm`), other dtypes (bf16 already goes to oneDNN), autocast, torch.export and
+torch.jit.trace (their graphs keep plain `linear`), and builds without MKL or oneDNN. Under
+torch.compile the product is one custom op with its backward (`linformer_kit::onednn_linear`,
+the backward's form picked by the same rule when it runs; Inductor's lowering of the convolution
+fails on a dynamic row count, torch 2.13), taken whatever the thread count, which Dynamo cannot
+read.
 
-Products that are not a linear map of rows (the sequence projection E^T X, the language
-models' loss's gradient GEMMs) go through `matmul` and `add_matmul_`: on the compiled
-kernels' GEMMs where those are oneDNN's micro-kernel (`native.kernel_gemm`; the same
-machines), else torch's. `use_linear_backend` pins both kinds.
+Products that are not a linear map of rows (the sequence projection E^T X, the language models'
+loss's gradient GEMMs) go through `matmul` and `add_matmul_`: on the compiled kernels' GEMMs
+where the attention side's are oneDNN's micro-kernel (`native.kernel_gemm`; the same machines,
+and AVX2-only non-Intel ones), else torch's. `use_linear_backend` pins both kinds.
 """
 
 from __future__ import annotations

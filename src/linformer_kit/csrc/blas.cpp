@@ -1,7 +1,8 @@
-// The switch between the float GEMMs' two libraries (blas.h): `float_gemm("onednn")` sends
-// the attention and feed-forward kernels' float GEMMs to oneDNN's brgemm micro-kernel,
-// `float_gemm("blas")` back to `sgemm_`; `float_gemm()` only reads it. Set from Python
-// (`native.set_kernel_gemm`), process-wide; `split_reduction`, whether the threaded ones
+// The switches between the float GEMMs' two libraries (blas.h), one per side:
+// `float_gemm("onednn", which)` sends the attention side's ("attention": attention.cpp and
+// `matmul`) or the feed-forward kernel's ("feedforward") float GEMMs to oneDNN's brgemm
+// micro-kernel, `float_gemm("blas", which)` back to `sgemm_`; `float_gemm(None, which)`
+// only reads. Set from Python (`native.set_kernel_gemm`), process-wide; `split_reduction`, whether the threaded ones
 // may split their reduction. And `matmul` / `matmul_add_`, a batched product
 // on those GEMMs (`linear_backend.matmul`, `add_matmul_`: the sequence projection and the
 // language models' loss where they are oneDNN's).
@@ -18,15 +19,19 @@
 
 namespace {
 
-std::string float_gemm(const std::optional<std::string>& backend) {
+std::string float_gemm(const std::optional<std::string>& backend, const std::string& which) {
+  TORCH_CHECK(which == "attention" || which == "feedforward",
+              "float_gemm: which must be 'attention' or 'feedforward'; got '", which, "'");
+  auto& on = linformer_kit::onednn_float_gemm(which == "attention"
+                                                  ? linformer_kit::Gemms::attention
+                                                  : linformer_kit::Gemms::feedforward);
   if (backend) {
     TORCH_CHECK(*backend == "blas" || *backend == "onednn",
                 "float_gemm: backend must be 'blas' or 'onednn'; got '", *backend, "'");
     // (a libtorch without the float brgemm keeps the BLAS, and says so)
-    linformer_kit::onednn_float_gemm().store(*backend == "onednn" &&
-                                             linformer_kit::kFloatBrgemm);
+    on.store(*backend == "onednn" && linformer_kit::kFloatBrgemm);
   }
-  return linformer_kit::onednn_float_gemm().load() ? "onednn" : "blas";
+  return on.load() ? "onednn" : "blas";
 }
 
 // A matrix (the last two dims of t) as gemm reads it: transposed where its columns, not
@@ -128,7 +133,7 @@ bool bf16_dot() { return linformer_kit::bf16_dot_products(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
-  m.def("float_gemm(str? backend=None) -> str", &float_gemm);
+  m.def("float_gemm(str? backend=None, str which='attention') -> str", &float_gemm);
   m.def("bf16_dot() -> bool", &bf16_dot);
   m.def("split_reduction(bool? enabled=None) -> bool", &split_reduction);
   m.def("matmul(Tensor a, Tensor b) -> Tensor");
