@@ -94,14 +94,19 @@ def test_each_side_has_its_own_switch_and_amd_avx2_moves_the_attention_side(ops,
         native.kernel_gemm("x")
 
 
-def test_an_encoder_layer_computes_the_same_with_its_sides_on_either_library(ops):
+def small_layer() -> tuple[LinformerEncoderLayer, torch.Tensor]:
+    """A seeded encoder layer (kv sharing, no dropout, training mode) and an input for it."""
     torch.manual_seed(0)
     proj = MatrixProjection(max_seq_len=64, proj_dim=16)
     layer = LinformerEncoderLayer(
         dim=32, num_heads=4, max_seq_len=64, proj_k=proj, proj_v=proj, ffn_dim=64,
         dropout=0.0, attention_dropout=0.0,
     ).train()  # fmt: skip
-    x = torch.randn(2, 64, 32, requires_grad=True)
+    return layer, torch.randn(2, 64, 32, requires_grad=True)
+
+
+def test_an_encoder_layer_computes_the_same_with_its_sides_on_either_library(ops):
+    layer, x = small_layer()
     inputs = (x, *layer.parameters())
     results = []
     for libraries in (("blas", "blas"), ("onednn", "blas"), ("blas", "onednn")):
@@ -159,13 +164,7 @@ def test_without_dropout_the_explicit_kernel_runs_on_onednn_gemms(dtype, monkeyp
 
 
 def test_an_encoder_layer_pinned_to_onednn_runs_the_explicit_kernel(ops, explicit_calls):
-    torch.manual_seed(0)
-    proj = MatrixProjection(max_seq_len=64, proj_dim=16)
-    layer = LinformerEncoderLayer(
-        dim=32, num_heads=4, max_seq_len=64, proj_k=proj, proj_v=proj, ffn_dim=64,
-        dropout=0.0, attention_dropout=0.0,
-    ).train()  # fmt: skip
-    x = torch.randn(2, 64, 32, requires_grad=True)
+    layer, x = small_layer()
     wanted = layer(x)[0]
     assert not explicit_calls  # SDPA on the BLAS
     with use_linear_backend("onednn"):
