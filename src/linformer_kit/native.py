@@ -168,9 +168,10 @@ def kernel_gemm(side: str = "attention") -> str:
     `set_kernel_gemm` set, or the machine's (found when the kernels load or the setting
     changes). The machine's is "onednn" where MKL runs its AVX2 code on an AVX-512 CPU
     (`precision.mkl_without_avx512`), and for the attention side on a non-Intel CPU without
-    AVX-512 too (`precision.non_intel_avx2`: its oneDNN AVX2 code ran the attention layer
-    1.10-1.16x faster than MKL's, the feed-forward kernel's 256 x 1024 products slower,
-    emulated on an AMD EPYC); else "blas". "blas" while `torch.backends.mkldnn.enabled` is
+    AVX-512 too (`precision.non_intel_avx2`; emulated on an AMD EPYC, the attention layer's
+    step 1.04-1.07x faster at n 1024 with that side on oneDNN's AVX2 code, while with
+    every GEMM there the encoder layer lost 3-4 %: the feed-forward's 256 x 1024 products
+    run slower on it); else "blas". "blas" while `torch.backends.mkldnn.enabled` is
     False (the kernels' GEMMs then take the BLAS too), and where the kernels are switched
     off or failed to build.
 

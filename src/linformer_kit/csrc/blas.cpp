@@ -2,10 +2,10 @@
 // `float_gemm("onednn", which)` sends the attention side's ("attention": attention.cpp and
 // `matmul`) or the feed-forward kernel's ("feedforward") float GEMMs to oneDNN's brgemm
 // micro-kernel, `float_gemm("blas", which)` back to `sgemm_`; `float_gemm(None, which)`
-// only reads. Set from Python (`native.set_kernel_gemm`), process-wide; `split_reduction`, whether the threaded ones
-// may split their reduction. And `matmul` / `matmul_add_`, a batched product
-// on those GEMMs (`linear_backend.matmul`, `add_matmul_`: the sequence projection and the
-// language models' loss where they are oneDNN's).
+// only reads. Set from Python (`native.set_kernel_gemm`), process-wide; `split_reduction`,
+// whether the threaded ones may split their reduction. And `matmul` / `matmul_add_`, a
+// batched product on the attention side's GEMMs (`linear_backend.matmul`, `add_matmul_`:
+// the sequence projection and the language models' loss where they are oneDNN's).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
