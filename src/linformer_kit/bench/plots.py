@@ -28,6 +28,16 @@ def _colours(labels: list[str]) -> dict[str, Any]:
     return {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
 
 
+def _line(label: str, dtype: str, dtypes: list[str], colours: dict[str, Any]) -> dict[str, Any]:
+    """A line's style: its variant's colour, its dtype's line style, dtype in the label
+    where the sweep has several."""
+    return {
+        "color": colours[label],
+        "linestyle": DTYPE_STYLES[dtypes.index(dtype) % len(DTYPE_STYLES)],
+        "label": f"{label} {dtype}" if len(dtypes) > 1 else label,
+    }
+
+
 def _log2_n_axis(axis: Any) -> None:
     axis.set_xscale("log", base=2)
     axis.grid(True, which="both", alpha=0.3)
@@ -49,12 +59,8 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
             if row["scope"] == scope and row["status"] == "ok":
                 lines.setdefault((_label(row), row["dtype"]), []).append(row)
         for (label, dtype), points in lines.items():
-            style = {
-                "color": colours[label],
-                "linestyle": DTYPE_STYLES[dtypes.index(dtype) % len(DTYPE_STYLES)],
-                "marker": "s" if points[0]["kind"] in ("sdpa", "naive") else "o",
-                "label": f"{label} {dtype}" if len(dtypes) > 1 else label,
-            }
+            style = _line(label, dtype, dtypes, colours)
+            style["marker"] = "s" if points[0]["kind"] in ("sdpa", "naive") else "o"
             axes[0][col].plot([p["n"] for p in points], [p["median_ms"] for p in points], **style)
             memory = [p for p in points if p["peak_mem_mb"]]
             if memory:
@@ -95,10 +101,8 @@ def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
             axis.plot(
                 [n for n, _ in points],
                 [ratio for _, ratio in points],
-                color=colours[label],
-                linestyle=DTYPE_STYLES[dtypes.index(dtype) % len(DTYPE_STYLES)],
                 marker="o",
-                label=f"{label} {dtype}" if len(dtypes) > 1 else label,
+                **_line(label, dtype, dtypes, colours),
             )
         axis.set(
             title=f"{scope}: faster peer's time / ours",

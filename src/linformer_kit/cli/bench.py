@@ -55,14 +55,15 @@ def run(args: argparse.Namespace) -> None:
         lengths = sorted({n for points in ratios.values() for n, _ in points})
         table = [
             {"scope": scope, "dtype": dtype, "variant": label}
-            | {f"n={n}": f"{dict(points)[n]:.2f}x" if n in dict(points) else "-" for n in lengths}
+            | {f"n={n}": "-" for n in lengths}  # (not measured at that n)
+            | {f"n={n}": f"{ratio:.2f}x" for n, ratio in points}
             for (scope, dtype, label), points in ratios.items()
         ]
         print("the faster peer's median time over ours (above 1: ours faster):")
         print(format_table(table))
     out = Path(settings.out)
-    plots = ["scaling.png", "grid.png", *(["peers.png"] if ratios else [])]
-    print("wrote " + ", ".join(str(out / name) for name in (RESULT_NAME, TABLE_NAME, *plots)))
+    names = (RESULT_NAME, TABLE_NAME, "scaling.png", "grid.png", "peers.png")
+    print("wrote " + ", ".join(str(out / name) for name in names if (out / name).exists()))
 
 
 def register(commands: argparse._SubParsersAction) -> None:
