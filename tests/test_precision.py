@@ -84,3 +84,15 @@ def test_cpu_features_name_what_decides_matmul_speed():
     features = precision.cpu_features()
     assert features["capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(features["flags"]) <= precision.MATMUL_FLAGS
+
+
+def test_cpu_features_tell_core_generations_apart(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    block = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    cpuinfo.write_text(block + "flags\t\t: fma avx2 sse2\n\n" + block.replace("17", "99"))
+    features = precision.cpu_features(cpuinfo)
+    assert (features["family"], features["model_number"]) == (25, 17)  # the first block's
+    assert features["model"] == "AMD EPYC" and features["flags"] == ["avx2", "fma"]
+    cpuinfo.write_text("vendor_id\t: x\ncpu family\t: \n")  # a VM that hides them
+    features = precision.cpu_features(cpuinfo)
+    assert features["family"] is None and features["model_number"] is None

@@ -12,12 +12,12 @@ backward the convolution's for the input and weight, a sum for the bias). The re
 `F.linear`'s to float32 rounding.
 
 The rule (`choose_linear_backend`), from `benchmarks/linear_backend.py` (`ab.json`, `narrow/`,
-`threads1/` in `benchmarks/linear_backend/`; AMD EPYC, figures in the README's "AMD CPUs"): a
-product goes to oneDNN from `ONEDNN_MIN_MACS` (2^23) multiply-adds, `ONEDNN_MIN_ROWS` (16) rows
-and a width (in and out) of `ONEDNN_MIN_WIDTH` (128) (1.12-1.22x with its backward at 2^23,
-0.89-0.97x at 2^22, 0.37-0.84x at width 64). The matmul form beat the convolution inside the
-layers (the attention layer 1.02-1.14x at n 1024-8192) and, since its weight gradient splits its
-reduction between the threads (`csrc/blas.h`), up to 2^24 outputs too (1.00-1.05x a map,
+`threads1/` in `benchmarks/linear_backend/`; AMD EPYC, figures in docs/performance.md's "AMD
+CPUs"): a product goes to oneDNN from `ONEDNN_MIN_MACS` (2^23) multiply-adds, `ONEDNN_MIN_ROWS`
+(16) rows and a width (in and out) of `ONEDNN_MIN_WIDTH` (128) (1.12-1.22x with its backward at
+2^23, 0.89-0.97x at 2^22, 0.37-0.84x at width 64). The matmul form beat the convolution inside
+the layers (the attention layer 1.02-1.14x at n 1024-8192) and, since its weight gradient splits
+its reduction between the threads (`csrc/blas.h`), up to 2^24 outputs too (1.00-1.05x a map,
 `gemm-split/`); with one thread ATen runs the convolution on its MKL path, and the matmul form
 wins at every size. Everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there),
 AVX2-only CPUs (`precision.mkl_without_avx512`; emulated on the EPYC, with every GEMM on
@@ -227,7 +227,7 @@ def _pointwise_conv_backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The gradients of `F.conv2d(image, kernel, bias)` for a 1 x 1 kernel (None where not
     needed): oneDNN's backward for the image and kernel, the bias's a plain sum of `grad`
-    (oneDNN's with the bias ran 1.04-1.10x slower; README, "AMD CPUs")."""
+    (oneDNN's with the bias ran 1.04-1.10x slower; docs/performance.md, "AMD CPUs")."""
     grad_image, grad_kernel, _ = torch.ops.aten.convolution_backward(
         grad, image, kernel, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
         [needs[0], needs[1], False],

@@ -52,17 +52,25 @@ class Bf16Support:
         return asdict(self)
 
 
-def cpu_features() -> dict[str, Any]:
+def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
     """The CPU's model name and vendor, torch's dispatch level and the instruction-set flags
     that decide matmul speed (from /proc/cpuinfo where there is one): what a published figure
     ran on.
 
+    Two machines can share a model name and differ twice in speed (two 2-core "AMD EPYC" VMs
+    read float32 ceilings of about 200 and 400-450 GFLOP/s: their family and model number
+    tell the core generations apart), so those are kept too.
+
+    Args:
+        cpuinfo: where the kernel lists the CPUs.
+
     Returns:
-        {"model": ..., "vendor": ..., "capability": ..., "flags": [...]}; where /proc/cpuinfo
-        is absent the model is `platform.processor()`, the vendor "" and the flags empty.
+        {"model": ..., "vendor": ..., "family": ..., "model_number": ..., "capability": ...,
+        "flags": [...]}; family and model number are ints, None where /proc/cpuinfo does not
+        give them; where it is absent the model is `platform.processor()`, the vendor "" and
+        the flags empty.
     """
     info = {}
-    cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         # The first processor's block: the rest repeat it (on a big machine, a megabyte; this
         # runs at `linear_backend`'s import).
@@ -74,9 +82,16 @@ def cpu_features() -> dict[str, Any]:
     return {
         "model": info.get("model name", platform.processor()),
         "vendor": info.get("vendor_id", ""),
+        "family": _integer(info.get("cpu family")),
+        "model_number": _integer(info.get("model")),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "flags": sorted(flags & MATMUL_FLAGS),
     }
+
+
+def _integer(value: str | None) -> int | None:
+    """A /proc/cpuinfo number, or None where it is missing or not a decimal integer."""
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def mkl_without_avx512() -> bool:

@@ -8,14 +8,15 @@
 // by (1 - p) and its sum of exps (Dv values, not M); only each row's logsumexp is saved,
 // as flash attention does: no N x M tensor is ever allocated (fresh pages for one cost more
 // than the GEMM that makes the weights again; kept in reused memory, the weights gained the
-// attention layer only 1.02-1.03x at n 4096-16384, README). Backward, per block: the weights
-// again from Q K^T and the logsumexp, the mask again from the seed, dP = dO V^T, the scores'
-// gradient (times the scale) in place, dQ = dS K, and dK^T += Q^T dS, dV^T += dO^T kept
-// into thread-local sums added once per matrix under a lock. The GEMMs are single-threaded
-// BLAS calls (`blas.h`) inside at::parallel_for. Every GEMM reads its right operand as laid
-// out (K^T and V^T made once per call; the sums transposed, so that the per-block operands
-// Q and dO are the transposed ones): oneDNN's micro-kernel, which `blas.h` may call, takes
-// no transposed operand, and copying one costs least where it is the block's few rows.
+// attention layer only 1.02-1.03x at n 4096-16384, docs/performance.md). Backward, per
+// block: the weights again from Q K^T and the logsumexp, the mask again from the seed,
+// dP = dO V^T, the scores' gradient (times the scale) in place, dQ = dS K, and
+// dK^T += Q^T dS, dV^T += dO^T kept into thread-local sums added once per matrix under a
+// lock. The GEMMs are single-threaded BLAS calls (`blas.h`) inside at::parallel_for. Every
+// GEMM reads its right operand as laid out (K^T and V^T made once per call; the sums
+// transposed, so that the per-block operands Q and dO are the transposed ones): oneDNN's
+// micro-kernel, which `blas.h` may call, takes no transposed operand, and copying one costs
+// least where it is the block's few rows.
 //
 // Inputs float, double or bfloat16. Bfloat16 q, k, v and gradient go into the GEMMs as they
 // are (MKL's bf16 GEMM, AMX where the CPU has it; where the float GEMMs are oneDNN's, AVX-512
