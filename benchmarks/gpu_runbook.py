@@ -55,8 +55,12 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 21. `linformer bench --compile inductor`, B 8, n 16384 and 32768, the encoder layer (kv)
    in bf16: does Inductor's fusion pass the 36 % of the bf16 ceiling that bounds the eager
    op sequence (`benchmarks/roofline.py`; eager measured 15-20 %)? No peers, no memory.
+22. `train_compile.py`: `linformer pretrain --compile` of the demo's masked LMs, eager,
+   Inductor and CUDA graphs, 60 steps each: does the whole training step gain what the
+   compiled encoder gained (1.35x, 3.6x with CUDA graphs), validation and checkpoints
+   included? (On the CPU it did not: `benchmarks/train_compile/`.)
 
-Steps 5-21 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+Steps 5-22 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
 1-21 have run on an H200 (`benchmarks/kernels/cuda/`). The ninth call (`cuda/log-run9.txt`)
@@ -121,6 +125,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         lm_loss = "--tiny --repeats 1 --threads 1 --memory-steps 1"
         layers = "--dtype float32 --shapes 1x128 --dim 16 --k 8 --repeats 1"
         fused = shape.replace("attention", "layer") + " --compile aot_eager --batch-size 2"
+        train = "--tiny --compile aot_eager --steps 2 --rounds 1 --models mlm/linformer"
     else:
         kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192,16384,32768,65536 "
         kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
@@ -142,6 +147,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         fused = "--dtype bfloat16 --n 16384,32768 --batch-size 8 --warmup 2 --repeats 10 "
         fused += "--min-time-s 1 --no-memory --memory-budget-gb 60 --scope layer --sharing kv "
         fused += "--compile inductor"
+        train = "--compile inductor,reduce-overhead --steps 60 --rounds 1"
     own = [*python, "-m", "linformer_kit.cli", "bench", *device]  # ours and exact only
     cli = [*own, "--peers"]
     bench = [*cli, *shape.split()]
@@ -178,6 +184,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
             [*python, str(BENCHMARKS / "kernels_split_layers.py"), *device, *layers.split()],
         ),
         ("bench-b8-bf16-compiled", [*own, *fused.split(), "--exact", ""]),
+        ("train-compile", [*python, str(BENCHMARKS / "train_compile.py"), *device, *train.split()]),
     ]
 
 

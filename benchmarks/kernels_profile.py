@@ -42,7 +42,6 @@ from torch.profiler import ProfilerActivity, profile
 from linformer_kit.bench.flops import Shape
 from linformer_kit.bench.timing import module_step, time_interleaved
 from linformer_kit.bench.variants import (
-    COMPILES,
     PEERS,
     SCOPES,
     SHARINGS,
@@ -53,7 +52,7 @@ from linformer_kit.bench.variants import (
 )
 from linformer_kit.kernel_rule import KERNELS
 from linformer_kit.training.compare import machine
-from linformer_kit.training.settings import keep_freed_memory
+from linformer_kit.training.settings import COMPILES, keep_freed_memory
 
 OUT = Path(__file__).parent / "kernels"
 COMMAND = "PYTHONPATH=src python benchmarks/kernels_profile.py"

@@ -16,7 +16,7 @@ STEPS = ["kernels", "bench-b1", "bench-b8", "compile", "compile-explicit", "comp
 STEPS += ["kernels-fp16", "kernels-causal", "compile-bf16-explicit", "compile-bf16-sdpa"]
 STEPS += ["compile-b8-explicit", "compile-b8-sdpa", "bench-b1-compiled", "kernels-split"]
 STEPS += ["profile", "compile-8192-explicit", "compile-8192-sdpa", "feedforward-sums"]
-STEPS += ["lm-loss", "split-layers", "bench-b8-bf16-compiled"]
+STEPS += ["lm-loss", "split-layers", "bench-b8-bf16-compiled", "train-compile"]
 
 
 def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
@@ -59,6 +59,10 @@ def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys)
     assert [(row["dim"], row["rows"], row["threads"]) for row in sums["rows"]] == [
         (8, 32, 2), (8, 64, 2)
     ]  # fmt: skip
+    trained = results["train-compile"]["summary"]
+    assert set(trained) == {"mlm/linformer [eager]", "mlm/linformer [aot_eager]"}
+    losses = [row["val_loss"][0] for row in trained.values()]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)  # compiled trains as eager does
     lm_loss = results["lm-loss"]
     assert [row["model"] for row in lm_loss["rows"]] == ["tiny causal", "tiny masked"]
     assert all(set(row["peak_mib"]) == {"logits", "chunked"} for row in lm_loss["rows"])

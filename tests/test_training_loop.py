@@ -4,9 +4,10 @@ import json
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from train_helpers import tiny_run
 
-from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM
+from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM, hub
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, lr_factor, pretrain
 from linformer_kit.training.batches import language_model_loss
 from linformer_kit.training.distributed import resolve_device
@@ -143,3 +144,36 @@ def test_run_config_round_trips_and_rejects_unknown_fields(tmp_path):
     assert RunConfig.load(tmp_path).to_dict() == run.to_dict()
     with pytest.raises(ValueError, match="unknown TrainSettings fields"):
         RunConfig.from_dict({"train": {"learning_rate": 1.0}})
+
+
+def test_a_compiled_run_trains_as_the_eager_one_and_its_checkpoints_serve_both(tmp_path):
+    # aot_eager: dynamo's graphs run by the eager kernels (the wiring, without code generation)
+    for name, setting in (("eager", ""), ("compiled", "aot_eager")):
+        run = tiny_run(tmp_path / name, max_steps=4, eval_every=4, save_every=2, compile=setting)
+        run.model = run.model.replace(dropout=0.0, attention_dropout=0.0)
+        counters.clear()
+        pretrain(run)
+        assert counters["aot_autograd"]["ok"] >= (1 if setting else 0)  # training graphs
+    eager, compiled = (train_losses(tmp_path / name / "run") for name in ("eager", "compiled"))
+    assert [step for step, _ in compiled] == [1, 2, 3, 4]
+    assert [loss for _, loss in compiled] == pytest.approx([loss for _, loss in eager], rel=1e-4)
+    weights = hub.read_weights(tmp_path / "compiled/run/last")
+    assert weights.keys() == hub.read_weights(tmp_path / "eager/run/last").keys()
+    run.train.max_steps, run.train.resume, run.train.compile = 6, True, ""  # on, eagerly
+    assert pretrain(run).steps == 6
+
+
+def test_compiled_training_with_dropout_trains(tmp_path):
+    result = pretrain(tiny_run(tmp_path, max_steps=3, eval_every=3, compile="aot_eager"))
+    assert torch.isfinite(torch.tensor(result.final["val_loss"]))
+
+
+def test_cuda_graphs_are_refused_off_a_gpu(tmp_path):
+    with pytest.raises(ValueError, match="compile must be one of inductor, reduce-overhead"):
+        TrainSettings(compile="max-autotune")
+    with pytest.raises(ValueError, match="records CUDA graphs: it needs a CUDA device, got 'cpu'"):
+        TrainSettings(compile="reduce-overhead", device="cpu")
+    assert TrainSettings(compile="reduce-overhead", device="cuda:1").compile == "reduce-overhead"
+    if not torch.cuda.is_available():  # "auto" resolves to the CPU: the trainer refuses it
+        with pytest.raises(ValueError, match="needs a CUDA device, got 'cpu'"):
+            pretrain(tiny_run(tmp_path, compile="reduce-overhead"))

@@ -37,6 +37,9 @@ torch.export.register_dataclass(MaskedLMOutput)  # a pytree node, as the other o
 SCORED_ROWS_MULTIPLE = 64
 
 
+# The rows' count depends on the labels, so a compiled model's graph breaks here anyway:
+# disabled, it breaks without dynamo's warning.
+@torch.compiler.disable
 def scored_rows(labels: Tensor) -> tuple[Tensor, int]:
     """Flat (B x N) indices of the labelled positions in order, then of unlabelled ones up to
     a multiple of `SCORED_ROWS_MULTIPLE` rows (or all), and how many are labelled."""

@@ -22,7 +22,7 @@ from ..config import check_choice
 from ..kernel_rule import KERNELS
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
-from ..training.settings import keep_freed_memory
+from ..training.settings import check_compile, keep_freed_memory
 from .flops import Shape, matmul_flops
 from .summary import summarise
 from .timing import (
@@ -35,7 +35,6 @@ from .timing import (
     time_interleaved,
 )
 from .variants import (
-    COMPILES,
     SCOPES,
     SHARINGS,
     Variant,
@@ -138,11 +137,7 @@ class BenchSettings:
         for kernel in _names(self.kernel):
             check_choice("kernel", kernel, ("rule", *KERNELS))
         for setting in _names(self.compile):
-            check_choice("compile", setting, COMPILES)
-            if setting == "reduce-overhead" and self.device != "cuda":
-                raise ValueError(
-                    "compile reduce-overhead records CUDA graphs: it needs --device cuda"
-                )
+            check_compile(setting, self.device)
         if not _ints(self.n) or not _ints(self.proj_dim) or self.repeats < 1:
             raise ValueError("n, proj_dim and repeats need at least one value each")
 

@@ -21,12 +21,11 @@ from ..encoder import LinformerEncoderLayer
 from ..functional import attention_weights
 from ..kernel_rule import use_kernel
 from ..projection import build_sharing_plan
+from ..training.settings import compiled
 from .flops import Shape, exact_attention_flops, linformer_attention_flops, total_flops
 
 SCOPES = ("attention", "layer")
 SHARINGS = ("none", "headwise", "kv", "layerwise")
-# torch.compile settings a variant can run under (`compiled`).
-COMPILES = ("inductor", "reduce-overhead", "aot_eager")
 # Import name of each peer package (PyPI: linformer==0.2.3, linformer-pytorch==0.19.3).
 PEERS = {"lucidrains": "linformer", "linformer-pytorch": "linformer_pytorch"}
 
@@ -44,9 +43,9 @@ class Variant:
             SDPA; the peers run their default, none).
         kernel: ours only: the attention kernel it runs on (`kernel_rule.use_kernel`), None
             for the rule's choice.
-        compile: run under `torch.compile` (`compiled`), one of COMPILES: "inductor" (its
-            default), "reduce-overhead" (Inductor with CUDA graphs) or "aot_eager" (no code
-            generation); None: eager.
+        compile: run under `torch.compile` (`training.settings.compiled`), one of its
+            COMPILES: "inductor" (its default), "reduce-overhead" (Inductor with CUDA graphs)
+            or "aot_eager" (no code generation); None: eager.
     """
 
     name: str
@@ -248,18 +247,6 @@ def compile_limits() -> contextlib.AbstractContextManager:
     }
     config = torch._dynamo.config
     return config.patch(**{name: value for name, value in limits.items() if hasattr(config, name)})
-
-
-def compiled(module: nn.Module, setting: str) -> nn.Module:
-    """`torch.compile(module)` by a `Variant.compile` setting (one of COMPILES).
-
-    Raises:
-        ValueError: for another setting.
-    """
-    check_choice("compile", setting, COMPILES)
-    if setting == "reduce-overhead":
-        return torch.compile(module, mode="reduce-overhead")
-    return torch.compile(module, backend=setting)
 
 
 def variant_flops(variant: Variant, shape: Shape, scope: str, *, backward: bool) -> int:

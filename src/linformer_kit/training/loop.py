@@ -27,7 +27,14 @@ from .batches import mix_seed
 from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, save_checkpoint
 from .distributed import Distributed
 from .optim import build_optimizer, build_scheduler
-from .settings import RUN_CONFIG_NAME, TrainSettings, keep_freed_memory, use_threads
+from .settings import (
+    RUN_CONFIG_NAME,
+    TrainSettings,
+    check_compile,
+    compiled,
+    keep_freed_memory,
+    use_threads,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +146,10 @@ def _model_loss(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
 class Trainer:
     """Trains `model` on `batches` for `settings.max_steps` steps.
 
+    With `settings.compile` the training steps run the model under `torch.compile`
+    (wrapped after DDP, as torch's DDP optimiser expects); validation and checkpoints use
+    the model itself, so a compiled run's checkpoints load into an eager one and back.
+
     Args:
         model: the unwrapped model (seeded identically on every rank before construction).
         batches: the training micro-batches.
@@ -163,6 +174,8 @@ class Trainer:
         tokenizer: TextTokenizer | None = None,
         loss_fn: Callable[[torch.nn.Module, dict[str, Tensor]], Tensor] | None = None,
     ) -> None:
+        if settings.compile:
+            check_compile(settings.compile, dist.device.type)
         self.model = model.to(dist.device)
         self.loss_fn = loss_fn or _model_loss
         self.batches, self.evaluator, self.settings, self.dist = batches, evaluator, settings, dist
@@ -243,6 +256,8 @@ class Trainer:
             batch = {k: v.to(self.dist.device) for k, v in batch.items()}
             last = micro == accum - 1
             sync = contextlib.nullcontext() if last or not self.dist.enabled else model.no_sync()
+            if self.settings.compile == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()  # the last graph's outputs are read
             with sync:
                 with self.autocast:
                     loss = self.loss_fn(model, batch)
@@ -336,6 +351,8 @@ class Trainer:
         if self.dist.is_main and self.run_config is not None:
             self.run_config.save(self.run_dir / RUN_CONFIG_NAME)
         model = self.dist.wrap(self.model)
+        if s.compile:
+            model = compiled(model, s.compile)
         model.train()
         bar = tqdm(
             total=s.max_steps,

@@ -20,6 +20,9 @@ from ..hub import atomic_write
 SCHEDULES = ("linear", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
 OBJECTIVES = ("mlm", "clm")
+# torch.compile settings (`compiled`): Inductor, Inductor with CUDA graphs, or dynamo's graphs
+# run by the eager kernels (no code generation).
+COMPILES = ("inductor", "reduce-overhead", "aot_eager")
 RUN_CONFIG_NAME = "run_config.json"
 
 
@@ -60,6 +63,13 @@ class TrainSettings:
             "step reuses the last step's pages instead of faulting in fresh ones"
         },
     )
+    compile: str = field(
+        default="",
+        metadata={
+            "help": "torch.compile the model for the training steps: inductor, reduce-overhead "
+            "(Inductor with CUDA graphs: a GPU only) or aot_eager; '' = eager"
+        },
+    )
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
@@ -78,6 +88,8 @@ class TrainSettings:
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("objective", self.objective, OBJECTIVES)
         check_choice("precision", self.precision, PRECISIONS)
+        if self.compile:
+            check_compile(self.compile, self.device)
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr <= 0:
@@ -146,6 +158,33 @@ class RunConfig:
             return cls.from_dict(json.loads(file.read_text()))
         except json.JSONDecodeError as err:
             raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
+
+
+def check_compile(setting: str, device: str) -> None:
+    """Checks a torch.compile setting for a device ("auto", "cpu", "cuda", "cuda:N"; "auto"
+    passes, the trainer checking the device it resolves to).
+
+    Raises:
+        ValueError: if `setting` is not one of COMPILES, or is reduce-overhead (CUDA graphs)
+            for a device other than a GPU.
+    """
+    check_choice("compile", setting, COMPILES)
+    if setting == "reduce-overhead" and device.split(":")[0] not in ("auto", "cuda"):
+        raise ValueError(
+            f"compile reduce-overhead records CUDA graphs: it needs a CUDA device, got {device!r}"
+        )
+
+
+def compiled(module: torch.nn.Module, setting: str) -> torch.nn.Module:
+    """`torch.compile(module)` by a setting, one of COMPILES.
+
+    Raises:
+        ValueError: for another setting.
+    """
+    check_choice("compile", setting, COMPILES)
+    if setting == "reduce-overhead":
+        return torch.compile(module, mode="reduce-overhead")
+    return torch.compile(module, backend=setting)
 
 
 def check_threads(threads: int) -> None:
