@@ -50,11 +50,16 @@ def train_and_save(run, dist, path):
 
 
 @pytest.mark.parametrize(
-    ("sharing", "checkpointing"),
-    [("layerwise", "none"), ("headwise", "none"), ("layerwise", "layer")],
+    ("sharing", "checkpointing", "compile"),
+    [
+        ("layerwise", "none", ""),
+        ("headwise", "none", ""),
+        ("layerwise", "layer", ""),
+        ("layerwise", "none", "aot_eager"),  # the DDP wrapper compiled (DDPOptimizer)
+    ],
 )
-def test_two_gloo_processes_train_to_identical_weights(tmp_path, sharing, checkpointing):
-    run = tiny_run(tmp_path, max_steps=6, eval_every=3, save_every=3, log_every=1)
+def test_two_gloo_processes_train_to_identical_weights(tmp_path, sharing, checkpointing, compile):
+    run = tiny_run(tmp_path, max_steps=6, eval_every=3, save_every=3, log_every=1, compile=compile)
     run.model = run.model.replace(sharing=sharing, checkpointing=checkpointing)
     prepare_pretraining_data(run.data, run.model.max_seq_len)  # build the cache once
     mp.spawn(worker, args=(2, free_port(), run, tmp_path), nprocs=2, join=True)
