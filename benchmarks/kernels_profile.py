@@ -52,7 +52,7 @@ from linformer_kit.bench.variants import (
 )
 from linformer_kit.kernel_rule import KERNELS
 from linformer_kit.training.compare import machine
-from linformer_kit.training.settings import COMPILES, keep_freed_memory
+from linformer_kit.training.settings import check_compile, keep_freed_memory
 
 OUT = Path(__file__).parent / "kernels"
 COMMAND = "PYTHONPATH=src python benchmarks/kernels_profile.py"
@@ -194,10 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     if not sharings or set(sharings) - set(SHARINGS):
         parser.error(f"--sharing: {args.sharing!r}; choose from {', '.join(SHARINGS)}")
     compiles = [c for c in args.compile.split(",") if c]
-    if set(compiles) - set(COMPILES):
-        parser.error(f"--compile: {args.compile!r}; choose from {', '.join(COMPILES)}")
-    if "reduce-overhead" in compiles and args.device != "cuda":
-        parser.error("--compile reduce-overhead records CUDA graphs: it needs --device cuda")
+    for setting in compiles:
+        try:
+            check_compile(setting, args.device)
+        except ValueError as err:
+            parser.error(f"--compile: {err}")
     out_dir = args.out or (OUT / "profile" if args.device == "cpu" else OUT / "cuda" / "profile")
     shape = Shape(
         batch_size=args.batch,

@@ -74,7 +74,10 @@ def main() -> None:
     args = parser.parse_args()
     settings = ["", *(c for c in args.compile.split(",") if c)]
     for setting in settings[1:]:
-        check_compile(setting, args.device)
+        try:
+            check_compile(setting, args.device)
+        except ValueError as err:
+            parser.error(f"--compile: {err}")
     size = TINY if args.tiny else {}
     configs = ComparisonSettings(steps=args.steps, threads=args.threads, **size).run_configs()
     if args.tiny:
