@@ -59,7 +59,8 @@ def summarise(runs: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, d
     return summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Times `pretrain` eager and under each --compile setting, in alternating processes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compile", default="inductor", help="comma-separated settings")
     parser.add_argument("--models", default="mlm/linformer,mlm/transformer", help="demo runs")
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="a 1-layer width-32 model on 20 documents (checks)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     settings = ["", *(c for c in args.compile.split(",") if c)]
     for setting in settings[1:]:
         try:

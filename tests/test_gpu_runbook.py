@@ -3,8 +3,10 @@ steps run on CPU at tiny sizes), packs what they wrote, and keeps to its budget.
 
 from __future__ import annotations
 
+import argparse
 import json
 import tarfile
+from pathlib import Path
 
 import pytest
 from script_helpers import BENCHMARKS, load_script
@@ -19,60 +21,81 @@ STEPS += ["profile", "compile-8192-explicit", "compile-8192-sdpa", "feedforward-
 STEPS += ["lm-loss", "split-layers", "bench-b8-bf16-compiled", "train-compile"]
 
 
-def test_the_smoke_run_does_every_step_and_packs_their_results(tmp_path, capsys):
+# Run end to end by the smoke test, one of each kind: the others' programs are the same
+# scripts with other sizes, which the parse test checks (and the scripts' own tests run).
+RUN = ["kernels", "bench-b1", "compile-bf16-explicit", "compile-b8-sdpa", "train-compile"]
+
+
+class Parsed(Exception):
+    """Raised in place of running a program, with the arguments it parsed."""
+
+
+def parsed(argv, monkeypatch):
+    """What the program of a step's argv (`python -m linformer_kit.cli ...` or `python
+    SCRIPT ...`) parses its arguments into, without running it (argparse's errors exit)."""
+    from linformer_kit import cli
+
+    original = argparse.ArgumentParser.parse_args
+
+    def stop(parser, args=None, namespace=None):
+        raise Parsed(original(parser, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # scripts importing their neighbours
+    program = cli if argv[1:3] == ["-m", "linformer_kit.cli"] else load_script(Path(argv[1]))
+    with pytest.raises(Parsed) as stopped:
+        program.main(argv[3:] if program is cli else argv[2:])
+    return vars(stopped.value.args[0])
+
+
+@pytest.mark.parametrize("smoke", [True, False], ids=["smoke", "gpu"])
+def test_every_step_s_arguments_are_those_its_program_takes(smoke, tmp_path, monkeypatch):
     runbook = load_script(BENCHMARKS / "gpu_runbook.py")
-    runbook.main(["--smoke", "--out", str(tmp_path)])
+    args = {name: parsed([*argv, "--out", str(tmp_path / name)], monkeypatch)
+            for name, argv in runbook.steps(smoke)}  # fmt: skip
+    assert list(args) == STEPS
+    device = "cpu" if smoke else "cuda"
+    assert all(a["device"] == device for name, a in args.items() if name != "feedforward-sums")
+    assert all(a["out"] == tmp_path / name or a["out"] == str(tmp_path / name)
+               for name, a in args.items())  # fmt: skip
+    for name, kernel in [("compile", "rule"), ("compile-explicit", "explicit"),
+                         ("compile-sdpa", "sdpa"), ("compile-bf16-explicit", "explicit"),
+                         ("compile-bf16-sdpa", "sdpa"), ("compile-b8-explicit", "explicit"),
+                         ("compile-b8-sdpa", "sdpa"), ("compile-8192-explicit", "explicit"),
+                         ("compile-8192-sdpa", "sdpa")]:  # fmt: skip
+        assert args[name]["kernel"] == kernel
+        assert args[name]["backend"] == ("aot_eager" if smoke else "inductor")
+    assert {args[name]["autocast"] for name in STEPS if "bf16-explicit" in name} == {"bf16"}
+    assert args["compile-b8-sdpa"]["batch"] == (2 if smoke else 8)
+    assert args["kernels-causal"]["causal"] and not args["kernels"]["causal"]
+    if not smoke:  # the sizes the targets are read at
+        assert args["compile-8192-sdpa"]["n"] == 8192 and args["compile-sdpa"]["n"] == 16384
+        assert args["train-compile"]["compile"] == "inductor,reduce-overhead"
+
+
+def test_the_smoke_run_does_its_steps_and_packs_their_results(tmp_path, capsys):
+    runbook = load_script(BENCHMARKS / "gpu_runbook.py")
+    runbook.main(["--smoke", "--steps", ",".join(RUN), "--out", str(tmp_path)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "results.tar.gz"]
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
         files = {name: tar.extractfile(name) for name in tar.getnames() if name.endswith(".json")}
         results = {name.split("/")[1]: json.load(file) for name, file in files.items()}
-    assert set(results) == set(STEPS)
+    assert set(results) == set(RUN)
     assert results["kernels"]["device"] == "cpu"
-    assert results["bench-b8"]["settings"]["batch_size"] == 2
     variants = {row["variant"] for row in results["bench-b1"]["rows"]}
     assert {"exact sdpa", "lucidrains", "linformer-pytorch", "linformer kv [explicit]"} <= variants
-    assert set(results["compile"]["rows"]) == {"training", "inference"}
-    for name, kernel in [
-        ("compile", "rule"),
-        ("compile-explicit", "explicit"),
-        ("compile-sdpa", "sdpa"),
-        ("compile-bf16-explicit", "explicit"),
-        ("compile-bf16-sdpa", "sdpa"),
-        ("compile-b8-explicit", "explicit"),
-        ("compile-b8-sdpa", "sdpa"),
-        ("compile-8192-explicit", "explicit"),
-        ("compile-8192-sdpa", "sdpa"),
-    ]:
+    for name, kernel in [("compile-bf16-explicit", "explicit"), ("compile-b8-sdpa", "sdpa")]:
         assert results[name]["kernel"] == kernel
+        assert set(results[name]["rows"]) == {"training", "inference"}
         assert all("error" not in key for row in results[name]["rows"].values() for key in row)
-    assert {row["dtype"] for row in results["kernels-fp16"]["rows"]} == {"float16"}
-    assert {row["k"] for row in results["kernels-causal"]["rows"]} == {"n"}  # n keys
-    assert results["compile-bf16-sdpa"]["autocast"] == "bf16"
+    assert results["compile-bf16-explicit"]["autocast"] == "bf16"
     assert results["compile-b8-sdpa"]["batch"] == 2
-    compiled = {row["variant"] for row in results["bench-b1-compiled"]["rows"] if row["compile"]}
-    assert compiled == {f"{name} [compiled aot_eager]" for name in
-                        ("linformer kv", "linformer kv [explicit]", "lucidrains",
-                         "linformer-pytorch")}  # fmt: skip
-    assert {row["best_splits"] for row in results["kernels-split"]["rows"]} <= {1, 2}
-    assert "lucidrains [compiled aot_eager]" in results["profile"]["variants"]
-    sums = results["feedforward-sums"]
-    assert [(row["dim"], row["rows"], row["threads"]) for row in sums["rows"]] == [
-        (8, 32, 2), (8, 64, 2)
-    ]  # fmt: skip
     trained = results["train-compile"]["summary"]
     assert set(trained) == {"mlm/linformer [eager]", "mlm/linformer [aot_eager]"}
     losses = [row["val_loss"][0] for row in trained.values()]
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)  # compiled trains as eager does
-    lm_loss = results["lm-loss"]
-    assert [row["model"] for row in lm_loss["rows"]] == ["tiny causal", "tiny masked"]
-    assert all(set(row["peak_mib"]) == {"logits", "chunked"} for row in lm_loss["rows"])
-    fused = results["bench-b8-bf16-compiled"]
-    assert fused["settings"]["batch_size"] == 2 and fused["settings"]["peers"] is False
-    assert {row["variant"] for row in fused["rows"] if row["compile"]} == {
-        "linformer kv [compiled aot_eager]"
-    }
     summary = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in summary] == STEPS
+    assert [line.split(":")[0] for line in summary] == RUN
     assert all(": done in " in line for line in summary), summary
 
 
