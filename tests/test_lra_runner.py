@@ -153,8 +153,8 @@ def test_both_models_learn_a_keyword_anywhere_in_a_document(tmp_path):
     # projection: with the paper's learned `linear` E it reached 47-63% test accuracy (README).
     settings = LRASettings(
         data=str(keyword_reviews(tmp_path / "reviews", 300)), output_dir=str(tmp_path / "runs"),
-        cache_dir=str(tmp_path / "cache"), scale=0.25, steps=300, batch_size=16, lr=1e-3,
-        proj_dim=32, projection="adaptive", max_length=256, eval_every=150, isolate=False,
+        cache_dir=str(tmp_path / "cache"), scale=0.25, steps=150, batch_size=16, lr=1e-3,
+        proj_dim=32, projection="adaptive", max_length=256, eval_every=75, isolate=False,
     )  # fmt: skip
     report = run_lra("text", settings)
     assert [row["model"] for row in report["rows"]] == [

@@ -219,6 +219,9 @@ class ConversionReport:
     heldout_texts: int = field(default=64, metadata={"help": "held-out windows scored"})
     batch_size: int = field(default=8, metadata={"help": "sequences per timed forward"})
     repeats: int = field(default=5, metadata={"help": "timed forwards per model (median)"})
+    memory_runs: int = field(
+        default=3, metadata={"help": "fresh processes per peak-memory figure (median)"}
+    )
 
 
 def calibration_ids(
@@ -268,7 +271,7 @@ def conversion_report(
     reference = sentence_embeddings(teacher, heldout)
     timing_ids = heldout[: settings.batch_size]
     teacher_seconds = forward_seconds(teacher, timing_ids, settings.repeats)
-    teacher_mib = forward_peak_mib(teacher.config, settings.batch_size)
+    teacher_mib = forward_peak_mib(teacher.config, settings.batch_size, settings.memory_runs)
     rows = []
     pairs = [
         (int(k), init) for k in settings.proj_dims.split(",") for init in settings.inits.split(",")
@@ -295,7 +298,9 @@ def conversion_report(
         )
     memory = {
         k: forward_peak_mib(
-            teacher.config.replace(proj_dim=k, sharing=sharing), settings.batch_size
+            teacher.config.replace(proj_dim=k, sharing=sharing),
+            settings.batch_size,
+            settings.memory_runs,
         )
         for k in {row["proj_dim"] for row in rows}
     }
