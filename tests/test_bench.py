@@ -386,10 +386,10 @@ def test_a_compiled_sweep_over_lengths_and_sharings_stays_compiled(tmp_path, mon
     # test makes a hit raise (run_bench sets the same), so a fallback fails it.
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     sharings = "none,headwise,kv,layerwise"
-    settings = tiny_settings(tmp_path, n="32,48,64,80", sharing=sharings, exact="sdpa",
+    settings = tiny_settings(tmp_path, n="32,48", sharing=sharings, exact="sdpa",
                              compile="aot_eager")  # fmt: skip
     rows = [r for r in run_bench(settings)["rows"] if r["compile"]]
-    assert len(rows) == 4 * 2 * 5  # n x scopes x (4 sharings + exact sdpa)
+    assert len(rows) == 2 * 2 * 5  # n x scopes x (4 sharings + exact sdpa)
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows)
 
 
