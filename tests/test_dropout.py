@@ -7,10 +7,9 @@ forward and backward, with the same rescaling, and everywhere the kernel does no
 is nn.Dropout itself; the benchmark scripts run what they say."""
 
 import json
-import shutil
-import subprocess
-import sysconfig
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,24 +280,16 @@ def test_the_build_compiles_for_the_target_it_names(monkeypatch):
     assert call["name"] == f"linformer_kit_cpu_{native._build_tag('haswell')}"
 
 
-def test_the_sources_compile_as_cpp17():
+def test_the_kernels_build_as_cpp17():
     """torch before 2.13 builds extensions with -std=c++17 (torch 2.11's build of these
-    sources failed on std::bit_cast): every source must compile under it."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler here")
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    flags = ["-std=c++17", "-fsyntax-only", "-fopenmp", f"-march={native.target_arch()}"]
-    flags += [*native._x86_flags(), *(f"-isystem{path}" for path in includes)]
-    checks = {
-        source.name: subprocess.Popen(
-            [compiler, *flags, str(source)], stderr=subprocess.PIPE, text=True
-        )
-        for source in native.SOURCES
-    }
-    errors = {name: check.communicate()[1] for name, check in checks.items()}
-    failed = {name: errors[name] for name, check in checks.items() if check.returncode != 0}
-    assert not failed, failed
+    sources failed on std::bit_cast): the kernels build so on every torch, their own
+    -std=c++17 after the one torch puts first."""
+    if native.cpu_ops() is None:
+        pytest.skip("no compiled kernels on this machine")
+    name = f"linformer_kit_cpu_{native._build_tag(native.target_arch())}"
+    ninja = Path(cpp_extension._get_build_directory(name, verbose=False)) / "build.ninja"
+    (cflags,) = [line for line in ninja.read_text().splitlines() if line.startswith("cflags =")]
+    assert re.findall(r"-std=(\S+)", cflags)[-1] == "c++17", cflags
 
 
 def run_ab_script(name, module, n, tmp_path, monkeypatch, extra=()):

@@ -130,8 +130,18 @@ def _build() -> object:
     load(
         name=f"linformer_kit_cpu_{_build_tag(arch)}",
         sources=[str(path) for path in SOURCES],
-        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp
-        extra_cflags=["-O3", f"-march={arch}", "-fopenmp", "-fno-trapping-math", *_x86_flags()],
+        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp;
+        # -std=c++17 (after torch's own -std, so it wins): what torch before 2.13 builds with
+        # (torch 2.11's build of these sources failed on std::bit_cast), so every build
+        # proves the sources keep to it.
+        extra_cflags=[
+            "-O3",
+            f"-march={arch}",
+            "-fopenmp",
+            "-fno-trapping-math",
+            "-std=c++17",
+            *_x86_flags(),
+        ],
         is_python_module=False,
         verbose=False,
     )
