@@ -68,7 +68,15 @@ def test_every_step_s_arguments_are_those_its_program_takes(smoke, tmp_path, mon
     assert {args[name]["autocast"] for name in STEPS if "bf16-explicit" in name} == {"bf16"}
     assert args["compile-b8-sdpa"]["batch"] == (2 if smoke else 8)
     assert args["kernels-causal"]["causal"] and not args["kernels"]["causal"]
+    assert args["bench-b8"]["batch_size"] == (2 if smoke else 8)
+    for name in ("bench-b1", "bench-b8", "bench-b1-compiled"):  # ours pinned too, the peers
+        assert args[name]["kernel"] == "rule,explicit" and args[name]["peers"], name
+    fused = args["bench-b8-bf16-compiled"]
+    assert not fused["peers"] and fused["compile"] == ("aot_eager" if smoke else "inductor")
+    both = "aot_eager" if smoke else "inductor,reduce-overhead"
+    assert args["bench-b1-compiled"]["compile"] == args["profile"]["compile"] == both
     if not smoke:  # the sizes the targets are read at
+        assert fused["dtype"] == "bfloat16" and args["bench-b1"]["dtype"] == "float32,bfloat16"
         assert args["compile-8192-sdpa"]["n"] == 8192 and args["compile-sdpa"]["n"] == 16384
         assert args["train-compile"]["compile"] == "inductor,reduce-overhead"
 
