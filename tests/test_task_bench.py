@@ -96,7 +96,7 @@ def test_a_tiny_run_writes_json_table_and_plot(tmp_path, capsys):
     assert "| exact, n=64 |" in out.with_suffix(".md").read_text()
 
 
-def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
+def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path, monkeypatch):
     pytest.importorskip("sklearn")
     files = {
         name: str(write_classification(tmp_path / f"{name}.jsonl", 12, seed=seed))
@@ -114,18 +114,22 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path):
     out.with_suffix(".json").write_text(  # an earlier run that wrote elsewhere, then was moved
         json.dumps({"settings": old, "rows": [earlier]})
     )
+    ran = []  # the variants run again (converting and fine-tuning them is not this test's)
+    monkeypatch.setattr(task_bench, "_variant_row", lambda v, s: ran.append(v.name) or earlier)
     report = run_task_bench(settings)  # nothing to convert or train: the row is kept
     assert [row["variant"] for row in report["rows"]] == ["tfidf", "exact@64"]
-    assert report["rows"][1] == earlier
+    assert report["rows"][1] == earlier and ran == []
     for changed in (dict(batch_size=3), dict(grad_accum_steps=2), dict(truncation="head+tail")):
-        with pytest.raises(FileNotFoundError):  # other settings: run again (no such model dir)
-            run_task_bench(dataclasses.replace(settings, **changed, source=str(tmp_path / "no")))
+        run_task_bench(dataclasses.replace(settings, **changed))  # other settings: run again
+        assert ran == ["exact@64"], changed
+        ran.clear()
+        out.with_suffix(".json").write_text(json.dumps({"settings": old, "rows": [earlier]}))
     del old["projections"]  # before the setting existed every run trained the projections
     out.with_suffix(".json").write_text(json.dumps({"settings": old, "rows": [earlier]}))
     trained = dataclasses.replace(settings, projections="train")
-    assert run_task_bench(trained)["rows"][1] == earlier
-    with pytest.raises(FileNotFoundError):  # finetune's default (frozen) is another recipe
-        run_task_bench(dataclasses.replace(settings, source=str(tmp_path / "no")))
+    assert run_task_bench(trained)["rows"][1] == earlier and ran == []
+    run_task_bench(settings)  # finetune's default (frozen) is another recipe: run again
+    assert ran == ["exact@64"]
 
 
 def test_an_after_row_is_run_again_with_its_exact_run_and_kept_rows_survive_a_crash(
