@@ -282,10 +282,12 @@ def test_the_build_compiles_for_the_target_it_names(monkeypatch):
 
 def test_the_kernels_build_as_cpp17():
     """torch before 2.13 builds extensions with -std=c++17 (torch 2.11's build of these
-    sources failed on std::bit_cast): the kernels build so on every torch, their own
+    sources failed on std::bit_cast): up to torch 2.13 the kernels build so, their own
     -std=c++17 after the one torch puts first."""
     if native.cpu_ops() is None:
         pytest.skip("no compiled kernels on this machine")
+    if not native._std_flags():
+        pytest.skip(f"torch {torch.__version__} builds them with its own standard")
     name = f"linformer_kit_cpu_{native._build_tag(native.target_arch())}"
     ninja = Path(cpp_extension._get_build_directory(name, verbose=False)) / "build.ninja"
     (cflags,) = [line for line in ninja.read_text().splitlines() if line.startswith("cflags =")]

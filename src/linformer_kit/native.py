@@ -120,6 +120,14 @@ def _x86_flags() -> list[str]:
     return ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
 
 
+def _std_flags() -> list[str]:
+    """`-std=c++17` up to torch 2.13 (after torch's own `-std`, so it wins): torch before 2.13
+    builds extensions with it (torch 2.11's build of these sources failed on
+    std::bit_cast), and with it on 2.13 too every build proves the sources keep to it. A
+    later torch keeps its own standard: its headers may need it."""
+    return ["-std=c++17"] if torch.__version__ < "2.14" else []
+
+
 def _build() -> object:
     from torch.utils.cpp_extension import load  # imports setuptools: only when building
 
@@ -130,16 +138,13 @@ def _build() -> object:
     load(
         name=f"linformer_kit_cpu_{_build_tag(arch)}",
         sources=[str(path) for path in SOURCES],
-        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp;
-        # -std=c++17 (after torch's own -std, so it wins): what torch before 2.13 builds with
-        # (torch 2.11's build of these sources failed on std::bit_cast), so every build
-        # proves the sources keep to it.
+        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp
         extra_cflags=[
             "-O3",
             f"-march={arch}",
             "-fopenmp",
             "-fno-trapping-math",
-            "-std=c++17",
+            *_std_flags(),
             *_x86_flags(),
         ],
         is_python_module=False,
