@@ -1,12 +1,16 @@
-"""The table behind `kernel_rule.choose_splits`: SDPA's training step with its queries cut
-into chunks (`kernels.sdpa`), against one call and against the explicit kernel.
+"""The tables behind `kernel_rule.choose_splits` and `choose_reduction_splits`: SDPA's
+training step with its queries cut into chunks (`kernels.sdpa`), against one call and
+against the explicit kernel, whose backward's key and value gradients are cut too.
 
 One attention call (H = 4, head_dim 64) at each dtype x batch x n x k, fwd+bwd with and
 without attention dropout 0.1: SDPA uncut and cut into 2, 4, ... `--max-splits` chunks
-(of at least 64 queries), and the explicit kernel, all timed interleaved per shape
-(medians). A GPU's SDPA backward has one thread block per (batch, head, block of keys):
-with Linformer's few keys, chunks of queries as more batch entries fill its SMs.
-Writes OUT/table.json and OUT/table.png (the best cut's speed-up over one call).
+(of at least 64 queries), and the explicit kernel with its backward's sums over the
+queries cut as the rule says and into 1, 4, 16 and 64 chunks (`--reduction-splits`), all
+timed interleaved per shape (medians). A GPU's SDPA backward has one thread block per
+(batch, head, block of keys), and cuBLAS gives the explicit kernel's dK = dS^T Q and
+dV = P^T dO few blocks too: with Linformer's few keys, chunks of queries as more batch
+entries fill its SMs. Writes OUT/table.json and OUT/table.png (the best cut's speed-up
+over one call).
 
     PYTHONPATH=src python benchmarks/kernels_split.py --device cuda
 """
@@ -19,6 +23,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +32,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from linformer_kit.bench.timing import time_interleaved
+from linformer_kit.kernel_rule import choose_reduction_splits, use_reduction_splits
 from linformer_kit.training.compare import machine
 
 MODES = ("train dropout 0.1", "train")
@@ -43,10 +49,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--k", default="64,256,1024", help="comma-separated k")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--max-splits", type=int, default=64, help="most chunks tried")
+    parser.add_argument(
+        "--reduction-splits", default="1,4,16,64", help="the explicit kernel's cuts tried"
+    )
     parser.add_argument("--min-seconds", type=float, default=0.3, help="timing per shape")
     parser.add_argument("--out", type=Path, default=OUT, help="writes table.json, table.png")
     args = parser.parse_args(argv)
-    for name in ("batch", "n", "k"):
+    for name in ("batch", "n", "k", "reduction_splits"):
         setattr(args, name, [int(part) for part in getattr(args, name).split(",")])
     args.dtype = args.dtype.split(",")
     return args
@@ -61,6 +70,12 @@ def time_shape(
     like = (args.device, getattr(torch, dtype))
     steps = {f"sdpa/{s}": make_step(shape, mode, "sdpa", *like, splits=s) for s in counts}
     steps["explicit"] = make_step(shape, mode, "explicit", *like)
+    batch, n, k, head_dim = shape
+    tiles = batch * 4 * -(-k // 64) * -(-head_dim // 64)  # H = 4
+    rule = choose_reduction_splits(device=torch.device(args.device), rows=n, outputs=tiles)
+    cuts = [s for s in args.reduction_splits if n % s == 0]
+    for s in cuts:
+        steps[f"explicit/{s}"] = pinned(make_step(shape, mode, "explicit", *like), s)
     for step in steps.values():
         step()
     times = time_interleaved(
@@ -68,15 +83,26 @@ def time_shape(
     )
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     best = min(counts, key=lambda s: ms[f"sdpa/{s}"])
-    batch, n, k, _ = shape
     return {
         "mode": mode, "dtype": dtype, "batch": batch, "n": n, "k": k, "head_dim": shape[3],
         "sdpa_ms": {s: float(f"{ms[f'sdpa/{s}']:.4g}") for s in counts},
         "explicit_ms": float(f"{ms['explicit']:.4g}"),
+        "explicit_splits": rule,
+        "explicit_cut_ms": {s: float(f"{ms[f'explicit/{s}']:.4g}") for s in cuts},
         "best_splits": best,
         "best_speedup": round(ms["sdpa/1"] / ms[f"sdpa/{best}"], 3),
         "best_vs_explicit": round(ms["explicit"] / ms[f"sdpa/{best}"], 3),
     }  # fmt: skip
+
+
+def pinned(step: Callable[[], None], splits: int) -> Callable[[], None]:
+    """The step with the explicit kernel's backward cut into `splits` chunks."""
+
+    def run() -> None:
+        with use_reduction_splits(splits):
+            step()
+
+    return run
 
 
 def plot(rows: list[dict], path: Path) -> None:

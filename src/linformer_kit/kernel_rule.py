@@ -17,8 +17,12 @@ from torch import Tensor
 from . import native, precision
 
 KERNELS = ("sdpa", "explicit")
+# Fewest query rows in a chunk of the explicit kernel's cut backward products.
+_REDUCTION_MIN_ROWS = 256
 # The kernel `use_kernel` pins for the calls that leave it to the rule (None: the rule).
 _pinned: str | None = None
+# The chunks `use_reduction_splits` pins for the explicit kernel's backward (None: the rule).
+_pinned_reduction_splits: int | None = None
 
 
 @contextlib.contextmanager
@@ -309,6 +313,71 @@ def choose_splits(
         and queries % (2 * splits) == 0
         and queries // (2 * splits) >= 64
         and blocks * 2 * splits <= 512
+    ):
+        splits *= 2
+    return splits
+
+
+@contextlib.contextmanager
+def use_reduction_splits(splits: int | None) -> Iterator[None]:
+    """Cuts the explicit kernel's key and value gradients (`choose_reduction_splits`) into
+    `splits` chunks of query rows inside (process-wide, for the block), or as few as divide
+    N evenly into chunks of at least one row: 1 runs each as one batched GEMM.
+
+    Args:
+        splits: a power of 2; None follows the rule.
+
+    Raises:
+        ValueError: for anything but None or a positive power of 2.
+    """
+    global _pinned_reduction_splits
+    if splits is not None and (splits < 1 or splits & (splits - 1)):
+        raise ValueError(f"splits must be a positive power of 2 or None; got {splits}")
+    before, _pinned_reduction_splits = _pinned_reduction_splits, splits
+    try:
+        yield
+    finally:
+        _pinned_reduction_splits = before
+
+
+def choose_reduction_splits(*, device: torch.device, rows: int, outputs: int) -> int:
+    """Into how many chunks of query rows the explicit kernel's backward cuts the two
+    products that sum over them, dK = dS^T Q and dV = P^T dO (`kernels._ExplicitAttention`,
+    one block of rows: on a GPU and under torch.compile): each chunk's product is a batch
+    entry of one batched GEMM, and the chunks' products are summed after.
+
+    Each product's output is only M x D per (batch, head), its reduction N long: at B 1,
+    H 4, k 256, head_dim 64, cuBLAS covers the 16 output tiles of 64 x 64 with few thread
+    blocks, each looping over all N rows, on an H200's 132 SMs (the two products took 0.31
+    ms of the explicit kernel's 1.17 ms of GPU time in an encoder layer's training step at
+    n 4096, fp32, `benchmarks/kernels/cuda/profile/profile-b1-run9.json`; lucidrains' two
+    the same 0.29). The rule cuts, as `choose_splits` cuts SDPA's queries, into as many
+    chunks (a power of 2, at most 64, of at least `_REDUCTION_MIN_ROWS` rows) as keep
+    chunks x output tiles <= 512, about four tiles per SM.
+
+    Args:
+        device: where the call runs (CPU: 1; the compiled kernel has its own plan).
+        rows: N, the query rows summed over.
+        outputs: the output tiles of 64 x 64 of one product: B x H x ceil(M / 64) x
+            ceil(D / 64).
+
+    Returns:
+        A power of 2 dividing `rows` (the pinned count where `use_reduction_splits` pins one,
+        lowered until it does).
+    """
+    pinned = _pinned_reduction_splits
+    if pinned is None and device.type != "cuda":
+        return 1
+    limit = 64 if pinned is None else pinned
+    fewest = _REDUCTION_MIN_ROWS if pinned is None else 1
+    bound = 512 if pinned is None else outputs * pinned
+    splits = 1
+    # (divisibility in the loop, not math.gcd after it: dynamo traces this with N symbolic)
+    while (
+        splits < limit
+        and rows % (2 * splits) == 0
+        and rows // (2 * splits) >= fewest
+        and outputs * 2 * splits <= bound
     ):
         splits *= 2
     return splits

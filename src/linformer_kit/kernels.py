@@ -49,6 +49,7 @@ from .kernel_rule import (
     autocast_on,
     check_kernel,
     choose_kernel,
+    choose_reduction_splits,
     choose_splits,
     compute_dtype,
     pinned_kernel,
@@ -99,6 +100,27 @@ def _bmm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
     zero = a3.new_zeros(1, 1, 1).expand(a3.shape[0], a3.shape[1], b3.shape[2])
     out = torch.baddbmm(zero, a3, b3, beta=0.0, alpha=alpha)
     return out.view(*batch, a.shape[-2], b.shape[-1])
+
+
+def _bmm_rows(a: Tensor, b: Tensor, alpha: float, splits: int) -> Tensor:
+    """alpha * a^T b, a sum over the rows (dimension -2) of a and b, in `splits` chunks of
+    rows whose products run as more batch entries of one GEMM and are summed after
+    (`kernel_rule.choose_reduction_splits`)."""
+    if splits == 1:
+        return _bmm(a.transpose(-1, -2), b, alpha)
+    a, b = (t.unflatten(-2, (splits, -1)) for t in (a, b))
+    return _bmm(a.transpose(-1, -2), b, alpha).sum(-3)
+
+
+def _accumulate(total: Tensor | None, part: Tensor, like: Tensor) -> Tensor:
+    """total + part, over part's leading rows (a causal block sees the first keys only); the
+    first part is the total where it covers all of `like`'s rows."""
+    if total is None and part.shape == like.shape:
+        return part
+    if total is None:
+        total = torch.zeros_like(like)
+    total[..., : part.shape[-2], :] += part
+    return total
 
 
 def block_rows(groups: int, keys: int) -> int:
@@ -187,9 +209,11 @@ class _ExplicitAttention(torch.autograd.Function):
         weights, bits = saved[: len(blocks)], saved[len(blocks) :]
         factor = rescaling(ctx.dropout_p)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        grad_q = []
-        grad_k = torch.zeros_like(k) if need_k else None
-        grad_v = torch.zeros_like(v) if need_v else None
+        splits = 1
+        if ctx.rows is None:  # one block: dK and dV sum over all N rows (`_bmm_rows`)
+            tiles = math.prod(q.shape[:-2]) * -(-k.shape[-2] // 64) * -(-q.shape[-1] // 64)
+            splits = choose_reduction_splits(device=q.device, rows=q.shape[-2], outputs=tiles)
+        grad_q, grad_k, grad_v = [], None, None
         for i, (block, keys) in enumerate(blocks):
             g, kept = grad[..., block, :], weights[i]
             grad_scores = None
@@ -207,13 +231,12 @@ class _ExplicitAttention(torch.autograd.Function):
                     # weights * (g - sum(g * weights)) in one fused pass: softmax's own backward.
                     grad_scores = torch._softmax_backward_data(grad_kept, kept, -1, kept.dtype)
             if need_v:
-                grad_v[..., :keys, :] += _bmm(kept.transpose(-1, -2), g, factor)
+                grad_v = _accumulate(grad_v, _bmm_rows(kept, g, factor, splits), v)
             if need_q:
                 grad_q.append(_bmm(grad_scores, k[..., :keys, :], ctx.scale))
             if need_k:
-                grad_k[..., :keys, :] += _bmm(
-                    grad_scores.transpose(-1, -2), q[..., block, :], ctx.scale
-                )
+                part = _bmm_rows(grad_scores, q[..., block, :], ctx.scale, splits)
+                grad_k = _accumulate(grad_k, part, k)
         grad_q = (torch.cat(grad_q, -2) if len(grad_q) > 1 else grad_q[0]) if need_q else None
         return grad_q, grad_k, grad_v, None, None, None, None
 
