@@ -1,4 +1,5 @@
-"""The measurement scripts behind the GPU cut (`benchmarks/kernels_split.py`, and
+"""The measurement scripts behind the GPU cuts (`benchmarks/kernels_split.py`: SDPA's queries
+and the explicit kernel's backward sums, and
 `kernels_split_layers.py` in the layers), the kernel-by-kernel profile
 (`benchmarks/kernels_profile.py`), the feed-forward kernel's weight-gradient rule
 (`benchmarks/kernels_feedforward_sums.py`), the check of a fused CPU attention sub-layer
@@ -25,7 +26,10 @@ def test_the_split_script_times_every_cut_of_every_shape(tmp_path, monkeypatch):
     monkeypatch.setattr(
         script, "make_step", lambda *a, **kw: cuts.append(kw.get("splits")) or make_step(*a, **kw)
     )
+    pins, pin = [], script.use_reduction_splits
+    monkeypatch.setattr(script, "use_reduction_splits", lambda s: pins.append(s) or pin(s))
     args = "--device cpu --dtype float32 --batch 1,2 --n 128,256 --k 8 --head-dim 4"
+    args += " --reduction-splits 1,4,256"  # 256 does not divide n 128
     script.main([*args.split(), "--max-splits", "4", "--min-seconds", "0", "--out", str(tmp_path)])
     table = json.loads((tmp_path / "table.json").read_text())
     rows = table["rows"]
@@ -37,7 +41,12 @@ def test_the_split_script_times_every_cut_of_every_shape(tmp_path, monkeypatch):
         assert row["sdpa_ms"][str(row["best_splits"])] == best
         assert row["best_speedup"] == pytest.approx(row["sdpa_ms"]["1"] / best, rel=0.01)
         assert row["best_vs_explicit"] == pytest.approx(row["explicit_ms"] / best, rel=0.01)
-    assert set(cuts) == {None, 1, 2, 4}  # None: the explicit kernel's step
+        # the explicit kernel's backward cut as pinned (where it divides n), and the rule's
+        # count (none on CPU)
+        assert list(row["explicit_cut_ms"]) == ["1", "4"] + (["256"] if row["n"] == 256 else [])
+        assert row["explicit_splits"] == 1
+    assert set(cuts) == {None, 1, 2, 4}  # None: the explicit kernel's steps
+    assert set(pins) == {1, 4, 256}
     assert (tmp_path / "table.png").stat().st_size > 0
 
 

@@ -17,8 +17,9 @@ from torch import Tensor
 from . import native, precision
 
 KERNELS = ("sdpa", "explicit")
-# Fewest query rows in a chunk of the explicit kernel's cut backward products.
-_REDUCTION_MIN_ROWS = 256
+# The explicit kernel's backward products on a GPU (`choose_reduction_splits`): cut from
+# this many queries, into chunks of at least `_REDUCTION_MIN_ROWS` rows.
+_REDUCTION_MIN_QUERIES, _REDUCTION_MIN_ROWS = 16384, 256
 # The kernel `use_kernel` pins for the calls that leave it to the rule (None: the rule).
 _pinned: str | None = None
 # The chunks `use_reduction_splits` pins for the explicit kernel's backward (None: the rule).
@@ -340,23 +341,51 @@ def use_reduction_splits(splits: int | None) -> Iterator[None]:
         _pinned_reduction_splits = before
 
 
-def choose_reduction_splits(*, device: torch.device, rows: int, outputs: int) -> int:
+def choose_reduction_splits(
+    *, device: torch.device, dtype: torch.dtype, rows: int, outputs: int
+) -> int:
     """Into how many chunks of query rows the explicit kernel's backward cuts the two
     products that sum over them, dK = dS^T Q and dV = P^T dO (`kernels._ExplicitAttention`,
     one block of rows: on a GPU and under torch.compile): each chunk's product is a batch
     entry of one batched GEMM, and the chunks' products are summed after.
 
     Each product's output is only M x D per (batch, head), its reduction N long: at B 1,
-    H 4, k 256, head_dim 64, cuBLAS covers the 16 output tiles of 64 x 64 with few thread
-    blocks, each looping over all N rows, on an H200's 132 SMs (the two products took 0.31
-    ms of the explicit kernel's 1.17 ms of GPU time in an encoder layer's training step at
-    n 4096, fp32, `benchmarks/kernels/cuda/profile/profile-b1-run9.json`; lucidrains' two
-    the same 0.29). The rule cuts, as `choose_splits` cuts SDPA's queries, into as many
-    chunks (a power of 2, at most 64, of at least `_REDUCTION_MIN_ROWS` rows) as keep
-    chunks x output tiles <= 512, about four tiles per SM.
+    H 4, k 256, head_dim 64, cuBLAS's fp32 GEMM covers the 16 output tiles of 64 x 64 with
+    few thread blocks, each looping over all N rows, on an H200's 132 SMs (the two products
+    took 0.31 ms of the explicit kernel's 1.17 ms of GPU time in an encoder layer's training
+    step at n 4096, fp32, `benchmarks/kernels/cuda/profile/profile-b1-run9.json`;
+    lucidrains' two the same 0.29). The cut is as many chunks (a power of 2, at most 64, of
+    at least `_REDUCTION_MIN_ROWS` rows) as keep chunks x output tiles <= 512, about four
+    tiles per SM, as `choose_splits` cuts SDPA's queries.
+
+    `benchmarks/kernels/cuda/split-run10/` and `split-run10-mid/` (`kernels_split.py`, H200,
+    torch 2.11, B 1 and 8, H 4, head_dim 64, n 1024-65536, k 64 / 256 / 1024, fwd+bwd with
+    and without dropout 0.1; the explicit kernel uncut, cut by this rule and into 4, 16 and
+    64 chunks, interleaved):
+
+    - fp32 from n 16384 (36 shapes): the rule's cut took 0.24-1.06x the uncut call's time
+      (geometric mean 0.74; B 1, n 65536, k 64 without dropout: 1.22 ms against 5.16; B 8,
+      n 16384, k 64: 1.49 against 2.38), and the best cut measured 0.83-1.00x the rule's
+      (geometric mean 0.97). The kernel took 0.91 ms of GPU time a step cut into 16 at
+      n 4096 (`profile/profile-b1-run10.json`), its two products gone from the top kernels;
+    - fp32 below n 16384 (n 1024-8192, 36 shapes) the call, bound by issuing kernels at
+      these sizes, ran faster uncut at most shapes (the cut's one more launch and its
+      copies): the same cut at n 1024 and 4096 took 0.90-1.20x the uncut time (geometric
+      mean 1.05), and the best cut was at most 10 % faster anywhere (B 8, n 1024, k 64,
+      dropout): uncut;
+    - bf16 (48 shapes): no cut was 5 % faster than one call anywhere (best cuts 0.96-1.14x
+      its time; cuBLAS's bf16 GEMMs split their own reductions): uncut. fp16 and fp64 (not
+      measured) stay uncut too, as does the CPU, whose compiled kernel has its own plan.
+
+    It leaves the eager CUDA rule (`choose_kernel`) on SDPA: SDPA cut as `choose_splits`
+    cuts it was faster than the explicit kernel cut as this rule cuts it at 111 of the 120
+    shapes, and at most 5 % slower at the other 9 (1.00-1.05x, all fp32 training without
+    dropout, n >= 16384, k 256 and 1024), not worth the N x M weights the explicit kernel
+    keeps for backward (2 GiB at B 8, n 65536, k 256; SDPA keeps a logsumexp a row).
 
     Args:
-        device: where the call runs (CPU: 1; the compiled kernel has its own plan).
+        device: where the call runs.
+        dtype: the dtype the products compute in.
         rows: N, the query rows summed over.
         outputs: the output tiles of 64 x 64 of one product: B x H x ceil(M / 64) x
             ceil(D / 64).
@@ -366,7 +395,9 @@ def choose_reduction_splits(*, device: torch.device, rows: int, outputs: int) ->
         lowered until it does).
     """
     pinned = _pinned_reduction_splits
-    if pinned is None and device.type != "cuda":
+    if pinned is None and (
+        device.type != "cuda" or dtype != torch.float32 or rows < _REDUCTION_MIN_QUERIES
+    ):
         return 1
     limit = 64 if pinned is None else pinned
     fewest = _REDUCTION_MIN_ROWS if pinned is None else 1

@@ -174,7 +174,8 @@ class _ExplicitAttention(torch.autograd.Function):
     block costs kernel launches, and under torch.compile there is one block. With all the
     keys a block sees in one block the softmax needs no running maximum: blocks of rows are
     independent. Under a causal mask a block computes only the keys its queries can see
-    (`_blocks`): half the work at N = M.
+    (`_blocks`): half the work at N = M. In one block, dK and dV sum over all N rows: they
+    are cut into chunks of rows where `choose_reduction_splits` says (`_bmm_rows`).
     """
 
     @staticmethod
@@ -212,7 +213,9 @@ class _ExplicitAttention(torch.autograd.Function):
         splits = 1
         if ctx.rows is None:  # one block: dK and dV sum over all N rows (`_bmm_rows`)
             tiles = math.prod(q.shape[:-2]) * -(-k.shape[-2] // 64) * -(-q.shape[-1] // 64)
-            splits = choose_reduction_splits(device=q.device, rows=q.shape[-2], outputs=tiles)
+            splits = choose_reduction_splits(
+                device=q.device, dtype=q.dtype, rows=q.shape[-2], outputs=tiles
+            )
         grad_q, grad_k, grad_v = [], None, None
         for i, (block, keys) in enumerate(blocks):
             g, kept = grad[..., block, :], weights[i]
