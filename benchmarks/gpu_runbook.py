@@ -34,7 +34,8 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    layer's 1.17 ms in 92 launches, which graphs make cheap (as in 2, on the rule's kernel
    alone should the pinned run fail);
 14. `kernels_split.py`: the table of SDPA cut into query chunks behind
-   `kernel_rule.choose_splits` (about 90 s);
+   `kernel_rule.choose_splits`, and of the explicit kernel's backward cut behind
+   `choose_reduction_splits` (about 140 s);
 15. `kernels_profile.py`, B 1, n = 4096, eager, compiled and under CUDA graphs: each
    variant's kernels and host time, ours kv and headwise. In the ninth call, compiled,
    ours on the rule's kernel (explicit then) ran 1.06 ms of kernels a step, on SDPA 0.81,
@@ -62,14 +63,16 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
 
 Steps 5-22 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
-compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
-1-21 have run on an H200 (`benchmarks/kernels/cuda/`). The ninth call (`cuda/log-run9.txt`)
+compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). All 22
+steps have run on an H200 (`benchmarks/kernels/cuda/`). The ninth call (`cuda/log-run9.txt`)
 ran 1, 2, 3, 15, then 4, 13 and 21, settled, in about 480 s of commands: `--steps
 kernels,bench-b1,bench-b8,profile` (378 s; the peer wheels needed), then `--steps
-compile,bench-b1-compiled,bench-b8-bf16-compiled` (107 s). Next: `--steps
-bench-b1-compiled,profile` (13: the compiled rule has since kept SDPA without dropout, there
-against the explicit kernel under CUDA graphs; 15, now with CUDA graphs), then the compiled
-steps 5, 6, 9-12, 16 and 17 (the fourth to sixth calls, before SDPA was cut into chunks).
+compile,bench-b1-compiled,bench-b8-bf16-compiled` (107 s). The tenth session's two calls
+(`cuda/log-run10.txt`, the machine up in about 30 s each) ran 14, 13, 15 (eager, then
+`--compile reduce-overhead` alone) and 22 by hand, each with its own `timeout`. Next: the
+compiled steps 5, 6, 9-12, 16 and 17 (the fourth to sixth calls, before SDPA was cut into
+chunks) and 13 with attention dropout 0.1 (the compiled band's explicit kernel, uncut there,
+under CUDA graphs).
 
 The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
 
