@@ -196,7 +196,13 @@ def choose_kernel(
       SDPA (`cuda/compiled/`: inference 0.63-0.95x on explicit; bf16 at B 1, n 16384,
       4.2 ms explicit against 4.1 on uncut SDPA). The explicit kernel's dropout bits add
       the seed before the 64-bit product (`dropout.dropout_bits`): the first form failed to
-      compile there (torch 2.11, `cuda/compile-16384/`).
+      compile there (torch 2.11, `cuda/compile-16384/`). Under CUDA graphs
+      (`mode="reduce-overhead"`, which a trace cannot see) the band loses instead: the same
+      2-layer pair took 2.6 ms explicit against 2.3 on SDPA cut, and one encoder layer at
+      B 1, n 4096 1.54 against 1.29 (`cuda/bench-b1-compiled-dropout-run10/`), replays
+      that leave only the GPU's work, where the explicit kernel's is the larger. The band
+      follows Inductor without graphs, the mode's default; under graphs pin SDPA
+      (`use_kernel("sdpa")`).
 
     CUDA fp64 (not measured) keeps SDPA, as do other devices.
 
