@@ -328,8 +328,9 @@ def choose_splits(
 @contextlib.contextmanager
 def use_reduction_splits(splits: int | None) -> Iterator[None]:
     """Cuts the explicit kernel's key and value gradients (`choose_reduction_splits`) into
-    `splits` chunks of query rows inside (process-wide, for the block), or as few as divide
-    N evenly into chunks of at least one row: 1 runs each as one batched GEMM.
+    `splits` chunks of query rows inside, wherever it runs one block (process-wide, for the
+    block; where `splits` does not divide N, into the largest power of 2 that does): 1 runs
+    each as one batched GEMM.
 
     Args:
         splits: a power of 2; None follows the rule.
