@@ -1,13 +1,12 @@
-"""The measurement scripts behind the GPU cuts (`benchmarks/kernels_split.py`: SDPA's queries
-and the explicit kernel's backward sums, and
+"""The measurement scripts, run on CPU at small sizes: behind the GPU cuts
+(`benchmarks/kernels_split.py`: SDPA's queries and the explicit kernel's backward sums, and
 `kernels_split_layers.py` in the layers), the kernel-by-kernel profile
 (`benchmarks/kernels_profile.py`), the feed-forward kernel's weight-gradient rule
 (`benchmarks/kernels_feedforward_sums.py`), the check of a fused CPU attention sub-layer
-(`benchmarks/kernels_sublayer.py`), the bytes-against-FLOPs bound
-(`benchmarks/roofline.py`), the bf16 GEMMs' A/B (`benchmarks/kernels_bf16_gemm.py`) and the
-split reduction's table (`benchmarks/gemm_split.py`), run
-on CPU at small sizes: a GPU call runs the first three with
-`--device cuda`."""
+(`benchmarks/kernels_sublayer.py`), the bytes-against-FLOPs bound (`benchmarks/roofline.py`),
+the CPU's products-alone bound (`benchmarks/cpu_bound.py`), the bf16 GEMMs' A/B
+(`benchmarks/kernels_bf16_gemm.py`) and the split reduction's table
+(`benchmarks/gemm_split.py`). A GPU call runs the first three with `--device cuda`."""
 
 import json
 import os
@@ -223,3 +222,33 @@ def test_the_gemm_split_script_times_both_ways_and_leaves_the_split_on(tmp_path,
     assert layers["n"] == 32 and set(layers["split_speedup"]) == {"attention", "layer"}
     assert False in settings and real() is True  # both ways ran; the split left on
     assert (tmp_path / "table.png").stat().st_size > 0
+
+
+def test_the_cpu_bound_script_times_each_product_alone_and_bounds_the_fraction(
+    tmp_path, monkeypatch
+):
+    script = load_script(BENCHMARKS / "cpu_bound.py")
+    a, b, w = torch.randn(8, 4), torch.randn(4, 6), torch.randn(4, 6)
+    recorded = script.products(lambda: torch.nn.functional.linear(torch.mm(a, b).relu(), w))
+    # the two products, not the relu, each called again alone on copies of its inputs
+    assert [name for name, _ in recorded] == ["mm [8, 4] x [4, 6]", "mm [8, 6] x [6, 4]"]
+    torch.testing.assert_close(recorded[0][1](), a @ b)
+
+    monkeypatch.setattr(script, "keep_freed_memory", lambda: True)  # (process-wide)
+    monkeypatch.setattr(script, "size_ceiling_matmul", lambda *a, **kw: (64, 1e-4))
+    args = "--n 64,128 --dim 32 --num-heads 2 --proj-dim 16 --repeats 2"
+    script.main([*args.split(), "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bound.json").read_text())
+    assert result["probe_size"] == 64 and [row["n"] for row in result["rows"]] == [64, 128]
+    for row in result["rows"]:
+        names = [p["op"] for p in row["products"]]
+        assert any("attention" in name for name in names), names  # the kernel, or SDPA's
+        assert any(name.startswith(("matmul", "addmm", "mm")) for name in names), names
+        alone = sum(p["ms"] for p in row["products"])
+        assert row["products_alone_ms"] == pytest.approx(alone, abs=0.01)
+        rate = row["probe_gflop_per_s"]
+        assert row["bound"] == pytest.approx(row["model_gflop"] / alone * 1e3 / rate, rel=0.02)
+        assert row["measured"] == pytest.approx(
+            row["model_gflop"] / row["step_ms"] * 1e3 / rate, rel=0.02
+        )
+    assert (tmp_path / "bound.png").stat().st_size > 0
