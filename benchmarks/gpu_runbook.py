@@ -69,21 +69,25 @@ ran 1, 2, 3, 15, then 4, 13 and 21, settled, in about 480 s of commands: `--step
 kernels,bench-b1,bench-b8,profile` (378 s; the peer wheels needed), then `--steps
 compile,bench-b1-compiled,bench-b8-bf16-compiled` (107 s). The tenth session's two calls
 (`cuda/log-run10.txt`, the machine up in about 30 s each) ran 14, 13, 15 (eager, then
-`--compile reduce-overhead` alone) and 22 by hand, each with its own `timeout`. Next: the
-compiled steps 5, 6, 9-12, 16 and 17 (the fourth to sixth calls, before SDPA was cut into
-chunks) and 13 with attention dropout 0.1 (the compiled band's explicit kernel, uncut there,
-under CUDA graphs).
+`--compile reduce-overhead` alone) and 22 by hand, each with its own `timeout`, then
+`tests/test_cuda.py` and 13 with attention dropout 0.1 (`--attention-dropout 0.1 --kernel
+rule,sdpa --compile reduce-overhead`: the compiled band's explicit kernel lost under CUDA
+graphs). Next: the compiled steps 5, 6, 9-12, 16 and 17 (the fourth to sixth calls, before
+SDPA was cut into chunks).
 
-The GPU image has torch but not the peers: carry their wheels. Here, once, in the repo root:
+The GPU image has torch but not the peers: carry their wheels, and pytest's (whether the
+image has it was not checked). Here, once, in the repo root:
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
         --implementation cp --platform manylinux2014_x86_64 -d .whl \\
-        linformer==0.2.3 linformer-pytorch==0.19.3
+        linformer==0.2.3 linformer-pytorch==0.19.3 pytest pluggy iniconfig packaging
 
-then one device call with `carry: [".whl"]`, `timeout_s: 600`:
+then one device call with `carry: [".whl"]`, `timeout_s: 600`, the GPU-only tests first
+(`tests/test_cuda.py`, 3 s on an H200):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    PYTHONPATH=src:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py;
     PYTHONPATH=/tmp/site python3 benchmarks/gpu_runbook.py --out $OUT
 
 `--smoke` runs the same steps on CPU at tiny sizes, compiling with the `aot_eager` backend,
