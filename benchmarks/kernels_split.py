@@ -71,10 +71,10 @@ def time_shape(
     steps = {f"sdpa/{s}": make_step(shape, mode, "sdpa", *like, splits=s) for s in counts}
     steps["explicit"] = make_step(shape, mode, "explicit", *like)
     batch, n, k, head_dim = shape
-    tiles = batch * 4 * -(-k // 64) * -(-head_dim // 64)  # H = 4
     rule = choose_reduction_splits(
-        device=torch.device(args.device), dtype=like[1], rows=n, outputs=tiles
-    )
+        device=torch.device(args.device), dtype=like[1], rows=n, groups=4 * batch, keys=k,
+        head_dim=head_dim,
+    )  # fmt: skip
     cuts = [s for s in args.reduction_splits if n % s == 0]
     for s in cuts:
         steps[f"explicit/{s}"] = pinned(make_step(shape, mode, "explicit", *like), s)

@@ -1,4 +1,5 @@
-"""Reference attention written independently of the library: plain float64 formulas."""
+"""Reference attention written independently of the library: plain float64 formulas, and
+`grads`, a function's output with its inputs' gradients, to compare two computations by."""
 
 import math
 
@@ -52,3 +53,13 @@ def causal_block_attention(q, k, v, proj_k=None, proj_v=None, block_size=1, key_
                 scores = torch.stack(keys) @ q[b, h, i] / math.sqrt(d)
                 out[b, h, i] = scores.softmax(0) @ torch.stack(values)
     return out
+
+
+def grads(fn, *inputs, seed=1):
+    """fn's output and the gradients of its inputs for one fixed random output gradient (drawn
+    in float64, then cast: the same values whatever the output's dtype and device)."""
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    generator = torch.Generator().manual_seed(seed)
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
+    return (out, *torch.autograd.grad(out, inputs, grad))

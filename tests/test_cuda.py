@@ -9,6 +9,7 @@ references computed by SDPA on the same device.
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import grads
 
 from linformer_kit.attention import LinformerSelfAttention
 from linformer_kit.kernel_rule import (
@@ -24,14 +25,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GPU = torch.device("cuda")
 
 
-def gradients(fn, *inputs, seed=0):
-    """fn's output and its inputs' gradients for one fixed output gradient."""
-    inputs = [t.detach().requires_grad_() for t in inputs]
-    out = fn(*inputs)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
-    return (out, *torch.autograd.grad(out, inputs, grad))
-
-
 def heads_split(batch, n, heads, d, dtype):
     """(B, H, n, d) as the layers pass it: a view of (B, n, H, d)."""
     return torch.randn(batch, n, heads, d, device=GPU, dtype=dtype).transpose(1, 2)
@@ -44,12 +37,12 @@ def test_the_rule_s_cuts_give_sdpa_s_gradients_in_fp32(kernel):
     torch.manual_seed(0)
     q = heads_split(1, 16384, 4, 64, torch.float32)
     k, v = (torch.randn(1, 4, 256, 64, device=GPU) for _ in "kv")
-    tiles = 4 * 4
-    assert choose_reduction_splits(device=GPU, dtype=q.dtype, rows=16384, outputs=tiles) == 32
+    shape = dict(groups=4, keys=256, head_dim=64)
+    assert choose_reduction_splits(device=GPU, dtype=q.dtype, rows=16384, **shape) == 32
     call = dict(dtype=q.dtype, backward=True, causal=False, queries=16384, keys=256, groups=4)
     assert choose_splits(device=GPU, **call) == 32
-    result = gradients(lambda *t: dot_product_attention(*t, kernel=kernel), q, k, v)
-    reference = gradients(F.scaled_dot_product_attention, *(t.double() for t in (q, k, v)))
+    result = grads(lambda *t: dot_product_attention(*t, kernel=kernel), q, k, v)
+    reference = grads(F.scaled_dot_product_attention, *(t.double() for t in (q, k, v)))
     for got, want in zip(result, reference):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
@@ -66,8 +59,8 @@ def test_pinned_cuts_of_the_explicit_backward_are_exact_in_float64(splits, causa
         mask[..., 0] = True
     call = dict(attn_mask=mask, is_causal=causal)
     with use_reduction_splits(splits):
-        result = gradients(lambda *t: dot_product_attention(*t, kernel="explicit", **call), q, k, v)
-    reference = gradients(lambda *t: F.scaled_dot_product_attention(*t, **call), q, k, v)
+        result = grads(lambda *t: dot_product_attention(*t, kernel="explicit", **call), q, k, v)
+    reference = grads(lambda *t: F.scaled_dot_product_attention(*t, **call), q, k, v)
     for got, want in zip(result, reference):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
@@ -81,7 +74,7 @@ def test_a_cut_backward_drops_the_weights_the_uncut_one_drops():
         torch.manual_seed(3)
         with use_reduction_splits(splits):
             fn = lambda *t: dot_product_attention(*t, dropout_p=0.1, kernel="explicit")  # noqa: E731
-            return gradients(fn, q, k, v)
+            return grads(fn, q, k, v)
 
     for got, want in zip(run(32), run(1)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
@@ -100,9 +93,9 @@ def test_the_layer_on_a_gpu_gives_its_float64_output_with_padding(kernel):
     mask = torch.ones(2, 16384, dtype=torch.bool, device=GPU)
     mask[1, 12000:] = False
     with use_kernel(kernel):
-        out, grad_x = gradients(lambda t: layer(t, mask)[0], x)
+        out, grad_x = grads(lambda t: layer(t, mask)[0], x)
     wide = layer.double()
-    want, want_grad = gradients(lambda t: wide(t, mask)[0], x.double())
+    want, want_grad = grads(lambda t: wide(t, mask)[0], x.double())
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(grad_x.double(), want_grad, rtol=1e-4, atol=1e-4)
     layer.float()

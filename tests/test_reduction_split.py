@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from functorch.compile import make_boxed_func
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import grads
 from script_helpers import BENCHMARKS
 from torch._dynamo.backends.common import aot_autograd
 
@@ -51,16 +52,8 @@ def gemm_batches(graph: torch.fx.GraphModule) -> set[int]:
     return {node.meta["val"].shape[0] for node in graph.graph.nodes if node.target in gemms}
 
 
-def gradients(fn, q, k, v, seed=0):
-    """fn's output and its inputs' gradients for one fixed output gradient."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
-    return (out, *torch.autograd.grad(out, (q, k, v), grad))
-
-
 @pytest.mark.parametrize("case", ["plain", "mask", "causal", "dropout"])
-def test_the_cut_backward_gives_one_product_s_gradients(monkeypatch, case):
+def test_the_cut_backward_gives_one_product_s_grads(monkeypatch, case):
     # On CPU the PyTorch-ops kernel runs one block under torch.compile (aot_eager: the
     # graph, no code generation), as on a GPU; the pin cuts it there. Its gradients match
     # SDPA's (float64) and, with dropout, the uncut kernel's under the same seed; the
@@ -96,7 +89,7 @@ def test_the_cut_backward_gives_one_product_s_gradients(monkeypatch, case):
 
         with use_reduction_splits(splits):
             try:
-                return gradients(fn, q, k, v)
+                return grads(fn, q, k, v)
             finally:
                 torch._dynamo.reset()
 
@@ -106,15 +99,15 @@ def test_the_cut_backward_gives_one_product_s_gradients(monkeypatch, case):
         reference = explicit(1)
         assert 2 * 3 * 8 not in gemm_batches(backwards[-1])
     else:
-        reference = gradients(lambda *t: F.scaled_dot_product_attention(*t, **call), q, k, v)
+        reference = grads(lambda *t: F.scaled_dot_product_attention(*t, **call), q, k, v)
     for got, want in zip(cut, reference):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_the_rule_cuts_fp32_on_a_gpu_from_n_16384_only():
     def cut(rows, batch=1, keys=256, dtype=torch.float32, device=GPU):
-        tiles = batch * 4 * math.ceil(keys / 64)  # H 4, head_dim 64
-        return choose_reduction_splits(device=device, dtype=dtype, rows=rows, outputs=tiles)
+        shape = dict(groups=batch * 4, keys=keys, head_dim=64)  # H 4
+        return choose_reduction_splits(device=device, dtype=dtype, rows=rows, **shape)
 
     assert cut(16384) == 32  # 16 tiles x 32 = 512
     assert cut(16384, batch=8) == 4
@@ -153,8 +146,8 @@ def test_the_rule_s_cut_is_where_the_h200_measured_it_faster():
     gains = []
     for row in rows:
         dtype = getattr(torch, row["dtype"])
-        tiles = 4 * row["batch"] * math.ceil(row["k"] / 64)
-        splits = choose_reduction_splits(device=GPU, dtype=dtype, rows=row["n"], outputs=tiles)
+        shape = dict(groups=4 * row["batch"], keys=row["k"], head_dim=64)
+        splits = choose_reduction_splits(device=GPU, dtype=dtype, rows=row["n"], **shape)
         cuts = {int(s): ms for s, ms in row["explicit_cut_ms"].items()}
         if splits > 1:  # the call ran the rule's cut as "explicit" (its count recorded)
             assert row["explicit_splits"] == splits, row
@@ -178,10 +171,11 @@ def test_the_eager_gpu_rule_keeps_sdpa_within_5_percent_of_the_cut_explicit_kern
     slower = []
     for row in rows:
         dtype = getattr(torch, row["dtype"])
-        shape = dict(queries=row["n"], keys=row["k"], groups=4 * row["batch"])
-        splits = choose_splits(device=GPU, dtype=dtype, backward=True, causal=False, **shape)
-        tiles = 4 * row["batch"] * math.ceil(row["k"] / 64)
-        cut = choose_reduction_splits(device=GPU, dtype=dtype, rows=row["n"], outputs=tiles)
+        shape = dict(keys=row["k"], groups=4 * row["batch"])
+        splits = choose_splits(
+            device=GPU, dtype=dtype, backward=True, causal=False, queries=row["n"], **shape
+        )
+        cut = choose_reduction_splits(device=GPU, dtype=dtype, rows=row["n"], head_dim=64, **shape)
         explicit = row["explicit_ms"] if cut > 1 else row["explicit_cut_ms"]["1"]
         ratio = row["sdpa_ms"][str(splits)] / explicit
         assert ratio <= 1.05, row

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import softmax_attention
+from reference import grads, softmax_attention
 from script_helpers import BENCHMARKS
 
 from linformer_kit import kernel_rule, kernels
@@ -17,15 +17,6 @@ from linformer_kit.attention import LinformerSelfAttention
 from linformer_kit.functional import attend
 from linformer_kit.kernels import dot_product_attention, sdpa
 from linformer_kit.projection import MatrixProjection
-
-
-def grads(fn, *inputs, seed=1):
-    """fn's output and the gradients of its inputs for one fixed random output gradient."""
-    inputs = [t.detach().requires_grad_() for t in inputs]
-    out = fn(*inputs)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
-    return (out, *torch.autograd.grad(out, inputs, grad))
-
 
 MASKS = {  # name -> shape, broadcast to (B, H, N, M)
     "keys": lambda b, h, n, m: (b, 1, 1, m),  # `attend`'s key padding mask

@@ -123,7 +123,7 @@ def use_reduction_splits(splits: int | None) -> Iterator[None]:
 
 
 def choose_reduction_splits(
-    *, device: torch.device, dtype: torch.dtype, rows: int, outputs: int
+    *, device: torch.device, dtype: torch.dtype, rows: int, groups: int, keys: int, head_dim: int
 ) -> int:
     """Into how many chunks of query rows the explicit kernel's backward cuts the two
     products that sum over them, dK = dS^T Q and dV = P^T dO (`kernels._ExplicitAttention`,
@@ -168,8 +168,8 @@ def choose_reduction_splits(
         device: where the call runs.
         dtype: the dtype the products compute in.
         rows: N, the query rows summed over.
-        outputs: the output tiles of 64 x 64 of one product: B x H x ceil(M / 64) x
-            ceil(D / 64).
+        groups: B x H, the products' batch.
+        keys, head_dim: M and D, each product's output M x D (in tiles of 64 x 64).
 
     Returns:
         A power of 2 dividing `rows` (the pinned count where `use_reduction_splits` pins one,
@@ -180,6 +180,7 @@ def choose_reduction_splits(
         device.type != "cuda" or dtype != torch.float32 or rows < _REDUCTION_MIN_QUERIES
     ):
         return 1
+    outputs = groups * -(-keys // 64) * -(-head_dim // 64)  # output tiles of 64 x 64
     limit = 64 if pinned is None else pinned
     fewest = _REDUCTION_MIN_ROWS if pinned is None else 1
     bound = 512 if pinned is None else outputs * pinned

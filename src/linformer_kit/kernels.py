@@ -212,10 +212,11 @@ class _ExplicitAttention(torch.autograd.Function):
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         splits = 1
         if ctx.rows is None:  # one block: dK and dV sum over all N rows (`_bmm_rows`)
-            tiles = math.prod(q.shape[:-2]) * -(-k.shape[-2] // 64) * -(-q.shape[-1] // 64)
+            *lead, seq_len, head_dim = q.shape
             splits = choose_reduction_splits(
-                device=q.device, dtype=q.dtype, rows=q.shape[-2], outputs=tiles
-            )
+                device=q.device, dtype=q.dtype, rows=seq_len, groups=math.prod(lead),
+                keys=k.shape[-2], head_dim=head_dim,
+            )  # fmt: skip
         grad_q, grad_k, grad_v = [], None, None
         for i, (block, keys) in enumerate(blocks):
             g, kept = grad[..., block, :], weights[i]
