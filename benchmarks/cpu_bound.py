@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from matplotlib.figure import Figure
+from roofline import COMPUTE_OPS, op_name  # benchmarks/roofline.py
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
@@ -48,19 +49,15 @@ from linformer_kit.training.settings import keep_freed_memory
 
 OUT = Path(__file__).parent / "kernels" / "cpu-bound"
 COMMAND = "PYTHONPATH=src python benchmarks/cpu_bound.py"
-# The ops that multiply matrices, by the name between namespace and overload (the compiled
-# kernels' include what they fuse: the softmax and dropout, the feed-forward's GELU).
-PRODUCTS = {
-    "matmul", "matmul_add_", "attention_forward", "attention_backward", "feedforward_forward",
-    "feedforward_backward", "mm", "addmm", "bmm", "baddbmm",
-    "_scaled_dot_product_flash_attention_for_cpu",  # SDPA, where the rule takes it
+# The ops that multiply matrices, by the name between namespace and overload: ATen's
+# (`roofline.COMPUTE_OPS`), SDPA's CPU kernel where the rule takes it, and the compiled
+# kernels (with what they fuse: the softmax and dropout, the feed-forward's GELU).
+PRODUCTS = COMPUTE_OPS | {
+    "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "matmul", "matmul_add_", "attention_forward", "attention_backward", "feedforward_forward",
+    "feedforward_backward",
 }  # fmt: skip
-
-
-def op_name(func: Any) -> str:
-    """`linformer_kit.matmul.default` -> matmul."""
-    return str(func).split(".")[-2]
 
 
 class ProductRecorder(TorchDispatchMode):
@@ -72,7 +69,7 @@ class ProductRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        if op_name(func) in PRODUCTS:
+        if op_name(str(func)) in PRODUCTS:
             copy = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
             self.calls.append(
                 (func, tuple(map(copy, args)), {k: copy(v) for k, v in kwargs.items()})
@@ -91,7 +88,7 @@ def products(step: Callable[[], None]) -> list[tuple[str, Callable[[], None]]]:
     with recorder:
         step()
     return [
-        (f"{op_name(func)} {describe(args)}", lambda f=func, a=args, k=kwargs: f(*a, **k))
+        (f"{op_name(str(func))} {describe(args)}", lambda f=func, a=args, k=kwargs: f(*a, **k))
         for func, args, kwargs in recorder.calls
     ]
 

@@ -227,6 +227,7 @@ def test_the_gemm_split_script_times_both_ways_and_leaves_the_split_on(tmp_path,
 def test_the_cpu_bound_script_times_each_product_alone_and_bounds_the_fraction(
     tmp_path, monkeypatch
 ):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/roofline.py
     script = load_script(BENCHMARKS / "cpu_bound.py")
     a, b, w = torch.randn(8, 4), torch.randn(4, 6), torch.randn(4, 6)
     recorded = script.products(lambda: torch.nn.functional.linear(torch.mm(a, b).relu(), w))
