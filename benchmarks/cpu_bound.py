@@ -119,18 +119,23 @@ def bound_at(seq_len: int, args: argparse.Namespace, probe: Callable[[], None], 
     alone_ms = sum(ms[name] for name in steps if name not in ("step", "probe"))
     return {
         "n": seq_len,
-        "step_ms": round(ms["step"], 3),
-        "products_alone_ms": round(alone_ms, 3),
-        "probe_gflop_per_s": round(probe_flop_s / 1e9, 1),
+        "step_ms": sig(ms["step"]),
+        "products_alone_ms": sig(alone_ms),
+        "probe_gflop_per_s": sig(probe_flop_s / 1e9),
         "model_gflop": flops / 1e9,
-        "measured": round(flops / (ms["step"] / 1e3) / probe_flop_s, 3),
-        "bound": round(flops / (alone_ms / 1e3) / probe_flop_s, 3),
+        "measured": sig(flops / (ms["step"] / 1e3) / probe_flop_s),
+        "bound": sig(flops / (alone_ms / 1e3) / probe_flop_s),
         "products": [
-            {"op": name.split(" ", 1)[1], "ms": round(ms[name], 3)}
+            {"op": name.split(" ", 1)[1], "ms": sig(ms[name])}
             for name in steps
             if name not in ("step", "probe")
         ],
     }
+
+
+def sig(value: float) -> float:
+    """value to 4 significant digits, for the JSON."""
+    return float(f"{value:.4g}")
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
