@@ -87,16 +87,7 @@ def choose_splits(
         return 1
     if queries < (4096 if dtype == torch.float32 else 65536):
         return 1
-    blocks, splits = groups * -(-keys // 64), 1
-    # (divisibility in the loop, not math.gcd after it: dynamo traces this with N symbolic)
-    while (
-        splits < 64
-        and queries % (2 * splits) == 0
-        and queries // (2 * splits) >= 64
-        and blocks * 2 * splits <= 512
-    ):
-        splits *= 2
-    return splits
+    return _cut(queries, fewest=64, blocks=groups * -(-keys // 64))
 
 
 @contextlib.contextmanager
@@ -176,21 +167,25 @@ def choose_reduction_splits(
         lowered until it does).
     """
     pinned = _pinned_reduction_splits
-    if pinned is None and (
-        device.type != "cuda" or dtype != torch.float32 or rows < _REDUCTION_MIN_QUERIES
-    ):
+    if pinned is not None:
+        return _cut(rows, fewest=1, blocks=1, most=pinned, bound=pinned)
+    if device.type != "cuda" or dtype != torch.float32 or rows < _REDUCTION_MIN_QUERIES:
         return 1
-    outputs = groups * -(-keys // 64) * -(-head_dim // 64)  # output tiles of 64 x 64
-    limit = 64 if pinned is None else pinned
-    fewest = _REDUCTION_MIN_ROWS if pinned is None else 1
-    bound = 512 if pinned is None else outputs * pinned
+    tiles = groups * -(-keys // 64) * -(-head_dim // 64)  # each product's, of 64 x 64
+    return _cut(rows, fewest=_REDUCTION_MIN_ROWS, blocks=tiles)
+
+
+def _cut(rows: int, *, fewest: int, blocks: int, most: int = 64, bound: int = 512) -> int:
+    """The most chunks, a power of 2 up to `most`, that divide `rows` into chunks of at
+    least `fewest` rows and keep chunks x `blocks` (thread blocks or tiles a chunk) within
+    `bound`: about four a streaming multiprocessor on an H200's 132."""
     splits = 1
     # (divisibility in the loop, not math.gcd after it: dynamo traces this with N symbolic)
     while (
-        splits < limit
+        splits < most
         and rows % (2 * splits) == 0
         and rows // (2 * splits) >= fewest
-        and outputs * 2 * splits <= bound
+        and blocks * 2 * splits <= bound
     ):
         splits *= 2
     return splits

@@ -1,7 +1,7 @@
 """Which attention kernel a call runs: the measured rule (`choose_kernel`), the dtype it
 computes in under autocast (`compute_dtype`), and `use_kernel` to pin one over a block.
 Into how many chunks a GPU call is cut (`choose_splits`, `choose_reduction_splits`,
-`use_reduction_splits`) is `cut_rule`'s, exported here beside them.
+`use_reduction_splits`) is `cut_rule`'s, exported here too.
 
 The kernels themselves are in `kernels`; the tables the rule is read from are made by
 `benchmarks/kernels.py` (CPU: `benchmarks/kernels/table.json`, `bf16/table.json`; CUDA:
