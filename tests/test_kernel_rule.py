@@ -10,10 +10,11 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from script_helpers import BENCHMARKS, load_script
 from test_kernels import CPU, explicit, qkv, seeded
 
-from linformer_kit import kernel_rule, kernels
+from linformer_kit import kernel_rule
 from linformer_kit.functional import attend
 from linformer_kit.kernel_rule import choose_kernel, choose_splits
 from linformer_kit.kernels import dot_product_attention
@@ -32,9 +33,9 @@ def test_use_kernel_pins_the_kernel_of_calls_that_leave_it_to_the_rule(monkeypat
     # use_kernel turns both round, nests, restores on exit (on error too), and a call that
     # names its kernel keeps it.
     ran = explicit_calls  # "explicit", and "sdpa" from the spy below
-    real_sdpa = kernels.F.scaled_dot_product_attention
+    real_sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(
-        kernels.F, "scaled_dot_product_attention",
+        F, "scaled_dot_product_attention",
         lambda *a, **kw: ran.append("sdpa") or real_sdpa(*a, **kw),
     )  # fmt: skip
     q, k, v = qkv(torch.float32)

@@ -119,7 +119,7 @@ def test_attention_runs_the_rule_s_cut_with_a_padding_mask(monkeypatch):
     calls = []
     real = F.scaled_dot_product_attention
     monkeypatch.setattr(
-        kernels.F, "scaled_dot_product_attention",
+        F, "scaled_dot_product_attention",
         lambda q, *a, **kw: calls.append(tuple(q.shape)) or real(q, *a, **kw),
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
