@@ -1,5 +1,5 @@
 """Into how many chunks a GPU attention call in training is cut: SDPA's queries
-(`choose_splits`, `kernels.sdpa`) and the explicit kernel's backward sums over the queries
+(`choose_splits`, `cut_sdpa.sdpa`) and the explicit kernel's backward sums over the queries
 (`choose_reduction_splits`, `kernels._bmm_rows`), each from the H200 tables in its
 docstring, and `use_reduction_splits` to pin the second over a block. `kernel_rule`, which
 picks the kernel, exports them beside `choose_kernel`.
@@ -29,7 +29,7 @@ def choose_splits(
     keys: int,
     groups: int,
 ) -> int:
-    """Into how many chunks of queries an SDPA call is cut (`kernels.sdpa`): 1 but on a GPU
+    """Into how many chunks of queries an SDPA call is cut (`cut_sdpa.sdpa`): 1 but on a GPU
     in training, where SDPA's backward has one thread block per (batch, head, block of
     64 keys), each looping over all N queries, and Linformer's few keys leave most SMs idle.
 
