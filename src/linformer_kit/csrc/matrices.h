@@ -41,15 +41,17 @@ struct Allowed {
   const bool* row(int64_t g, int64_t r) const { return mask ? mask->row(g, r) : nullptr; }
 };
 
-// (B, H, M, D) -> (B, H, D, M), contiguous: K^T and V^T, the right operands of Q K^T and
-// dO V^T. float: each matrix in 16 x 16 tiles (`transposed_rows`), threaded over the
-// matrices; other dtypes: ATen's transposing copy. In the causal LM's block attention (256
+// (B, H, M, D) -> alpha * (B, H, D, M), contiguous: K^T and V^T, the right operands of Q K^T
+// and dO V^T (alpha: the scores' scale, which the GEMM then need not apply). float: each
+// matrix in 16 x 16 tiles (`transposed_rows`), threaded over the matrices; other dtypes:
+// ATen's transposing copy. In the causal LM's block attention (256
 // matrices of 192 keys x 32, the blocks as batch entries) ATen's copies took 4 % of a
 // training step in the profiler; the kernel's forward there went 1.75 / 1.69 -> 1.43 / 1.61
 // ms (min, alternating processes, AMD EPYC, 2 threads), fwd+bwd 7.20 / 6.98 -> 6.70 / 6.88.
-inline at::Tensor transposed(const at::Tensor& t) {
+inline at::Tensor transposed(const at::Tensor& t, double alpha = 1.0) {
   if (t.scalar_type() != at::kFloat || (t.stride(3) != 1 && t.size(3) > 1)) {
-    return t.transpose(2, 3).contiguous();
+    at::Tensor out = t.transpose(2, 3).contiguous();
+    return alpha == 1.0 ? out : out.mul_(alpha);
   }
   const int64_t rows = t.size(3), cols = t.size(2);  // of each (D, M) result
   at::Tensor out = at::empty({t.size(0), t.size(1), rows, cols}, t.options());
@@ -59,8 +61,8 @@ inline at::Tensor transposed(const at::Tensor& t) {
   at::parallel_for(0, t.size(0) * t.size(1), grain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        transposed_rows(r0, std::min(rows, r0 + 16), cols, 1.0f, from.row(g, 0), from.ld,
-                        dest + g * rows * cols, cols);
+        transposed_rows(r0, std::min(rows, r0 + 16), cols, float(alpha), from.row(g, 0),
+                        from.ld, dest + g * rows * cols, cols);
       }
     }
   });
