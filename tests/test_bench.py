@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from linformer_kit import precision
 from linformer_kit.bench import (
@@ -377,6 +378,24 @@ def test_compiled_variants_time_the_same_layers_under_torch_compile(tmp_path):
         tiny_settings(tmp_path, compile="aot_eager,tensorrt")
     with pytest.raises(ValueError, match="reduce-overhead records CUDA graphs"):
         tiny_settings(tmp_path, compile="reduce-overhead")
+
+
+def test_a_compiled_autograd_step_captures_the_backward_and_keeps_the_eager_gradients():
+    # --compile aot_eager+autograd: the module compiled as with aot_eager, and each step's
+    # backward (the gradients' accumulation included) captured by compiled autograd.
+    x = torch.randn(SHAPE.batch_size, SHAPE.seq_len, SHAPE.dim, requires_grad=True)
+    grads = {}
+    for setting in (None, "aot_eager+autograd"):
+        torch.manual_seed(0)
+        module = build_variant(dataclasses.replace(OURS["kv"], compile=setting), SHAPE, "layer")
+        step = module_step(module.train(), x, backward=True, compile=setting)
+        counters.clear()
+        for _ in range(2):  # the second call on the captured graph
+            step()
+        assert (counters["compiled_autograd"]["captures"] > 0) == bool(setting)
+        grads[setting] = [x.grad, *(p.grad for p in module.parameters())]
+    for eager, compiled in zip(*grads.values(), strict=True):
+        torch.testing.assert_close(compiled, eager)
 
 
 def test_a_compiled_sweep_over_lengths_and_sharings_stays_compiled(tmp_path, monkeypatch):

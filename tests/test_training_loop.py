@@ -147,16 +147,23 @@ def test_run_config_round_trips_and_rejects_unknown_fields(tmp_path):
 
 
 def test_a_compiled_run_trains_as_the_eager_one_and_its_checkpoints_serve_both(tmp_path):
-    # aot_eager: dynamo's graphs run by the eager kernels (the wiring, without code generation)
-    for name, setting in (("eager", ""), ("compiled", "aot_eager")):
+    # aot_eager: dynamo's graphs run by the eager kernels (the wiring, without code generation);
+    # +autograd: each backward captured whole by compiled autograd
+    settings = {"eager": "", "compiled": "aot_eager", "autograd": "aot_eager+autograd"}
+    for name, setting in settings.items():
         run = tiny_run(tmp_path / name, max_steps=4, eval_every=4, save_every=2, compile=setting)
         run.model = run.model.replace(dropout=0.0, attention_dropout=0.0)
         counters.clear()
         pretrain(run)
         assert counters["aot_autograd"]["ok"] >= (1 if setting else 0)  # training graphs
-    eager, compiled = (train_losses(tmp_path / name / "run") for name in ("eager", "compiled"))
-    assert [step for step, _ in compiled] == [1, 2, 3, 4]
-    assert [loss for _, loss in compiled] == pytest.approx([loss for _, loss in eager], rel=1e-4)
+        captures = counters["compiled_autograd"]["captures"]
+        assert (captures > 0) == (name == "autograd"), name  # backward graphs captured
+    eager = train_losses(tmp_path / "eager/run")
+    for name in ("compiled", "autograd"):
+        compiled = train_losses(tmp_path / name / "run")
+        assert [step for step, _ in compiled] == [1, 2, 3, 4]
+        expected = pytest.approx([loss for _, loss in eager], rel=1e-4)
+        assert [loss for _, loss in compiled] == expected
     weights = hub.read_weights(tmp_path / "compiled/run/last")
     assert weights.keys() == hub.read_weights(tmp_path / "eager/run/last").keys()
     run.train.max_steps, run.train.resume, run.train.compile = 6, True, ""  # on, eagerly
@@ -173,6 +180,8 @@ def test_cuda_graphs_are_refused_off_a_gpu(tmp_path):
         TrainSettings(compile="max-autotune")
     with pytest.raises(ValueError, match="records CUDA graphs: it needs a CUDA device, got 'cpu'"):
         TrainSettings(compile="reduce-overhead", device="cpu")
+    with pytest.raises(ValueError, match=r"reduce-overhead\+autograd records CUDA graphs"):
+        TrainSettings(compile="reduce-overhead+autograd", device="cpu")
     assert TrainSettings(compile="reduce-overhead", device="cuda:1").compile == "reduce-overhead"
     if not torch.cuda.is_available():  # "auto" resolves to the CPU: the trainer refuses it
         with pytest.raises(ValueError, match="needs a CUDA device, got 'cpu'"):

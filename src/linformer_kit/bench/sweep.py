@@ -91,7 +91,8 @@ class BenchSettings:
         default="",
         metadata={
             "help": "also time every variant under torch.compile: inductor, reduce-overhead "
-            "(Inductor with CUDA graphs) and/or aot_eager (no code generation); '': eager only"
+            "(Inductor with CUDA graphs) and/or aot_eager (no code generation), each also "
+            "with +autograd (the backward under compiled autograd); '': eager only"
         },
     )
     peers: bool = field(default=False, metadata={"help": "also time the published packages"})

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..kernel_rule import use_kernel
 from ..linear_backend import linear
+from ..training.settings import compiled_backward
 from .flops import Shape
 from .variants import Variant, build_variant
 
@@ -48,7 +49,9 @@ def make_step(call: Call) -> Callable[[], None]:
     x = torch.randn(shape, device=call.device, requires_grad=call.backward)
     module.train(call.backward)
     autocast = None if call.dtype == "float32" else DTYPES[call.dtype]
-    step = module_step(module, x, backward=call.backward, autocast=autocast)
+    step = module_step(
+        module, x, backward=call.backward, autocast=autocast, compile=call.variant.compile
+    )
     for _ in range(3 if call.variant.compile else 0):
         step()
     return step
@@ -61,6 +64,7 @@ def module_step(
     backward: bool,
     autocast: torch.dtype | None = None,
     kernel: str | None = None,
+    compile: str | None = None,
 ) -> Callable[[], None]:
     """One call of `module` on x to time, as the benchmarks all make it.
 
@@ -79,6 +83,8 @@ def module_step(
         kernel: pin the attention kernel of every call (`kernel_rule.use_kernel`; None: as
             pinned around the call, else the rule's). A module that pins its own (the
             bench's `FirstOutput`, built from a `Variant`) overrides it.
+        compile: the module's torch.compile setting: one ending in "+autograd" runs each
+            call under compiled autograd (`training.settings.compiled_backward`).
     """
     grad = torch.randn_like(x)
     params = list(module.parameters())
@@ -100,8 +106,9 @@ def module_step(
         x.grad = None
         for p in params:
             p.grad = None
-        out = forward()
-        out.backward(grad.to(out.dtype))
+        with compiled_backward(compile):
+            out = forward()
+            out.backward(grad.to(out.dtype))
 
     return step
 

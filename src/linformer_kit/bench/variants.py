@@ -45,7 +45,8 @@ class Variant:
             for the rule's choice.
         compile: run under `torch.compile` (`training.settings.compiled`), one of its
             COMPILES: "inductor" (its default), "reduce-overhead" (Inductor with CUDA graphs)
-            or "aot_eager" (no code generation); None: eager.
+            or "aot_eager" (no code generation), each also with "+autograd" (the backward
+            under compiled autograd, `timing.module_step`); None: eager.
     """
 
     name: str

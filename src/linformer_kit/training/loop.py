@@ -32,6 +32,8 @@ from .settings import (
     TrainSettings,
     check_compile,
     compiled,
+    compiled_backward,
+    cuda_graphs,
     keep_freed_memory,
     use_threads,
 )
@@ -147,8 +149,10 @@ class Trainer:
     """Trains `model` on `batches` for `settings.max_steps` steps.
 
     With `settings.compile` the training steps run the model under `torch.compile`
-    (wrapped after DDP, as torch's DDP optimiser expects); validation and checkpoints use
-    the model itself, so a compiled run's checkpoints load into an eager one and back.
+    (wrapped after DDP, as torch's DDP optimiser expects), and with a "+autograd" setting
+    each micro-batch's backward under compiled autograd (`compiled_backward`); validation
+    and checkpoints use the model itself, so a compiled run's checkpoints load into an
+    eager one and back.
 
     Args:
         model: the unwrapped model (seeded identically on every rank before construction).
@@ -256,9 +260,9 @@ class Trainer:
             batch = {k: v.to(self.dist.device) for k, v in batch.items()}
             last = micro == accum - 1
             sync = contextlib.nullcontext() if last or not self.dist.enabled else model.no_sync()
-            if self.settings.compile == "reduce-overhead":
+            if cuda_graphs(self.settings.compile):
                 torch.compiler.cudagraph_mark_step_begin()  # the last graph's outputs are read
-            with sync:
+            with sync, compiled_backward(self.settings.compile):
                 with self.autocast:
                     loss = self.loss_fn(model, batch)
                 (loss / accum).backward()

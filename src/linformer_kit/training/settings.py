@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -21,8 +22,15 @@ SCHEDULES = ("linear", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
 OBJECTIVES = ("mlm", "clm")
 # torch.compile settings (`compiled`): Inductor, Inductor with CUDA graphs, or dynamo's graphs
-# run by the eager kernels (no code generation).
-COMPILES = ("inductor", "reduce-overhead", "aot_eager")
+# run by the eager kernels (no code generation); each also with "+autograd" (AUTOGRAD),
+# the backward then captured whole by compiled autograd and compiled the same way
+# (`compiled_backward`).
+AUTOGRAD = "+autograd"
+COMPILES = tuple(
+    f"{base}{suffix}"
+    for suffix in ("", AUTOGRAD)
+    for base in ("inductor", "reduce-overhead", "aot_eager")
+)
 RUN_CONFIG_NAME = "run_config.json"
 
 
@@ -67,7 +75,8 @@ class TrainSettings:
         default="",
         metadata={
             "help": "torch.compile the model for the training steps: inductor, reduce-overhead "
-            "(Inductor with CUDA graphs: a GPU only) or aot_eager; '' = eager"
+            "(Inductor with CUDA graphs: a GPU only) or aot_eager, each also with +autograd "
+            "(the whole backward captured by compiled autograd); '' = eager"
         },
     )
 
@@ -165,26 +174,48 @@ def check_compile(setting: str, device: str) -> None:
     passes, the trainer checking the device it resolves to).
 
     Raises:
-        ValueError: if `setting` is not one of COMPILES, or is reduce-overhead (CUDA graphs)
-            for a device other than a GPU.
+        ValueError: if `setting` is not one of COMPILES, or records CUDA graphs
+            (reduce-overhead) for a device other than a GPU.
     """
     check_choice("compile", setting, COMPILES)
-    if setting == "reduce-overhead" and device.split(":")[0] not in ("auto", "cuda"):
+    if cuda_graphs(setting) and device.split(":")[0] not in ("auto", "cuda"):
         raise ValueError(
-            f"compile reduce-overhead records CUDA graphs: it needs a CUDA device, got {device!r}"
+            f"compile {setting} records CUDA graphs: it needs a CUDA device, got {device!r}"
         )
 
 
+def cuda_graphs(setting: str | None) -> bool:
+    """Whether a compile setting (None or "": eager) records CUDA graphs."""
+    return bool(setting) and setting.removesuffix(AUTOGRAD) == "reduce-overhead"
+
+
 def compiled(module: torch.nn.Module, setting: str) -> torch.nn.Module:
-    """`torch.compile(module)` by a setting, one of COMPILES.
+    """`torch.compile(module)` by a setting, one of COMPILES (its "+autograd" is
+    `compiled_backward`'s, around the calls).
 
     Raises:
         ValueError: for another setting.
     """
     check_choice("compile", setting, COMPILES)
-    if setting == "reduce-overhead":
+    if cuda_graphs(setting):
         return torch.compile(module, mode="reduce-overhead")
-    return torch.compile(module, backend=setting)
+    return torch.compile(module, backend=setting.removesuffix(AUTOGRAD))
+
+
+def compiled_backward(setting: str | None) -> contextlib.AbstractContextManager:
+    """Where a compile setting ends in "+autograd", compiled autograd for the block: each
+    backward inside is captured whole, the gradients' accumulation into `.grad` included,
+    and compiled as `compiled` compiles (with reduce-overhead: one CUDA graph for the whole
+    backward instead of an AccumulateGrad call per parameter from the host). Put the
+    compiled forward inside the block too, as torch's compiled autograd asks. Otherwise
+    (None, "", another setting) a block that does nothing.
+    """
+    if not setting or not setting.endswith(AUTOGRAD):
+        return contextlib.nullcontext()
+    from torch._dynamo import compiled_autograd  # (private: torch has no public switch yet)
+
+    base = setting.removesuffix(AUTOGRAD)
+    return compiled_autograd._enable(lambda graph: compiled(graph, base))
 
 
 def check_threads(threads: int) -> None:
