@@ -60,11 +60,18 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    Inductor and CUDA graphs, 60 steps each: does the whole training step gain what the
    compiled encoder gained (1.35x, 3.6x with CUDA graphs), validation and checkpoints
    included? (On the CPU it did not: `benchmarks/train_compile/`.)
+23. step 13 with `--compile reduce-overhead,reduce-overhead+autograd`: under CUDA graphs
+   a step's host time (0.2-0.3 ms of ours' 1.12 at B 1, n 4096, against lucidrains' 1.21)
+   includes an AccumulateGrad call per parameter tensor; with "+autograd" compiled
+   autograd captures the whole backward, the accumulation included, for ours and the
+   peers alike (`training.settings.compiled_backward`). Does the B 1 target (1.2x) come
+   within reach, as the kernels' GPU time (1.39x less than lucidrains') says it could?
+24. `train_compile.py` the same way: do whole training runs gain from it?
 
-Steps 5-22 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+Steps 5-24 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
-compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). All 22
-steps have run on an H200 (`benchmarks/kernels/cuda/`). The ninth call (`cuda/log-run9.txt`)
+compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
+1-22 have run on an H200 (`benchmarks/kernels/cuda/`). The ninth call (`cuda/log-run9.txt`)
 ran 1, 2, 3, 15, then 4, 13 and 21, settled, in about 480 s of commands: `--steps
 kernels,bench-b1,bench-b8,profile` (378 s; the peer wheels needed), then `--steps
 compile,bench-b1-compiled,bench-b8-bf16-compiled` (107 s). The tenth session's two calls
@@ -72,8 +79,9 @@ compile,bench-b1-compiled,bench-b8-bf16-compiled` (107 s). The tenth session's t
 `--compile reduce-overhead` alone) and 22 by hand, each with its own `timeout`, then
 `tests/test_cuda.py` and 13 with attention dropout 0.1 (`--attention-dropout 0.1 --kernel
 rule,sdpa --compile reduce-overhead`: the compiled band's explicit kernel lost under CUDA
-graphs). Next: the compiled steps 5, 6, 9-12, 16 and 17 (the fourth to sixth calls, before
-SDPA was cut into chunks).
+graphs). Next: 23 and 24 (new, never run on a GPU: `--steps bench-b1-autograd,train-autograd`,
+the peer wheels needed), then the compiled steps 5, 6, 9-12, 16 and 17 (the fourth to sixth
+calls, before SDPA was cut into chunks).
 
 The GPU image has torch but not the peers: carry their wheels, and pytest's (whether the
 image has it was not checked). Here, once, in the repo root:
@@ -135,6 +143,8 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         layers = "--dtype float32 --shapes 1x128 --dim 16 --k 8 --repeats 1"
         fused = shape.replace("attention", "layer") + " --compile aot_eager --batch-size 2"
         train = "--tiny --compile aot_eager --steps 2 --rounds 1 --models mlm/linformer"
+        autograd = compiled.replace("aot_eager", "aot_eager,aot_eager+autograd")
+        train_autograd = train.replace("aot_eager", "aot_eager+autograd")
     else:
         kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192,16384,32768,65536 "
         kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
@@ -157,6 +167,10 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         fused += "--min-time-s 1 --no-memory --memory-budget-gb 60 --scope layer --sharing kv "
         fused += "--compile inductor"
         train = "--compile inductor,reduce-overhead --steps 60 --rounds 1"
+        autograd = compiled.replace(
+            "inductor,reduce-overhead", "reduce-overhead,reduce-overhead+autograd"
+        )
+        train_autograd = "--compile reduce-overhead,reduce-overhead+autograd --steps 60 --rounds 1"
     own = [*python, "-m", "linformer_kit.cli", "bench", *device]  # ours and exact only
     cli = [*own, "--peers"]
     bench = [*cli, *shape.split()]
@@ -194,6 +208,11 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         ),
         ("bench-b8-bf16-compiled", [*own, *fused.split(), "--exact", ""]),
         ("train-compile", [*python, str(BENCHMARKS / "train_compile.py"), *device, *train.split()]),
+        ("bench-b1-autograd", [*cli, *autograd.split(), "--exact", "", *pinned]),
+        (
+            "train-autograd",
+            [*python, str(BENCHMARKS / "train_compile.py"), *device, *train_autograd.split()],
+        ),
     ]
 
 

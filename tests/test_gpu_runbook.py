@@ -19,6 +19,7 @@ STEPS += ["kernels-fp16", "kernels-causal", "compile-bf16-explicit", "compile-bf
 STEPS += ["compile-b8-explicit", "compile-b8-sdpa", "bench-b1-compiled", "kernels-split"]
 STEPS += ["profile", "compile-8192-explicit", "compile-8192-sdpa", "feedforward-sums"]
 STEPS += ["lm-loss", "split-layers", "bench-b8-bf16-compiled", "train-compile"]
+STEPS += ["bench-b1-autograd", "train-autograd"]
 
 
 # Run end to end by the smoke test, one of each kind: the others' programs are the same
@@ -69,12 +70,18 @@ def test_every_step_s_arguments_are_those_its_program_takes(smoke, tmp_path, mon
     assert args["compile-b8-sdpa"]["batch"] == (2 if smoke else 8)
     assert args["kernels-causal"]["causal"] and not args["kernels"]["causal"]
     assert args["bench-b8"]["batch_size"] == (2 if smoke else 8)
-    for name in ("bench-b1", "bench-b8", "bench-b1-compiled"):  # ours pinned too, the peers
+    # ours pinned too, the peers
+    for name in ("bench-b1", "bench-b8", "bench-b1-compiled", "bench-b1-autograd"):
         assert args[name]["kernel"] == "rule,explicit" and args[name]["peers"], name
     fused = args["bench-b8-bf16-compiled"]
     assert not fused["peers"] and fused["compile"] == ("aot_eager" if smoke else "inductor")
     both = "aot_eager" if smoke else "inductor,reduce-overhead"
     assert args["bench-b1-compiled"]["compile"] == args["profile"]["compile"] == both
+    graphs = "aot_eager" if smoke else "reduce-overhead"  # with and without compiled autograd
+    assert args["bench-b1-autograd"]["compile"] == f"{graphs},{graphs}+autograd"
+    assert args["train-autograd"]["compile"] == (
+        "aot_eager+autograd" if smoke else "reduce-overhead,reduce-overhead+autograd"
+    )
     if not smoke:  # the sizes the targets are read at
         assert fused["dtype"] == "bfloat16" and args["bench-b1"]["dtype"] == "float32,bfloat16"
         assert args["compile-8192-sdpa"]["n"] == 8192 and args["compile-sdpa"]["n"] == 16384
