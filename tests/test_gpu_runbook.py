@@ -153,6 +153,7 @@ def test_a_bench_step_that_fails_with_kernels_pinned_runs_again_on_the_rule_alon
     assert [argv[argv.index("--kernel") + 1] for argv in calls if "--kernel" in argv] == [
         "rule,explicit", "rule", "rule,explicit", "rule", "explicit", "sdpa",
         "explicit", "sdpa", "explicit", "sdpa", "rule,explicit", "rule", "explicit", "sdpa",
+        "rule,explicit", "rule",
     ]  # fmt: skip
     assert lines[4] == "compile-explicit: failed (exit status 1) in 0 s"
     assert calls[2][-1] == str(tmp_path / "bench-b1-rule")
