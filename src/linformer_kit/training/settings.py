@@ -212,10 +212,15 @@ def compiled_backward(setting: str | None) -> contextlib.AbstractContextManager:
     """
     if not setting or not setting.endswith(AUTOGRAD):
         return contextlib.nullcontext()
-    from torch._dynamo import compiled_autograd  # (private: torch has no public switch yet)
+    # (torch's own switch, `torch._dynamo.config.compiled_autograd`, acts on backward calls
+    # made inside a compiled function; these are made outside)
+    from torch._dynamo import compiled_autograd
 
     base = setting.removesuffix(AUTOGRAD)
-    return compiled_autograd._enable(lambda graph: compiled(graph, base))
+    # Sizes static, as torch.compile's own switch (`torch._dynamo.config.compiled_autograd`)
+    # sets them by default; a new shape captures a new graph.
+    dynamic = not torch._dynamo.config.assume_static_by_default
+    return compiled_autograd._enable(lambda graph: compiled(graph, base), dynamic=dynamic)
 
 
 def check_threads(threads: int) -> None:
