@@ -10,7 +10,7 @@ from train_helpers import tiny_run
 from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM, hub
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, lr_factor, pretrain
 from linformer_kit.training.batches import language_model_loss
-from linformer_kit.training.distributed import resolve_device
+from linformer_kit.training.distributed import Distributed, resolve_device
 
 
 def train_losses(run_dir):
@@ -173,6 +173,15 @@ def test_a_compiled_run_trains_as_the_eager_one_and_its_checkpoints_serve_both(t
 def test_compiled_training_with_dropout_trains(tmp_path):
     result = pretrain(tiny_run(tmp_path, max_steps=3, eval_every=3, compile="aot_eager"))
     assert torch.isfinite(torch.tensor(result.final["val_loss"]))
+
+
+def test_compiled_autograd_is_refused_in_a_job_of_several_processes():
+    # DDP's C++ reducer cannot run inside a captured backward; the trainer says so before
+    # it builds anything (the model is never touched).
+    settings = TrainSettings(compile="aot_eager+autograd")
+    two = Distributed(rank=0, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="compiled autograd does not run with DDP.+'aot_eager'"):
+        Trainer(model=None, batches=None, evaluator=None, settings=settings, dist=two)
 
 
 def test_cuda_graphs_are_refused_off_a_gpu(tmp_path):

@@ -179,7 +179,7 @@ class Trainer:
         loss_fn: Callable[[torch.nn.Module, dict[str, Tensor]], Tensor] | None = None,
     ) -> None:
         if settings.compile:
-            check_compile(settings.compile, dist.device.type)
+            check_compile(settings.compile, dist.device.type, processes=dist.world_size)
         self.model = model.to(dist.device)
         self.loss_fn = loss_fn or _model_loss
         self.batches, self.evaluator, self.settings, self.dist = batches, evaluator, settings, dist

@@ -169,18 +169,26 @@ class RunConfig:
             raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
 
 
-def check_compile(setting: str, device: str) -> None:
+def check_compile(setting: str, device: str, *, processes: int = 1) -> None:
     """Checks a torch.compile setting for a device ("auto", "cpu", "cuda", "cuda:N"; "auto"
-    passes, the trainer checking the device it resolves to).
+    passes, the trainer checking the device it resolves to) and a job of `processes`.
 
     Raises:
-        ValueError: if `setting` is not one of COMPILES, or records CUDA graphs
-            (reduce-overhead) for a device other than a GPU.
+        ValueError: if `setting` is not one of COMPILES, records CUDA graphs (reduce-overhead)
+            for a device other than a GPU, or takes compiled autograd ("+autograd") in a
+            job of several processes, where DDP's C++ reducer cannot run inside the
+            captured backward (torch's Python reducer for it is experimental; untested
+            here).
     """
     check_choice("compile", setting, COMPILES)
     if cuda_graphs(setting) and device.split(":")[0] not in ("auto", "cuda"):
         raise ValueError(
             f"compile {setting} records CUDA graphs: it needs a CUDA device, got {device!r}"
+        )
+    if setting.endswith(AUTOGRAD) and processes > 1:
+        raise ValueError(
+            f"compile {setting}: compiled autograd does not run with DDP's reducer; "
+            f"{processes} processes were asked for (use {setting.removesuffix(AUTOGRAD)!r})"
         )
 
 
