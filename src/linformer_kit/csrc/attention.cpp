@@ -14,9 +14,8 @@
 // dK^T += Q^T dS, dV^T += dO^T kept into thread-local sums added once per matrix under a
 // lock. The dropout's 1 / (1 - p) goes into the kept weights and the scale into K^T, not
 // into the GEMMs' alpha, for which oneDNN's micro-kernel would copy Q's and dO's blocks
-// (the backward's time outside its GEMMs went from 18 % to 13 % of theirs in perf's samples:
-// n 4096, dropout 0.1, AMD EPYC Zen 4, 2 threads). The GEMMs are single-threaded BLAS
-// calls (`blas.h`) inside at::parallel_for. Every GEMM reads its right operand as laid out
+// (docs/performance.md). The GEMMs are single-threaded BLAS calls (`blas.h`) inside
+// at::parallel_for. Every GEMM reads its right operand as laid out
 // (K^T and V^T made once per call; the sums transposed, so that the per-block operands Q
 // and dO are the transposed ones): oneDNN's micro-kernel, which `blas.h` may call, takes no
 // transposed operand, and copying one costs least where it is the block's few rows.
@@ -57,9 +56,9 @@ using linformer_kit::gemm;
 using linformer_kit::keep;
 using linformer_kit::Matrices;
 using linformer_kit::Opmath;
-using linformer_kit::plain_operands;
 using linformer_kit::row_bits;
 using linformer_kit::transposed;
+using linformer_kit::transposed_scaled;
 
 // x (count values of the compute type T) as a GEMM input of type S: x itself where S is T,
 // else rounded into `buffer` (bfloat16: the dropped weights and the scores' gradient, as
@@ -227,17 +226,8 @@ Plan plan_of(const at::Tensor& q, const at::Tensor& k, bool causal, const at::Te
               threshold > -32768, linformer_kit::seed_value(seed), int32_t(threshold)};
 }
 
-// K^T for the scores' GEMM, and the alpha that GEMM applies: the scores' scale goes into
-// K^T (one copy a call) where the GEMM would otherwise copy each block of Q to apply it
-// (float on oneDNN's micro-kernel, which takes no alpha: `plain_operands`).
-template <typename S>
-std::pair<at::Tensor, Opmath<S>> scaled_keys(const at::Tensor& k, Opmath<S> scale) {
-  if (plain_operands<S>()) return {transposed(k, scale), Opmath<S>(1)};
-  return {transposed(k), scale};
-}
-
 // The block's scores Q K^T * scale into w, (rows, keys): the forward's, and backward's again
-// (Kt and alpha: `scaled_keys`).
+// (Kt and alpha: `transposed_scaled(k, scale)`).
 template <typename S>
 void block_scores(const Plan::Block& b, const Matrices<const S>& Q, const Matrices<const S>& Kt,
                   int64_t head_dim, Opmath<S> alpha, Opmath<S>* w) {
@@ -250,7 +240,7 @@ void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, const std::optional<at::Tensor>& mask,
                     Opmath<S> scale, Opmath<S> factor, at::Tensor& out, at::Tensor& logsumexp) {
   using T = Opmath<S>;
-  const std::pair<at::Tensor, T> k_t = scaled_keys<S>(k, scale);
+  const std::pair<at::Tensor, T> k_t = transposed_scaled<S>(k, scale);
   const Matrices<const S> Q(q), Kt(k_t.first), V(v);
   const T alpha = k_t.second;
   const Matrices<S> O(out);
@@ -298,7 +288,7 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
                      at::Tensor& grad_v) {
   using T = Opmath<S>;
   const bool need_q = grad_q.defined(), need_k = grad_k.defined(), need_v = grad_v.defined();
-  const std::pair<at::Tensor, T> k_t = scaled_keys<S>(k, scale);
+  const std::pair<at::Tensor, T> k_t = transposed_scaled<S>(k, scale);
   const at::Tensor v_t = need_q || need_k ? transposed(v) : at::Tensor();
   const Matrices<const S> dO(grad), Q(q), K(k), Kt(k_t.first), Vt(v_t);
   const T alpha = k_t.second;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 #include "blas.h"
 
@@ -67,6 +68,16 @@ inline at::Tensor transposed(const at::Tensor& t, double alpha = 1.0) {
     }
   });
   return out;
+}
+
+// alpha * X^T (`transposed`) as a GEMM's right operand, and the alpha left for that GEMM:
+// alpha goes into the copy where the GEMM would otherwise copy each block of its left
+// operand to apply it (float on oneDNN's micro-kernel, which takes no alpha:
+// `plain_operands`), else it stays the GEMM's.
+template <typename S>
+std::pair<at::Tensor, Opmath<S>> transposed_scaled(const at::Tensor& t, Opmath<S> alpha) {
+  if (plain_operands<S>()) return {transposed(t, alpha), Opmath<S>(1)};
+  return {transposed(t), alpha};
 }
 
 }  // namespace linformer_kit
