@@ -67,8 +67,11 @@ OUT/results.tar.gz beside OUT/log.txt (the device tool returns at most 8 files).
    peers alike (`training.settings.compiled_backward`). Does the B 1 target (1.2x) come
    within reach, as the kernels' GPU time (1.39x less than lucidrains') says it could?
 24. `train_compile.py` the same way: do whole training runs gain from it?
+25. `kernels_profile.py` under `reduce-overhead+autograd` (ours kv and the peers): where a
+   replayed step's host time goes with the backward captured whole, against step 15's
+   `reduce-overhead` profile.
 
-Steps 5-24 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
+Steps 5-25 get what steps 1-4 (about 400 s) leave of the budget. `--steps` runs only the
 named steps (still in this order), e.g. `--steps
 compile-explicit,compile-sdpa,kernels-fp16,kernels-causal` (no peer wheels needed). Steps
 1-22 have run on an H200 (`benchmarks/kernels/cuda/`). The ninth call (`cuda/log-run9.txt`)
@@ -79,9 +82,10 @@ compile,bench-b1-compiled,bench-b8-bf16-compiled` (107 s). The tenth session's t
 `--compile reduce-overhead` alone) and 22 by hand, each with its own `timeout`, then
 `tests/test_cuda.py` and 13 with attention dropout 0.1 (`--attention-dropout 0.1 --kernel
 rule,sdpa --compile reduce-overhead`: the compiled band's explicit kernel lost under CUDA
-graphs). Next: 23 and 24 (new, never run on a GPU: `--steps bench-b1-autograd,train-autograd`,
-the peer wheels needed), then the compiled steps 5, 6, 9-12, 16 and 17 (the fourth to sixth
-calls, before SDPA was cut into chunks).
+graphs). Next: 23-25 (new, never run on a GPU: `--steps
+bench-b1-autograd,train-autograd,profile-autograd`, the peer wheels needed), then the
+compiled steps 5, 6, 9-12, 16 and 17 (the fourth to sixth calls, before SDPA was cut into
+chunks).
 
 The GPU image has torch but not the peers: carry their wheels, and pytest's (whether the
 image has it was not checked). Here, once, in the repo root:
@@ -145,6 +149,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         train = "--tiny --compile aot_eager --steps 2 --rounds 1 --models mlm/linformer"
         autograd = compiled.replace("aot_eager", "aot_eager,aot_eager+autograd")
         train_autograd = train.replace("aot_eager", "aot_eager+autograd")
+        profile_autograd = profile.replace("aot_eager", "aot_eager+autograd")
     else:
         kernels = "--dtype float32,bfloat16 --batch 1,8 --n 1024,4096,8192,16384,32768,65536 "
         kernels += "--k 64,256,1024 --head-dim 64 --min-seconds 1"
@@ -171,6 +176,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
             "inductor,reduce-overhead", "reduce-overhead,reduce-overhead+autograd"
         )
         train_autograd = "--compile reduce-overhead,reduce-overhead+autograd --steps 60 --rounds 1"
+        profile_autograd = "--n 4096 --batch 1 --sharing kv --compile reduce-overhead+autograd"
     own = [*python, "-m", "linformer_kit.cli", "bench", *device]  # ours and exact only
     cli = [*own, "--peers"]
     bench = [*cli, *shape.split()]
@@ -212,6 +218,10 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         (
             "train-autograd",
             [*python, str(BENCHMARKS / "train_compile.py"), *device, *train_autograd.split()],
+        ),
+        (
+            "profile-autograd",
+            [*python, str(BENCHMARKS / "kernels_profile.py"), *device, *profile_autograd.split()],
         ),
     ]
 

@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--sharing", default="kv", help="ours: comma-separated sharings")
     parser.add_argument(
-        "--compile", default="", help="comma-separated: inductor, reduce-overhead, aot_eager"
+        "--compile",
+        default="",
+        help="comma-separated: inductor, reduce-overhead, aot_eager, each also with +autograd",
     )
     parser.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="unprofiled steps first")
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             x = torch.randn(
                 shape.batch_size, shape.seq_len, shape.dim, device=args.device, requires_grad=True
             )
-            step = module_step(module, x, backward=True)
+            step = module_step(module, x, backward=True, compile=variant.compile)
             for _ in range(args.warmup):
                 step()
             wall = time_interleaved(
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
             row["cudagraphs"] = {
                 name: count for name, count in counters["inductor"].items() if "cudagraph" in name
             }
+            # "+autograd": the backward graphs compiled autograd captured (none: it did not run)
+            row["compiled_autograd"] = dict(counters["compiled_autograd"])
             results[variant.name] = row
             print(
                 f"{variant.name}: wall {row['wall_ms']} ms, kernels {row['kernel_ms_per_step']} ms "

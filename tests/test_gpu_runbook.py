@@ -19,7 +19,7 @@ STEPS += ["kernels-fp16", "kernels-causal", "compile-bf16-explicit", "compile-bf
 STEPS += ["compile-b8-explicit", "compile-b8-sdpa", "bench-b1-compiled", "kernels-split"]
 STEPS += ["profile", "compile-8192-explicit", "compile-8192-sdpa", "feedforward-sums"]
 STEPS += ["lm-loss", "split-layers", "bench-b8-bf16-compiled", "train-compile"]
-STEPS += ["bench-b1-autograd", "train-autograd"]
+STEPS += ["bench-b1-autograd", "train-autograd", "profile-autograd"]
 
 
 # Run end to end by the smoke test, one of each kind: the others' programs are the same
@@ -79,6 +79,7 @@ def test_every_step_s_arguments_are_those_its_program_takes(smoke, tmp_path, mon
     assert args["bench-b1-compiled"]["compile"] == args["profile"]["compile"] == both
     graphs = "aot_eager" if smoke else "reduce-overhead"  # with and without compiled autograd
     assert args["bench-b1-autograd"]["compile"] == f"{graphs},{graphs}+autograd"
+    assert args["profile-autograd"]["compile"] == f"{graphs}+autograd"
     assert args["train-autograd"]["compile"] == (
         "aot_eager+autograd" if smoke else "reduce-overhead,reduce-overhead+autograd"
     )

@@ -75,6 +75,7 @@ def test_the_profile_script_lists_each_variant_s_kernels(tmp_path):
         assert sum(host["threads_ms_per_step"]) == pytest.approx(host["ms_per_step"], abs=1e-3)
         assert sum(top["ms_per_step"] for top in host["top"]) <= host["ms_per_step"] + 1e-3
         assert row["cudagraphs"] == {}, name  # eager on CPU: no CUDA graphs to count
+        assert row["compiled_autograd"] == {}, name  # and no backward captured
     # the explicit kernel shows up as its own operator (compiled) or as its GEMMs
     names = " ".join(top["name"] for top in result["variants"][ours[1]]["top"])
     assert "attention_forward" in names or "bmm" in names
