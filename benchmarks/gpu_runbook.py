@@ -134,7 +134,7 @@ def steps(smoke: bool) -> list[tuple[str, list[str]]]:
         shape += "--repeats 1 --min-time-s 0 --no-memory --scope attention --sharing kv"
         # aot_eager: the smoke checks the plumbing, not Inductor's C++ builds (slow on CPU)
         compiled = shape + " --compile aot_eager"
-        compile_n = long_n = short_n = mid_n = ["--n", "256", "--backend", "aot_eager"]
+        compile_n = long_n = short_n = mid_n = ["--n", "64", "--backend", "aot_eager"]
         batch = "2"
         split = "--dtype float32 --batch 1 --n 128 --k 8 --head-dim 4 --max-splits 2 "
         split += "--min-seconds 0"

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         dim=256,
         depth=2,
         num_heads=4,
-        proj_dim=256,
+        proj_dim=min(256, args.n),  # (tiny n: the runbook's smoke run)
         sharing="kv",
         attention_dropout=args.attention_dropout,
     )
