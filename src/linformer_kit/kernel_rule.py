@@ -155,7 +155,10 @@ def choose_kernel(
     the switch the attention layer ran 1.50 / 1.72 / 2.03x the faster peer at n 1024 / 4096 /
     16384 (`avx2-emulated/attention-onednn/`; a run before, on `sgemm_`, 1.45 / 1.55 /
     1.84x), its step at n 1024 1.04-1.07x faster than on `sgemm_` (alternating processes,
-    `attention-onednn/ab/`). bf16 there widens onto the same micro-kernel (not timed).
+    `attention-onednn/ab/`). On a real one (AMD EPYC Zen 3, `zen3-avx2/gemm-ab/`) the two
+    routings tie: every GEMM on MKL, SDPA then taken without dropout, ran the attention layer
+    0.97-1.07x as fast (n 1024-16384). bf16 there widens onto the same micro-kernel (not
+    timed).
 
     n and head_dim did not change the winner anywhere on CPU, and k only training without
     dropout on Intel (in the rule, only bf16's).

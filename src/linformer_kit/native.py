@@ -186,9 +186,10 @@ def kernel_gemm(side: str = "attention") -> str:
     AVX-512 too (`precision.non_intel_avx2`; emulated on an AMD EPYC, the attention layer's
     step 1.04-1.07x faster at n 1024 with that side on oneDNN's AVX2 code, while with
     every GEMM there the encoder layer lost 3-4 %: the feed-forward's 256 x 1024 products
-    run slower on it); else "blas". "blas" while `torch.backends.mkldnn.enabled` is
-    False (the kernels' GEMMs then take the BLAS too), and where the kernels are switched
-    off or failed to build.
+    run slower on it; on a real AVX2-only EPYC, Zen 3, a tie: every GEMM on MKL ran the
+    attention layer 0.97-1.07x as fast, `benchmarks/kernels/zen3-avx2/gemm-ab/`); else
+    "blas". "blas" while `torch.backends.mkldnn.enabled` is False (the kernels' GEMMs then
+    take the BLAS too), and where the kernels are switched off or failed to build.
 
     Raises:
         ValueError: for an unknown side.

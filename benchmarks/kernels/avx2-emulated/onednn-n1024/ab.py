@@ -2,6 +2,10 @@
 attention layer (kv, layerwise; attention dropout 0 and 0.1) at n = argv[1] with every GEMM
 on oneDNN's AVX2 code (`use_linear_backend("onednn")`) against the machine's routing (MKL's
 `sgemm_`), and the two peers, timed interleaved in one process; prints median ms as JSON.
+argv[2] the scope (default attention; layer: the encoder layer) and argv[3] the library
+pinned against the machine's routing (default onednn): on a real AVX2-only AMD EPYC (Zen 3,
+`zen3-avx2/gemm-ab/`) it ran `ab.py N SCOPE blas`, the machine's routing there being the
+attention side on oneDNN (`native.kernel_gemm`) and pinned every GEMM on `sgemm_`.
 
     PYTHONPATH=src python benchmarks/kernels/avx2-emulated/onednn-n1024/ab.py 1024
 """
@@ -21,7 +25,7 @@ from linformer_kit.training.settings import keep_freed_memory
 
 def timed_step(variant: Variant, shape: Shape, backend: str | None = None):  # noqa: ANN201
     torch.manual_seed(0)
-    module = build_variant(variant, shape, "attention").train()
+    module = build_variant(variant, shape, SCOPE).train()
     x = torch.randn(1, shape.seq_len, shape.dim, requires_grad=True)
     step = module_step(module, x, backward=True)
 
@@ -30,6 +34,10 @@ def timed_step(variant: Variant, shape: Shape, backend: str | None = None):  # n
             step()
 
     return run
+
+
+SCOPE = sys.argv[2] if len(sys.argv) > 2 else "attention"
+PINNED = sys.argv[3] if len(sys.argv) > 3 else "onednn"
 
 
 def main() -> None:
@@ -45,7 +53,7 @@ def main() -> None:
         )
         for sharing in ("kv", "layerwise")
         for p in (0.0, 0.1)
-        for backend in (None, "onednn")
+        for backend in (None, PINNED)
     }
     for peer in ("lucidrains", "linformer-pytorch"):
         steps[peer] = timed_step(Variant(name=peer, kind=peer, sharing="headwise"), shape)
