@@ -38,8 +38,10 @@ SCORED_ROWS_MULTIPLE = 64
 
 
 # The rows' count depends on the labels, so a compiled model's graph breaks here anyway:
-# disabled, it breaks without dynamo's warning.
-@torch.compiler.disable
+# disabled, it breaks without dynamo's warning. torch's lazy form of
+# `torch.compiler.disable`: that one imports Dynamo with the package, 1.4 s of every
+# process's start (AMD EPYC Zen 3), a CLI command's or a spawned worker's.
+@torch._disable_dynamo
 def scored_rows(labels: Tensor) -> tuple[Tensor, int]:
     """Flat (B x N) indices of the labelled positions in order, then of unlabelled ones up to
     a multiple of `SCORED_ROWS_MULTIPLE` rows (or all), and how many are labelled."""
