@@ -4,7 +4,8 @@
 (`benchmarks/kernels_profile.py`), the feed-forward kernel's weight-gradient rule
 (`benchmarks/kernels_feedforward_sums.py`), the check of a fused CPU attention sub-layer
 (`benchmarks/kernels_sublayer.py`), the bytes-against-FLOPs bound (`benchmarks/roofline.py`),
-the CPU's products-alone bound (`benchmarks/cpu_bound.py`), the bf16 GEMMs' A/B
+the CPU's products-alone bound (`benchmarks/cpu_bound.py`), the attention kernel against
+its block GEMMs' rate (`benchmarks/kernel_gemm_rate.py`), the bf16 GEMMs' A/B
 (`benchmarks/kernels_bf16_gemm.py`) and the split reduction's table
 (`benchmarks/gemm_split.py`). A GPU call runs the first three with `--device cuda`."""
 
@@ -254,3 +255,39 @@ def test_the_cpu_bound_script_times_each_product_alone_and_bounds_the_fraction(
             row["model_gflop"] / row["step_ms"] * 1e3 / rate, rel=0.02
         )
     assert (tmp_path / "bound.png").stat().st_size > 0
+
+
+def test_the_gemm_rate_script_times_the_kernel_on_each_library_and_its_block_gemms(
+    tmp_path, monkeypatch
+):
+    from linformer_kit import native
+
+    if native.cpu_ops() is None:
+        pytest.skip("the CPU kernels are not built here")
+    script = load_script(BENCHMARKS / "kernel_gemm_rate.py")
+    monkeypatch.setattr(script, "size_ceiling_matmul", lambda *a, **kw: (64, 1e-4))
+    threads, setting = torch.get_num_threads(), native.set_kernel_gemm("blas")
+    native.set_kernel_gemm(setting)
+    args = "--n 96 --proj-dim 16 --head-dim 8 --num-heads 2 --block-rows 32 --dropout 0.1"
+    script.main([*args.split(), "--threads", "2", "--repeats", "2", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "rate.json").read_text())
+    kernel = [
+        f"kernel {way} [{lib}]" for lib in script.LIBRARIES for way in ("forward", "backward")
+    ]
+    assert list(result["threads_1"]) == [*kernel, "mm Q K^T", "mm P V", "mm Q^T dS", "probe"]
+    assert list(result["threads_2"]) == kernel
+    assert set(result["libraries_taken"]) == set(script.LIBRARIES)
+    product = 2 * 2 * 96 * 16 * 8  # one GEMM over every block: B H N M D
+    flops = {"forward": 2 * product, "backward": 5 * product, "mm": 2 * 32 * 16 * 8}
+    for threads_key, count in (("threads_1", 1), ("threads_2", 2)):
+        for name, row in result[threads_key].items():
+            if name == "probe":
+                assert row["gflop_per_s_per_thread"] == pytest.approx(
+                    2 * 64**3 / row["ms"] / 1e6, rel=0.02
+                )
+                continue
+            expected = flops[name.split()[1] if name.startswith("kernel") else "mm"]
+            rate = expected / row["ms"] / 1e6 / count
+            assert row["gflop_per_s_per_thread"] == pytest.approx(rate, rel=0.01)
+    # the process's settings come back: the thread count and the kernels' library
+    assert torch.get_num_threads() == threads and native.set_kernel_gemm(setting) == setting
