@@ -38,12 +38,10 @@ def mkl_runs_avx512(monkeypatch):
     Tests of the rule set it themselves; `use_linear_backend` pins oneDNN on any CPU.
     Afterwards the kernels' GEMM library is found again under this CPU (`native.kernel_gemm`
     keeps what it found), so a test that set it, or found it on another CPU, leaves no trace.
-    (Not an AMD CPU without AVX-512 either, where the attention kernel's GEMMs go to oneDNN.)"""
-    for name in ("mkl_without_avx512", "non_intel_avx2"):
-        monkeypatch.setattr(precision, name, lambda: False)
+    """
+    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: False)
     yield
-    for name in ("mkl_without_avx512", "non_intel_avx2"):
-        monkeypatch.setattr(precision, name, lambda: False)
+    monkeypatch.setattr(precision, "mkl_without_avx512", lambda: False)
     native.set_kernel_gemm(None)
 
 

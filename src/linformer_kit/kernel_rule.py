@@ -119,8 +119,7 @@ def choose_kernel(
     1.82-2.02x faster with dropout, 3.5-6.2x in training without (SDPA's bf16 backward is
     emulated there), 0.85-0.94x in inference. The rule follows the AMX machine, where bf16
     is worth using (`precision` warns against it elsewhere): at k = 1024 in training without
-    dropout it keeps SDPA, which is 5.7x slower with AVX2 only (on Intel CPUs; a non-Intel
-    one without AVX-512 takes the oneDNN rule below).
+    dropout it keeps SDPA, which is 5.7x slower with AVX2 only.
 
     On an AMD CPU with AVX-512 BF16 and no AMX (`benchmarks/kernels/amd-epyc/table/`, the
     same 27 shapes in fp32 and bf16, AMD EPYC), where MKL runs its generic AVX2 code
@@ -147,18 +146,15 @@ def choose_kernel(
     SDPA's bf16 backward being slow; 0.81-1.32x in inference, 0.81-0.98x at 16 queries), so
     bf16 goes explicit at any query count in training and from 64 in inference.
 
-    On a non-Intel CPU without AVX-512 (AVX2 only) the attention kernel's float32 GEMMs are
-    oneDNN's too (the feed-forward kernel's stay `sgemm_`: `native.kernel_gemm`), and the
-    same rule applies. Emulated on the AMD EPYC (torch, MKL and oneDNN held to AVX2, the
-    kernels built for haswell), the explicit kernel on those GEMMs took 47.4 ms a step of the
-    attention layer at n 4096 without dropout, against 51.9 on SDPA (scratch op timing). With
-    the switch the attention layer ran 1.50 / 1.72 / 2.03x the faster peer at n 1024 / 4096 /
-    16384 (`avx2-emulated/attention-onednn/`; a run before, on `sgemm_`, 1.45 / 1.55 /
-    1.84x), its step at n 1024 1.04-1.07x faster than on `sgemm_` (alternating processes,
-    `attention-onednn/ab/`). On a real one (AMD EPYC Zen 3, `zen3-avx2/gemm-ab/`) the two
-    routings tie: every GEMM on MKL, SDPA then taken without dropout, ran the attention layer
-    0.97-1.07x as fast (n 1024-16384). bf16 there widens onto the same micro-kernel (not
-    timed).
+    On a non-Intel CPU without AVX-512 (AVX2 only) the kernels' GEMMs are MKL's, as on
+    Intel CPUs: so SDPA without dropout in float32. Emulated on the AMD EPYC (torch, MKL and
+    oneDNN held to AVX2, the kernels built for haswell), the attention kernel's GEMMs on
+    oneDNN's AVX2 code had run the attention layer 1.04-1.07x faster at n 1024
+    (`avx2-emulated/attention-onednn/ab/`), and such CPUs took that routing; on a real one
+    (AMD EPYC Zen 3) every GEMM on MKL, SDPA taken without dropout, ran it 1.04 / 1.01 /
+    1.03x as fast as that routing at n 1024 / 4096 / 16384 (`zen3-avx2/gemm-ab/`), and the
+    attention kernel alone tied in float32 and ran faster on MKL's bf16 GEMM than widened
+    onto oneDNN (`zen3-avx2/gemm-rate*/`): that routing is gone.
 
     n and head_dim did not change the winner anywhere on CPU, and k only training without
     dropout on Intel (in the rule, only bf16's).

@@ -20,10 +20,9 @@ the layers (the attention layer 1.02-1.14x at n 1024-8192) and, since its weight
 its reduction between the threads (`csrc/blas.h`), up to 2^24 outputs too (1.00-1.05x a map,
 `gemm-split/`); with one thread ATen runs the convolution on its MKL path, and the matmul form
 wins at every size. Everything else stays on `F.linear`: Intel CPUs (MKL runs AVX-512 there),
-AVX2-only CPUs (`precision.mkl_without_avx512`; emulated on the EPYC, with every GEMM on
-oneDNN's AVX2 code the attention layer ran 1.10-1.15x faster but the encoder layer 0.96-0.97x,
-`avx2-emulated/`: there only the attention kernel's GEMMs and `matmul` go to oneDNN,
-`native.kernel_gemm`), other dtypes (bf16 already goes to oneDNN), autocast, torch.export and
+AVX2-only CPUs (`precision.mkl_without_avx512`; on a real AMD one, Zen 3, every GEMM on MKL
+tied with the attention kernel's and `matmul` on oneDNN's AVX2 code, `zen3-avx2/gemm-ab/`),
+other dtypes (bf16 already goes to oneDNN), autocast, torch.export and
 torch.jit.trace (their graphs keep plain `linear`), and builds without MKL or oneDNN. Under
 torch.compile the product is one custom op with its backward (`linformer_kit::onednn_linear`,
 the backward's form picked by the same rule when it runs; Inductor's lowering of the convolution
@@ -32,8 +31,8 @@ read.
 
 Products that are not a linear map of rows (the sequence projection E^T X, the language models'
 loss's gradient GEMMs) go through `matmul` and `add_matmul_`: on the compiled kernels' GEMMs
-where the attention side's are oneDNN's micro-kernel (`native.kernel_gemm`; the same machines,
-and AVX2-only non-Intel ones), else torch's. `use_linear_backend` pins both kinds.
+where those are oneDNN's micro-kernel (`native.kernel_gemm`; the same machines), else
+torch's. `use_linear_backend` pins both kinds.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ its three modules, and the explicit attention kernel runs by PyTorch ops with th
 dropout mask (`dropout.dropout_bits`), the same outputs to rounding, only slower. The
 attention and feed-forward kernels' GEMMs call the BLAS that torch's CPU wheel links in
 (`csrc/blas.h`: `sgemm_` / `dgemm_`, and MKL's bf16 GEMM where the wheel has it), or, for
-float32 where MKL runs its AVX2 code on an AVX-512 CPU (AMD's), and for the attention
-kernel's on a non-Intel CPU without AVX-512 (`kernel_gemm`, `set_kernel_gemm`), oneDNN's
-brgemm micro-kernel, which libtorch exports.
+float32 where MKL runs its AVX2 code on an AVX-512 CPU (AMD's; `kernel_gemm`,
+`set_kernel_gemm`), oneDNN's brgemm micro-kernel, which libtorch exports.
 """
 
 from __future__ import annotations
@@ -64,13 +63,9 @@ MARCH_SWITCH = "LINFORMER_KIT_MARCH"
 # read by csrc/blas.h once per process).
 BF16_GEMM_SWITCH = "LINFORMER_KIT_BF16_GEMM"
 _loaded: dict[str, object] = {}
-# The two sides whose float GEMMs are switched apart (csrc/blas.h `Gemms`): the attention
-# kernel's with `linear_backend.matmul`'s, and the feed-forward kernel's.
-GEMM_SIDES = ("attention", "feedforward")
 # The library of the kernels' float GEMMs: the one `set_kernel_gemm` set ("blas", "onednn",
-# or None for the machine's), and the one each side of the loaded kernels uses (None before
-# they load).
-_kernel_gemm: dict[str, Any] = {"backend": None, "applied": dict.fromkeys(GEMM_SIDES)}
+# or None for the machine's), and the one the loaded kernels use (None before they load).
+_kernel_gemm: dict[str, Any] = {"backend": None, "applied": None}
 _python_side = {"registered": False}  # fake kernels, double-backward error: once a process
 
 
@@ -176,30 +171,24 @@ def kernels_off() -> Iterator[None]:
             os.environ[ENV_SWITCH] = before
 
 
-def kernel_gemm(side: str = "attention") -> str:
-    """The library of one side's float32 GEMMs (`GEMM_SIDES`: "attention", the attention
-    kernel's and `linear_backend.matmul`'s; "feedforward", the feed-forward kernel's): the
-    one the loaded kernels use, else (not loaded yet) the one they will: what
-    `set_kernel_gemm` set, or the machine's (found when the kernels load or the setting
-    changes). The machine's is "onednn" where MKL runs its AVX2 code on an AVX-512 CPU
-    (`precision.mkl_without_avx512`), and for the attention side on a non-Intel CPU without
-    AVX-512 too (`precision.non_intel_avx2`; emulated on an AMD EPYC, the attention layer's
-    step 1.04-1.07x faster at n 1024 with that side on oneDNN's AVX2 code, while with
-    every GEMM there the encoder layer lost 3-4 %: the feed-forward's 256 x 1024 products
-    run slower on it; on a real AVX2-only EPYC, Zen 3, a tie: every GEMM on MKL ran the
-    attention layer 0.97-1.07x as fast, `benchmarks/kernels/zen3-avx2/gemm-ab/`); else
-    "blas". "blas" while `torch.backends.mkldnn.enabled` is False (the kernels' GEMMs then
-    take the BLAS too), and where the kernels are switched off or failed to build.
-
-    Raises:
-        ValueError: for an unknown side.
-    """
-    if side not in GEMM_SIDES:
-        raise ValueError(f"side must be one of {', '.join(GEMM_SIDES)}; got {side!r}")
+def kernel_gemm() -> str:
+    """The library of the kernels' float32 GEMMs (the attention and feed-forward kernels',
+    and `linear_backend.matmul`'s): the one the loaded kernels use, else (not loaded yet)
+    the one they will: what `set_kernel_gemm` set, or the machine's (found when the kernels
+    load or the setting changes). The machine's is "onednn" where MKL runs its AVX2 code on
+    an AVX-512 CPU (`precision.mkl_without_avx512`), else "blas". Not on a non-Intel CPU
+    without AVX-512: there both libraries run AVX2 code, and on a real one (AMD EPYC Zen 3)
+    MKL was as fast or faster: the attention layer 1.04 / 1.01 / 1.03x at n 1024 / 4096 /
+    16384 with every GEMM on MKL (`benchmarks/kernels/zen3-avx2/gemm-ab/`), the attention
+    kernel alone a tie in float32 and faster in bfloat16, MKL's bf16 GEMM against the
+    widening onto oneDNN (`zen3-avx2/gemm-rate*/`; an emulation of AVX2 on an AVX-512 EPYC
+    had sent that CPU's attention kernel to oneDNN until 2026-11-28). "blas" while
+    `torch.backends.mkldnn.enabled` is False (the kernels' GEMMs then take the BLAS too),
+    and where the kernels are switched off or failed to build."""
     kernels_off = _switched_off() or _loaded.get("ops", True) is None
     if kernels_off or not torch.backends.mkldnn.enabled:
         return "blas"
-    return _kernel_gemm["applied"][side] or _wanted_kernel_gemm(side)
+    return _kernel_gemm["applied"] or _wanted_kernel_gemm()
 
 
 def bf16_feedforward() -> bool:
@@ -207,30 +196,27 @@ def bf16_feedforward() -> bool:
     kernels are loaded with their float32 GEMMs on oneDNN (`kernel_gemm`), so their bf16
     GEMMs off MKL, and built with AVX-512 BF16's dot products (`csrc/bf16_gemm.h`; not where
     `LINFORMER_KIT_BF16_GEMM=widen`). Python state only: torch.compile traces it."""
-    return bool(_loaded.get("bf16_dot")) and kernel_gemm("feedforward") == "onednn"
+    return bool(_loaded.get("bf16_dot")) and kernel_gemm() == "onednn"
 
 
-def _wanted_kernel_gemm(side: str) -> str:
+def _wanted_kernel_gemm() -> str:
     backend = _kernel_gemm["backend"]
     if backend is None:
-        amd_avx2 = side == "attention" and precision.non_intel_avx2()
-        backend = "onednn" if precision.mkl_without_avx512() or amd_avx2 else "blas"
+        backend = "onednn" if precision.mkl_without_avx512() else "blas"
     return backend
 
 
 def _apply_kernel_gemm(ops: object) -> None:
-    """Sets each side's library in the loaded kernels and records the one it took (a
-    libtorch without oneDNN's float micro-kernel keeps the BLAS)."""
-    for side in GEMM_SIDES:
-        _kernel_gemm["applied"][side] = ops.float_gemm(_wanted_kernel_gemm(side), side)
+    """Sets the library in the loaded kernels and records the one they took (a libtorch
+    without oneDNN's float micro-kernel keeps the BLAS)."""
+    _kernel_gemm["applied"] = ops.float_gemm(_wanted_kernel_gemm())
 
 
 def set_kernel_gemm(backend: str | None) -> str | None:
     """Sends the attention and feed-forward kernels' float32 GEMMs (`csrc/blas.h`), and
     `linear_backend.matmul`'s, to `backend`, process-wide: "blas" (`sgemm_`, MKL in
     torch's wheel) or "onednn" (oneDNN's brgemm micro-kernel, 2.2-2.7x MKL's AVX2 code at
-    the kernels' block shapes on an AMD EPYC); None, the machine's choice for each side
-    (`kernel_gemm`).
+    the kernels' block shapes on an AMD EPYC); None, the machine's choice (`kernel_gemm`).
     On "onednn" the kernels' bfloat16 GEMMs leave MKL too: AVX-512 BF16's dot products
     (`csrc/bf16_gemm.h`) where the CPU has them, else widened to float32 for the same
     micro-kernel (an Intel CPU with AMX pinned there gives up its AMX bf16 GEMMs).

@@ -103,33 +103,17 @@ def mkl_without_avx512() -> bool:
     oneDNN's micro-kernel (`native.kernel_gemm`, which `kernel_rule` reads). Found once per
     process (`linear_backend` asks at import); under torch.compile before that, False: a
     graph never traces the read."""
-    return _non_intel_dispatching("AVX512")
-
-
-def non_intel_avx2() -> bool:
-    """Whether torch dispatches AVX2 code, not AVX-512, on a non-Intel CPU (an AMD one
-    without AVX-512, or one where AVX-512 is switched off), MKL and oneDNN built in: where
-    the attention kernel's float32 GEMMs go to oneDNN's micro-kernel (`native.kernel_gemm`).
-    Read from /proc/cpuinfo as `mkl_without_avx512`; found once per process, False under
-    torch.compile before that."""
-    return _non_intel_dispatching("AVX2")
-
-
-def _non_intel_dispatching(capability: str) -> bool:
-    """Whether torch dispatches `capability` code on a non-Intel CPU, MKL and oneDNN built
-    in (found once per process; False under torch.compile before that)."""
-    key = f"non_intel_{capability}"
-    if key not in _found:
+    if "mkl_without_avx512" not in _found:
         if torch.compiler.is_compiling():
             return False
         features = cpu_features()
-        _found[key] = (
+        _found["mkl_without_avx512"] = (
             features["vendor"] not in ("", "GenuineIntel")
-            and features["capability"] == capability
+            and features["capability"] == "AVX512"
             and torch.backends.mkl.is_available()
             and torch.backends.mkldnn.is_available()
         )
-    return _found[key]
+    return _found["mkl_without_avx512"]
 
 
 def _median_seconds(a: torch.Tensor, repeats: int = 3) -> float:

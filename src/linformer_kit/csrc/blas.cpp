@@ -1,11 +1,10 @@
-// The switches between the float GEMMs' two libraries (blas.h), one per side:
-// `float_gemm("onednn", which)` sends the attention side's ("attention": attention.cpp and
-// `matmul`) or the feed-forward kernel's ("feedforward") float GEMMs to oneDNN's brgemm
-// micro-kernel, `float_gemm("blas", which)` back to `sgemm_`; `float_gemm(None, which)`
-// only reads. Set from Python (`native.set_kernel_gemm`), process-wide; `split_reduction`,
-// whether the threaded ones may split their reduction. And `matmul` / `matmul_add_`, a
-// batched product on the attention side's GEMMs (`linear_backend.matmul`, `add_matmul_`:
-// the sequence projection and the language models' loss where they are oneDNN's).
+// The switch between the float GEMMs' two libraries (blas.h): `float_gemm("onednn")` sends
+// the kernels' float GEMMs (attention.cpp, feedforward.cpp, `matmul`) to oneDNN's brgemm
+// micro-kernel, `float_gemm("blas")` back to `sgemm_`; `float_gemm()` only reads. Set from
+// Python (`native.set_kernel_gemm`), process-wide; `split_reduction`, whether the threaded
+// ones may split their reduction. And `matmul` / `matmul_add_`, a batched product on those
+// GEMMs (`linear_backend.matmul`, `add_matmul_`: the sequence projection and the language
+// models' loss where they are oneDNN's).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -19,12 +18,8 @@
 
 namespace {
 
-std::string float_gemm(const std::optional<std::string>& backend, const std::string& which) {
-  TORCH_CHECK(which == "attention" || which == "feedforward",
-              "float_gemm: which must be 'attention' or 'feedforward'; got '", which, "'");
-  auto& on = linformer_kit::onednn_float_gemm(which == "attention"
-                                                  ? linformer_kit::Gemms::attention
-                                                  : linformer_kit::Gemms::feedforward);
+std::string float_gemm(const std::optional<std::string>& backend) {
+  auto& on = linformer_kit::onednn_float_gemm();
   if (backend) {
     TORCH_CHECK(*backend == "blas" || *backend == "onednn",
                 "float_gemm: backend must be 'blas' or 'onednn'; got '", *backend, "'");
@@ -133,7 +128,7 @@ bool bf16_dot() { return linformer_kit::bf16_dot_products(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
-  m.def("float_gemm(str? backend=None, str which='attention') -> str", &float_gemm);
+  m.def("float_gemm(str? backend=None) -> str", &float_gemm);
   m.def("bf16_dot() -> bool", &bf16_dot);
   m.def("split_reduction(bool? enabled=None) -> bool", &split_reduction);
   m.def("matmul(Tensor a, Tensor b) -> Tensor");

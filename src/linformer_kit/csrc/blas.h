@@ -8,9 +8,8 @@
 // by widening the inputs to float for the float GEMM.
 //
 // Float GEMMs go instead to oneDNN's brgemm micro-kernel (`at::native::cpublas::brgemm`)
-// while their side's `onednn_float_gemm(which)` is set (`float_gemm` op, blas.cpp; set from
-// Python, `native.set_kernel_gemm`): the attention side (attention.cpp and the `matmul` op)
-// and the feed-forward kernel are switched apart (`Gemms`). On an AMD EPYC (AVX-512, one
+// while `onednn_float_gemm` is set (`float_gemm` op, blas.cpp; set from Python,
+// `native.set_kernel_gemm`), for every kernel alike. On an AMD EPYC (AVX-512, one
 // thread) it ran 239-267 GFLOP/s at the kernels' block shapes, (64..256) x (64..1024) x
 // (64..1024), against `sgemm_`'s 99-109. It takes row-major A and B as they are laid out, and
 // no alpha: a transposed or scaled operand is copied first (`packed`), and the kernels lay
@@ -57,25 +56,20 @@ constexpr bool kFloatBrgemm = true;
 constexpr bool kFloatBrgemm = false;
 #endif
 
-// The callers whose float GEMMs are switched apart: attention.cpp's and the `matmul` op's
-// (the attention side), and the feed-forward kernel's.
-enum class Gemms { attention = 0, feedforward = 1 };
-
-// Whether `which` side's float GEMMs call oneDNN's brgemm micro-kernel rather than `sgemm_`
+// Whether the float GEMMs call oneDNN's brgemm micro-kernel rather than `sgemm_`
 // (process-wide; never set where kFloatBrgemm is false).
-inline std::atomic<bool>& onednn_float_gemm(Gemms which) {
-  static std::atomic<bool> on[2];  // (static storage: both false)
-  return on[static_cast<int>(which)];
+inline std::atomic<bool>& onednn_float_gemm() {
+  static std::atomic<bool> on;  // (static storage: false)
+  return on;
 }
 
-// Whether gemm<S> takes the brgemm path for `which` side (float, its switch set, oneDNN not
+// Whether gemm<S> takes the brgemm path (float, the switch set, oneDNN not
 // switched off by torch.backends.mkldnn, without which torch's brgemm falls back to its own
 // GEMM), where transposed operands are copied: callers that pass the same operand to many
 // GEMMs then lay it out untransposed once instead.
 template <typename S>
-bool plain_operands(Gemms which = Gemms::attention) {
-  return std::is_same_v<S, float> &&
-         onednn_float_gemm(which).load(std::memory_order_relaxed) &&
+bool plain_operands() {
+  return std::is_same_v<S, float> && onednn_float_gemm().load(std::memory_order_relaxed) &&
          at::globalContext().userEnabledMkldnn();
 }
 
@@ -327,8 +321,8 @@ inline bool widen_forced() {
 // threads, AMD EPYC with AVX-512 BF16). libtorch's bf16 brgemm there packs nothing
 // (`cpublas::could_pack` false) and ran at less than half the fp32 one's rate. Off MKL they
 // run `bf16_dot_gemm` where the CPU has AVX-512 BF16 (bf16_gemm.h), else widen.
-inline bool off_mkl_bf16(Gemms which = Gemms::attention) {
-  return GEMM_BF16BF16F32 == nullptr || widen_forced() || plain_operands<float>(which);
+inline bool off_mkl_bf16() {
+  return GEMM_BF16BF16F32 == nullptr || widen_forced() || plain_operands<float>();
 }
 
 // Whether bfloat16 GEMMs off MKL run AVX-512 BF16's dot products (`bf16_dot_gemm`): this
@@ -346,17 +340,17 @@ inline const float* widened(const at::BFloat16* a, int64_t rows, int64_t cols, i
 }
 
 // Row-major C (m x n) = alpha * op(A) op(B) + beta * C, op(A) m x k, op(B) k x n; A, B, C
-// row-major with row strides lda, ldb, ldc; on `which` side's library.
+// row-major with row strides lda, ldb, ldc.
 template <typename S>
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S> alpha,
           const S* a, int64_t lda, const S* b, int64_t ldb, Opmath<S> beta, Opmath<S>* c,
-          int64_t ldc, Gemms which = Gemms::attention) {
+          int64_t ldc) {
   if (m == 0 || n == 0) return;
   // A row stride is free where its rows are single: BLAS wants at least the row's length.
   lda = std::max<int64_t>({lda, trans_a ? m : k, 1});
   ldb = std::max<int64_t>({ldb, trans_b ? k : n, 1});
   if constexpr (std::is_same_v<S, at::BFloat16>) {
-    if (off_mkl_bf16(which)) {
+    if (off_mkl_bf16()) {
       if (bf16_dot_products()) {
         bf16_dot_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
                       std::max<int64_t>(ldc, n));
@@ -367,13 +361,13 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<S>
       const float* wide_a = widened(a, a_rows, trans_a ? m : k, lda, a32);
       const float* wide_b = widened(b, b_rows, trans_b ? k : n, ldb, b32);
       gemm<float>(trans_a, trans_b, m, n, k, alpha, wide_a, trans_a ? m : k, wide_b,
-                  trans_b ? k : n, beta, c, ldc, which);
+                  trans_b ? k : n, beta, c, ldc);
       trim_copies(a32, b32);
       return;
     }
   }
   if constexpr (std::is_same_v<S, float>) {
-    if (plain_operands<float>(which)) {
+    if (plain_operands<float>()) {
       brgemm_float(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c,
                    std::max<int64_t>(ldc, n));
       return;

@@ -36,17 +36,8 @@
 namespace {
 
 using namespace linformer_kit::feedforward;
-using linformer_kit::Gemms;
+using linformer_kit::gemm;
 using linformer_kit::Opmath;
-
-// blas.h's gemm on the feed-forward kernel's own switch (`Gemms::feedforward`).
-template <typename T>
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Opmath<T> alpha,
-          const T* a, int64_t lda, const T* b, int64_t ldb, Opmath<T> beta, Opmath<T>* c,
-          int64_t ldc) {
-  linformer_kit::gemm<T>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
-                         Gemms::feedforward);
-}
 
 // a[c] = act(h[c] + bias[c]) over a row, and h <- h + bias when `keep_sum`.
 template <typename T>
@@ -165,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor> feedforward_forward(
     const T *in = x.data_ptr<T>(), *bias1 = b1.data_ptr<T>(), *bias2 = b2.data_ptr<T>();
     T* y = out.data_ptr<T>();
     T* h_all = keep_hidden ? kept.data_ptr<T>() : nullptr;
-    const bool plain = linformer_kit::plain_operands<T>(Gemms::feedforward);
+    const bool plain = linformer_kit::plain_operands<T>();
     std::vector<T> w1_t, w2_t;
     int64_t ld1 = 0, ld2 = 0;
     const T *right1 = weight_t(w1, plain, w1_t, ld1), *right2 = weight_t(w2, plain, w2_t, ld2);
