@@ -57,12 +57,12 @@ def kernel_steps(args: argparse.Namespace, ops: Any) -> dict[str, tuple[Callable
 
         return step
 
+    forward = lambda: ops.attention_forward(q, k, v, None, *common)  # noqa: E731
+    backward = lambda: ops.attention_backward(  # noqa: E731
+        grad, q, k, v, None, lse, *common, [True, True, True]
+    )
     steps = {}
     for library in LIBRARIES:
-        forward = lambda: ops.attention_forward(q, k, v, None, *common)  # noqa: E731
-        backward = lambda: ops.attention_backward(  # noqa: E731
-            grad, q, k, v, None, lse, *common, [True, True, True]
-        )
         steps[f"kernel forward [{library}]"] = (on(library, forward), 2 * product)
         steps[f"kernel backward [{library}]"] = (on(library, backward), 5 * product)
     return steps
@@ -152,10 +152,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(threads)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rate.json").write_text(json.dumps(result, indent=1) + "\n")
-    for threads in ("threads_1", f"threads_{args.threads}"):
-        for name, row in result[threads].items():
+    for key in ("threads_1", f"threads_{args.threads}"):
+        for name, row in result[key].items():
             print(
-                f"{threads:10s} {name:28s} {row['ms']:9.4f} ms "
+                f"{key:10s} {name:28s} {row['ms']:9.4f} ms "
                 f"{row['gflop_per_s_per_thread']:7.2f} GFLOP/s a thread"
             )
 
