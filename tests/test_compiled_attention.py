@@ -1,10 +1,13 @@
 """The compiled CPU attention kernel (csrc/attention.cpp, `kernels._fused_attention`): outputs
 and gradients equal a float64 autograd reference written here (scores, masks, softmax, the
 documented dropout mask, all by torch ops) on any layout, mask and block cut, its float32
-GEMMs on either library (`sgemm_` or oneDNN's micro-kernel, in tiles past 256); the output is
-laid out for the head merge; only the gradients asked for are computed; bad input is a
+GEMMs on either library (`sgemm_` or oneDNN's micro-kernel, in tiles past 256), with the
+forward's weights kept for backward (with dropout) or made again there; the weights kept are
+the softmax's, and kept only for a backward with dropout within `_KEEP_WEIGHTS`; the output
+is laid out for the head merge; only the gradients asked for are computed; bad input is a
 clear error."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -43,12 +46,14 @@ def reference(q, k, v, allowed, causal, scale, seed, p):
     return weights @ v
 
 
-def kernel_and_reference(q, k, v, allowed, causal, scale, p, rows, gemm, g):
+def kernel_and_reference(q, k, v, allowed, causal, scale, p, rows, gemm, g, keep=True):
     """The explicit kernel's output and gradients (blocks of `rows` query rows, GEMMs on
-    `gemm`) for an output gradient drawn from g, and the float64 reference's."""
+    `gemm`, the weights kept for backward or made again there) for an output gradient drawn
+    from g, and the float64 reference's."""
     with pytest.MonkeyPatch.context() as patch, use_linear_backend(gemm):
         assert native.kernel_gemm() == gemm  # (the pin reached the kernels)
         patch.setattr(kernels, "_FUSED_ROWS", rows)
+        patch.setattr(kernels, "_KEEP_WEIGHTS", 1 << 40 if keep else 0)
         torch.manual_seed(3)
         out = dot_product_attention(q, k, v, allowed, p, scale, kernel="explicit", is_causal=causal)
         grad = torch.randn(out.shape, dtype=out.dtype, generator=g)
@@ -78,9 +83,10 @@ def heads_last(shape, dtype, g):
     rows=st.sampled_from([3, 7, 256]),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
     gemm=st.sampled_from(["blas", "onednn"]),
+    keep=st.booleans(),
 )
 def test_outputs_and_gradients_equal_the_float64_reference(
-    batch, heads, n, m, dims, mask, p, rows, dtype, gemm
+    batch, heads, n, m, dims, mask, p, rows, dtype, gemm, keep
 ):
     g = torch.Generator().manual_seed(n * 100 + m)
     d, dv = dims
@@ -96,7 +102,7 @@ def test_outputs_and_gradients_equal_the_float64_reference(
         allowed = torch.rand(batch, heads, n, m, generator=g) < 0.5
         allowed[..., torch.randint(m, (), generator=g)] = True
     (out, got), (expected, wanted) = kernel_and_reference(
-        q, k, v, allowed, mask == "causal", d**-0.5, p, rows, gemm, g
+        q, k, v, allowed, mask == "causal", d**-0.5, p, rows, gemm, g, keep
     )
     # fp32: rounding of the GEMMs and the kernel's exp; bf16: of the weights, the scores'
     # gradient and the results to 8 bits (a weight masked wrongly, or a row cut wrongly, is
@@ -113,9 +119,11 @@ def test_outputs_and_gradients_equal_the_float64_reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gemm", ["blas", "onednn"])
 @pytest.mark.parametrize(
-    ("mask", "p", "rows"), [(None, 0.0, 64), ("general", 0.2, 512), ("causal", 0.2, 300)]
-)
-def test_blocks_past_the_gemm_tiles_equal_the_float64_reference(dtype, gemm, mask, p, rows):
+    ("mask", "p", "rows", "keep"),
+    [(None, 0.0, 64, False), ("general", 0.2, 512, True), ("causal", 0.2, 300, False),
+     ("causal", 0.2, 128, True)],
+)  # fmt: skip
+def test_blocks_past_the_gemm_tiles_equal_the_float64_reference(dtype, gemm, mask, p, rows, keep):
     # 300 queries and keys, head_dim 64, value_dim 40: each GEMM of a block crosses oneDNN's
     # 256-wide tiles in some dimension (rows of 300 and 512, keys as columns and as the sum);
     # in bf16 off MKL (gemm "onednn") the dot-product GEMM's 256-deep blocks of the sum and
@@ -126,7 +134,7 @@ def test_blocks_past_the_gemm_tiles_equal_the_float64_reference(dtype, gemm, mas
     v = heads_last((1, 2, 300, 40), dtype, g).requires_grad_()
     allowed = torch.rand(1, 2, 300, 300, generator=g) < 0.7 if mask == "general" else None
     (out, got), (expected, wanted) = kernel_and_reference(
-        q, k, v, allowed, mask == "causal", 0.125, p, rows, gemm, g
+        q, k, v, allowed, mask == "causal", 0.125, p, rows, gemm, g, keep
     )
     tol, grad_tol = (1e-5, 1e-4) if dtype == torch.float32 else (1e-2, 3e-2)
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
@@ -242,6 +250,50 @@ def test_softmax_of_extreme_scores_equals_torch():
     assert scores.amax(-1).sub(scores.masked_fill(~allowed, 0).amin(-1)).max() > 500
     torch.testing.assert_close(weights, scores.softmax(-1), atol=1e-6, rtol=1e-5)
     assert (weights[~allowed] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_weights_kept_are_the_softmax_weights(causal):
+    # The forward's second output: each row's logsumexp, or with keep_weights the weights
+    # (B x H, N, M), zeros on the keys a causal row does not see (blocks of 3 rows, so
+    # that the first blocks compute fewer keys than M).
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (10, 12, 12))
+    zero = torch.zeros((), dtype=torch.int64)
+    args = (causal, 0.5, zero, threshold(0.0), 1.0, 3)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * 0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones(10, 12, dtype=torch.bool).tril(), float("-inf"))
+    ops = native.cpu_ops()
+    _, lse = ops.attention_forward(q, k, v, None, *args, keep_weights=False)
+    _, weights = ops.attention_forward(q, k, v, None, *args, keep_weights=True)
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1).view(6, 10))
+    torch.testing.assert_close(weights.double(), scores.softmax(-1).view(6, 10, 12))
+
+
+def test_weights_are_kept_for_a_backward_with_dropout_within_the_limit_only(monkeypatch):
+    # What autograd saves: the (B x H, N, M) weights where a backward will run with dropout
+    # and B x H x N x M is within `_KEEP_WEIGHTS`; else each row's logsumexp.
+    q, k, v = (torch.randn(2, 3, n, 8, requires_grad=True) for n in (10, 4, 4))
+
+    def saved_shapes(no_grad=False, dropout_p=0.2):
+        shapes = []
+
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                dot_product_attention(q, k, v, dropout_p=dropout_p, kernel="explicit")
+        return shapes
+
+    monkeypatch.setattr(kernels, "_KEEP_WEIGHTS", 2 * 3 * 10 * 4)
+    assert (6, 10, 4) in saved_shapes() and (6, 10) not in saved_shapes()
+    assert saved_shapes(no_grad=True) == []
+    assert (6, 10) in saved_shapes(dropout_p=0.0) and (6, 10, 4) not in saved_shapes(dropout_p=0.0)
+    monkeypatch.setattr(kernels, "_KEEP_WEIGHTS", 2 * 3 * 10 * 4 - 1)
+    assert (6, 10) in saved_shapes() and (6, 10, 4) not in saved_shapes()
 
 
 def test_output_is_laid_out_for_the_head_merge():

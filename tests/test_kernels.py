@@ -169,16 +169,19 @@ def test_backward_applies_the_mask_its_forward_chose_whatever_the_switch_says_th
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_what_each_path_saves_for_backward(dropout_p, mask_path, blocks):
-    # Compiled: q, k, v, the mask, the seed and one logsumexp per row, never an N x M tensor (the
-    # weights and the dropout mask are made again in backward). PyTorch ops: q, k, v, the
-    # weights (one tensor per block) and, with dropout, one int16 tensor of bits per block.
+    # Compiled: q, k, v, the mask, the seed and one logsumexp per row, or with dropout the
+    # (B x H, N, M) weights, this call being within `_KEEP_WEIGHTS` (beyond, the logsumexp:
+    # test_compiled_attention); the dropout mask made again in backward. PyTorch ops: q, k,
+    # v, the weights (one tensor per block) and, with dropout, one int16 tensor of bits per
+    # block.
     q, k, v = (t.requires_grad_() for t in qkv())
     mask = attendable(kv_mask(empty_row=False))[:, None, None, :]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         explicit(q, k, v, mask, dropout_p=dropout_p)
-    if os.environ.get(native.ENV_SWITCH) != "0":  # the mask, the seed, the logsumexp
-        assert [tuple(t.shape) for t in saved[3:]] == [(B, H, N, M), (), (B * H, N)]
+    if os.environ.get(native.ENV_SWITCH) != "0":  # the mask, the seed, the stats
+        stats = (B * H, N, M) if dropout_p > 0 else (B * H, N)
+        assert [tuple(t.shape) for t in saved[3:]] == [(B, H, N, M), (), stats]
         assert saved[3].stride()[:3] == (M, 0, 0)  # the mask is a broadcast view, not a copy
         return
     num_blocks = len(kernels._blocks(N, kernels.block_rows(B * H, M), M, False))

@@ -11,8 +11,10 @@ mask:
 - compiled (`_fused_attention`, `csrc/attention.cpp` via `native.cpu_ops`; CPU, fp32 /
   fp64 / bf16, eager or torch.compile): flash attention's plan with the dropout inside. One
   parallel loop over blocks of query rows, each block's scores, softmax, mask and output
-  GEMM done in the thread's cache; only a logsumexp per row is saved, and backward makes
-  the weights and the mask again (one more GEMM, no N x M tensor ever allocated);
+  GEMM done in the thread's cache; for backward it saves, with dropout, the weights
+  where they fit in cache (`_KEEP_WEIGHTS`), else only a logsumexp per row, from which
+  backward makes them again (one more GEMM: no N x M tensor allocated), the mask always
+  again from its seed;
 - PyTorch ops (`_ExplicitAttention`): where the compiled one cannot run (no compiler,
   `LINFORMER_KIT_NATIVE=0`, a GPU, fp16); one autograd node that builds the
   weights once, in blocks of query rows on CPU, folds the softmax scale and the dropout
@@ -74,6 +76,20 @@ _BLOCK_ROWS = (64, 512)
 # / 23.6 ms at n = 4096 (24.3 / 24.2 / 24.7 with dropout 0.1) and 87.1 / 87.7 / 88.5 ms at
 # 16384: flat, so no per-CPU size.
 _FUSED_ROWS = 256
+# Weights (B x H x N x M) up to which the compiled kernel, training with dropout, keeps its
+# forward's weights for backward (`keep_weights`, 4 bytes each) instead of making them
+# again there (one GEMM of its seven, and an exp pass): while they stay in the last-level
+# cache. Measured on a Zen 3 EPYC (AVX2, 32 MiB of L3, 2 threads; 4 heads, M = 256,
+# head_dim 64). The kernel alone (fwd+bwd, medians of 6-12 interleaved rounds), recompute /
+# keep: 1.15 / 1.17 / 1.16x at 2^20 / 2^21 / 2^22 weights (n 1024 / 2048 / 4096, B 1) with
+# dropout 0.1, 1.11-1.17x without, but 0.95x at 2^23 (n 8192 B 1; n 1024 B 8: 0.93-0.94x);
+# without glibc keeping freed memory (`keep_freed_memory`) still 1.08-1.14x. The attention
+# layer with dropout 0.1 (medians of 12-40 paired rounds): 1.056 / 1.069 / 1.074x at n 1024
+# / 2048 / 4096, the encoder layer 1.025x at 1024. Only with dropout: without it the rule
+# takes the explicit kernel only where its GEMMs are oneDNN's (AVX-512 AMD) or in bf16,
+# and there SDPA saves one logsumexp a row, which the encoder layer's memory matches (the
+# README's target 4); with dropout SDPA's math path keeps N x N weights itself.
+_KEEP_WEIGHTS = 1 << 22
 
 
 def masked_scores(q: Tensor, k: Tensor, attn_mask: Tensor | None, scale: float) -> Tensor:
@@ -260,8 +276,10 @@ def _fused_attention(
     over blocks of `_FUSED_ROWS` query rows per (batch, head), each block's scores,
     weights, dropout mask and gradients made and used in the thread's cache, the output
     written straight into the (B, N, H, Dv) memory the head merge reads. Saves q, k, v, the
-    mask and one logsumexp per row, never an N x M tensor: backward makes the weights again
-    with one more GEMM (the mask from the seed), as flash attention does.
+    mask, and for backward, with dropout, the weights themselves up to `_KEEP_WEIGHTS` of
+    them (while they fit in cache), else one logsumexp per row, from which backward makes
+    them again with one more GEMM, as flash attention does; the dropout mask always from
+    its seed.
 
     Inputs of any leading dimensions are seen as (B, H, ..): views wherever the layout
     allows (unit stride in the last dimension, which the BLAS calls need); the mask is
@@ -278,7 +296,9 @@ def _fused_attention(
     if attn_mask is not None:
         mask = four_d(attn_mask.expand(*lead, seq_len, keys))
     seed = dropout_seed(q.device) if dropout_p > 0.0 else q.new_zeros((), dtype=torch.int64)
-    args = (causal, scale, seed, threshold(dropout_p), rescaling(dropout_p), _FUSED_ROWS)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    keep = backward and dropout_p > 0.0 and groups * seq_len * keys <= _KEEP_WEIGHTS
+    args = (causal, scale, seed, threshold(dropout_p), rescaling(dropout_p), _FUSED_ROWS, keep)
     out, _ = ops.attention_forward(four_d(q), four_d(k), four_d(v), mask, *args)
     return out if q.dim() == 4 else out.reshape(*lead, seq_len, v.shape[-1])
 

@@ -251,17 +251,20 @@ def _register_python_side() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("linformer_kit::attention_forward")
-    def _attention_shape(q, k, v, *rest):  # noqa: ANN001, ANN002, ANN202, ARG001
+    def _attention_shape(q, k, v, *rest, keep_weights=False):  # noqa: ANN001, ANN002, ANN202, ARG001
         batch, heads, seq_len, _ = q.shape
         out = q.new_empty(batch, seq_len, heads, v.shape[-1]).transpose(1, 2)
-        # out: (B, H, N, Dv) over (B, N, H, Dv) memory; the logsumexp in the compute dtype
-        # (at::toOpMathType in attention_forward: float32 for bf16, else q's own)
-        lse_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
-        return out, q.new_empty(batch * heads, seq_len, dtype=lse_dtype)
+        # out: (B, H, N, Dv) over (B, N, H, Dv) memory; the stats (each row's logsumexp, or
+        # with keep_weights the weights) in the compute dtype (at::toOpMathType in
+        # attention_forward: float32 for bf16, else q's own)
+        keep_weights = rest[7] if len(rest) > 7 else keep_weights
+        stats_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
+        keys = (k.shape[-2],) if keep_weights else ()
+        return out, q.new_empty(batch * heads, seq_len, *keys, dtype=stats_dtype)
 
     @torch.library.register_fake("linformer_kit::attention_backward")
     def _gradient_shapes(
-        grad, q, k, v, mask, logsumexp, causal, scale, seed, threshold, factor, rows, needs
+        grad, q, k, v, mask, stats, causal, scale, seed, threshold, factor, rows, needs
     ):  # noqa: ANN001, ANN202, ARG001
         return tuple(torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs))
 

@@ -5,11 +5,12 @@
 // Forward, per (batch x head, block of rows): S = Q K^T * scale (one GEMM), exp(S - max) in
 // place (a vectorized exp), the dropout mask (`bits.h`), O = kept V (one GEMM, written
 // straight into the (B, N, H, Dv) layout the head merge reads), each row of O then divided
-// by (1 - p) and its sum of exps (Dv values, not M); only each row's logsumexp is saved,
-// as flash attention does: no N x M tensor is ever allocated (fresh pages for one cost more
-// than the GEMM that makes the weights again; kept in reused memory, the weights gained the
-// attention layer only 1.02-1.03x at n 4096-16384, docs/performance.md). Backward, per
-// block: the weights again from Q K^T and the logsumexp, the mask again from the seed,
+// by (1 - p) and its sum of exps (Dv values, not M). What backward gets (`stats`): each
+// row's logsumexp, as flash attention saves, from which it makes the weights again (one
+// more GEMM and exp pass), or, where the caller asks (`keep_weights`; `kernels` asks in
+// training with dropout, up to `_KEEP_WEIGHTS` weights), the (G, N, M) weights themselves,
+// zeros on the keys a causal block skips. Backward, per block: the
+// weights (kept, or again from Q K^T and the logsumexp), the mask again from the seed,
 // dP = dO V^T, the scores' gradient (times the scale) in place, dQ = dS K, and
 // dK^T += Q^T dS, dV^T += dO^T kept into thread-local sums added once per matrix under a
 // lock. The dropout's 1 / (1 - p) goes into the kept weights and the scale into K^T, not
@@ -238,17 +239,20 @@ void block_scores(const Plan::Block& b, const Matrices<const S>& Q, const Matric
 template <typename S>
 void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                    Opmath<S> scale, Opmath<S> factor, at::Tensor& out, at::Tensor& logsumexp) {
+                    Opmath<S> scale, Opmath<S> factor, at::Tensor& out, at::Tensor& stats) {
   using T = Opmath<S>;
   const std::pair<at::Tensor, T> k_t = transposed_scaled<S>(k, scale);
   const Matrices<const S> Q(q), Kt(k_t.first), V(v);
   const T alpha = k_t.second;
   const Matrices<S> O(out);
   const Allowed allowed(mask);
-  T* lse = logsumexp.data_ptr<T>();
-  const int64_t head_dim = q.size(3), value_dim = v.size(3);
+  // each row's logsumexp (G, N), or its weights (G, N, M)
+  const bool keep_weights = stats.dim() == 3;
+  T* lse = keep_weights ? nullptr : stats.data_ptr<T>();
+  T* saved = keep_weights ? stats.data_ptr<T>() : nullptr;
+  const int64_t head_dim = q.size(3), value_dim = v.size(3), M = plan.keys;
   at::parallel_for(0, plan.groups * plan.blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> weights(plan.rows * plan.keys), kept(plan.dropout ? plan.rows * plan.keys : 0);
+    std::vector<T> weights(plan.rows * M), kept(plan.dropout ? plan.rows * M : 0);
     std::vector<T> row_scales(plan.rows);  // factor / each row's sum of weights
     std::vector<T> out_rows;  // bfloat16: the block's output before rounding
     std::vector<S> rounded;   // bfloat16: the weights the output GEMM reads
@@ -261,7 +265,17 @@ void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = first + i, valid = plan.valid_keys(row, keys);
         mask_row(w + i * keys, valid, keys, allowed.row(g, row));
-        lse[g * plan.seq_len + row] = softmax_row(w + i * keys, valid, &row_scales[i]);
+        const T top = softmax_row(w + i * keys, valid, &row_scales[i]);
+        if (keep_weights) {  // the row's weights, zeros on the keys a causal block skips
+          T* to = saved + (g * plan.seq_len + row) * M;
+          const T* from = w + i * keys;
+          const T inverse = row_scales[i];
+#pragma omp simd
+          for (int64_t c = 0; c < keys; ++c) to[c] = from[c] * inverse;
+          std::fill(to + keys, to + M, T(0));
+        } else {
+          lse[g * plan.seq_len + row] = top;
+        }
         row_scales[i] *= factor;
         if (plan.dropout) {
           keep_row(plan, g, row, keys, w + i * keys, kept.data() + i * keys, T(1), words);
@@ -283,7 +297,7 @@ void forward_blocks(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
 template <typename S>
 void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor& q,
                      const at::Tensor& k, const at::Tensor& v,
-                     const std::optional<at::Tensor>& mask, const at::Tensor& logsumexp,
+                     const std::optional<at::Tensor>& mask, const at::Tensor& stats,
                      Opmath<S> scale, Opmath<S> factor, at::Tensor& grad_q, at::Tensor& grad_k,
                      at::Tensor& grad_v) {
   using T = Opmath<S>;
@@ -297,7 +311,9 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
   const Matrices<S> dQ(grad_q);
   const Matrices<T> dK(grad_k), dV(grad_v);
   const Allowed allowed(mask);
-  const T* lse = logsumexp.data_ptr<T>();
+  const bool kept_weights = stats.dim() == 3;  // the forward's weights, else logsumexps
+  const T* lse = kept_weights ? nullptr : stats.data_ptr<T>();
+  const T* saved = kept_weights ? stats.data_ptr<T>() : nullptr;
   const int64_t head_dim = q.size(3), value_dim = v.size(3), M = plan.keys;
   std::unique_ptr<std::mutex[]> locks(new std::mutex[plan.groups]);
   at::parallel_for(0, plan.groups * plan.blocks, 1, [&](int64_t begin, int64_t end) {
@@ -329,20 +345,36 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
         summed_keys = 0;
       }
       summed_keys = std::max(summed_keys, keys);
-      T* w = weights.data();  // (rows, keys): the forward's weights, made again
+      // w: (rows, keys), the forward's weights: the kept ones in place where a block's rows
+      // are whole rows of them, else copied; or made again (scores here, exps below)
+      const T* w = weights.data();
       T* ds = grad_scores.data();
-      block_scores(b, Q, Kt, head_dim, alpha, w);
+      if (kept_weights) {
+        const T* from = saved + (g * plan.seq_len + first) * M;
+        if (keys == M) {
+          w = from;
+        } else {
+          for (int64_t i = 0; i < rows; ++i) {
+            std::copy_n(from + i * M, keys, weights.data() + i * keys);
+          }
+        }
+      } else {
+        block_scores(b, Q, Kt, head_dim, alpha, weights.data());
+      }
       if (need_q || need_k) {  // dP = dO V^T, times `rescale`
         gemm<S>(false, false, rows, keys, value_dim, rescale, dO.row(g, first), dO.ld,
                 Vt.row(g, 0), Vt.ld, T(0), ds, keys);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = first + i, valid = plan.valid_keys(row, keys);
-        T* wi = w + i * keys;
-        mask_row(wi, valid, keys, allowed.row(g, row));
-        exp_sum(wi, valid, lse[g * plan.seq_len + row]);
-        T* ki = plan.dropout ? kept.data() + i * keys : wi;
-        if (plan.dropout) keep_row(plan, g, row, keys, wi, ki, factor, words);
+        if (!kept_weights) {
+          T* made = weights.data() + i * keys;
+          mask_row(made, valid, keys, allowed.row(g, row));
+          exp_sum(made, valid, lse[g * plan.seq_len + row]);
+        }
+        const T* wi = w + i * keys;
+        const T* ki = plan.dropout ? kept.data() + i * keys : wi;
+        if (plan.dropout) keep_row(plan, g, row, keys, wi, kept.data() + i * keys, factor, words);
         if (need_q || need_k) scores_grad(wi, ki, ds + i * keys, keys, scale);
       }
       const S* ds_in = need_q || need_k ? as_input(ds, rows * keys, rounded_ds) : nullptr;
@@ -369,43 +401,46 @@ void backward_blocks(const Plan& plan, const at::Tensor& grad, const at::Tensor&
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& mask, bool causal, double scale, const at::Tensor& seed,
-    int64_t threshold, double factor, int64_t block_rows) {
+    int64_t threshold, double factor, int64_t block_rows, bool keep_weights) {
   check_inputs(q, k, v, mask);
   const Plan plan = plan_of(q, k, causal, seed, threshold, block_rows);
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options())
                        .transpose(1, 2);  // (B, H, N, Dv) over (B, N, H, Dv) memory
-  at::Tensor logsumexp = at::empty({plan.groups, plan.seq_len},
-                                   q.options().dtype(at::toOpMathType(q.scalar_type())));
+  std::vector<int64_t> stats_shape = {plan.groups, plan.seq_len};
+  if (keep_weights) stats_shape.push_back(plan.keys);
+  at::Tensor stats =
+      at::empty(stats_shape, q.options().dtype(at::toOpMathType(q.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_forward", [&] {
     using T = Opmath<scalar_t>;
-    forward_blocks<scalar_t>(plan, q, k, v, mask, T(scale), T(factor), out, logsumexp);
+    forward_blocks<scalar_t>(plan, q, k, v, mask, T(scale), T(factor), out, stats);
   });
-  return {out, logsumexp};
+  return {out, stats};
 }
 
 using Grad = std::optional<at::Tensor>;  // None where not asked for
 
 std::tuple<Grad, Grad, Grad> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& mask, const at::Tensor& logsumexp, bool causal,
+    const std::optional<at::Tensor>& mask, const at::Tensor& stats, bool causal,
     double scale, const at::Tensor& seed, int64_t threshold, double factor, int64_t block_rows,
     std::array<bool, 3> needs) {
   check_inputs(q, k, v, mask);
   check_matrices(grad, q);
   const Plan plan = plan_of(q, k, causal, seed, threshold, block_rows);
   const at::ScalarType opmath = at::toOpMathType(q.scalar_type());
+  const bool shaped = stats.sizes() == at::IntArrayRef({plan.groups, plan.seq_len}) ||
+                      stats.sizes() == at::IntArrayRef({plan.groups, plan.seq_len, plan.keys});
   TORCH_CHECK(grad.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2), v.size(3)}) &&
-                  logsumexp.is_contiguous() && logsumexp.scalar_type() == opmath &&
-                  logsumexp.sizes() == at::IntArrayRef({plan.groups, plan.seq_len}),
-              "fused attention: grad ", grad.sizes(), " or logsumexp ", logsumexp.sizes(),
-              " do not match the inputs");
+                  stats.is_contiguous() && stats.scalar_type() == opmath && shaped,
+              "fused attention: grad ", grad.sizes(), " or the forward's stats ", stats.sizes(),
+              " (logsumexps (B x H, N) or weights (B x H, N, M)) do not match the inputs");
   at::Tensor grad_q = needs[0] ? at::empty_like(q) : at::Tensor();  // undefined: None
   at::Tensor grad_k = needs[1] ? at::zeros_like(k, k.options().dtype(opmath)) : at::Tensor();
   at::Tensor grad_v = needs[2] ? at::zeros_like(v, v.options().dtype(opmath)) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_backward", [&] {
     using T = Opmath<scalar_t>;
-    backward_blocks<scalar_t>(plan, grad, q, k, v, mask, logsumexp, T(scale), T(factor),
-                              grad_q, grad_k, grad_v);
+    backward_blocks<scalar_t>(plan, grad, q, k, v, mask, stats, T(scale), T(factor), grad_q,
+                              grad_k, grad_v);
   });
   auto asked = [&](const at::Tensor& t) {  // the sums rounded to the inputs' dtype
     return t.defined() ? Grad(t.to(q.scalar_type())) : std::nullopt;
@@ -414,11 +449,13 @@ std::tuple<Grad, Grad, Grad> attention_backward(
 }
 
 TORCH_LIBRARY_FRAGMENT(linformer_kit, m) {
+  // The second output, `stats`: each row's logsumexp (B x H, N), or with keep_weights the
+  // weights (B x H, N, M); attention_backward takes either.
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, "
-        "float scale, Tensor seed, int threshold, float factor, int block_rows) "
-        "-> (Tensor, Tensor)");
+        "float scale, Tensor seed, int threshold, float factor, int block_rows, "
+        "bool keep_weights=False) -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, "
-        "Tensor logsumexp, bool causal, float scale, Tensor seed, int threshold, float factor, "
+        "Tensor stats, bool causal, float scale, Tensor seed, int threshold, float factor, "
         "int block_rows, bool[3] needs) -> (Tensor?, Tensor?, Tensor?)");
 }
 

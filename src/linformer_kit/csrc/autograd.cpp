@@ -64,26 +64,27 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& mask,
                                bool causal, double scale, const at::Tensor& seed,
-                               int64_t threshold, double factor, int64_t block_rows) {
+                               int64_t threshold, double factor, int64_t block_rows,
+                               bool keep_weights) {
     static const auto op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("linformer_kit::attention_forward", "")
             .typed<std::tuple<at::Tensor, at::Tensor>(
                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
                 const std::optional<at::Tensor>&, bool, double, const at::Tensor&, int64_t,
-                double, int64_t)>();
+                double, int64_t, bool)>();
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, logsumexp] =
-        op.call(q, k, v, mask, causal, scale, seed, threshold, factor, block_rows);
-    ctx->save_for_backward({q, k, v, mask.value_or(at::Tensor()), seed, logsumexp});
+    auto [out, stats] = op.call(q, k, v, mask, causal, scale, seed, threshold, factor,
+                                block_rows, keep_weights);
+    ctx->save_for_backward({q, k, v, mask.value_or(at::Tensor()), seed, stats});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["threshold"] = threshold;
     ctx->saved_data["factor"] = factor;
     ctx->saved_data["block_rows"] = block_rows;
-    ctx->mark_non_differentiable({logsumexp});
-    ctx->set_materialize_grads(false);  // no zeros made for the logsumexp's gradient
-    return {out, logsumexp};
+    ctx->mark_non_differentiable({stats});
+    ctx->set_materialize_grads(false);  // no zeros made for the stats' gradient
+    return {out, stats};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -94,7 +95,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                 const std::optional<at::Tensor>&, const at::Tensor&, bool, double,
                 const at::Tensor&, int64_t, double, int64_t, std::array<bool, 3>)>();
-    if (!grads[0].defined()) return variable_list(10);  // (grads not materialized: none)
+    if (!grads[0].defined()) return variable_list(11);  // (grads not materialized: none)
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& mask = saved[3];
     // (sym_stride: under torch.compile a plain stride() would fix every size of a dynamic
@@ -110,16 +111,17 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         ctx->saved_data["block_rows"].toInt(), needs);
     const at::Tensor none;
     return {grad_q.value_or(none), grad_k.value_or(none), grad_v.value_or(none),
-            none, none, none, none, none, none, none};  // mask and the non-tensor arguments
+            none, none, none, none, none, none, none, none};  // mask and the non-tensors
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& mask, bool causal, double scale, const at::Tensor& seed,
-    int64_t threshold, double factor, int64_t block_rows) {
-  const variable_list outputs =
-      AttentionFunction::apply(q, k, v, mask, causal, scale, seed, threshold, factor, block_rows);
+    int64_t threshold, double factor, int64_t block_rows, bool keep_weights) {
+  const variable_list outputs = AttentionFunction::apply(q, k, v, mask, causal, scale, seed,
+                                                         threshold, factor, block_rows,
+                                                         keep_weights);
   return {outputs[0], outputs[1]};
 }
 
