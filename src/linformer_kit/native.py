@@ -251,13 +251,14 @@ def _register_python_side() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("linformer_kit::attention_forward")
-    def _attention_shape(q, k, v, *rest, keep_weights=False):  # noqa: ANN001, ANN002, ANN202, ARG001
+    def _attention_shape(
+        q, k, v, mask, causal, scale, seed, threshold, factor, rows, keep_weights=False
+    ):  # noqa: ANN001, ANN202, ARG001
         batch, heads, seq_len, _ = q.shape
         out = q.new_empty(batch, seq_len, heads, v.shape[-1]).transpose(1, 2)
         # out: (B, H, N, Dv) over (B, N, H, Dv) memory; the stats (each row's logsumexp, or
         # with keep_weights the weights) in the compute dtype (at::toOpMathType in
         # attention_forward: float32 for bf16, else q's own)
-        keep_weights = rest[7] if len(rest) > 7 else keep_weights
         stats_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
         keys = (k.shape[-2],) if keep_weights else ()
         return out, q.new_empty(batch * heads, seq_len, *keys, dtype=stats_dtype)
