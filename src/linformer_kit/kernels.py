@@ -85,11 +85,12 @@ _FUSED_ROWS = 256
 # dropout 0.1, 1.11-1.17x without, but 0.95x at 2^23 (n 8192 B 1; n 1024 B 8: 0.93-0.94x);
 # in bf16 (MKL's bf16 GEMM) 1.09 / 1.08x at n 1024 / 4096 with dropout; without glibc
 # keeping freed memory (`keep_freed_memory`) still 1.08-1.14x in fp32. The attention
-# layer with dropout 0.1 (medians of 12-40 paired rounds): 1.056 / 1.069 / 1.074x at n 1024
-# / 2048 / 4096, the encoder layer 1.025x at 1024. Only with dropout: without it the rule
-# takes the explicit kernel only where its GEMMs are oneDNN's (AVX-512 AMD) or in bf16,
-# and there SDPA saves one logsumexp a row, which the encoder layer's memory matches (the
-# README's target 4); with dropout SDPA's math path keeps N x N weights itself.
+# layer with dropout 0.1 (medians of 12-40 paired rounds, several runs): 1.05-1.08 / 1.06-1.07
+# / 1.07x at n 1024 / 2048 / 4096, the encoder layer 1.02-1.03 / 1.04x at 1024 / 4096.
+# Only with dropout: without it the rule takes the explicit kernel only where its GEMMs
+# are oneDNN's (AVX-512 AMD) or in bf16, and there SDPA saves one logsumexp a row, which
+# the encoder layer's memory matches (the README's target 4); with dropout SDPA's math
+# path keeps N x N weights itself.
 _KEEP_WEIGHTS = 1 << 22
 
 

@@ -19,6 +19,7 @@ from linformer_kit import kernels
 from linformer_kit.bench.flops import Shape
 from linformer_kit.bench.timing import module_step
 from linformer_kit.bench.variants import Variant, build_variant
+from linformer_kit.training.compare import machine
 from linformer_kit.training.settings import keep_freed_memory
 
 
@@ -41,6 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()
     torch.set_num_threads(2)
+    before = machine()  # CPU model, flags, torch, load averages
     rows = []
     for n in map(int, args.n.split(",")):
         shape = Shape(batch_size=1, seq_len=n, dim=256, num_heads=4, proj_dim=256, ffn_dim=1024)
@@ -61,8 +63,9 @@ def main() -> None:
             "ratio_q1": q1, "ratio_q3": q3,
         })  # fmt: skip
         print(json.dumps(rows[-1]))
-    settings = vars(args) | {"threads": 2, "torch": torch.__version__}
-    Path(args.out).write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+    settings = vars(args) | {"threads": 2}
+    result = {"settings": settings, "machine": before, "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
