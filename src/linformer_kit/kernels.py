@@ -86,7 +86,9 @@ _FUSED_ROWS = 256
 # in bf16 (MKL's bf16 GEMM) 1.09 / 1.08x at n 1024 / 4096 with dropout; without glibc
 # keeping freed memory (`keep_freed_memory`) still 1.08-1.14x in fp32. The attention
 # layer with dropout 0.1 (medians of 12-40 paired rounds, several runs): 1.05-1.08 / 1.06-1.07
-# / 1.07x at n 1024 / 2048 / 4096, the encoder layer 1.02-1.03 / 1.04x at 1024 / 4096.
+# / 1.07x at n 1024 / 2048 / 4096, the encoder layer 1.02-1.03 / 1.04x at 1024 / 4096, and a
+# 6-layer encoder, whose layers' weights wait in memory for the layers above, 1.04 / 1.08 /
+# 1.07x (`benchmarks/kernels/zen3-avx2/keep-weights/`).
 # Only with dropout: without it the rule takes the explicit kernel only where its GEMMs
 # are oneDNN's (AVX-512 AMD) or in bf16, and there SDPA saves one logsumexp a row, which
 # the encoder layer's memory matches (the README's target 4); with dropout SDPA's math
