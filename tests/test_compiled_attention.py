@@ -271,6 +271,25 @@ def test_the_weights_kept_are_the_softmax_weights(causal):
     torch.testing.assert_close(weights.double(), scores.softmax(-1).view(6, 10, 12))
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_gives_the_same_gradients_from_either_stats(p, causal):
+    # attention_backward from the kept weights equals it from the logsumexps (which the
+    # float64 reference checks), with and without dropout: the op takes either whatever
+    # the dropout, though `kernels` keeps them with dropout only.
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (10, 12, 12))
+    grad = torch.randn(2, 3, 10, 8, generator=g)
+    args = (causal, 0.5, torch.tensor(11), threshold(p), rescaling(p), 3)
+    ops = native.cpu_ops()
+    _, lse = ops.attention_forward(q, k, v, None, *args, keep_weights=False)
+    _, weights = ops.attention_forward(q, k, v, None, *args, keep_weights=True)
+    made = ops.attention_backward(grad, q, k, v, None, lse, *args, [True] * 3)
+    kept = ops.attention_backward(grad, q, k, v, None, weights, *args, [True] * 3)
+    for a, b in zip(kept, made):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_weights_are_kept_for_a_backward_with_dropout_within_the_limit_only(monkeypatch):
     # What autograd saves: the (B x H, N, M) weights where a backward will run with dropout
     # and B x H x N x M is within `_KEEP_WEIGHTS`; else each row's logsumexp.
