@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         row = result["rows"][-1]
         tqdm.write(f"n {seq_len}: measured {row['measured']:.3f}, bound {row['bound']:.3f}")
         (args.out / "bound.json").write_text(json.dumps(result, indent=1) + "\n")
-    title = f"{args.scope} layer ({args.sharing}), fwd+bwd, {args.threads} threads"
+    layer = {"attention": "attention layer", "layer": "encoder layer"}[args.scope]
+    title = f"{layer} ({args.sharing}), fwd+bwd, {args.threads} threads"
     plot(result["rows"], args.out / "bound.png", title)
 
 
