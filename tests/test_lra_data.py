@@ -145,7 +145,7 @@ def test_pathfinder_labels_are_learnable_from_the_pixels():
     # The labels follow from the images in a form a model can learn: a small CNN reaches far
     # above chance on the easy variant (6 dashes) in 600 steps (82-85% with seeds 0-2, 15 s on
     # a 2-core AVX2 machine; the markers' distance alone gives 84% there, 53% on the hard
-    # variant). The transformers at the CPU scale stay at 50%: the README's Pathfinder section.
+    # variant). The transformers at the CPU scale stay at 50%: docs/lra.md's Pathfinder section.
     torch.manual_seed(0)
     train = generate_pathfinder(10_000, contour_length=6, seed=11)
     val = generate_pathfinder(500, contour_length=6, seed=12)

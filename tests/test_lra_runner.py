@@ -150,7 +150,7 @@ def keyword_reviews(root, per_class):
 
 def test_both_models_learn_a_keyword_anywhere_in_a_document(tmp_path):
     # LRA's text recipe at a quarter of its width; the Linformer with the length-adaptive
-    # projection: with the paper's learned `linear` E it reached 47-63% test accuracy (README).
+    # projection: with the paper's learned `linear` E it reached 47-63% test accuracy (docs/lra.md).
     settings = LRASettings(
         data=str(keyword_reviews(tmp_path / "reviews", 300)), output_dir=str(tmp_path / "runs"),
         cache_dir=str(tmp_path / "cache"), scale=0.25, steps=150, batch_size=16, lr=1e-3,
