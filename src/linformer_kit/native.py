@@ -6,7 +6,7 @@ the explicit attention kernel with its dropout, `kernels._fused_attention`) and
 (`csrc/autograd.cpp`) and fake kernels (torch.compile, `_register_python_side`).
 
 `cpu_ops()` compiles the C++ files with torch's `cpp_extension` (g++ and ninja; about
-20 s once per machine, then loaded from torch's extension cache) and returns
+20-55 s once per machine, then loaded from torch's extension cache) and returns
 `torch.ops.linformer_kit`, or None where it cannot: no compiler, a failed build, or
 `LINFORMER_KIT_NATIVE=0` in the environment (`LINFORMER_KIT_MARCH` sets the instruction
 set, `target_arch`). None is never an error: `Dropout` is then `nn.Dropout`, `FeedForward`
