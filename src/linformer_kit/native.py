@@ -129,7 +129,12 @@ def _build() -> object:
     if shutil.which("ninja") is None:  # the ninja that pip installed beside this Python
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     arch = target_arch()
-    logger.info("building the CPU kernels in %s for -march=%s (once per machine)", CSRC, arch)
+    logger.info(
+        "loading the CPU kernels for -march=%s from torch's extension cache, or building them "
+        "from %s (once per machine: 20-55 s)",
+        arch,
+        CSRC,
+    )
     load(
         name=f"linformer_kit_cpu_{_build_tag(arch)}",
         sources=[str(path) for path in SOURCES],
