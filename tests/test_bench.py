@@ -6,6 +6,7 @@ No wall-clock asserts: structure, counts and files only, on tiny sizes with one 
 import csv
 import dataclasses
 import json
+import statistics
 import sys
 import time
 
@@ -217,6 +218,36 @@ def test_budgets_skip_with_a_stated_reason(tmp_path):
     slow = run_bench(dataclasses.replace(settings, memory_budget_gb=8.0, time_budget_s=1e-9))
     assert all(r["status"] == "skipped" for r in slow["rows"])
     assert sum("time budget" in r["reason"] for r in slow["rows"]) == 6
+
+
+def test_the_speed_up_over_the_faster_peer_comes_with_its_round_by_round_quartiles():
+    def row(kind, variant, times):
+        return dict(
+            scope="attention", dtype="float32", kind=kind, variant=variant, k=8, n=64,
+            sharing="kv" if kind == "ours" else None, kernel=None, attention_dropout=0.0,
+            median_ms=statistics.median(times), min_ms=min(times), times_ms=times,
+            peak_mem_mb=None, ceiling_fraction=0.5, ceiling_fraction_best=0.6,
+            speedup_vs_sdpa=None, status="ok",
+        )  # fmt: skip
+
+    ours = [2.0, 3.0, 4.0, 2.0, 5.0]
+    faster = [3.0, 3.0, 6.0, 4.0, 6.0]  # a slow round is slow for both: ratios by round
+    rows = [
+        row("ours", "linformer kv", ours),
+        row("lucidrains", "lucidrains", faster),
+        row("linformer-pytorch", "linformer-pytorch", [9.0] * 5),
+    ]
+    entry = summarise(rows)["attention"]["float32"]["linformer kv k=8"][64]
+    assert entry["speedup_vs_faster_peer"] == pytest.approx(4.0 / 3.0)
+    paired = [1.5, 1.0, 1.5, 2.0, 1.2]  # lucidrains' time over ours, round by round
+    first, _, third = statistics.quantiles(paired, n=4)
+    assert entry["speedup_vs_faster_peer_quartiles"] == pytest.approx([first, third])
+    # Fewer than 4 rounds, or rounds that do not pair: no quartiles.
+    for peer_times in ([3.0, 3.0, 6.0], [3.0, 3.0, 6.0, 4.0]):
+        rows[1] = row("lucidrains", "lucidrains", peer_times)
+        rows[0] = row("ours", "linformer kv", ours[: 3 if len(peer_times) == 3 else 5])
+        entry = summarise(rows)["attention"]["float32"]["linformer kv k=8"][64]
+        assert "speedup_vs_faster_peer_quartiles" not in entry
 
 
 def test_summary_reads_the_targets_off_the_rows():

@@ -88,3 +88,20 @@ def test_peers_flag_is_a_switch():
 
     assert build_parser().parse_args(["bench", "--peers"]).peers is True
     assert build_parser().parse_args(["bench"]).peers is False
+
+
+def test_the_peer_table_gives_the_round_by_round_quartiles_in_brackets(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = "bench --peers --n 32 --proj-dim 16 --dim 16 --num-heads 2 --sharing kv "
+    args += "--scope attention --repeats 5 --min-time-s 0 --warmup 0 --threads 1 --no-memory "
+    args += "--no-keep-freed-memory"
+    main([*args.split(), "--exact", "", "--out", str(out)])
+    printed = capsys.readouterr().out
+    entry = json.loads((out / "bench.json").read_text())["summary"]["attention"]["float32"]
+    entry = entry["linformer kv k=16"]["32"]
+    first, third = entry["speedup_vs_faster_peer_quartiles"]
+    assert first <= third
+    cell = f"{entry['speedup_vs_faster_peer']:.2f}x ({first:.2f}-{third:.2f})"
+    row = printed.split("ours faster):\n")[1].splitlines()[1]
+    assert row.split("k=16", 1)[1].strip() == cell
+    assert "(in brackets: the quartiles of the same ratio round by round)" in printed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 PEER_KINDS = ("lucidrains", "linformer-pytorch")
@@ -9,12 +10,13 @@ PEER_KINDS = ("lucidrains", "linformer-pytorch")
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """For each of our variants: speed-up over the faster peer (by median and by
-    best-of-rounds times), fraction of the matmul ceiling (by median and by best-of-rounds
-    times, each against the probe's same statistic), growth of time and peak memory
-    from n/2 to n, speed-up and memory ratio over exact SDPA (at the same attention
-    dropout), time over the same variant without attention dropout, and (for bfloat16)
-    speed-up over float32 with the output's relative error. Peers, exact SDPA and the
-    undropped variant are taken under the same torch.compile setting (eager with eager).
+    best-of-rounds times, and the quartiles of its round-by-round ratios), fraction of the
+    matmul ceiling (by median and by best-of-rounds times, each against the probe's same
+    statistic), growth of time and peak memory from n/2 to n, speed-up and memory ratio
+    over exact SDPA (at the same attention dropout), time over the same variant without
+    attention dropout, and (for bfloat16) speed-up over float32 with the output's relative
+    error. Peers, exact SDPA and the undropped variant are taken under the same
+    torch.compile setting (eager with eager).
 
     Returns:
         {scope: {dtype: {"variant k=K": {n: {metric: value}}}}}; a metric is absent where
@@ -55,6 +57,13 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         }
         if peers:
             entry["speedup_vs_faster_peer"] = min(peers) / row["median_ms"]
+            faster = min(
+                (r for r in same if r["kind"] in PEER_KINDS and r["k"] == k),
+                key=lambda r: r["median_ms"],
+            )
+            quartiles = _round_quartiles(faster, row)
+            if quartiles:
+                entry["speedup_vs_faster_peer_quartiles"] = quartiles
         best = [r["min_ms"] for r in same if r["kind"] in PEER_KINDS and r["k"] == k]
         if best and row.get("min_ms"):
             # Best-of-rounds times: on a shared machine, interference only adds time.
@@ -73,6 +82,17 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         summary.setdefault(scope, {}).setdefault(dtype, {}).setdefault(f"{variant} k={k}", {})
         summary[scope][dtype][f"{variant} k={k}"][n] = entry
     return summary
+
+
+def _round_quartiles(peer: dict[str, Any], ours: dict[str, Any]) -> list[float] | None:
+    """The first and third quartiles of the peer's time over ours round by round: one n's
+    rounds are interleaved (`timing.time_interleaved`), so round i of each row was timed in
+    the same seconds of the machine. None with fewer than 4 rounds or rounds not paired."""
+    theirs, mine = peer.get("times_ms"), ours.get("times_ms")
+    if not theirs or not mine or len(theirs) != len(mine) or len(mine) < 4:
+        return None
+    first, _, third = statistics.quantiles([t / m for t, m in zip(theirs, mine)], n=4)
+    return [first, third]
 
 
 def peer_ratios(summary: dict[str, Any]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
