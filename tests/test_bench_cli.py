@@ -60,20 +60,26 @@ def test_bench_command_writes_results_and_prints_the_table(tmp_path, capsys, nat
         assert "bfloat16 rows marked 'emulated' are not a result" in printed
 
 
+def run_peer_bench(out, capsys, *, n, repeats):
+    """`linformer bench --peers` of kv attention at tiny sizes: what it printed and the
+    summary of linformer kv by n (as text, read back from bench.json)."""
+    args = f"bench --peers --n {n} --proj-dim 16 --dim 16 --num-heads 2 --sharing kv "
+    args += f"--scope attention --repeats {repeats} --min-time-s 0 --warmup 0 --threads 1 "
+    args += "--no-memory --no-keep-freed-memory"
+    main([*args.split(), "--exact", "", "--out", str(out)])
+    summary = json.loads((out / "bench.json").read_text())["summary"]
+    return capsys.readouterr().out, summary["attention"]["float32"]["linformer kv k=16"]
+
+
 def test_bench_with_peers_prints_and_plots_the_faster_peer_over_ours(tmp_path, capsys):
     out = tmp_path / "bench"
-    args = "bench --peers --n 32,64 --proj-dim 16 --dim 16 --num-heads 2 --sharing kv "
-    args += "--scope attention --repeats 1 --min-time-s 0 --warmup 0 --threads 1 --no-memory "
-    args += "--no-keep-freed-memory"
-    main([*args.split(), "--exact", "", "--out", str(out)])
-    printed = capsys.readouterr().out
+    printed, by_n = run_peer_bench(out, capsys, n="32,64", repeats=1)
     assert "the faster peer's median time over ours (above 1: ours faster):" in printed
     table = printed.split("ours faster):\n")[1].splitlines()
     assert table[0].split() == ["scope", "dtype", "variant", "n=32", "n=64"]
-    entries = json.loads((out / "bench.json").read_text())["summary"]["attention"]["float32"]
-    by_n = entries["linformer kv k=16"]
     cells = [f"{by_n[n]['speedup_vs_faster_peer']:.2f}x" for n in ("32", "64")]
     assert table[1].split() == ["attention", "float32", "linformer", "kv", "k=16", *cells]
+    assert "in brackets" not in printed  # one round: no quartiles
     assert (out / "peers.png").read_bytes()[:4] == b"\x89PNG"
     assert str(out / "peers.png") in printed.splitlines()[-1]
 
@@ -91,17 +97,10 @@ def test_peers_flag_is_a_switch():
 
 
 def test_the_peer_table_gives_the_round_by_round_quartiles_in_brackets(tmp_path, capsys):
-    out = tmp_path / "bench"
-    args = "bench --peers --n 32 --proj-dim 16 --dim 16 --num-heads 2 --sharing kv "
-    args += "--scope attention --repeats 5 --min-time-s 0 --warmup 0 --threads 1 --no-memory "
-    args += "--no-keep-freed-memory"
-    main([*args.split(), "--exact", "", "--out", str(out)])
-    printed = capsys.readouterr().out
-    entry = json.loads((out / "bench.json").read_text())["summary"]["attention"]["float32"]
-    entry = entry["linformer kv k=16"]["32"]
-    first, third = entry["speedup_vs_faster_peer_quartiles"]
+    printed, by_n = run_peer_bench(tmp_path / "bench", capsys, n="32", repeats=5)
+    first, third = by_n["32"]["speedup_vs_faster_peer_quartiles"]
     assert first <= third
-    cell = f"{entry['speedup_vs_faster_peer']:.2f}x ({first:.2f}-{third:.2f})"
+    cell = f"{by_n['32']['speedup_vs_faster_peer']:.2f}x ({first:.2f}-{third:.2f})"
     row = printed.split("ours faster):\n")[1].splitlines()[1]
     assert row.split("k=16", 1)[1].strip() == cell
     assert "(in brackets: the quartiles of the same ratio round by round)" in printed
