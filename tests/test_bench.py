@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 
+import matplotlib.colors
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -524,3 +525,19 @@ def test_the_plots_keep_a_variant_s_colour_across_dtypes(tmp_path, monkeypatch):
                 assert twin.get_color() == line.get_color()
                 assert (line.get_linestyle(), twin.get_linestyle()) == ("-", "--")
     assert len(peers.axes[0].get_lines()[1].get_xdata()) == 1  # n 128 has no peer ratio
+
+
+def test_the_peer_plot_bars_the_round_by_round_quartiles(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(plots.Figure, "savefig", lambda figure, *a, **k: figures.append(figure))
+    by_n = {  # as bench.json reads back: n as text; n 128 without quartiles (too few rounds)
+        "64": {"speedup_vs_faster_peer": 1.5, "speedup_vs_faster_peer_quartiles": [1.4, 1.6]},
+        "128": {"speedup_vs_faster_peer": 2.0},
+    }
+    summary = {"attention": {"float32": {"linformer kv k=16": by_n}}}
+    assert plots.plot_peers(summary, tmp_path / "peers.png", title="t")
+    (axis,) = figures[0].axes
+    line = next(line for line in axis.get_lines() if line.get_label()[0] != "_")
+    (bars,) = axis.collections
+    assert [segment.tolist() for segment in bars.get_segments()] == [[[64, 1.4], [64, 1.6]]]
+    assert matplotlib.colors.same_color(bars.get_colors()[0][:3], line.get_color())

@@ -81,7 +81,8 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
 def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
     """The faster peer's median time over ours vs n (above 1: ours faster), one panel per
     scope, one line per variant of ours and k (its colour) in each dtype (its line style):
-    `summary.peer_ratios`.
+    `summary.peer_ratios`, with a bar over the quartiles of the same ratio round by round
+    where the summary has them.
 
     Returns:
         Whether there was anything to draw (a sweep without peers writes no file).
@@ -89,6 +90,14 @@ def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
     panels: dict[str, dict[tuple[str, str], list[tuple[int, float]]]] = {}
     for (scope, dtype, label), points in peer_ratios(summary).items():
         panels.setdefault(scope, {})[(label, dtype)] = points
+    quartiles = {
+        (scope, label, dtype, int(n)): entry["speedup_vs_faster_peer_quartiles"]
+        for scope, by_dtype in summary.items()
+        for dtype, by_label in by_dtype.items()
+        for label, by_n in by_label.items()
+        for n, entry in by_n.items()
+        if "speedup_vs_faster_peer_quartiles" in entry
+    }
     if not panels:
         return False
     dtypes = list(dict.fromkeys(d for lines in panels.values() for _, d in lines))
@@ -98,12 +107,17 @@ def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
     for axis, (scope, lines) in zip(axes, panels.items()):
         axis.axhline(1.0, color="grey", linewidth=1)
         for (label, dtype), points in lines.items():
-            axis.plot(
+            (line,) = axis.plot(
                 [n for n, _ in points],
                 [ratio for _, ratio in points],
                 marker="o",
                 **_line(label, dtype, dtypes, colours),
             )
+            bars = [(n, *quartiles[scope, label, dtype, n]) for n, _ in points
+                    if (scope, label, dtype, n) in quartiles]  # fmt: skip
+            if bars:
+                ns, lows, highs = zip(*bars)
+                axis.vlines(ns, lows, highs, colors=line.get_color(), linewidth=3, alpha=0.4)
         axis.set(
             title=f"{scope}: faster peer's time / ours",
             xlabel="sequence length n",
