@@ -11,7 +11,7 @@ from typing import Any
 from matplotlib import colormaps
 from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
-from .summary import peer_ratios
+from .summary import PeerPoint, peer_ratios
 
 # One line style per dtype of a sweep, in the order asked for; a variant keeps its colour.
 DTYPE_STYLES = ("-", "--", ":", "-.")
@@ -87,17 +87,9 @@ def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
     Returns:
         Whether there was anything to draw (a sweep without peers writes no file).
     """
-    panels: dict[str, dict[tuple[str, str], list[tuple[int, float]]]] = {}
+    panels: dict[str, dict[tuple[str, str], list[PeerPoint]]] = {}
     for (scope, dtype, label), points in peer_ratios(summary).items():
         panels.setdefault(scope, {})[(label, dtype)] = points
-    quartiles = {
-        (scope, label, dtype, int(n)): entry["speedup_vs_faster_peer_quartiles"]
-        for scope, by_dtype in summary.items()
-        for dtype, by_label in by_dtype.items()
-        for label, by_n in by_label.items()
-        for n, entry in by_n.items()
-        if "speedup_vs_faster_peer_quartiles" in entry
-    }
     if not panels:
         return False
     dtypes = list(dict.fromkeys(d for lines in panels.values() for _, d in lines))
@@ -108,13 +100,12 @@ def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
         axis.axhline(1.0, color="grey", linewidth=1)
         for (label, dtype), points in lines.items():
             (line,) = axis.plot(
-                [n for n, _ in points],
-                [ratio for _, ratio in points],
+                [n for n, _, _ in points],
+                [ratio for _, ratio, _ in points],
                 marker="o",
                 **_line(label, dtype, dtypes, colours),
             )
-            bars = [(n, *quartiles[scope, label, dtype, n]) for n, _ in points
-                    if (scope, label, dtype, n) in quartiles]  # fmt: skip
+            bars = [(n, *quartiles) for n, _, quartiles in points if quartiles]
             if bars:
                 ns, lows, highs = zip(*bars)
                 axis.vlines(ns, lows, highs, colors=line.get_color(), linewidth=3, alpha=0.4)

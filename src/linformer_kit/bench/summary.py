@@ -6,6 +6,8 @@ import statistics
 from typing import Any
 
 PEER_KINDS = ("lucidrains", "linformer-pytorch")
+# A point of `peer_ratios`: n, the ratio, and its round-by-round quartiles (or None).
+PeerPoint = tuple[int, float, list[float] | None]
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -95,13 +97,18 @@ def _round_quartiles(peer: dict[str, Any], ours: dict[str, Any]) -> list[float] 
     return [first, third]
 
 
-def peer_ratios(summary: dict[str, Any]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
-    """The faster peer's median time over ours, (n, ratio) by n, for each (scope, dtype,
-    "variant k=K") of `summarise`'s result that has one (n may be text: bench.json read
-    back). Above 1, ours is faster."""
+def peer_ratios(summary: dict[str, Any]) -> dict[tuple[str, str, str], list[PeerPoint]]:
+    """The faster peer's median time over ours, (n, ratio, quartiles) by n, for each
+    (scope, dtype, "variant k=K") of `summarise`'s result that has one (n may be text:
+    bench.json read back); quartiles are those of the same ratio round by round, None where
+    the run had too few rounds. Above 1, ours is faster."""
     ratios = {
         (scope, dtype, label): sorted(
-            (int(n), entry["speedup_vs_faster_peer"])
+            (
+                int(n),
+                entry["speedup_vs_faster_peer"],
+                entry.get("speedup_vs_faster_peer_quartiles"),
+            )
             for n, entry in by_n.items()
             if "speedup_vs_faster_peer" in entry
         )

@@ -50,35 +50,28 @@ def run(args: argparse.Namespace) -> None:
     emulated = [row for row in result["rows"] if row["status"] == EMULATED]
     if emulated:
         print(f"bfloat16 rows marked {EMULATED!r} are {emulated[0]['reason']}")
-    summary = result["summary"]
-    ratios = peer_ratios(summary)
+    ratios = peer_ratios(result["summary"])
     if ratios:
-        lengths = sorted({n for points in ratios.values() for n, _ in points})
-        entries = {
-            key: {n: summary[key[0]][key[1]][key[2]][n] for n, _ in points}
-            for key, points in ratios.items()
-        }
+        lengths = sorted({n for points in ratios.values() for n, _, _ in points})
         table = [
             {"scope": scope, "dtype": dtype, "variant": label}
             | {f"n={n}": "-" for n in lengths}  # (not measured at that n)
-            | {f"n={n}": _ratio_cell(entry) for n, entry in by_n.items()}
-            for (scope, dtype, label), by_n in entries.items()
+            | {f"n={n}": _ratio_cell(ratio, quartiles) for n, ratio, quartiles in points}
+            for (scope, dtype, label), points in ratios.items()
         ]
         print("the faster peer's median time over ours (above 1: ours faster):")
         print(format_table(table))
-        by_round = "speedup_vs_faster_peer_quartiles"
-        if any(by_round in entry for by_n in entries.values() for entry in by_n.values()):
+        if any(quartiles for points in ratios.values() for _, _, quartiles in points):
             print("(in brackets: the quartiles of the same ratio round by round)")
     out = Path(settings.out)
     names = (RESULT_NAME, TABLE_NAME, "scaling.png", "grid.png", "peers.png")
     print("wrote " + ", ".join(str(out / name) for name in names if (out / name).exists()))
 
 
-def _ratio_cell(entry: dict) -> str:
-    """`summarise`'s speed-up over the faster peer at one n, with the quartiles of its
-    round-by-round ratios where there were enough rounds: "1.39x (1.33-1.45)"."""
-    cell = f"{entry['speedup_vs_faster_peer']:.2f}x"
-    quartiles = entry.get("speedup_vs_faster_peer_quartiles")
+def _ratio_cell(ratio: float, quartiles: list[float] | None) -> str:
+    """A speed-up over the faster peer, with the quartiles of its round-by-round ratios
+    where the run had enough rounds: "1.39x (1.33-1.45)"."""
+    cell = f"{ratio:.2f}x"
     return f"{cell} ({quartiles[0]:.2f}-{quartiles[1]:.2f})" if quartiles else cell
 
 
