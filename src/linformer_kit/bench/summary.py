@@ -38,7 +38,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             r for key, r in index.items()
             if (key[0], key[1], key[4], r.get("compile")) == (scope, dtype, n, row.get("compile"))
         ]  # fmt: skip
-        peers = [r["median_ms"] for r in same if r["kind"] in PEER_KINDS and r["k"] == k]
+        peers = [r for r in same if r["kind"] in PEER_KINDS and r["k"] == k]
         dropout = row["attention_dropout"]
         sdpa = next(
             (r for r in same if r["kind"] == "sdpa" and r["attention_dropout"] == dropout), None
@@ -58,18 +58,15 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "speedup_vs_sdpa": row["speedup_vs_sdpa"],
         }
         if peers:
-            entry["speedup_vs_faster_peer"] = min(peers) / row["median_ms"]
-            faster = min(
-                (r for r in same if r["kind"] in PEER_KINDS and r["k"] == k),
-                key=lambda r: r["median_ms"],
-            )
+            faster = min(peers, key=lambda r: r["median_ms"])
+            entry["speedup_vs_faster_peer"] = faster["median_ms"] / row["median_ms"]
             quartiles = _round_quartiles(faster, row)
             if quartiles:
                 entry["speedup_vs_faster_peer_quartiles"] = quartiles
-        best = [r["min_ms"] for r in same if r["kind"] in PEER_KINDS and r["k"] == k]
-        if best and row.get("min_ms"):
-            # Best-of-rounds times: on a shared machine, interference only adds time.
-            entry["speedup_vs_faster_peer_by_min"] = min(best) / row["min_ms"]
+            if row.get("min_ms"):
+                # Best-of-rounds times: on a shared machine, interference only adds time.
+                best = min(r["min_ms"] for r in peers)
+                entry["speedup_vs_faster_peer_by_min"] = best / row["min_ms"]
         if sdpa and sdpa["peak_mem_mb"] and row["peak_mem_mb"]:
             entry["memory_vs_sdpa"] = row["peak_mem_mb"] / sdpa["peak_mem_mb"]
         if dropout and undropped:
