@@ -1,9 +1,11 @@
-"""The documentation's Python examples run as written: every ```python block of the README and
-docs/ is executed, with only the inputs it leaves to the reader (token ids, masks, a model)
-supplied, so an example that drifts from the API fails here."""
+"""The documentation's examples hold: every ```python block of the README and docs/ runs as
+written, with only the inputs it leaves to the reader (token ids, masks, a model) supplied, and
+every `linformer` command line in the README, docs/ and the benchmarks' notes uses flags its
+subcommand has. An example that drifts from the API or the CLI fails here."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -11,10 +13,14 @@ import pytest
 import torch
 
 from linformer_kit import LinformerConfig, LinformerForMaskedLM
+from linformer_kit.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+# `linformer WORD ...` up to the end of the line, a backquote or a pipe; `\` continues it
+COMMAND = re.compile(r"linformer ([a-z][a-z0-9-]*)((?:[ \t]+(?:\\\n\s*)?[^\s`|]+)*)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
 def examples() -> list[tuple[str, str]]:
@@ -67,3 +73,60 @@ def test_the_example_runs_as_written(example_id, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = reader_inputs(tmp_path)
     exec(compile(code, example_id, "exec"), namespace)
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser's subcommands by name (empty when it has none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def unknown_flags(text: str, parser: argparse.ArgumentParser) -> list[str]:
+    """`linformer SUB [SUBSUB] ... --flag` of `text` whose flag the (sub)command lacks."""
+    unknown = []
+    for match in COMMAND.finditer(text):
+        words = [match.group(1), *match.group(2).split()]
+        command, name = parser, "linformer"
+        while words and words[0] in subcommands(command):
+            name += " " + words[0]
+            command = subcommands(command)[words.pop(0)]
+        if command is parser:
+            continue  # prose ("linformer is ..."), not a command line
+        for flag in FLAG.findall(" ".join(words)):
+            if flag not in command._option_string_actions:
+                line = text[: match.start()].count("\n") + 1
+                unknown.append(f"line {line}: {name} {flag}")
+    return unknown
+
+
+def test_an_unknown_flag_is_found():
+    text = (
+        "run `linformer bench --peers --no-such-flag`, then\n"
+        "linformer seq2seq train --task copy \\\n    --max-len 8 --bogus 1\n"
+        "linformer is a command; so is linformer evaluate --help | less\n"
+    )
+    assert unknown_flags(text, build_parser()) == [
+        "line 1: linformer bench --no-such-flag",
+        "line 2: linformer seq2seq train --bogus",
+    ]
+
+
+@pytest.mark.parametrize(
+    "page",
+    [*PAGES, *sorted((ROOT / "benchmarks").rglob("*.md"))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_every_command_line_uses_flags_the_command_has(page):
+    assert unknown_flags(page.read_text(), build_parser()) == []
+
+
+def test_every_command_line_in_the_help_uses_flags_the_command_has():
+    parser, unknown = build_parser(), []
+    pending = [parser]
+    while pending:
+        command = pending.pop()
+        unknown += unknown_flags(command.format_help(), parser)
+        pending += subcommands(command).values()
+    assert unknown == []
