@@ -193,3 +193,48 @@ def test_returned_attention_is_the_matrix_sdpa_applied(proj_dim, width):
     v, _ = attn.proj_v(attn.to_v(x).view(2, 10, 2, 8), mask)
     expected = torch.matmul(weights, v.transpose(1, 2)).transpose(1, 2).reshape(2, 10, 16)
     torch.testing.assert_close(captured["inp"], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("projection", [*KINDS, "exact"])
+def test_nan_in_padded_positions_never_reaches_real_outputs(projection):
+    torch.manual_seed(0)
+    proj = build_projection(
+        projection="linear" if projection == "exact" else projection,
+        max_seq_len=12,
+        proj_dim=None if projection == "exact" else 4,
+    )
+    attn = LinformerSelfAttention(dim=8, num_heads=2, max_seq_len=12, proj_k=proj).double()
+    x = torch.randn(2, 10, 8, dtype=torch.float64)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, 7:] = False
+    clean = attn(x, mask)[0]
+    x[0, 7:] = float("nan")  # e.g. padding left as torch.empty
+    got = attn(x, mask)[0]
+    torch.testing.assert_close(got[mask], clean[mask], atol=1e-12, rtol=0)
+
+
+def test_bad_arguments_are_named_with_the_allowed_range():
+    def build(**changes):
+        args = dict(dim=8, num_heads=2, max_seq_len=16)
+        return LinformerSelfAttention(**{**args, **changes})
+
+    def proj(kind, k):
+        return build_projection(projection=kind, max_seq_len=16, proj_dim=k)
+
+    with pytest.raises(ValueError, match=r"dropout must be a float in \[0, 1\), got 2.0"):
+        build(dropout=2.0)
+    with pytest.raises(ValueError, match=r"block_size must be an integer >= 1, got 0"):
+        build(block_size=0, causal=True)
+    with pytest.raises(ValueError, match=r"as many rows: .* give 8 and 4 at max_seq_len 16"):
+        build(proj_k=proj("linear", 8), proj_v=proj("pool", 4))
+    with pytest.raises(ValueError, match=r"both project or both be exact; got Exact"):
+        build(proj_v=proj("linear", 8))
+    with pytest.raises(ValueError, match=r"shape \(batch, seq_len, dim=8\), got \(5, 8\)"):
+        build()(torch.randn(5, 8))
+    for kind, k in [("linear", 0), ("random", 17), ("conv", 0), ("adaptive", 0)]:
+        with pytest.raises(
+            ValueError, match=rf"proj_dim must be an integer in \[1, max_seq_len=16\], got {k}"
+        ):
+            proj(kind, k)
+    with pytest.raises(ValueError, match=r"sequence length 20 exceeds max_seq_len 16"):
+        proj("conv", 4)(torch.randn(1, 20, 1, 8))

@@ -213,6 +213,29 @@ def test_generation_refuses_more_than_max_seq_len():
         ValueError, match=r"prompt \(30\) \+ max_new_tokens \(3\) = 33 exceeds max_seq_len 32"
     ):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match=r"top_k must be >= 1 \(None: every token\), got 0"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 3, top_k=0)
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"labels must have the scored ids' shape \(2, 10\)"):
+        model(ids, labels=ids[:, :9])
+
+
+def test_the_functional_core_refuses_inconsistent_projections_and_blocks():
+    q = torch.randn(1, 2, 12, 4, dtype=torch.float64)
+    e16, e8 = torch.randn(16, 3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    shared = causal_attention(q, q, q, e16, block_size=4)  # proj_k alone: E = F
+    torch.testing.assert_close(shared, causal_attention(q, q, q, e16, e16, block_size=4))
+    with pytest.raises(ValueError, match="proj_v needs proj_k"):
+        causal_attention(q, q, q, None, e16)
+    with pytest.raises(ValueError, match=r"sequence length 12 exceeds max_seq_len 8"):
+        causal_attention(q, q, q, e16, e8)  # F has rows for 8 positions only
+    with pytest.raises(ValueError, match=r"same k: got 3 and 2"):
+        causal_attention(q, q, q, e16, e16[:, :2])
+    for block_size in (0, -1):
+        with pytest.raises(
+            ValueError, match=rf"block_size must be an integer >= 1, got {block_size}"
+        ):
+            causal_attention(q, q, q, e16, block_size=block_size)
 
 
 def test_save_and_load_round_trip(tmp_path):

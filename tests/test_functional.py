@@ -4,12 +4,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import projected_attention, softmax_attention
 
+from linformer_kit import causal_attention, cross_attention
 from linformer_kit.functional import (
     exact_attention,
     linformer_attention,
     project_blocks,
     project_linear,
 )
+from linformer_kit.kernels import dot_product_attention
 
 B, H, D = 2, 3, 4
 
@@ -95,9 +97,41 @@ def test_padding_never_changes_real_outputs(n, pad, per_head, seed):
     )
     mask = torch.zeros(B, n + pad, dtype=torch.bool)
     mask[:, :n] = True
-    padded = linformer_attention(q, k, v, proj_k, proj_v, mask)[:, :, :n]
     alone = linformer_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], proj_k, proj_v)
+    k[:, :, n:], v[:, :, n:] = float("nan"), float("inf")  # whatever padding holds
+    padded = linformer_attention(q, k, v, proj_k, proj_v, mask)[:, :, :n]
     torch.testing.assert_close(padded, alone, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        lambda q, k, v, proj, mask: linformer_attention(q, k, v, proj, proj, mask),
+        lambda q, k, v, proj, mask: exact_attention(q, k, v, mask),
+        lambda q, k, v, proj, mask: causal_attention(q, k, v, proj, key_padding_mask=mask),
+        lambda q, k, v, proj, mask: causal_attention(q, k, v, key_padding_mask=mask),
+        lambda q, k, v, proj, mask: cross_attention(q[:, :, :3], k, v, proj, key_padding_mask=mask),
+    ],
+    ids=["linformer", "exact", "causal", "exact-causal", "cross"],
+)
+def test_nan_and_inf_in_padded_keys_and_values_never_reach_real_outputs(attention):
+    # A mask multiplied in would give 0 * nan = nan: padded rows must be filled with zeros.
+    q, k, v = qkv(9)
+    proj = torch.randn(12, 4, dtype=torch.float64)
+    mask = torch.ones(B, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    clean = attention(q, k, v, proj, mask)
+    k[1, :, 6:], v[1, :, 6:] = float("nan"), float("-inf")
+    torch.testing.assert_close(attention(q, k, v, proj, mask), clean, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", [None, torch.full((3,), 1 / 3, dtype=torch.float64)])
+def test_block_projections_never_let_padded_nan_through(kernel):
+    x = torch.randn(B, 7, H, D, dtype=torch.float64)
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    clean = project_blocks(x, 3, kernel, mask)[0]
+    x[1, 4:] = float("nan")
+    torch.testing.assert_close(project_blocks(x, 3, kernel, mask)[0], clean)
 
 
 def test_too_long_sequence_names_both_numbers():
@@ -193,3 +227,14 @@ def test_conv_blocks_equal_strided_conv1d_on_full_blocks():
         x[:, :, 0].transpose(1, 2).reshape(10, 1, 12), kernel.view(1, 1, 4), stride=4
     )  # (B * C, 1, 3)
     torch.testing.assert_close(out[:, :, 0], ref.view(2, 5, 3).transpose(1, 2))
+
+
+def test_inconsistent_arguments_are_named():
+    q, k, v = qkv(9)
+    proj = torch.randn(12, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"same k: got 4 and 5"):
+        linformer_attention(q, k, v, proj, torch.randn(12, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got -0.5"):
+        exact_attention(q, k, v, dropout_p=-0.5)
+    with pytest.raises(ValueError, match=r"keys and values must be as many: .* 9 against 8"):
+        dot_product_attention(q, k, v[:, :, :8])

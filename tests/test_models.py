@@ -15,6 +15,7 @@ from linformer_kit import (
     LinformerModel,
     linformer_tiny,
 )
+from linformer_kit.models import masked_mean
 
 B, N, VOCAB, DIM, DEPTH = 3, 20, 100, 32, 2
 KINDS = ["exact", "linear", "conv", "pool", "random", "adaptive"]
@@ -333,3 +334,12 @@ def test_fully_masked_row_gives_no_nan(name, dtype):
     for param_name, param in model.named_parameters():
         if param.grad is not None:
             assert param.grad.isfinite().all(), param_name
+
+
+def test_mean_pooling_never_lets_nan_in_padding_through():
+    hidden = torch.randn(2, 5, 4)
+    mask = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    clean = masked_mean(hidden, mask)
+    hidden[1, 2:] = float("nan")
+    torch.testing.assert_close(masked_mean(hidden, mask), clean)
+    torch.testing.assert_close(clean[1], hidden[1, :2].mean(0))

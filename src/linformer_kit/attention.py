@@ -8,7 +8,14 @@ import torch
 from torch import Tensor, nn
 
 from .causal import block_projections, causal_attention, summary_scale
-from .functional import attend, attention_weights, check_key_padding_mask, check_seq_len
+from .config import check_positive, check_probability
+from .functional import (
+    attend,
+    attention_weights,
+    check_input,
+    check_key_padding_mask,
+    check_seq_len,
+)
 from .linear_backend import apply_linear, linear
 from .projection import ExactProjection, MatrixProjection, SequenceProjection
 
@@ -53,7 +60,9 @@ class LinformerSelfAttention(nn.Module):
         block_size: causal Linformer's block of exactly attended positions.
 
     Raises:
-        ValueError: if causal is asked of a projection that is not a matrix (conv, pool).
+        ValueError: if dropout is outside [0, 1) or block_size < 1; if the key and value
+            projections give different k (or one is exact and the other not); if causal is
+            asked of a projection that is not a matrix (conv, pool).
     """
 
     def __init__(
@@ -70,8 +79,12 @@ class LinformerSelfAttention(nn.Module):
         block_size: int = 64,
     ) -> None:
         super().__init__()
+        for name, value in (("dim", dim), ("num_heads", num_heads), ("max_seq_len", max_seq_len)):
+            check_positive(name, value)
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        check_probability("dropout", dropout)
+        check_positive("block_size", block_size)
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.max_seq_len = max_seq_len
         self.dropout = dropout
@@ -83,6 +96,15 @@ class LinformerSelfAttention(nn.Module):
         self.proj_v = proj_v if proj_v is not None else self.proj_k
         self.causal, self.block_size = causal, block_size
         self.projected = not isinstance(self.proj_k, ExactProjection)
+        kinds = f"{type(self.proj_k).__name__} and {type(self.proj_v).__name__}"
+        if self.projected == isinstance(self.proj_v, ExactProjection):
+            raise ValueError(f"proj_k and proj_v must both project or both be exact; got {kinds}")
+        rows = [proj.output_len(max_seq_len) for proj in (self.proj_k, self.proj_v)]
+        if rows[0] != rows[1]:
+            raise ValueError(
+                f"proj_k and proj_v must project to as many rows: {kinds} give {rows[0]} and "
+                f"{rows[1]} at max_seq_len {max_seq_len}"
+            )
         if causal and self.projected:
             for proj in (self.proj_k, self.proj_v):
                 if not isinstance(proj, MatrixProjection):
@@ -127,6 +149,7 @@ class LinformerSelfAttention(nn.Module):
                 `return_attention` or a padded `state` in causal mode, and for a `state`
                 without it.
         """
+        check_input(x, self.dim)
         batch, seq_len, _ = x.shape
         check_seq_len(seq_len, self.max_seq_len)
         check_key_padding_mask(key_padding_mask, batch, seq_len)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .functional import check_key_padding_mask, check_seq_len
+from .config import check_positive
+from .functional import check_key_padding_mask, check_projections, check_seq_len
 from .kernels import dot_product_attention
 
 
@@ -166,8 +167,8 @@ def causal_attention(
     Args:
         q, k, v: (B, H, N, D) with N <= max_seq_len.
         proj_k, proj_v: (max_seq_len, K) shared across heads, or (H, max_seq_len, K); both
-            None for exact causal attention.
-        block_size: positions per block (ignored by exact attention).
+            None for exact causal attention. Pass `proj_k` alone for key-value sharing.
+        block_size: positions per block, >= 1 (ignored by exact attention).
         key_padding_mask: optional bool (B, N), True at real tokens.
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
         scale: softmax scale; default 1 / sqrt(D).
@@ -176,18 +177,25 @@ def causal_attention(
         (B, H, N, D).
 
     Raises:
-        ValueError: if N exceeds max_seq_len or the mask has the wrong shape or dtype.
+        ValueError: if N exceeds max_seq_len, the mask has the wrong shape or dtype, the
+            projections give different k, proj_v comes without proj_k, or block_size < 1.
     """
     batch, heads, seq_len, width = q.shape
     check_key_padding_mask(key_padding_mask, batch, seq_len)
+    if proj_k is None and proj_v is not None:
+        raise ValueError("proj_v needs proj_k: pass both, proj_k alone (shared), or neither")
     if proj_k is not None:
-        check_seq_len(seq_len, proj_k.shape[-2])
+        check_positive("block_size", block_size)
+        proj_v = proj_k if proj_v is None else proj_v
+        check_projections(proj_k, proj_v)
+        check_seq_len(seq_len, min(proj_k.shape[-2], proj_v.shape[-2]))
     index = None
     if key_padding_mask is not None:
         order = torch.argsort((~key_padding_mask).to(torch.uint8), dim=1, stable=True)  # (B, N)
         index = order[:, None, :, None].expand(batch, heads, seq_len, width)  # (B, H, N, D)
-        keep = key_padding_mask[:, None, :, None].to(k.dtype)  # (B, 1, N, 1)
-        q, k, v = q.gather(2, index), (k * keep).gather(2, index), (v * keep).gather(2, index)
+        padded = ~key_padding_mask[:, None, :, None]  # (B, 1, N, 1)
+        k, v = k.masked_fill(padded, 0), v.masked_fill(padded, 0)  # 0 * nan would be nan
+        q, k, v = q.gather(2, index), k.gather(2, index), v.gather(2, index)
     if proj_k is None:
         out = dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, is_causal=True)
     else:
@@ -195,4 +203,4 @@ def causal_attention(
     if index is None:
         return out
     # Gathered to the end, padded queries saw every real token: zero them, so nothing leaks.
-    return torch.zeros_like(out).scatter(2, index, out) * keep
+    return torch.zeros_like(out).scatter(2, index, out).masked_fill(padded, 0)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .attention import CausalState
 from .config import LinformerConfig
-from .losses import check_labels_for_loss_only, lm_head_loss
+from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
 
 
@@ -87,9 +87,10 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
             A `CausalLMOutput`.
 
         Raises:
-            ValueError: for `return_logits=False` without labels.
+            ValueError: for labels not shaped as input_ids, or `return_logits=False`
+                without labels.
         """
-        check_labels_for_loss_only(labels, return_logits=return_logits)
+        check_labels(labels, input_ids, return_logits=return_logits)
         out = self.linformer(
             input_ids, key_padding_mask, output_hidden_states=output_hidden_states, states=states
         )
@@ -159,7 +160,13 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         top_k: int | None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Picks one token per row from (B, vocab_size) logits: argmax at temperature 0."""
+        """Picks one token per row from (B, vocab_size) logits: argmax at temperature 0.
+
+        Raises:
+            ValueError: for top_k < 1.
+        """
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 (None: every token), got {top_k}")
         if temperature == 0:
             return logits.argmax(-1)
         if top_k is not None:

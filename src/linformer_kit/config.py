@@ -19,9 +19,22 @@ TRUNCATIONS = ("head", "tail", "head+tail")
 FINETUNE_FIELDS = ("id2label", "label2id", "truncation")
 
 
-def _check_positive(name: str, value: Any) -> None:
+def check_positive(name: str, value: Any) -> None:
+    """Raises ValueError unless `value` is an integer >= 1, naming `name` and the value."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_proj_dim(proj_dim: Any, max_seq_len: int) -> None:
+    """Raises ValueError unless `proj_dim` (k) is an integer in [1, max_seq_len]."""
+    if (
+        not isinstance(proj_dim, int)
+        or isinstance(proj_dim, bool)
+        or not 1 <= proj_dim <= max_seq_len
+    ):
+        raise ValueError(
+            f"proj_dim must be an integer in [1, max_seq_len={max_seq_len}], got {proj_dim!r}"
+        )
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -30,8 +43,9 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _check_probability(name: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+def check_probability(name: str, value: Any) -> None:
+    """Raises ValueError unless `value` is a number in [0, 1), naming `name` and the value."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
 
 
@@ -89,7 +103,10 @@ class LinformerConfig:
     )
     pad_token_id: int = field(
         default=0,
-        metadata={"help": "id of the padding token, used when no key_padding_mask is given"},
+        metadata={
+            "help": "id of the padding token: what the data pads with and generate() fills "
+            "finished rows with; padding is masked by key_padding_mask, never found by id"
+        },
     )
     dropout: float = field(
         default=0.1, metadata={"help": "dropout on embeddings and on each sub-layer's output"}
@@ -130,11 +147,11 @@ class LinformerConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "dim", "depth", "num_heads"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.dim % self.num_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.ffn_dim is not None:
-            _check_positive("ffn_dim", self.ffn_dim)
+            check_positive("ffn_dim", self.ffn_dim)
         check_choice("projection", self.projection, PROJECTIONS)
         check_choice("sharing", self.sharing, SHARINGS)
         check_choice("activation", self.activation, ACTIVATIONS)
@@ -142,23 +159,24 @@ class LinformerConfig:
         check_choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
         if self.truncation is not None:
             check_choice("truncation", self.truncation, TRUNCATIONS)
-        _check_probability("dropout", self.dropout)
-        _check_probability("attention_dropout", self.attention_dropout)
+        check_probability("dropout", self.dropout)
+        check_probability("attention_dropout", self.attention_dropout)
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
             raise ValueError(
                 f"type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}"
             )
-        if not isinstance(self.pooler, bool):
-            raise ValueError(f"pooler must be True or False, got {self.pooler!r}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
+        for name in ("pooler", "norm_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        pad = self.pad_token_id
+        if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < self.vocab_size:
             raise ValueError(
-                f"pad_token_id must be in [0, {self.vocab_size}), got {self.pad_token_id!r}"
+                f"pad_token_id must be an integer in [0, {self.vocab_size}), got {pad!r}"
             )
-        if self.layer_norm_eps <= 0 or self.init_std <= 0:
-            raise ValueError(
-                f"layer_norm_eps and init_std must be > 0, got {self.layer_norm_eps!r} "
-                f"and {self.init_std!r}"
-            )
+        for name in ("layer_norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
         self._check_proj_dim()
         self._check_label_names()
         self._check_causal()
@@ -180,10 +198,7 @@ class LinformerConfig:
                     f"int or sharing in none, headwise, kv"
                 )
         for k in self.proj_dims:
-            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.max_seq_len:
-                raise ValueError(
-                    f"proj_dim must be an integer in [1, max_seq_len={self.max_seq_len}], got {k!r}"
-                )
+            check_proj_dim(k, self.max_seq_len)
             if self.projection in ("conv", "pool") and self.max_seq_len % k:
                 raise ValueError(
                     f"projection={self.projection!r} uses kernel = stride = max_seq_len / "
@@ -193,7 +208,7 @@ class LinformerConfig:
     def _check_causal(self) -> None:
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
-        _check_positive("block_size", self.block_size)
+        check_positive("block_size", self.block_size)
         if self.causal and self.proj_dim is not None and self.projection not in CAUSAL_PROJECTIONS:
             raise ValueError(
                 f"causal=True cannot use projection={self.projection!r}: it summarises "

@@ -16,6 +16,7 @@ from torch import Tensor
 from .attention import LinformerSelfAttention
 from .functional import (
     attend,
+    check_input,
     check_key_padding_mask,
     check_seq_len,
     exact_attention,
@@ -121,6 +122,7 @@ class LinformerCrossAttention(LinformerSelfAttention):
         Raises:
             ValueError: if N exceeds max_seq_len or the mask is malformed.
         """
+        check_input(memory, self.dim)
         batch, seq_len, _ = memory.shape
         check_seq_len(seq_len, self.max_seq_len)
         check_key_padding_mask(memory_padding_mask, batch, seq_len)
@@ -156,6 +158,7 @@ class LinformerCrossAttention(LinformerSelfAttention):
             projected = self.project_memory(memory, memory_padding_mask)
             if cache is not None:
                 vars(cache).update(vars(projected))  # filled in place: the caller holds it
+        check_input(x, self.dim)
         batch, seq_len, _ = x.shape
         q = apply_linear(self.to_q, x).view(batch, seq_len, self.num_heads, self.head_dim)
         q = q.transpose(1, 2)

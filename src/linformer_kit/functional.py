@@ -31,6 +31,14 @@ def check_seq_len(seq_len: int, max_seq_len: int) -> None:
         )
 
 
+def check_input(x: Tensor, dim: int) -> None:
+    """Raises ValueError unless `x` is a (batch, seq_len, dim) tensor."""
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(
+            f"the input must have shape (batch, seq_len, dim={dim}), got {tuple(x.shape)}"
+        )
+
+
 def check_key_padding_mask(key_padding_mask: Tensor | None, batch: int, seq_len: int) -> None:
     """Raises ValueError unless the mask is a bool tensor of shape (batch, seq_len)."""
     if key_padding_mask is None:
@@ -43,11 +51,21 @@ def check_key_padding_mask(key_padding_mask: Tensor | None, batch: int, seq_len:
         )
 
 
+def check_projections(proj_k: Tensor, proj_v: Tensor) -> None:
+    """Raises ValueError unless the key and value projections give the same k rows."""
+    if proj_k.shape[-1] != proj_v.shape[-1]:
+        raise ValueError(
+            f"proj_k and proj_v must project to the same k: got {proj_k.shape[-1]} and "
+            f"{proj_v.shape[-1]} (shapes {tuple(proj_k.shape)} and {tuple(proj_v.shape)})"
+        )
+
+
 def zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-    """Zeroes the padded positions of a (B, N, G, C) tensor."""
+    """Zeroes the padded positions of a (B, N, G, C) tensor. Filled, not multiplied by the
+    mask: 0 * nan and 0 * inf are nan, and whatever padding holds must not reach real rows."""
     if key_padding_mask is None:
         return x
-    return x * key_padding_mask[:, :, None, None].to(x.dtype)
+    return x.masked_fill(~key_padding_mask[:, :, None, None], 0)
 
 
 def leading_rows(weight: Tensor, seq_len: int) -> Tensor:
@@ -137,7 +155,7 @@ def project_blocks(
         real = x.new_ones(batch, seq_len)
     else:
         real = key_padding_mask.to(x.dtype)
-    x = x * real[:, :, None, None]
+    x = zero_padding(x, key_padding_mask)
     x = F.pad(x, (0, 0, 0, 0, 0, pad)).view(batch, num_blocks, block_size, groups, width)
     counts = F.pad(real, (0, pad)).view(batch, num_blocks, block_size).sum(-1)  # (B, M)
     if weight is None:
@@ -231,9 +249,11 @@ def linformer_attention(
         (B, H, N, D).
 
     Raises:
-        ValueError: if N exceeds max_seq_len or the mask has the wrong shape or dtype.
+        ValueError: if N exceeds max_seq_len, the mask has the wrong shape or dtype, or the
+            projections give different k.
     """
     check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2])
+    check_projections(proj_k, proj_v)
     k = project_linear(k.transpose(1, 2), proj_k, key_padding_mask).transpose(1, 2)
     v = project_linear(v.transpose(1, 2), proj_v, key_padding_mask).transpose(1, 2)
     return attend(q, k, v, None, dropout_p, scale)  # (B, H, N, D)

@@ -341,10 +341,18 @@ def dot_product_attention(
         (..., N, Dv).
 
     Raises:
-        ValueError: for an unknown kernel, or a mask given with is_causal.
+        ValueError: for an unknown kernel, a mask given with is_causal, dropout_p outside
+            [0, 1), or keys and values of different lengths.
     """
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True builds its own mask; got an attn_mask as well")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"keys and values must be as many: got k of shape {tuple(k.shape)} and v of "
+            f"shape {tuple(v.shape)} (dimension -2: {k.shape[-2]} against {v.shape[-2]})"
+        )
     check_kernel(kernel)
     if transformed(q, k, v, attn_mask):
         # torch.func (grad, vmap, functional_call): neither explicit kernel (autograd

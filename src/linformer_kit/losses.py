@@ -189,9 +189,15 @@ def linear_cross_entropy(
     )
 
 
-def check_labels_for_loss_only(labels: Tensor | None, *, return_logits: bool) -> None:
-    """Raises a ValueError for `return_logits=False` without labels: the models check it
-    before running their backbone, since that call returns only the loss."""
+def check_labels(labels: Tensor | None, input_ids: Tensor | None, *, return_logits: bool) -> None:
+    """Raises a ValueError for labels not shaped as the ids they score, or for
+    `return_logits=False` without labels; the language models check both before running
+    their backbone (that call returns only the loss)."""
+    if labels is not None and input_ids is not None and labels.shape != input_ids.shape:
+        raise ValueError(
+            f"labels must have the scored ids' shape {tuple(input_ids.shape)}, got "
+            f"{tuple(labels.shape)}"
+        )
     if not return_logits and labels is None:
         raise ValueError("return_logits=False needs labels: it returns only the loss")
 

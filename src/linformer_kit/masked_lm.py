@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import LinformerConfig
-from .losses import check_labels_for_loss_only, lm_head_loss
+from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel, init_weights
 
 
@@ -91,14 +91,9 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
             ValueError: for `scored_only` or `return_logits=False` without labels, or labels
                 not shaped as input_ids.
         """
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(
-                f"labels must have input_ids' shape {tuple(input_ids.shape)}, got "
-                f"{tuple(labels.shape)}"
-            )
         if labels is None and scored_only:
             raise ValueError("scored_only=True needs labels: the head runs where label != -100")
-        check_labels_for_loss_only(labels, return_logits=return_logits)
+        check_labels(labels, input_ids, return_logits=return_logits)
         out = self.linformer(
             input_ids, key_padding_mask, token_type_ids, output_hidden_states, output_attentions
         )

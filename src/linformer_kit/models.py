@@ -67,8 +67,9 @@ def masked_mean(hidden: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     """Mean over the real tokens: (B, N, dim) -> (B, dim); over all when the mask is None."""
     if key_padding_mask is None:
         return hidden.mean(1)
-    weights = key_padding_mask.to(hidden.dtype)[:, :, None]  # (B, N, 1)
-    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+    real = key_padding_mask[:, :, None]  # (B, N, 1)
+    counts = real.sum(1).clamp(min=1).to(hidden.dtype)  # (B, 1)
+    return hidden.masked_fill(~real, 0).sum(1) / counts
 
 
 def init_weights(module: nn.Module, std: float) -> None:
@@ -186,7 +187,8 @@ class LinformerPreTrainedModel(nn.Module):
 
         Loading a different architecture, or `keep_head=False`, keeps the backbone only (e.g. a
         classifier from a masked-LM checkpoint, or one of 5 classes from one of 2); the new
-        head is freshly initialised.
+        head is freshly initialised, and the saved head's settings (e.g. a classifier's
+        `pooling`) go with it: `model_kwargs` gives the new head's, the defaults the rest.
 
         Args:
             path: directory with config.json and model.safetensors.

@@ -21,8 +21,14 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .config import LinformerConfig, check_choice
-from .functional import leading_rows, project_blocks, project_linear, zero_padding
+from .config import LinformerConfig, check_choice, check_positive, check_proj_dim
+from .functional import (
+    check_seq_len,
+    leading_rows,
+    project_blocks,
+    project_linear,
+    zero_padding,
+)
 
 
 class SequenceProjection(nn.Module):
@@ -111,12 +117,13 @@ class BlockProjection(SequenceProjection):
         self, *, max_seq_len: int, proj_dim: int, num_heads: int | None = None, learned: bool = True
     ) -> None:
         super().__init__()
+        check_positive("proj_dim", proj_dim)
         if max_seq_len % proj_dim:
             raise ValueError(
                 f"block projections need proj_dim ({proj_dim}) to divide max_seq_len "
                 f"({max_seq_len})"
             )
-        self.block_size = max_seq_len // proj_dim
+        self.block_size, self.max_seq_len = max_seq_len // proj_dim, max_seq_len
         self.per_head = num_heads is not None and learned
         self.num_matrices = (num_heads or 1) if learned else 0
         if learned:
@@ -129,6 +136,7 @@ class BlockProjection(SequenceProjection):
         self, x: Tensor, key_padding_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
         """(B, N, G, C) -> (B, ceil(N / block), G, C) and the mask of non-empty blocks."""
+        check_seq_len(x.shape[1], self.max_seq_len)
         return project_blocks(x, self.block_size, self.weight, key_padding_mask)
 
     def output_len(self, seq_len: int) -> int:
@@ -239,10 +247,11 @@ def build_projection(
         num_heads: one projection per head when set; shared across heads when None.
 
     Raises:
-        ValueError: for an unknown kind.
+        ValueError: for an unknown kind, or proj_dim outside [1, max_seq_len].
     """
     if proj_dim is None:
         return ExactProjection()
+    check_proj_dim(proj_dim, max_seq_len)
     kinds = {
         "linear": (MatrixProjection, True),
         "random": (MatrixProjection, False),

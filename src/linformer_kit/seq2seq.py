@@ -19,7 +19,7 @@ from .causal_lm import LinformerForCausalLM, next_token_targets
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .encoder import LinformerEncoderLayer, layer_arguments
 from .functional import check_seq_len
-from .losses import check_labels_for_loss_only, lm_head_loss
+from .losses import check_labels, lm_head_loss
 from .models import (
     LinformerEmbeddings,
     LinformerModel,
@@ -276,10 +276,11 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
             A `Seq2SeqLMOutput`.
 
         Raises:
-            ValueError: if neither a source, a memory nor filled states are given, or for
-                `return_logits=False` without labels.
+            ValueError: if neither a source, a memory nor filled states are given, for
+                labels not shaped as decoder_input_ids, or `return_logits=False` without
+                labels.
         """
-        check_labels_for_loss_only(labels, return_logits=return_logits)
+        check_labels(labels, decoder_input_ids, return_logits=return_logits)
         if memory is None and input_ids is not None:
             memory = self.encode(input_ids, key_padding_mask)
         if memory is None and not (states and states[0].memory.keys is not None):
