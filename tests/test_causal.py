@@ -213,6 +213,8 @@ def test_generation_refuses_more_than_max_seq_len():
         ValueError, match=r"prompt \(30\) \+ max_new_tokens \(3\) = 33 exceeds max_seq_len 32"
     ):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match=r"a finite temperature >= 0; got 3 tokens, 3 and nan"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 3, temperature=float("nan"))
     with pytest.raises(ValueError, match=r"top_k must be >= 1 \(None: every token\), got 0"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 3, top_k=0)
     ids = torch.zeros(2, 10, dtype=torch.long)

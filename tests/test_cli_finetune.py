@@ -7,6 +7,7 @@ import pytest
 import torch
 from train_helpers import interrupted_after, pretrain_cli, write_classification
 
+from linformer_kit import LinformerConfig, LinformerForSeq2SeqLM, Seq2SeqConfig
 from linformer_kit.cli import main
 
 MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "1", "--num-heads", "2"]
@@ -232,3 +233,26 @@ def test_a_warmup_longer_than_the_run_is_stated_and_evaluate_rejects_what_it_can
     evaluate = ["evaluate", str(pretrained), "--data", str(data[1]), "--batch-size", "0"]
     err = user_error(capsys, lambda: main(evaluate))
     assert err == "linformer evaluate: error: batch_size must be an integer >= 1, got 0\n"
+
+
+def test_training_data_of_one_class_and_an_encoder_decoder_init_are_refused(
+    pretrained, data, tmp_path, capsys
+):
+    one_class = tmp_path / "one.jsonl"
+    one_class.write_text((json.dumps({"text": "a cat", "label": 0}) + "\n") * 8)
+    err = user_error(capsys, lambda: finetune(pretrained, (one_class, data[1]), tmp_path / "a"))
+    assert f"{one_class} has one class only (every label is 0)" in err
+    seq2seq = tmp_path / "s2s"
+    encoder = LinformerConfig(
+        vocab_size=40, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8
+    )
+    LinformerForSeq2SeqLM(
+        Seq2SeqConfig(encoder=encoder, decoder=encoder.replace(causal=True, block_size=4))
+    ).save_pretrained(seq2seq)
+    (seq2seq / "tokenizer.json").write_bytes((pretrained / "tokenizer.json").read_bytes())
+    err = user_error(capsys, lambda: finetune(seq2seq, data, tmp_path / "b"))
+    assert f"{seq2seq} is a LinformerForSeq2SeqLM (an encoder-decoder): fine-tune a" in err
+    err = user_error(capsys, lambda: main(["evaluate", str(seq2seq), "--data", str(data[0])]))
+    assert f"evaluate it with `linformer seq2seq evaluate {seq2seq}`" in err
+    err = user_error(capsys, lambda: main(["seq2seq", "evaluate", str(pretrained)]))
+    assert f"{pretrained} is a LinformerForMaskedLM, not an encoder-decoder" in err

@@ -1,7 +1,10 @@
 """The pretrain / finetune / evaluate / demo subcommands end to end on tiny generated data."""
 
 import json
+import os
+import re
 import shlex
+import signal
 
 import pytest
 from train_helpers import interrupted_after, write_classification, write_corpus
@@ -9,6 +12,7 @@ from train_helpers import interrupted_after, write_classification, write_corpus
 from linformer_kit import LinformerForCausalLM
 from linformer_kit.cli import build_parser, main
 from linformer_kit.cli.overrides import collect_overrides
+from linformer_kit.training.loop import Trainer
 
 MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "2", "--num-heads", "2"]
 TRAIN = ["--batch-size", "4", "--warmup-steps", "2", "--lr", "3e-3", "--log-every", "1"]
@@ -71,6 +75,29 @@ def test_ctrl_c_prints_one_line_to_resume_and_resuming_matches_an_uninterrupted_
     assert not any("Traceback" in line for line in err)
     main(shlex.split(command)[1:])
     assert train_losses(run) == train_losses(tmp_path / "straight")
+
+
+def test_sigterm_stops_training_as_ctrl_c_does_with_status_143(tmp_path, capsys, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus", files=2)
+    argv = ["pretrain", "--data", str(corpus), "--vocab-size", "300", "--proj-dim", "16"]
+    argv += [*MODEL, *TRAIN, "--max-steps", "6", "--save-every", "2", "--output-dir", "run"]
+    monkeypatch.chdir(tmp_path)
+    step = Trainer._train_step
+
+    def terminated_at_step_3(trainer, model):
+        if trainer.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill` or a job scheduler would
+        return step(trainer, model)
+
+    monkeypatch.setattr(Trainer, "_train_step", terminated_at_step_3)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 143
+    last_line = capsys.readouterr().err.splitlines()[-1]
+    assert last_line.startswith(
+        "linformer pretrain: interrupted at step 3; last checkpoint: run/checkpoints/step-00000002"
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored after the command
 
 
 def test_finetune_reports_accuracy_per_epoch_and_evaluate_reads_it(tmp_path, pretrained, capsys):
@@ -146,3 +173,55 @@ def test_demo_compares_both_models_per_objective_and_publishes_table_and_plot(tm
         assert (tmp_path / "demo" / name / "last" / "model.safetensors").is_file()
     causal = LinformerForCausalLM.from_pretrained(tmp_path / "demo" / "clm" / "linformer" / "last")
     assert causal.config.causal and causal.config.block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--output-dir", ""], "output_dir must name the run's directory, got ''"),
+        (["--eval-batches", "-1"], "eval_batches must be an integer >= 0, got -1"),
+        (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
+        (["--lr", "nan"], "lr must be a finite number > 0, got nan"),
+        (["--mlm-probability", "0"], r"mlm_probability must be in \(0, 1\), got 0.0"),
+        (["--max-val-blocks", "-1"], r"max_val_blocks must be an integer >= 0 \(0 = no limit\)"),
+        (["--max-documents", "-1"], r"max_documents must be an integer >= 0 \(0 = no limit\)"),
+    ],
+)
+def test_bad_training_flags_are_named_before_any_work(tmp_path, capsys, flags, message):
+    argv = ["pretrain", "--data", str(tmp_path / "none"), *MODEL, "--proj-dim", "16"]
+    argv += ["--output-dir", "x", *flags]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
+    tmp_path, pretrained, capsys
+):
+    corpus = tmp_path / "corpus"
+    note = tmp_path / "notes.txt"
+    note.write_text("mine")
+    pretrain = ["pretrain", "--data", str(corpus), "--vocab-size", "300", *MODEL, *TRAIN]
+    pretrain += ["--proj-dim", "16", "--max-steps", "1"]
+    evaluate = ["evaluate", str(pretrained / "best"), "--data", str(corpus)]
+    for argv, message in [
+        ([*pretrain, "--output-dir", str(note)], f"File exists: '{note}'"),
+        ([*pretrain, "--output-dir", str(note / "run")], "Not a directory"),
+        ([*evaluate, "--out", str(tmp_path)], f"--out {tmp_path} is a directory; name a file"),
+        ([*evaluate, "--out", f"{note}/m.json"], f"{note} is a file, not a directory"),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err, err
+        assert "Traceback" not in err and "validation" not in err  # stopped before the work
+    assert note.read_text() == "mine"
+    user_best = tmp_path / "fresh" / "best"
+    user_best.parent.mkdir()
+    user_best.write_text("mine too")
+    with pytest.raises(SystemExit):
+        main([*pretrain, "--max-steps", "1", "--output-dir", str(user_best.parent)])
+    assert "is not a run's checkpoint link" in capsys.readouterr().err
+    assert user_best.read_text() == "mine too"

@@ -178,6 +178,7 @@ def test_csv_with_a_header_reads_ids_or_names(tmp_path, tok):
         ("text,label\nx,1\ny\n", r"d.csv:3: 1 cells, the header has 2"),
         ("text,label\n", r"d.csv: no examples"),
         ("", r"d.csv: file is empty"),
+        ("text,label\nx,1\ny,-1\n", r"d.csv:3: 'label' must be an integer >= 0 .* got -1"),
     ],
 )
 def test_malformed_csv_names_file_and_line(tmp_path, tok, content, message):

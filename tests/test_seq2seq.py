@@ -272,6 +272,13 @@ def test_save_and_load_round_trip(tmp_path, share):
     )
 
 
+def test_generation_refuses_a_temperature_that_is_not_a_finite_number_ge_0():
+    model = model_for()
+    for temperature in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match=rf"finite temperature >= 0; got 3 and {temperature}"):
+            model.generate(torch.randint(3, 40, (1, 5)), 3, temperature=temperature)
+
+
 def test_config_refuses_mismatched_sides():
     enc = LinformerConfig(max_seq_len=32, dim=16, num_heads=2, proj_dim=8)
     dec = LinformerConfig(max_seq_len=16, dim=16, num_heads=2, proj_dim=4, causal=True)

@@ -142,6 +142,13 @@ def test_the_commands_train_evaluate_and_refuse_bad_input(tmp_path, capsys):
         main(["seq2seq", "train", "--task", "poems", "--output-dir", str(tmp_path / "x")])
     assert exit_info.value.code == 2
     assert "task must be one of docstrings, copy, reverse; got 'poems'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["seq2seq", "train", "--task", "copy", "--max-target-len", "16", "--max-len", "8",
+              "--decoder-proj-dim", "64", "--output-dir", str(tmp_path / "y")])  # fmt: skip
+    assert (
+        "the decoder (--max-target-len, --decoder-proj-dim, --decoder-depth): proj_dim must be "
+        "an integer in [1, max_seq_len=16], got 64"
+    ) in capsys.readouterr().err
 
 
 def test_generate_decodes_a_target_with_a_seq2seq_checkpoint(tmp_path, capsys):

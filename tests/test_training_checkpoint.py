@@ -4,7 +4,7 @@ checkpoint, and a clear stop when none is intact."""
 import pytest
 from train_helpers import flip_last_byte, tiny_run
 
-from linformer_kit.hub import IntegrityError
+from linformer_kit.hub import IntegrityError, umask_mode
 from linformer_kit.masked_lm import LinformerForMaskedLM
 from linformer_kit.training import checkpoint as checkpoint_module
 from linformer_kit.training import latest_checkpoint, load_checkpoint, pretrain
@@ -101,3 +101,19 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch
     run_dir = tmp_path / "run"
     assert load_checkpoint(run_dir / "last").state["step"] == 4
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000004"]
+
+
+def test_the_next_save_removes_what_a_killed_save_left_and_checkpoints_get_umask_modes(
+    tmp_path,
+):
+    run = tiny_run(tmp_path, max_steps=4, save_every=4, eval_every=100)
+    pretrain(run)
+    stale = tmp_path / "run" / "checkpoints" / ".tmp-killed"  # what SIGKILL mid-save leaves
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half a file")
+    run.train.resume, run.train.max_steps = True, 8
+    pretrain(run)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000008"]
+    for path in checkpoints.iterdir():  # mkdtemp's 0o700 would hide them from the group
+        assert path.stat().st_mode & 0o777 == umask_mode(0o777)

@@ -8,14 +8,19 @@ from torch._dynamo.utils import counters
 from train_helpers import tiny_run
 
 from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM, hub
+from linformer_kit.data.tokenizer import train_tokenizer
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, lr_factor, pretrain
 from linformer_kit.training.batches import language_model_loss
 from linformer_kit.training.distributed import Distributed, resolve_device
+from linformer_kit.training.optim import apply_settings, build_optimizer, build_scheduler
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def train_losses(run_dir):
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+    return [(r["step"], r["loss"]) for r in records(run_dir) if r["split"] == "train"]
 
 
 def test_tiny_pretraining_lowers_validation_loss(tmp_path, capsys):
@@ -86,6 +91,75 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     run = tiny_run(tmp_path, max_steps=4)
     pretrain(run)
     with pytest.raises(ValueError, match="pass --resume"):
+        pretrain(run)
+
+
+def stepped(settings, steps, state=None):
+    """An optimizer and schedule of `settings` after `steps` steps, or loaded from `state`."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = build_optimizer(model, settings)
+    scheduler = build_scheduler(optimizer, settings)
+    if state is not None:
+        optimizer.load_state_dict(state[0])
+        scheduler.load_state_dict(state[1])
+        apply_settings(optimizer, scheduler, settings)
+    for _ in range(steps):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    return optimizer, scheduler
+
+
+def test_a_resumed_optimizer_takes_the_resumed_runs_lr_decay_and_schedule():
+    saved = TrainSettings(max_steps=4, lr=1e-3, warmup_steps=2, weight_decay=0.01, beta2=0.98)
+    optimizer, scheduler = stepped(saved, 4)  # linear decay: lr 0 after the last step
+    state = (optimizer.state_dict(), scheduler.state_dict())
+    same, _ = stepped(saved, 0, state)
+    assert [g["lr"] for g in same.param_groups] == [g["lr"] for g in optimizer.param_groups]
+    changed = TrainSettings(max_steps=8, lr=2e-3, warmup_steps=2, weight_decay=0.1, beta2=0.95)
+    resumed, schedule = stepped(changed, 0, state)
+    want = 2e-3 * lr_factor(4, changed)  # 2e-3 * 2 / 3, not the saved run's 0
+    assert [g["lr"] for g in resumed.param_groups] == [want, want] == schedule.get_last_lr()
+    assert [g["weight_decay"] for g in resumed.param_groups] == [0.1, 0.0]
+    assert all(g["betas"] == (0.9, 0.95) for g in resumed.param_groups)
+    assert stepped(changed, 1, state)[1].get_last_lr() == [2e-3 * lr_factor(5, changed)] * 2
+
+
+def test_a_resumed_run_logs_the_lr_it_was_given(tmp_path):
+    run = tiny_run(tmp_path, max_steps=4, schedule="constant")
+    pretrain(run)
+    run.train.resume, run.train.max_steps, run.train.lr = True, 6, 1e-2
+    pretrain(run)
+    lrs = {r["step"]: r["lr"] for r in records(tmp_path / "run") if r["split"] == "train"}
+    assert [lrs[step] for step in range(1, 7)] == [3e-3] * 4 + [1e-2] * 2
+
+
+def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_the_resume(tmp_path, caplog):
+    run = tiny_run(tmp_path, max_steps=4)
+    pretrain(run)
+    log = tmp_path / "run" / "metrics.jsonl"
+    log.write_text(log.read_text()[:-30])  # the last append, torn
+    run.train.resume, run.train.max_steps = True, 6
+    pretrain(run)
+    assert f"{log}:" in caplog.text and "is not a whole record: skipped" in caplog.text
+    assert [step for step, _ in train_losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resumed_run_keeps_its_tokenizer_when_the_corpus_changed(tmp_path, caplog):
+    caplog.set_level("INFO", logger="linformer_kit")
+    run = tiny_run(tmp_path, max_steps=4)
+    pretrain(run)
+    (tmp_path / "corpus" / "new.txt").write_text("zebra quantum xylophone\n" * 200)
+    run.train.resume, run.train.max_steps = True, 6
+    pretrain(run)  # a BPE trained on the changed corpus would map other ids
+    checkpoints = tmp_path / "run" / "checkpoints"
+    tokenizers = {p.parent.name: p.read_text() for p in checkpoints.glob("*/tokenizer.json")}
+    assert tokenizers["step-00000006"] == tokenizers["step-00000004"]
+    assert "resuming with the run's own tokenizer" in caplog.text
+    other = tmp_path / "other.json"
+    train_tokenizer(["a wholly other text"] * 50, 300).save(other)
+    run.data.tokenizer, run.train.max_steps = str(other), 8
+    with pytest.raises(ValueError, match=r"--tokenizer .*other.json is not the tokenizer of"):
         pretrain(run)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -133,10 +134,10 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
                 length over max_seq_len.
         """
         total = input_ids.shape[1] + max_new_tokens
-        if input_ids.shape[1] < 1 or max_new_tokens < 0 or temperature < 0:
+        if input_ids.shape[1] < 1 or max_new_tokens < 0 or not 0 <= temperature < math.inf:
             raise ValueError(
-                f"need a prompt of >= 1 token, max_new_tokens >= 0 and temperature >= 0; got "
-                f"{input_ids.shape[1]} tokens, {max_new_tokens} and {temperature}"
+                f"need a prompt of >= 1 token, max_new_tokens >= 0 and a finite temperature "
+                f">= 0; got {input_ids.shape[1]} tokens, {max_new_tokens} and {temperature}"
             )
         if total > self.config.max_seq_len:
             raise ValueError(

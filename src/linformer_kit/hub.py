@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .config import LinformerConfig
 from .seq2seq_config import config_from_dict
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,14 @@ class IntegrityError(ValueError):
         super().__init__(f"{message}; refusing to load it. {advice}" if advice else message)
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` less what the process's umask forbids: the permissions a file or directory
+    made with open() or mkdir() gets, which mkstemp / mkdtemp's private ones are set to."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def atomic_write(path: Path, write: Any) -> None:
     """Calls `write(tmp_path)` then renames tmp_path to `path`, so readers see old or new."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,10 +70,7 @@ def atomic_write(path: Path, write: Any) -> None:
     os.close(fd)
     try:
         write(tmp)
-        # mkstemp creates the file private (0o600); give it the permissions the umask allows.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, umask_mode(0o666))  # mkstemp made it private (0o600)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -222,6 +228,20 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         "config": config,
         "model_kwargs": meta.get("model_kwargs", {}),
     }
+
+
+def read_encoder_config(path: str | os.PathLike, seq2seq_advice: str) -> dict[str, Any]:
+    """`read_config` of a model with one encoder (masked / causal LM, classifier, backbone).
+
+    Raises:
+        ValueError: for an encoder-decoder, with `seq2seq_advice` (what to run instead).
+    """
+    meta = read_config(path)
+    if not isinstance(meta["config"], LinformerConfig):
+        raise ValueError(
+            f"{path} is a {meta['architecture']} (an encoder-decoder): {seq2seq_advice}"
+        )
+    return meta
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ length up to its own max_seq_len, with its own padding and, optionally, its own 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -332,10 +333,10 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
             ValueError: for a negative count or temperature, or a target over max_seq_len.
         """
         limit = self.config.decoder.max_seq_len - 1
-        if not 0 <= max_new_tokens <= limit or temperature < 0:
+        if not 0 <= max_new_tokens <= limit or not 0 <= temperature < math.inf:
             raise ValueError(
                 f"need 0 <= max_new_tokens <= {limit} (the decoder's max_seq_len - 1) and "
-                f"temperature >= 0; got {max_new_tokens} and {temperature}"
+                f"a finite temperature >= 0; got {max_new_tokens} and {temperature}"
             )
         memory = self.encode(input_ids, key_padding_mask)
         states = self.init_states()

@@ -6,10 +6,13 @@ Each subcommand lives in its own module with a `register(commands)` function.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from .. import __version__
 from ..training.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
@@ -75,13 +78,36 @@ def interrupted(args: argparse.Namespace, argv: list[str], err: KeyboardInterrup
     )
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[list[int]]:
+    """Within the block, SIGTERM (what `kill` and job schedulers send) interrupts as Ctrl-C
+    does; yields a list that gets the signal number when it came. The main thread only
+    (where Python runs signal handlers); the previous handler is restored after."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the `linformer` command; Ctrl-C ends it with one line and status 130."""
+    """Entry point of the `linformer` command; Ctrl-C ends it with one line and status 130,
+    SIGTERM with the same line and status 143."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except KeyboardInterrupt as err:
-        if os.environ.get("RANK", "0") == "0":  # one line per job, not one per DDP process
-            print(interrupted(args, argv, err), file=sys.stderr)
-        raise SystemExit(INTERRUPTED) from None
+    with sigterm_as_interrupt() as terminated:
+        try:
+            args.func(args)
+        except KeyboardInterrupt as err:
+            if os.environ.get("RANK", "0") == "0":  # one line per job, not one per DDP process
+                print(interrupted(args, argv, err), file=sys.stderr)
+            raise SystemExit(128 + signal.SIGTERM if terminated else INTERRUPTED) from None

@@ -58,6 +58,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_report_path(path: str) -> None:
+    """Raises ValueError if a report could not be written at `path` (a directory there, or a
+    file where a folder of its path should be): checked before the work, not after it."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--out {path} is a directory; name a file, e.g. {out / 'report.json'}")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"--out {path}: {parent} is a file, not a directory")
+
+
 def write_report(result: dict[str, Any], path: str) -> Path:
     """Writes `result` as indented JSON to `path` (atomically, creating its folder); returns
     the path."""

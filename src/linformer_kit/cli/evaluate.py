@@ -8,7 +8,7 @@ import logging
 
 from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
-from .common import format_table, write_report
+from .common import check_report_path, format_table, write_report
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 
@@ -16,6 +16,8 @@ from .overrides import add_override_arguments, collect_overrides, exit_on_user_e
 def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO)
     settings = EvaluateSettings(**collect_overrides(args).get("evaluate", {}))
+    if args.out:
+        check_report_path(args.out)
     metrics = evaluate_checkpoint(args.checkpoint, settings)
     print(format_table([{"data": name, **values} for name, values in metrics.items()]))
     if args.out:

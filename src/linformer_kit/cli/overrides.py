@@ -96,15 +96,26 @@ def fail(command: str, message: str) -> NoReturn:
     raise error
 
 
+# Bad input: a wrong value, or a path that is missing, a file where a directory is wanted
+# (--output-dir, --cache-dir) or the other way round (--out).
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+)
+
+
 def exit_on_user_error(run: Callable[[argparse.Namespace], None]) -> Callable:
-    """Wraps a subcommand so bad input (ValueError, FileNotFoundError) ends with its message
-    and exit status 2 instead of a traceback."""
+    """Wraps a subcommand so bad input (`USER_ERRORS`) ends with its message and exit
+    status 2 instead of a traceback."""
 
     @functools.wraps(run)
     def wrapper(args: argparse.Namespace) -> None:
         try:
             run(args)
-        except (ValueError, FileNotFoundError) as err:
+        except USER_ERRORS as err:
             fail(args.command, str(err))
 
     return wrapper

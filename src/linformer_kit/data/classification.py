@@ -8,6 +8,7 @@ sorted order of the training set's distinct names; the mapping travels with the 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,10 @@ from torch import Tensor
 from ..config import TRUNCATIONS, check_choice
 from .corpus import CSV_SUFFIX, iter_csv, iter_jsonl, jsonl_field
 from .tokenizer import TextTokenizer
+
+# A CSV label that reads as a whole number (signed: a -1 is then refused as an id at its own
+# line, not taken for a class name) is an id; CSV has no types.
+WHOLE_NUMBER = re.compile(r"[+-]?[0-9]+")
 
 
 @dataclass
@@ -165,7 +170,7 @@ def read_labelled(
         lines.append(number)
     if not labels:
         raise ValueError(f"{path}: no examples")
-    if path.suffix == CSV_SUFFIX and all(label.isascii() and label.isdigit() for label in labels):
+    if path.suffix == CSV_SUFFIX and all(WHOLE_NUMBER.fullmatch(label) for label in labels):
         labels = [int(label) for label in labels]  # CSV has no types: whole numbers are ids
     kinds = [_kind(label) for label in labels]
     for label, kind, number in zip(labels, kinds, lines):

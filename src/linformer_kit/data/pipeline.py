@@ -52,6 +52,12 @@ class DataSettings:
         default="", metadata={"help": "token cache directory (default ~/.cache/linformer-kit)"}
     )
 
+    def __post_init__(self) -> None:
+        for name in ("max_documents", "tokenizer_documents", "max_val_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0 = no limit), got {value!r}")
+
 
 @dataclass
 class PretrainingData:

@@ -92,6 +92,7 @@ def save_checkpoint(
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_NAME)
         hub.write_manifest(tmp, step=step)
+        os.chmod(tmp, hub.umask_mode(0o777))  # mkdtemp made it private (0o700)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -105,6 +106,11 @@ def save_checkpoint(
 
 
 def _prune(run_dir: Path, keep_last: int) -> None:
+    """Removes all but the newest `keep_last` checkpoints and the best one, and whatever a
+    kill in the middle of an earlier save left (`.tmp-*`: one writer, rank 0, so none is
+    being written now)."""
+    for stale in (run_dir / CHECKPOINTS_DIR).glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     steps = sorted((run_dir / CHECKPOINTS_DIR).glob("step-*"))
     best = run_dir / "best"
     keep = {p.resolve() for p in steps[-keep_last:]} | (

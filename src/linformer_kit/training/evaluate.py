@@ -136,8 +136,8 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
         raise ValueError("evaluate needs --data")
     use_threads(settings.threads)
     data, batch_size = settings.data, settings.batch_size
-    meta = hub.read_config(path)
     tokenizer = load_tokenizer(path)
+    meta = hub.read_encoder_config(path, f"evaluate it with `linformer seq2seq evaluate {path}`")
     target = resolve_device(settings.device)
     config = meta["config"]
     if meta["architecture"] == LinformerForSequenceClassification.__name__:

@@ -243,13 +243,21 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         if not getattr(settings, name):
             raise ValueError(f"finetune needs --{name}")
     tokenizer = load_tokenizer(settings.init)
-    meta = hub.read_config(settings.init)
+    meta = hub.read_encoder_config(
+        settings.init, "fine-tune a masked or causal LM (or a classifier) for classification"
+    )
     config = meta["config"]
     max_len = _sequence_length(settings, config.max_seq_len)
     fields = {"text_field": settings.text_field, "label_field": settings.label_field}
     fields["truncation"] = settings.truncation or config.truncation or DEFAULT_TRUNCATION
     train_data = load_classification(settings.data, tokenizer, max_seq_len=max_len, **fields)
     num_labels = settings.num_labels or max(train_data.labels) + 1
+    if num_labels < 2:
+        label = next(iter(train_data.label2id)) if train_data.label2id else 0
+        raise ValueError(
+            f"{settings.data} has one class only (every label is {label!r}); a classifier "
+            f"needs two or more: check --data, or give --num-labels"
+        )
     train_data.check_labels(num_labels)
     eval_data = load_classification(
         settings.eval,

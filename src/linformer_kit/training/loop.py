@@ -4,7 +4,6 @@ metrics (JSONL, TensorBoard when installed), best / last checkpoints and exact r
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import resource
@@ -26,7 +25,8 @@ from ..precision import bf16_autocast
 from .batches import mix_seed
 from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, save_checkpoint
 from .distributed import Distributed
-from .optim import build_optimizer, build_scheduler
+from .metrics_log import MetricsLog
+from .optim import apply_settings, build_optimizer, build_scheduler
 from .settings import (
     RUN_CONFIG_NAME,
     TrainSettings,
@@ -39,8 +39,6 @@ from .settings import (
 )
 
 logger = logging.getLogger(__name__)
-
-METRICS_NAME = "metrics.jsonl"
 
 
 class BatchSource(Protocol):
@@ -73,48 +71,6 @@ def peak_memory_mb(device: torch.device) -> float:
                 return int(line.split()[1]) / 2**10  # kB
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB else
-
-
-class MetricsLog:
-    """Appends records to metrics.jsonl (and TensorBoard when installed); rank 0 only."""
-
-    def __init__(self, run_dir: Path, enabled: bool, keep_until: int | None) -> None:
-        self.path = run_dir / METRICS_NAME
-        self.enabled = enabled
-        self.records: list[dict[str, Any]] = []
-        if self.path.is_file() and keep_until is not None:  # resuming: drop records past it
-            lines = self.path.read_text().splitlines()
-            self.records = [r for r in map(json.loads, lines) if r["step"] <= keep_until]
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            text = "".join(json.dumps(r) + "\n" for r in self.records)
-            hub.atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
-        self.writer = self._tensorboard(run_dir) if enabled else None
-
-    @staticmethod
-    def _tensorboard(run_dir: Path) -> Any:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return None
-        return SummaryWriter(str(run_dir / "tensorboard"))
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Keeps a record; rank 0 also appends it to the log."""
-        self.records.append(record)
-        if not self.enabled:
-            return
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for name, value in record.items():
-                if name not in ("step", "split") and isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"{record['split']}/{name}", value, record["step"])
-
-    def close(self) -> None:
-        """Flushes TensorBoard."""
-        if self.writer is not None:
-            self.writer.close()
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -203,6 +159,7 @@ class Trainer:
         hub.load_weights(self.model, hub.read_weights(checkpoint.path), str(checkpoint.path))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_settings(self.optimizer, self.scheduler, self.settings)
         self.step, self.tokens = state["step"], state["tokens"]
         self.train_s, self.best = state["train_s"], state["best"]
         self.earlier_peak_mb = state.get("peak_mem_mb", 0.0)  # not in older checkpoints
@@ -218,6 +175,13 @@ class Trainer:
                 f"{self.run_dir} already holds checkpoints: pass --resume to continue that run, "
                 f"or choose another --output-dir"
             )
+        for name in ("best", "last"):  # a run's are links to its checkpoints
+            path = self.run_dir / name
+            if path.exists() and not path.is_symlink():
+                raise ValueError(
+                    f"{path} is not a run's checkpoint link, and a run would replace it: "
+                    f"choose another --output-dir"
+                )
 
     def _state(self) -> dict[str, Any]:
         cuda = self.dist.device.type == "cuda"

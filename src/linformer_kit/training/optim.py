@@ -22,6 +22,24 @@ def build_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Ad
     return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, settings.beta2), eps=1e-6)
 
 
+def apply_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    settings: TrainSettings,
+) -> None:
+    """Sets this run's lr, weight decay, beta2 and schedule on an optimizer and schedule
+    loaded from a checkpoint, whose state dicts bring back the saved run's: a resumed run
+    may change them (`--lr`, `--max-steps` under a decaying schedule), and the next step's
+    lr is then the new schedule's at the step reached. Unchanged settings give the very
+    values the checkpoint held (the same product LambdaLR computes)."""
+    scheduler.base_lrs = [settings.lr] * len(optimizer.param_groups)
+    decays = (settings.weight_decay, 0.0)
+    for group, decay in zip(optimizer.param_groups, decays):
+        group.update(initial_lr=settings.lr, weight_decay=decay, betas=(0.9, settings.beta2))
+        group["lr"] = settings.lr * lr_factor(scheduler.last_epoch, settings)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def lr_factor(step: int, settings: TrainSettings) -> float:
     """Multiplier of the peak learning rate at `step`: linear warm-up, then decay to 0."""
     if step < settings.warmup_steps:

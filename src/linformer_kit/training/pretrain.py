@@ -3,14 +3,18 @@ processes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from pathlib import Path
 
 import torch
 
 from ..causal_lm import LinformerForCausalLM
-from ..data.pipeline import PretrainingData, prepare_pretraining_data
+from ..data.pipeline import DataSettings, PretrainingData, prepare_pretraining_data
+from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
+from .checkpoint import CHECKPOINTS_DIR
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .settings import RunConfig
@@ -18,11 +22,36 @@ from .settings import RunConfig
 logger = logging.getLogger(__name__)
 
 
+def resumed_data_settings(run: RunConfig) -> DataSettings:
+    """The data settings to prepare a run's data with: on `--resume` of a run with
+    checkpoints, with the run's own tokenizer, since a BPE trained anew (on a corpus changed
+    since, say) would give ids the checkpoint's embeddings never learned.
+
+    Raises:
+        ValueError: if `--tokenizer` names another tokenizer than the run's.
+    """
+    saved = sorted((Path(run.train.output_dir) / CHECKPOINTS_DIR).glob(f"step-*/{TOKENIZER_NAME}"))
+    if not run.train.resume or not saved:
+        return run.data
+    own = saved[-1]
+    if run.data.tokenizer:
+        given = load_tokenizer(run.data.tokenizer).tokenizer.to_str()
+        if given != load_tokenizer(own).tokenizer.to_str():
+            raise ValueError(
+                f"--tokenizer {run.data.tokenizer} is not the tokenizer of the run being "
+                f"resumed ({own}): its ids would not match the checkpoint's embeddings; drop "
+                f"--tokenizer to go on with the run's, or start a fresh run"
+            )
+    logger.info("resuming with the run's own tokenizer, %s", own)
+    return dataclasses.replace(run.data, tokenizer=str(own))
+
+
 def prepare_data(run: RunConfig, dist: Distributed) -> PretrainingData:
     """Tokenizer and token cache: rank 0 builds them first, the other ranks then reuse them."""
-    data = prepare_pretraining_data(run.data, run.model.max_seq_len) if dist.is_main else None
+    settings = resumed_data_settings(run)
+    data = prepare_pretraining_data(settings, run.model.max_seq_len) if dist.is_main else None
     dist.barrier()
-    return data or prepare_pretraining_data(run.data, run.model.max_seq_len)
+    return data or prepare_pretraining_data(settings, run.model.max_seq_len)
 
 
 def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> Trainer:

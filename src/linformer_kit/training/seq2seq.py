@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .. import hub
 from ..config import LinformerConfig, check_choice
 from ..data.seq2seq import Seq2SeqData, Seq2SeqDataSettings, Seq2SeqPairs, load_seq2seq_data
 from ..data.tokenizer import TextTokenizer
@@ -66,11 +67,21 @@ class Seq2SeqModelSettings:
             attention_dropout=self.dropout,
             pad_token_id=data.train.pad_id,
         )
-        encoder = LinformerConfig(
-            **common, depth=self.depth, max_seq_len=settings.max_source_len, proj_dim=self.proj_dim
+
+        def side(name: str, **fields: Any) -> LinformerConfig:
+            try:
+                return LinformerConfig(**common, **fields)
+            except ValueError as err:  # say which side's flags, not only the config's field
+                raise ValueError(f"the {name}: {err}") from None
+
+        encoder = side(
+            "encoder (--max-source-len, --proj-dim, --depth)",
+            depth=self.depth,
+            max_seq_len=settings.max_source_len,
+            proj_dim=self.proj_dim,
         )
-        decoder = LinformerConfig(
-            **common,
+        decoder = side(
+            "decoder (--max-target-len, --decoder-proj-dim, --decoder-depth)",
             depth=self.decoder_depth,
             max_seq_len=settings.max_target_len,
             proj_dim=self.decoder_proj_dim,
@@ -262,6 +273,12 @@ def evaluate_seq2seq(
             f"need batch_size >= 1 and max_examples >= 0; got {batch_size} and {max_examples}"
         )
     use_threads(threads)
+    architecture = hub.read_config(path)["architecture"]
+    if architecture != LinformerForSeq2SeqLM.__name__:
+        raise ValueError(
+            f"{path} is a {architecture}, not an encoder-decoder: evaluate it with "
+            f"`linformer evaluate {path} --data ...`"
+        )
     run = Seq2SeqRunConfig.load(path)
     data = load_seq2seq_data(run.data)
     pairs = getattr(data, split)

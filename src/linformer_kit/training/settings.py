@@ -99,10 +99,16 @@ class TrainSettings:
         check_choice("precision", self.precision, PRECISIONS)
         if self.compile:
             check_compile(self.compile, self.device)
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.output_dir:
+            raise ValueError("output_dir must name the run's directory, got ''")
+        for name in ("warmup_steps", "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not 0 < self.lr < math.inf:  # also refuses nan
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not 0 < self.mlm_probability < 1:
+            raise ValueError(f"mlm_probability must be in (0, 1), got {self.mlm_probability}")
 
 
 @dataclass(kw_only=True)
