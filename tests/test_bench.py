@@ -6,6 +6,7 @@ No wall-clock asserts: structure, counts and files only, on tiny sizes with one 
 import csv
 import dataclasses
 import json
+import re
 import statistics
 import sys
 import time
@@ -219,6 +220,32 @@ def test_budgets_skip_with_a_stated_reason(tmp_path):
     slow = run_bench(dataclasses.replace(settings, memory_budget_gb=8.0, time_budget_s=1e-9))
     assert all(r["status"] == "skipped" for r in slow["rows"])
     assert sum("time budget" in r["reason"] for r in slow["rows"]) == 6
+
+
+def test_a_k_above_n_is_skipped_and_bf16_rows_keep_their_error_in_the_csv(tmp_path):
+    settings = tiny_settings(
+        tmp_path, n="8,32", scope="attention", sharing="kv", exact="sdpa", dtype="float32,bfloat16"
+    )
+    rows = run_bench(settings)["rows"]
+    ours = {(r["dtype"], r["n"]): r for r in rows if r["variant"] == "linformer kv"}
+    assert ours[("float32", 8)]["reason"] == "k = 16 >= n = 8: nothing to project"
+    assert ours[("float32", 8)]["gflop"] is None and ours[("float32", 32)]["gflop"] > 0
+    header = (tmp_path / "bench" / "bench.csv").read_text().splitlines()[0].split(",")
+    assert "relative_error_vs_float32" in header  # a bfloat16 row's, not the first row's
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(scope=""), "n, proj_dim and scope need at least one value each"),
+        (dict(batch_size=0), "need repeats >= 1, batch_size >= 1 and warmup >= 0; got 1, 0 and 0"),
+        (dict(warmup=-1), "need repeats >= 1, batch_size >= 1 and warmup >= 0; got 1, 1 and -1"),
+        (dict(sharing="", exact=""), "nothing to time: name a --sharing or an --exact"),
+    ],
+)
+def test_settings_that_leave_nothing_to_time_are_refused_before_timing(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny_settings(tmp_path, **changes)
 
 
 def test_the_speed_up_over_the_faster_peer_comes_with_its_round_by_round_quartiles():

@@ -13,6 +13,7 @@ from linformer_kit.interop.report import (
     ConversionReport,
     conversion_report,
     minilm_path,
+    model_tokenizer,
     stdlib_files,
     text_windows,
 )
@@ -68,3 +69,24 @@ def test_missing_source_directories_end_with_a_message_not_a_traceback(tmp_path)
     ):
         with pytest.raises(SystemExit, match=rf"error: no config.json in {missing}"):
             main(argv)
+
+
+def test_a_source_without_a_tokenizer_converts_with_the_mean_init(tmp_path):
+    source = tmp_path / "no-tokenizer"
+    source.mkdir()
+    for name in ("config.json", "model.safetensors"):  # a directory saved without one
+        (source / name).symlink_to(minilm_path() / name)
+    main(["convert", "--from", str(source), "--proj-dim", "64", "--out", str(tmp_path / "out")])
+    converted = LinformerModel.from_pretrained(tmp_path / "out").eval()
+    mean = convert_hf_model(minilm_path(), proj_dim=64, init="mean")
+    want = mean.state_dict()
+    assert all(torch.equal(value, want[name]) for name, value in converted.state_dict().items())
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    config = json.loads((minilm_path() / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    (tmp_path / "tokenizer.json").symlink_to(minilm_path() / "tokenizer.json")
+    message = rf"{tmp_path}/tokenizer.json has 30522 tokens but the model in {tmp_path} has"
+    with pytest.raises(ValueError, match=message + r" vocab_size 1000: the tokenizer is not"):
+        model_tokenizer(tmp_path, "calibration")

@@ -139,8 +139,15 @@ class BenchSettings:
             check_choice("kernel", kernel, ("rule", *KERNELS))
         for setting in _names(self.compile):
             check_compile(setting, self.device)
-        if not _ints(self.n) or not _ints(self.proj_dim) or self.repeats < 1:
-            raise ValueError("n, proj_dim and repeats need at least one value each")
+        if not _ints(self.n) or not _ints(self.proj_dim) or not _names(self.scope):
+            raise ValueError("n, proj_dim and scope need at least one value each")
+        if self.repeats < 1 or self.batch_size < 1 or self.warmup < 0:
+            raise ValueError(
+                f"need repeats >= 1, batch_size >= 1 and warmup >= 0; got {self.repeats}, "
+                f"{self.batch_size} and {self.warmup}"
+            )
+        if not self.variants():
+            raise ValueError("nothing to time: name a --sharing or an --exact (or add --peers)")
 
     def variants(self) -> list[Variant]:
         """The variants to time, in table order."""
@@ -155,10 +162,15 @@ class BenchSettings:
         return [v for v in chosen if not v.exact or v.kind in exact]
 
 
+def _nothing_to_project(call: Call) -> bool:
+    """A Linformer variant whose k is not below n (k > n cannot even be built)."""
+    return not call.variant.exact and call.shape.proj_dim >= call.shape.seq_len
+
+
 def _skip_reason(call: Call, settings: BenchSettings, ceiling_flops_s: float) -> str | None:
     """Why a configuration is not run (None: run it), from estimates made before running."""
     shape, variant = call.shape, call.variant
-    if not variant.exact and shape.proj_dim >= shape.seq_len:
+    if _nothing_to_project(call):
         return f"k = {shape.proj_dim} >= n = {shape.seq_len}: nothing to project"
     if variant.kind not in ("ours", "sdpa", "naive") and not peer_available(variant.kind):
         return f"{variant.name} is not installed (pip install 'linformer-kit[bench]')"
@@ -213,7 +225,11 @@ def _row(
     """One result row; `ceilings`: the probe's FLOP/s by its median and by its fastest round,
     for the ceiling fraction by median and by best-of-rounds times (interference only adds
     time, to both)."""
-    flops = variant_flops(call.variant, call.shape, call.scope, backward=call.backward)
+    flops = (
+        None
+        if _nothing_to_project(call)
+        else variant_flops(call.variant, call.shape, call.scope, backward=call.backward)
+    )
     row: dict[str, Any] = {
         "scope": call.scope,
         "dtype": call.dtype,
@@ -229,7 +245,7 @@ def _row(
         "reason": "",
         "median_ms": None,
         "min_ms": None,
-        "gflop": flops / 1e9,
+        "gflop": None if flops is None else flops / 1e9,
         "gflop_per_s": None,
         "ceiling_fraction": None,
         "ceiling_fraction_best": None,
@@ -391,7 +407,8 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULT_NAME).write_text(json.dumps(result, indent=2) + "\n")
     rows = result["rows"]
-    columns = [c for c in rows[0] if c != "times_ms"] if rows else []
+    # Every row's keys, in order of first appearance: bf16 rows add relative_error_vs_float32.
+    columns = [c for c in dict.fromkeys(key for row in rows for key in row) if c != "times_ms"]
     with open(out / TABLE_NAME, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

@@ -6,6 +6,7 @@ data-driven projection inits."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +19,8 @@ from ..models import LinformerForSequenceClassification, LinformerModel, Linform
 from .bert import convert_hf_model
 from .projection_init import DEFAULT_INIT, init_projections
 from .report import TOKENIZER_NAME, calibration_ids
+
+logger = logging.getLogger(__name__)
 
 DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
 # Checkpoints of this library that `convert` takes: the bidirectional encoders.
@@ -60,6 +63,9 @@ def convert_to_dir(
     source = Path(source)
     data_driven = proj_dim is not None and projection == "linear"
     data_driven = data_driven and (init or DEFAULT_INIT) in DATA_DRIVEN
+    if data_driven and init is None and not (source / TOKENIZER_NAME).is_file():
+        logger.info("no %s in %s to calibrate on: mean-pooling init", TOKENIZER_NAME, source)
+        data_driven = False  # init_projections' default without calibration ids
     options = {
         "proj_dim": proj_dim,
         "max_seq_len": max_seq_len,

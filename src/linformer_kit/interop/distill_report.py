@@ -19,9 +19,9 @@ from .bert import convert_hf_model
 from .distill import DistillSettings, HeldOut, distill
 from .distill_run import DistillData
 from .report import (
-    TOKENIZER_NAME,
     calibration_ids,
     machine,
+    model_tokenizer,
     stdlib_files,
     text_windows,
 )
@@ -63,7 +63,7 @@ def distillation_report(
     device = settings.torch_device()
     teacher = convert_hf_model(path, proj_dim=None, max_seq_len=max_seq_len).to(device)
     n = teacher.config.max_seq_len
-    tokenizer = path / TOKENIZER_NAME
+    tokenizer = model_tokenizer(path, "the text")
     files = stdlib_files("calibration") if files is None else files
     ids = text_windows(tokenizer, files, n, data.texts, per_file=data.per_file)
     heldout_ids = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts)

@@ -17,7 +17,7 @@ from ..models import LinformerModel
 from .bert import convert_hf_model, read_hf_config
 from .convert import convert_to_dir
 from .distill import DistillSettings, HeldOut, distill
-from .report import TOKENIZER_NAME, document_ids, stdlib_files, text_windows
+from .report import TOKENIZER_NAME, document_ids, model_tokenizer, stdlib_files, text_windows
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +124,7 @@ def distill_checkpoint(
     teacher_dir, student_dir = Path(teacher_dir), Path(student_dir)
     device = settings.torch_device()
     read_hf_config(teacher_dir)  # a missing teacher is named before anything else
-    tokenizer = teacher_dir / TOKENIZER_NAME
-    if not tokenizer.is_file():
-        raise FileNotFoundError(f"no {TOKENIZER_NAME} in {teacher_dir}: needed for the text")
+    tokenizer = model_tokenizer(teacher_dir, "the text")
     if (student_dir / "config.json").is_file():
         student = LinformerModel.from_pretrained(student_dir)
         if max_seq_len not in (None, student.config.max_seq_len):

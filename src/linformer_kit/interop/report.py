@@ -224,6 +224,27 @@ class ConversionReport:
     )
 
 
+def model_tokenizer(path: str | os.PathLike, needed_for: str) -> Path:
+    """A Hugging Face model directory's tokenizer.json, checked to fit its model.
+
+    Raises:
+        FileNotFoundError: if the directory has no config.json or no tokenizer.json.
+        ValueError: if the tokenizer has more tokens than the model's vocab_size (its ids
+            would index past the embeddings).
+    """
+    vocab_size = read_hf_config(path).get("vocab_size")
+    file = Path(path) / TOKENIZER_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"no {TOKENIZER_NAME} in {Path(path)}: needed for {needed_for}")
+    size = Tokenizer.from_file(str(file)).get_vocab_size()
+    if vocab_size is not None and size > vocab_size:
+        raise ValueError(
+            f"{file} has {size} tokens but the model in {Path(path)} has vocab_size "
+            f"{vocab_size}: the tokenizer is not this model's"
+        )
+    return file
+
+
 def calibration_ids(
     path: str | os.PathLike, count: int, seq_len: int | None = None
 ) -> torch.Tensor:
@@ -232,11 +253,10 @@ def calibration_ids(
 
     Raises:
         FileNotFoundError: if the directory has no config.json or no tokenizer.json.
+        ValueError: if the tokenizer does not fit the model (`model_tokenizer`).
     """
+    tokenizer = model_tokenizer(path, "calibration")
     seq_len = seq_len or linformer_config_from_hf(read_hf_config(path), proj_dim=None).max_seq_len
-    tokenizer = Path(path) / TOKENIZER_NAME
-    if not tokenizer.is_file():
-        raise FileNotFoundError(f"no {TOKENIZER_NAME} in {Path(path)}: needed for calibration")
     return text_windows(tokenizer, stdlib_files("calibration"), seq_len, count)
 
 
