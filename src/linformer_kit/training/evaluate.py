@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .. import hub
 from ..causal_lm import LinformerForCausalLM
@@ -56,7 +57,8 @@ def _text_blocks(
     specs: list[str], tokenizer: TextTokenizer, block_len: int, settings: EvaluateSettings
 ) -> PackedBlocks:
     documents = iter_documents(specs, glob=settings.glob, text_field=settings.text_field)
-    texts = [d.text for d in documents]
+    texts = [d.text for d in tqdm(documents, desc="reading", unit=" documents")]
+    logger.info("tokenizing %d documents", len(texts))
     stream = [t for ids in tokenizer.encode_batch(texts) for t in (*ids, tokenizer.sep_id)]
     count = len(stream) // block_len
     if count == 0:
