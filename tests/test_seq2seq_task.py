@@ -189,6 +189,8 @@ def test_generate_decodes_a_target_with_a_seq2seq_checkpoint(tmp_path, capsys):
 def test_synthetic_data_settings_check_the_lengths():
     with pytest.raises(ValueError, match=r"max_len \(40\) must fit both sides"):
         Seq2SeqDataSettings(task="copy", max_len=40, max_source_len=64, max_target_len=32)
+    with pytest.raises(ValueError, match=r"num_train must be an integer >= 1, got 0"):
+        Seq2SeqDataSettings(task="copy", num_train=0)
     data = load_seq2seq_data(Seq2SeqDataSettings(task="reverse", num_train=10, num_eval=4))
     assert data.vocab_size == 16 + 3 and data.tokenizer is None
     assert all(t == s[::-1] for s, t in zip(data.train.sources, data.train.targets))

@@ -166,6 +166,10 @@ class Seq2SeqDataSettings:
                 f"max_len ({self.max_len}) must fit both sides: at most max_source_len "
                 f"({self.max_source_len}) and max_target_len - 2 ({self.max_target_len - 2})"
             )
+        for name in ("num_train", "num_eval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass
