@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..config import check_choice
+from ..config import check_choice, check_positive
 from .cache import cache_key, default_cache_dir
 from .corpus import STDLIB, fingerprint
 from .docstrings import extract_stdlib_pairs, split_by_file
@@ -167,9 +167,7 @@ class Seq2SeqDataSettings:
                 f"({self.max_source_len}) and max_target_len - 2 ({self.max_target_len - 2})"
             )
         for name in ("num_train", "num_eval"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive(name, getattr(self, name))
 
 
 @dataclass
