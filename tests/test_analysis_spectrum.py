@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -122,6 +123,12 @@ def test_summary_recommends_the_k_that_every_layer_needs() -> None:
     best = report["recommendation"]
     assert (best["proj_dim"], best["proj_dim_every_head"]) == (7, 8)
     assert best["cost_ratio"]["time"] == pytest.approx(2 * 7 / 8)
+    assert best["cost_ratio"]["n"] == 8
+    # Texts shorter than the model: a Linformer runs them at their own length, so the cost
+    # compares there (7 of 8 keys kept at a mean of 7.4 real tokens is no saving at all).
+    short = summarize(dataclasses.replace(spectra, real_tokens=7.4), [0.9])["recommendation"]
+    assert short["cost_ratio"]["n"] == 7
+    assert short["cost_ratio"]["time"] == pytest.approx(2 * 7 / 7)
     assert summarize(spectra, [0.9])["index"] == 7  # default: the recommended k
     assert summarize(spectra, [0.9], index=20)["layers"][1]["value_at_index"] == [1.0, 1.0]
     with pytest.raises(ValueError, match="index must be >= 1"):

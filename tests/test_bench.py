@@ -238,8 +238,9 @@ def test_a_k_above_n_is_skipped_and_bf16_rows_keep_their_error_in_the_csv(tmp_pa
     ("changes", "message"),
     [
         (dict(scope=""), "n, proj_dim and scope need at least one value each"),
-        (dict(batch_size=0), "need repeats >= 1, batch_size >= 1 and warmup >= 0; got 1, 0 and 0"),
-        (dict(warmup=-1), "need repeats >= 1, batch_size >= 1 and warmup >= 0; got 1, 1 and -1"),
+        (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+        (dict(warmup=-1), "warmup must be an integer >= 0, got -1"),
+        (dict(num_heads=0), "num_heads must be an integer >= 1, got 0"),
         (dict(sharing="", exact=""), "nothing to time: name a --sharing or an --exact"),
     ],
 )

@@ -1,17 +1,21 @@
 """Every setting with a fixed set of values rejects an unknown one with the same message:
-the setting's name, the allowed values, and the value given (config.check_choice)."""
+the setting's name, the allowed values, and the value given (config.check_choice); counts
+likewise name the setting, the range and the value (config.check_positive / check_non_negative)."""
 
 import pytest
 
 from linformer_kit import linformer_tiny
-from linformer_kit.bench.sweep import BenchSettings
+from linformer_kit.bench.settings import BenchSettings
 from linformer_kit.bench.variants import build_variant
+from linformer_kit.data.pipeline import DataSettings
 from linformer_kit.data.seq2seq import Seq2SeqDataSettings, synthetic_pairs
 from linformer_kit.interop.distill import DistillSettings, set_trainable
 from linformer_kit.interop.projection_init import init_projections
 from linformer_kit.interop.report import stdlib_files
+from linformer_kit.interop.task_bench import TaskBenchSettings
 from linformer_kit.models import LinformerForSequenceClassification, LinformerModel
 from linformer_kit.projection import build_projection
+from linformer_kit.training.finetune import FinetuneSettings
 from linformer_kit.training.lra_settings import LRASettings
 from linformer_kit.training.seq2seq import evaluate_seq2seq
 from linformer_kit.training.settings import TrainSettings
@@ -44,3 +48,29 @@ def test_an_unknown_choice_names_the_setting_the_choices_and_the_value(case):
     name = case.split()[0]
     with pytest.raises(ValueError, match=rf"^{name} must be one of \w+(, \w+)+; got 'bogus'$"):
         CASES[case]()
+
+
+COUNTS = {
+    "max_steps": (lambda: TrainSettings(max_steps=True), ">= 1, got True"),
+    "eval_batches": (lambda: TrainSettings(eval_batches=-1), ">= 0, got -1"),
+    "threads": (lambda: TrainSettings(threads=-2), r">= 0 \(0 = torch's default\), got -2"),
+    "max_documents": (lambda: DataSettings(max_documents=-1), r">= 0 \(0 = no limit\), got -1"),
+    "proj_dim": (lambda: LRASettings(proj_dim=0), ">= 1, got 0"),
+    "num_eval": (lambda: LRASettings(num_eval=-1), ">= 0, got -1"),
+    "epochs": (lambda: FinetuneSettings(epochs=0), ">= 1, got 0"),
+    "max_seq_len": (lambda: FinetuneSettings(max_seq_len=-1), ">= 0, got -1"),
+    "distill_steps": (lambda: TaskBenchSettings(distill_steps=-1), ">= 0, got -1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COUNTS))
+def test_a_bad_count_names_the_setting_its_range_and_the_value(case):
+    make, message = COUNTS[case]
+    with pytest.raises(ValueError, match=rf"^{case} must be an integer {message}$"):
+        make()
+
+
+def test_lra_learning_rate_must_be_finite():
+    message = r"^lr must be a finite number >= 0 \(0 = LRA's\), got nan$"
+    with pytest.raises(ValueError, match=message):
+        LRASettings(lr=float("nan"))

@@ -25,6 +25,14 @@ def check_positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+def check_non_negative(name: str, value: Any, zero: str = "") -> None:
+    """Raises ValueError unless `value` is an integer >= 0, naming `name`, the value and, when
+    given, what 0 means (`zero`, e.g. "0 = no limit")."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        meaning = f" ({zero})" if zero else ""
+        raise ValueError(f"{name} must be an integer >= 0{meaning}, got {value!r}")
+
+
 def check_proj_dim(proj_dim: Any, max_seq_len: int) -> None:
     """Raises ValueError unless `proj_dim` (k) is an integer in [1, max_seq_len]."""
     if (
@@ -161,10 +169,7 @@ class LinformerConfig:
             check_choice("truncation", self.truncation, TRUNCATIONS)
         check_probability("dropout", self.dropout)
         check_probability("attention_dropout", self.attention_dropout)
-        if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
-            raise ValueError(
-                f"type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}"
-            )
+        check_non_negative("type_vocab_size", self.type_vocab_size)
         for name in ("pooler", "norm_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

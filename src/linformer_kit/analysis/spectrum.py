@@ -202,7 +202,10 @@ def summarize(spectra: Spectra, masses: Sequence[float], index: int | None = Non
                 "heads": heads,
             }
         )
-    recommended = recommend(layers, RECOMMENDED_MASS, spectra.seq_len)
+    # A Linformer runs each text at its own length, so the cost compares at the real tokens'
+    # mean, not the padded n (texts much shorter than the model read far too cheap at n).
+    real_len = min(spectra.seq_len, max(1, round(spectra.real_tokens)))
+    recommended = recommend(layers, RECOMMENDED_MASS, real_len)
     index = index or recommended["proj_dim"]
     for layer, curves in zip(layers, spectra.curves):
         padded = pad_curve(curves, max(index, curves.shape[1]))  # (H, >= index)
@@ -222,7 +225,8 @@ def summarize(spectra: Spectra, masses: Sequence[float], index: int | None = Non
 
 def recommend(layers: list[dict], mass: float, seq_len: int) -> dict:
     """The k keeping `mass` in every layer (head-averaged curves) and in every single head,
-    with the theoretical cost ratio of a Linformer with that k at this n."""
+    with the theoretical cost ratio of a Linformer with that k at length `seq_len` (its
+    `"n"`)."""
     key = str(mass)
     per_layer = max(layer["k"][key] for layer in layers)
     per_head = max(head["k"][key] for layer in layers for head in layer["heads"])
@@ -230,5 +234,5 @@ def recommend(layers: list[dict], mass: float, seq_len: int) -> dict:
         "mass": mass,
         "proj_dim": per_layer,
         "proj_dim_every_head": per_head,
-        "cost_ratio": cost_ratio(per_layer, seq_len),
+        "cost_ratio": {"n": seq_len, **cost_ratio(per_layer, seq_len)},
     }

@@ -1,7 +1,8 @@
 """Efficiency benchmarks: timing, peak memory, FLOP rates, sweeps, tables and plots."""
 
 from .flops import Shape
-from .sweep import BenchSettings, run_bench
+from .settings import BenchSettings
+from .sweep import run_bench
 from .timing import Call, make_step, peak_memory, time_interleaved
 from .variants import Variant, build_variant, default_variants, variant_flops
 

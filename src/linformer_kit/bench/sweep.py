@@ -11,19 +11,17 @@ import itertools
 import json
 import os
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from ..config import check_choice
-from ..kernel_rule import KERNELS
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
-from ..training.settings import check_compile, keep_freed_memory
+from ..training.settings import keep_freed_memory
 from .flops import Shape, matmul_flops
+from .settings import MODES, BenchSettings, split_ints, split_names
 from .summary import summarise
 from .timing import (
     Call,
@@ -34,132 +32,10 @@ from .timing import (
     size_ceiling_matmul,
     time_interleaved,
 )
-from .variants import (
-    SCOPES,
-    SHARINGS,
-    Variant,
-    compile_limits,
-    default_variants,
-    estimate_bytes,
-    peer_available,
-    variant_flops,
-)
+from .variants import compile_limits, estimate_bytes, peer_available, variant_flops
 
 RESULT_NAME, TABLE_NAME = "bench.json", "bench.csv"
-DTYPES = ("float32", "bfloat16")
 EMULATED = "emulated"  # the status of a bf16 row on a CPU without native bf16
-MODES = {"fwd": False, "fwdbwd": True}
-
-
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(part) for part in text.split(",") if part.strip()]
-
-
-def _names(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-@dataclass(kw_only=True)
-class BenchSettings:
-    """Settings of the efficiency benchmark (`linformer bench`)."""
-
-    n: str = field(default="1024,2048,4096,8192,16384", metadata={"help": "sequence lengths"})
-    proj_dim: str = field(default="256", metadata={"help": "Linformer k values"})
-    dim: int = field(default=256, metadata={"help": "model width"})
-    num_heads: int = field(default=4, metadata={"help": "attention heads"})
-    batch_size: int = field(default=1, metadata={"help": "sequences per call"})
-    mode: str = field(default="fwdbwd", metadata={"help": "fwd (inference) or fwdbwd"})
-    dtype: str = field(
-        default="float32", metadata={"help": "float32 and/or bfloat16 (autocast), interleaved"}
-    )
-    scope: str = field(default="attention,layer", metadata={"help": "attention and/or layer"})
-    sharing: str = field(default=",".join(SHARINGS), metadata={"help": "our sharing modes to time"})
-    exact: str = field(default="sdpa,naive", metadata={"help": "exact baselines to time"})
-    attention_dropout: str = field(
-        default="0",
-        metadata={"help": "attention dropout values for ours and exact SDPA, e.g. 0,0.1"},
-    )
-    kernel: str = field(
-        default="rule",
-        metadata={"help": "attention kernels of ours: rule (choose_kernel's), sdpa, explicit"},
-    )
-    compile: str = field(
-        default="",
-        metadata={
-            "help": "also time every variant under torch.compile: inductor, reduce-overhead "
-            "(Inductor with CUDA graphs) and/or aot_eager (no code generation), each also "
-            "with +autograd (the backward under compiled autograd); '': eager only"
-        },
-    )
-    peers: bool = field(default=False, metadata={"help": "also time the published packages"})
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    threads: int = field(default=0, metadata={"help": "CPU threads (0: torch's default)"})
-    warmup: int = field(default=1, metadata={"help": "untimed rounds"})
-    repeats: int = field(default=3, metadata={"help": "timed rounds, at least"})
-    min_time_s: float = field(
-        default=3.0, metadata={"help": "more rounds (up to 100) until they take this long"}
-    )
-    keep_freed_memory: bool = field(
-        default=True,
-        metadata={
-            "help": "CPU: glibc keeps freed memory while timing (training.keep_freed_memory), "
-            "so no step pays page faults for the last one's freed pages"
-        },
-    )
-    memory: bool = field(default=True, metadata={"help": "measure peak memory per config"})
-    memory_budget_gb: float = field(default=8.0, metadata={"help": "skip configs above this"})
-    time_budget_s: float = field(
-        default=300.0, metadata={"help": "skip configs estimated above this (all rounds)"}
-    )
-    out: str = field(default="benchmarks/bench", metadata={"help": "output directory"})
-
-    def __post_init__(self) -> None:
-        check_choice("mode", self.mode, tuple(MODES))
-        check_choice("device", self.device, ("cpu", "cuda"))
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda was asked for but torch sees no GPU")
-        if not _names(self.dtype) or not set(_names(self.dtype)) <= set(DTYPES):
-            raise ValueError(f"dtype must be among float32, bfloat16; got {self.dtype!r}")
-        for scope in _names(self.scope):
-            if scope not in SCOPES:
-                raise ValueError(f"scope must be among {', '.join(SCOPES)}; got {scope!r}")
-        for sharing in _names(self.sharing):
-            if sharing not in SHARINGS:
-                raise ValueError(f"sharing must be among {', '.join(SHARINGS)}; got {sharing!r}")
-        if not set(_names(self.exact)) <= {"sdpa", "naive"}:
-            raise ValueError(f"exact must be among sdpa, naive; got {self.exact!r}")
-        for p in _floats(self.attention_dropout):
-            if not 0.0 <= p < 1.0:
-                raise ValueError(f"attention_dropout values must be in [0, 1); got {p}")
-        for kernel in _names(self.kernel):
-            check_choice("kernel", kernel, ("rule", *KERNELS))
-        for setting in _names(self.compile):
-            check_compile(setting, self.device)
-        if not _ints(self.n) or not _ints(self.proj_dim) or not _names(self.scope):
-            raise ValueError("n, proj_dim and scope need at least one value each")
-        if self.repeats < 1 or self.batch_size < 1 or self.warmup < 0:
-            raise ValueError(
-                f"need repeats >= 1, batch_size >= 1 and warmup >= 0; got {self.repeats}, "
-                f"{self.batch_size} and {self.warmup}"
-            )
-        if not self.variants():
-            raise ValueError("nothing to time: name a --sharing or an --exact (or add --peers)")
-
-    def variants(self) -> list[Variant]:
-        """The variants to time, in table order."""
-        exact = _names(self.exact)
-        chosen = default_variants(
-            sharings=tuple(_names(self.sharing)),
-            peers=self.peers,
-            attention_dropouts=tuple(_floats(self.attention_dropout)),
-            kernels=tuple(None if k == "rule" else k for k in _names(self.kernel)),
-            compiles=(None, *_names(self.compile)),
-        )
-        return [v for v in chosen if not v.exact or v.kind in exact]
 
 
 def _nothing_to_project(call: Call) -> bool:
@@ -189,9 +65,9 @@ def _calls(settings: BenchSettings, seq_len: int) -> list[Call]:
     """The configurations at one sequence length: scope x dtype x variant x k (exact ones
     once)."""
     calls = []
-    for scope, dtype in itertools.product(_names(settings.scope), _names(settings.dtype)):
+    for scope, dtype in itertools.product(split_names(settings.scope), split_names(settings.dtype)):
         for variant in settings.variants():
-            for proj_dim in [None] if variant.exact else _ints(settings.proj_dim):
+            for proj_dim in [None] if variant.exact else split_ints(settings.proj_dim):
                 shape = Shape(
                     batch_size=settings.batch_size,
                     seq_len=seq_len,
@@ -306,7 +182,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     # Process-wide; peak memory is measured in fresh processes with glibc's defaults.
     kept = settings.device == "cpu" and settings.keep_freed_memory and keep_freed_memory()
     before = machine()
-    dtypes = _names(settings.dtype)
+    dtypes = split_names(settings.dtype)
     # Only the dtypes asked for: a bf16 probe where bf16 is emulated costs minutes.
     bf16 = (
         warn_if_bf16_is_slow(settings.device, "--dtype float32") if "bfloat16" in dtypes else None
@@ -318,7 +194,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         )
         first_ceiling[dtype] = matmul_flops(sizes[dtype]) / seconds
     ceiling_steps = {f"matmul {d}": matmul_step(sizes[d], d, settings.device) for d in dtypes}
-    seq_lens = _ints(settings.n)
+    seq_lens = split_ints(settings.n)
     rows, ceilings, best_ceilings = [], {}, {}
 
     def result() -> dict[str, Any]:
@@ -340,7 +216,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         }
 
     rounds = len(seq_lens) * (settings.warmup + settings.repeats)
-    compiling = bool(_names(settings.compile))
+    compiling = bool(split_names(settings.compile))
     limits = compile_limits() if compiling else contextlib.nullcontext()
     with tqdm(total=rounds, desc="timing", unit="round") as bar, limits:
         for seq_len in seq_lens:
@@ -395,7 +271,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
 
 def _title(settings: BenchSettings) -> str:
-    dtypes = " + ".join(_names(settings.dtype))
+    dtypes = " + ".join(split_names(settings.dtype))
     return (
         f"{settings.mode}, {dtypes}, dim {settings.dim}, {settings.num_heads} heads, "
         f"batch {settings.batch_size}, {settings.device}"

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..bench.settings import BenchSettings
 from ..bench.summary import peer_ratios
-from ..bench.sweep import EMULATED, RESULT_NAME, TABLE_NAME, BenchSettings, run_bench
+from ..bench.sweep import EMULATED, RESULT_NAME, TABLE_NAME, run_bench
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
 from .overrides import exit_on_user_error
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import check_non_negative
 from .cache import (
     PackedBlocks,
     build_token_cache,
@@ -54,9 +55,7 @@ class DataSettings:
 
     def __post_init__(self) -> None:
         for name in ("max_documents", "tokenizer_documents", "max_val_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0 (0 = no limit), got {value!r}")
+            check_non_negative(name, getattr(self, name), "0 = no limit")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import hub
-from ..config import PROJECTIONS, TRUNCATIONS, check_choice
+from ..config import PROJECTIONS, TRUNCATIONS, check_choice, check_non_negative, check_positive
 from ..data.classification import load_classification, read_labelled
 from ..data.tokenizer import load_tokenizer
 from ..training.compare import machine
@@ -123,15 +123,12 @@ class TaskBenchSettings:
         parse_variants(self.variants)
         names = ("epochs", "batch_size", "grad_accum_steps", "after_epochs", "calibration_texts")
         for name in names:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive(name, getattr(self, name))
         if not self.after_lr > 0:
             raise ValueError(f"after_lr must be > 0, got {self.after_lr!r}")
         check_choice("projections", self.projections, PROJECTION_MODES)
         check_choice("truncation", self.truncation, TRUNCATIONS)
-        if not isinstance(self.distill_steps, int) or self.distill_steps < 0:
-            raise ValueError(f"distill_steps must be an integer >= 0, got {self.distill_steps!r}")
+        check_non_negative("distill_steps", self.distill_steps)
 
 
 def parse_variants(spec: str) -> list[Variant]:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .. import hub
-from ..config import TRUNCATIONS, LinformerConfig, check_choice
+from ..config import TRUNCATIONS, LinformerConfig, check_choice, check_non_negative, check_positive
 from ..data.classification import load_classification
 from ..data.tokenizer import load_tokenizer
 from ..models import LinformerForSequenceClassification
@@ -120,12 +120,9 @@ class FinetuneSettings:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.epochs, int) or self.epochs < 1:
-            raise ValueError(f"epochs must be an integer >= 1, got {self.epochs!r}")
+        check_positive("epochs", self.epochs)
         for name in ("max_steps", "eval_every", "num_labels", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            check_non_negative(name, getattr(self, name))
         if self.num_labels == 1:
             raise ValueError("num_labels must be at least 2 (or 0: max label + 1), got 1")
         check_choice("head_init", self.head_init, HEAD_INITS)

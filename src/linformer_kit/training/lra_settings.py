@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..config import PROJECTIONS, SHARINGS, check_choice
+from ..config import PROJECTIONS, SHARINGS, check_choice, check_non_negative, check_positive
 from ..data.lra import TASKS
 from .compare import MODELS
 from .settings import check_threads
@@ -134,18 +134,15 @@ class LRASettings:
         if not 0.0 < self.scale <= 1.0:
             raise ValueError(f"scale must be in (0, 1], got {self.scale!r}")
         for name in ("steps", "batch_size", "num_train", "num_eval", "max_length", "eval_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            check_non_negative(name, getattr(self, name))
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < -1:
             raise ValueError(
                 f"warmup_steps must be an integer >= 0, or -1 for LRA's share of the steps; "
                 f"got {self.warmup_steps!r}"
             )
-        if self.lr < 0:
-            raise ValueError(f"lr must be >= 0 (0 = LRA's), got {self.lr!r}")
-        if not isinstance(self.proj_dim, int) or self.proj_dim < 1:
-            raise ValueError(f"proj_dim must be an integer >= 1, got {self.proj_dim!r}")
+        if not 0 <= self.lr < math.inf:  # also refuses nan
+            raise ValueError(f"lr must be a finite number >= 0 (0 = LRA's), got {self.lr!r}")
+        check_positive("proj_dim", self.proj_dim)
         check_choice("sharing", self.sharing, SHARINGS)  # here, not after the data is made
         check_choice("projection", self.projection, PROJECTIONS)
         names = self.model_names

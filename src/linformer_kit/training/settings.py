@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..config import LinformerConfig, check_choice
+from ..config import LinformerConfig, check_choice, check_non_negative, check_positive
 from ..data.pipeline import DataSettings
 from ..hub import atomic_write
 
@@ -91,9 +91,7 @@ class TrainSettings:
             "log_every",
             "keep_last",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive(name, getattr(self, name))
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("objective", self.objective, OBJECTIVES)
         check_choice("precision", self.precision, PRECISIONS)
@@ -102,9 +100,7 @@ class TrainSettings:
         if not self.output_dir:
             raise ValueError("output_dir must name the run's directory, got ''")
         for name in ("warmup_steps", "eval_batches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            check_non_negative(name, getattr(self, name))
         if not 0 < self.lr < math.inf:  # also refuses nan
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         if not 0 < self.mlm_probability < 1:
@@ -239,8 +235,7 @@ def compiled_backward(setting: str | None) -> contextlib.AbstractContextManager:
 
 def check_threads(threads: int) -> None:
     """Raises a ValueError unless `threads` is an integer >= 0 (0 = torch's default)."""
-    if not isinstance(threads, int) or threads < 0:
-        raise ValueError(f"threads must be an integer >= 0 (0 = torch's default), got {threads!r}")
+    check_non_negative("threads", threads, "0 = torch's default")
 
 
 def use_threads(threads: int) -> None:
