@@ -268,6 +268,13 @@ def test_the_kernels_target_this_cpu_unless_the_environment_names_another(monkey
         native.target_arch()
 
 
+def test_the_build_tag_covers_every_source_file():
+    # torch's cache rebuilds on a changed .cpp but not on a changed header: the tag must hash
+    # every header, or a machine would load kernels built from an older one.
+    assert {p.name for p in native.CSRC.glob("*.h")} == {p.name for p in native.HEADERS}
+    assert {p.name for p in native.CSRC.glob("*.cpp")} == {p.name for p in native.SOURCES}
+
+
 def test_the_build_compiles_for_the_target_it_names(monkeypatch):
     if native.cpu_ops() is None:
         pytest.skip("no compiled kernels on this machine")

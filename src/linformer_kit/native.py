@@ -54,7 +54,15 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     CSRC / name
-    for name in ("bf16_gemm.h", "bits.h", "blas.h", "feedforward.h", "matrices.h", "vmath.h")
+    for name in (
+        "bf16_gemm.h",
+        "bits.h",
+        "blas.h",
+        "feedforward.h",
+        "matrices.h",
+        "softmax_rows.h",
+        "vmath.h",
+    )
 )
 ENV_SWITCH = "LINFORMER_KIT_NATIVE"
 MARCH_SWITCH = "LINFORMER_KIT_MARCH"
