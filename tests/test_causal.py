@@ -207,16 +207,45 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     assert torch.equal(draws[0][:, :3], ids)
 
 
+def test_a_row_that_produced_the_end_token_is_padded_and_generation_stops_when_all_have():
+    torch.manual_seed(0)
+    model = LinformerForCausalLM(tiny()).eval()
+    ids = torch.randint(0, 50, (2, 3))
+    free = model.generate(ids, 8, temperature=0)
+    eos = int(free[0, 5])  # the first row's third greedy token becomes the end token
+    stopped = model.generate(ids, 8, temperature=0, eos_token_id=eos)
+    ended = [(row[3:] == eos).nonzero()[0, 0].item() + 3 if (row[3:] == eos).any() else None
+             for row in free]  # fmt: skip
+    width = max(e + 1 if e is not None else free.shape[1] for e in ended)
+    assert stopped.shape[1] == width  # stops once every row has ended, not before
+    for row, end in enumerate(ended):
+        last = end if end is not None else width - 1
+        assert torch.equal(stopped[row, : last + 1], free[row, : last + 1])  # same until eos
+        assert (stopped[row, last + 1 :] == model.config.pad_token_id).all()  # padding after
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token_instead_of_failing():
+    torch.manual_seed(0)
+    model = LinformerForCausalLM(tiny()).eval()
+    ids = torch.randint(0, 50, (2, 3))
+    assert torch.equal(model.generate(ids, 5, temperature=1e-45), model.generate(ids, 5, 0.0))
+
+
 def test_generation_refuses_more_than_max_seq_len():
     model = LinformerForCausalLM(tiny())
     with pytest.raises(
         ValueError, match=r"prompt \(30\) \+ max_new_tokens \(3\) = 33 exceeds max_seq_len 32"
     ):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 3)
-    with pytest.raises(ValueError, match=r"a finite temperature >= 0; got 3 tokens, 3 and nan"):
-        model.generate(torch.zeros(1, 3, dtype=torch.long), 3, temperature=float("nan"))
-    with pytest.raises(ValueError, match=r"top_k must be >= 1 \(None: every token\), got 0"):
-        model.generate(torch.zeros(1, 3, dtype=torch.long), 3, top_k=0)
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0, got nan"):
+        model.generate(prompt, 3, temperature=float("nan"))
+    with pytest.raises(ValueError, match=r"top_k must be an integer >= 1, got 0"):
+        model.generate(prompt, 0, top_k=0)  # checked before any work, even for no tokens
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 0, got 2.0"):
+        model.generate(prompt, 2.0)
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, N >= 1\) token ids, got"):
+        model.generate(prompt[0], 2)
     ids = torch.zeros(2, 10, dtype=torch.long)
     with pytest.raises(ValueError, match=r"labels must have the scored ids' shape \(2, 10\)"):
         model(ids, labels=ids[:, :9])

@@ -28,9 +28,39 @@ def test_generate_prints_the_prompt_and_the_greedy_continuation(checkpoint, caps
           "--temperature", "0"])  # fmt: skip
     ids = tokenizer.encode_batch(["def add"])[0]
     want = model.generate(torch.tensor([ids]), 12, temperature=0)[0].tolist()
+    if tokenizer.sep_id in want[len(ids) :]:  # the text ends there
+        want = want[: want.index(tokenizer.sep_id, len(ids))]
     out = capsys.readouterr().out
     assert out == tokenizer.tokenizer.decode(want) + "\n"
     assert out.startswith("def add")
+
+
+def test_generate_ends_the_text_at_the_separator_pretraining_put_after_each_document(
+    checkpoint, capsys, monkeypatch
+):
+    path, _, tokenizer = checkpoint
+    word = tokenizer.encode_batch([" return"])[0][0]
+    picks = iter([word, tokenizer.sep_id, word, word])
+    calls = []
+
+    def scripted(logits, temperature, top_k, generator=None):
+        calls.append(1)
+        return torch.full((logits.shape[0],), next(picks))
+
+    monkeypatch.setattr(LinformerForCausalLM, "sample", staticmethod(scripted))
+    main(["generate", str(path), "--prompt", "def add", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    # Before, the separator was dropped by decoding and the next document's text glued on.
+    assert out == tokenizer.tokenizer.decode(tokenizer.encode_batch(["def add"])[0] + [word]) + "\n"
+    assert len(calls) == 2  # generation stopped at the separator
+
+
+def test_generate_refuses_a_tokenizer_larger_than_the_model(checkpoint):
+    path, model, tokenizer = checkpoint
+    size = tokenizer.vocab_size
+    LinformerForCausalLM(model.config.replace(vocab_size=size - 10)).save_pretrained(path)
+    with pytest.raises(SystemExit, match=rf"has {size} tokens but the model only {size - 10}"):
+        main(["generate", str(path), "--prompt", "def"])
 
 
 def test_generate_refuses_a_masked_lm_checkpoint(checkpoint):

@@ -5,12 +5,14 @@ import os
 import re
 import shlex
 import signal
+from types import SimpleNamespace
 
 import pytest
 from train_helpers import interrupted_after, write_classification, write_corpus
 
 from linformer_kit import LinformerForCausalLM
 from linformer_kit.cli import build_parser, main
+from linformer_kit.cli.common import print_checkpoints
 from linformer_kit.cli.overrides import collect_overrides
 from linformer_kit.training.loop import Trainer
 
@@ -225,3 +227,15 @@ def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
         main([*pretrain, "--max-steps", "1", "--output-dir", str(user_best.parent)])
     assert "is not a run's checkpoint link" in capsys.readouterr().err
     assert user_best.read_text() == "mine too"
+
+
+def test_the_checkpoint_line_names_only_checkpoints_that_exist(tmp_path, capsys):
+    # A run whose validation loss was nan at every validation saved `last` but never `best`.
+    (tmp_path / "last").mkdir()
+    print_checkpoints(SimpleNamespace(run_dir=tmp_path))
+    assert capsys.readouterr().out == (
+        f"checkpoints: {tmp_path / 'last'} (no best: no validation loss was a number)\n"
+    )
+    (tmp_path / "best").mkdir()
+    print_checkpoints(SimpleNamespace(run_dir=tmp_path))
+    assert capsys.readouterr().out == f"checkpoints: {tmp_path / 'last'} and {tmp_path / 'best'}\n"

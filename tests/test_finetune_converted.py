@@ -34,7 +34,7 @@ def test_the_probe_minimises_its_penalised_loss_and_folds_standardisation_back()
     labels = (features[:, 0] + 0.5 * torch.randn(60, generator=generator) > 7).long()
     weight, bias, penalty = fit_linear_probe(features, labels, 2)
     # Reference: the penalised objective on standardised features, its gradient by autograd.
-    mean, std = features.mean(0), features.std(0)
+    mean, std = features.mean(0), features.std(0, correction=0)
     z = (features - mean) / std
     w = (weight * std).clone().requires_grad_(True)  # the standardised weight
     b = (bias + weight @ mean).clone().requires_grad_(True)
@@ -44,6 +44,9 @@ def test_the_probe_minimises_its_penalised_loss_and_folds_standardisation_back()
     raw = features @ weight.T + bias
     torch.testing.assert_close(raw, (z @ w.T + b).detach())
     assert (raw.argmax(-1) == labels).double().mean() > 0.8
+    # One example: its std is 0, not nan (the fine-tune's head started as nan weights).
+    one = fit_linear_probe(features[:1], labels[:1], 2)
+    assert all(t.isfinite().all() for t in one[:2])
 
 
 def test_finetuning_a_converted_model_learns_above_chance_with_default_recipe(

@@ -23,7 +23,7 @@ from linformer_kit.interop.task_bench import (
     parse_variants,
     run_task_bench,
 )
-from linformer_kit.interop.task_bench_report import markdown_table
+from linformer_kit.interop.task_bench_report import markdown_table, report_file
 
 
 def test_variants_parse_and_malformed_ones_are_named():
@@ -130,6 +130,21 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path, monkey
     assert run_task_bench(trained)["rows"][1] == earlier and ran == []
     run_task_bench(settings)  # finetune's default (frozen) is another recipe: run again
     assert ran == ["exact@64"]
+
+
+def test_a_dot_in_out_stays_in_the_file_names_and_a_foreign_json_is_named():
+    # with_suffix made `runs/x.v1` write runs/x.json: two outputs overwrote each other.
+    assert report_file("runs/x.v1", ".json") == task_bench.Path("runs/x.v1.json")
+    assert report_file("runs/x.v1", ".png") == task_bench.Path("runs/x.v1.png")
+    assert report_file("runs/report.json", ".md") == task_bench.Path("runs/report.md")
+
+
+@pytest.mark.parametrize("text", ['{"rows": []}', "not json"])
+def test_an_out_json_that_is_not_a_report_is_named_before_any_work(tmp_path, text):
+    (tmp_path / "report.json").write_text(text)
+    settings = TaskBenchSettings(train="t", val="v", test="t", out=str(tmp_path / "report"))
+    with pytest.raises(ValueError, match=r"report.json is not a bench-task report"):
+        task_bench._earlier_rows(settings)
 
 
 def test_an_after_row_is_run_again_with_its_exact_run_and_kept_rows_survive_a_crash(

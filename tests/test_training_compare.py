@@ -7,7 +7,9 @@ import pytest
 
 from linformer_kit.training.compare import ComparisonSettings, fit_to_budget, seconds_per_step
 
-TINY = ComparisonSettings(vocab_size=300, seq_len=64, dim=32, depth=1, proj_dim=16, batch_size=2)
+TINY = ComparisonSettings(
+    vocab_size=300, seq_len=64, dim=32, depth=1, proj_dim=16, batch_size=2, block_size=16
+)
 
 
 def test_probe_times_a_step_of_every_model():
@@ -30,6 +32,21 @@ def test_each_objective_pairs_linformer_with_the_exact_transformer(tmp_path):
 def test_unknown_or_repeated_objectives_are_refused(objectives):
     with pytest.raises(ValueError, match="objectives must be .* mlm and clm; got"):
         ComparisonSettings(objectives=objectives)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(block_size=64), r"block_size \(64\) must be below seq_len \(64\)"),
+        (dict(budget_min=-1.0), r"budget_min must be a finite number >= 0, got -1.0"),
+    ],
+)
+def test_a_causal_pair_that_would_be_exact_twice_and_a_negative_budget_are_refused(
+    changes, message
+):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(TINY, **changes)
+    assert dataclasses.replace(TINY, objectives="mlm", block_size=64).block_size == 64  # no clm
 
 
 def test_a_run_that_fits_the_budget_is_unchanged():

@@ -87,6 +87,34 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     assert torch.equal(a["rng"][0], b["rng"][0])
 
 
+@pytest.mark.parametrize("weights", ["finite", "nan"])
+def test_a_nan_loss_stops_the_run_only_when_the_weights_are_nan_and_before_saving(
+    tmp_path, monkeypatch, weights
+):
+    real_step = Trainer._train_step
+
+    def nan_at_step_3(self, model):
+        loss, tokens = real_step(self, model)
+        if self.step == 2:  # the third step: a batch with no scored token has a nan loss
+            loss = float("nan")
+            if weights == "nan":  # and a diverged one nan weights too
+                with torch.no_grad():
+                    next(self.model.parameters()).fill_(float("nan"))
+        return loss, tokens
+
+    monkeypatch.setattr(Trainer, "_train_step", nan_at_step_3)
+    run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2)
+    if weights == "finite":
+        assert pretrain(run).final["val_loss"] < 10  # went on to the end
+        return
+    with pytest.raises(ValueError, match=r"training diverged at step 3: the loss is nan"):
+        pretrain(run)
+    state = torch.load(tmp_path / "run/last/trainer_state.pt", weights_only=True)
+    assert state["step"] == 2  # nothing saved after the weights went bad
+    saved = hub.read_weights(tmp_path / "run/last")
+    assert all(t.isfinite().all() for t in saved.values())
+
+
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     run = tiny_run(tmp_path, max_steps=4)
     pretrain(run)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import CausalState
-from .config import LinformerConfig
+from .config import LinformerConfig, check_non_negative, check_positive
 from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
 
@@ -112,6 +112,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        eos_token_id: int | None = None,
     ) -> Tensor:
         """Continues each prompt token by token, carrying the layers' states.
 
@@ -120,25 +121,34 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         to turn dropout off.
 
         Args:
-            input_ids: (B, N) prompts of equal length, N >= 1, no padding.
+            input_ids: (B, N) prompts of equal length, N >= 1, no padding (prompts of
+                different lengths: one call each).
             max_new_tokens: tokens to add; N + max_new_tokens must not exceed max_seq_len.
             temperature: softmax temperature; 0 picks the most likely token (greedy).
             top_k: sample from the k most likely tokens only (None: all).
             generator: random generator for reproducible sampling.
+            eos_token_id: the token that ends a text (pretraining puts the tokenizer's
+                `sep_id` after every document): a row that has produced it is filled with
+                `pad_token_id` after it, and generation stops once every row has. None:
+                always max_new_tokens tokens.
 
         Returns:
-            (B, N + max_new_tokens): the prompts followed by the new tokens.
+            (B, N + T), T <= max_new_tokens: the prompts followed by the new tokens.
 
         Raises:
-            ValueError: for an empty prompt, a negative count or temperature, or a total
+            ValueError: for prompts not shaped (B, N >= 1), a count that is not an integer
+                >= 0, a temperature that is not finite and >= 0, top_k < 1, or a total
                 length over max_seq_len.
         """
-        total = input_ids.shape[1] + max_new_tokens
-        if input_ids.shape[1] < 1 or max_new_tokens < 0 or not 0 <= temperature < math.inf:
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(
-                f"need a prompt of >= 1 token, max_new_tokens >= 0 and a finite temperature "
-                f">= 0; got {input_ids.shape[1]} tokens, {max_new_tokens} and {temperature}"
+                f"input_ids must be (batch, N >= 1) token ids, got shape {tuple(input_ids.shape)}"
             )
+        check_non_negative("max_new_tokens", max_new_tokens)
+        if not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        check_top_k(top_k)
+        total = input_ids.shape[1] + max_new_tokens
         if total > self.config.max_seq_len:
             raise ValueError(
                 f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = {total} "
@@ -147,12 +157,19 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         states = self.init_states()
         tokens = input_ids.new_empty(input_ids.shape[0], total)  # filled in place: no regrowth
         tokens[:, : input_ids.shape[1]] = input_ids
-        new = input_ids
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        new, end = input_ids, total
         for position in range(input_ids.shape[1], total):
             logits = self(new, states=states).logits[:, -1].float()  # (B, vocab_size)
-            new = self.sample(logits, temperature, top_k, generator)[:, None]  # (B, 1)
+            new = self.sample(logits, temperature, top_k, generator)
+            new = new.masked_fill(done, self.config.pad_token_id)[:, None]  # (B, 1)
             tokens[:, position : position + 1] = new
-        return tokens
+            if eos_token_id is not None:
+                done |= new[:, 0] == eos_token_id
+                if done.all():
+                    end = position + 1
+                    break
+        return tokens[:, :end]
 
     @staticmethod
     def sample(
@@ -166,12 +183,20 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         Raises:
             ValueError: for top_k < 1.
         """
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1 (None: every token), got {top_k}")
+        check_top_k(top_k)
         if temperature == 0:
             return logits.argmax(-1)
         if top_k is not None:
             kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]  # (B, 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = (logits / temperature).softmax(-1)
+        # The row's maximum first: a tiny temperature then sends the others to -inf and the
+        # maximum to 0 (greedy), where dividing first overflows to inf and the softmax to nan.
+        top = logits.amax(-1, keepdim=True)  # (B, 1)
+        probs = ((logits - top) / temperature).softmax(-1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def check_top_k(top_k: int | None) -> None:
+    """Raises ValueError unless `top_k` is None (every token) or an integer >= 1."""
+    if top_k is not None:
+        check_positive("top_k", top_k)

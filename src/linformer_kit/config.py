@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +215,14 @@ class LinformerConfig:
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
         check_positive("block_size", self.block_size)
+        if self.causal and self.proj_dim is not None and self.block_size >= self.max_seq_len:
+            warnings.warn(
+                f"block_size ({self.block_size}) >= max_seq_len ({self.max_seq_len}): every "
+                f"position is attended exactly, so this causal Linformer is exact causal "
+                f"attention and its projections go unused; a block_size below max_seq_len "
+                f"makes it a Linformer",
+                stacklevel=4,
+            )
         if self.causal and self.proj_dim is not None and self.projection not in CAUSAL_PROJECTIONS:
             raise ValueError(
                 f"causal=True cannot use projection={self.projection!r}: it summarises "

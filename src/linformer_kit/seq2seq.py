@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import CausalState
-from .causal_lm import LinformerForCausalLM, next_token_targets
+from .causal_lm import LinformerForCausalLM, check_top_k, next_token_targets
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .encoder import LinformerEncoderLayer, layer_arguments
 from .functional import check_seq_len
@@ -330,7 +330,8 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
             (B, 1 + T), T <= max_new_tokens: the start token, then the generated tokens.
 
         Raises:
-            ValueError: for a negative count or temperature, or a target over max_seq_len.
+            ValueError: for a negative count or temperature, top_k < 1, or a target over
+                max_seq_len.
         """
         limit = self.config.decoder.max_seq_len - 1
         if not 0 <= max_new_tokens <= limit or not 0 <= temperature < math.inf:
@@ -338,6 +339,7 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
                 f"need 0 <= max_new_tokens <= {limit} (the decoder's max_seq_len - 1) and "
                 f"a finite temperature >= 0; got {max_new_tokens} and {temperature}"
             )
+        check_top_k(top_k)
         memory = self.encode(input_ids, key_padding_mask)
         states = self.init_states()
         batch = input_ids.shape[0]

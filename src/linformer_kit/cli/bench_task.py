@@ -11,7 +11,7 @@ import logging
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..interop.task_bench import TaskBenchSettings, run_task_bench
-from ..interop.task_bench_report import markdown_table
+from ..interop.task_bench_report import markdown_table, report_file
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 
@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> None:
     with logging_redirect_tqdm():  # log lines between progress bars, not inside them
         report = run_task_bench(settings)
     print(markdown_table(report["rows"]), end="")
-    print(f"wrote {settings.out}.json, {settings.out}.md and {settings.out}.png")
+    files = [report_file(settings.out, suffix) for suffix in (".json", ".md", ".png")]
+    print(f"wrote {', '.join(str(f) for f in files if f.exists())}")
 
 
 def register(commands: argparse._SubParsersAction) -> None:

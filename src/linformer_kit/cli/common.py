@@ -48,6 +48,14 @@ def run_summary(result: TrainResult) -> dict[str, Any]:
     }
 
 
+def print_checkpoints(result: TrainResult) -> None:
+    """Prints the run's `last` and `best` checkpoints that exist: a run whose validation
+    loss never improved on inf (all nan) has no `best`."""
+    found = [str(result.run_dir / n) for n in ("last", "best") if (result.run_dir / n).exists()]
+    missing = "" if len(found) == 2 else " (no best: no validation loss was a number)"
+    print(f"checkpoints: {' and '.join(found) or 'none'}{missing}")
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A plain aligned text table of dict rows (floats to 4 significant digits)."""
     cells = [[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]

@@ -11,7 +11,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..training.finetune import TRAIN_DEFAULTS, FinetuneSettings, finetune, finetune_train_settings
 from ..training.settings import TrainSettings
-from .common import format_table, run_summary
+from .common import format_table, print_checkpoints, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 # Set from the finetune section (--epochs, --max-steps, --eval-every), or unused by it.
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> None:
         ]
         print(format_table(validations))
         print(format_table([run_summary(result)]))
-        print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
+        print_checkpoints(result)
 
 
 def register(commands: argparse._SubParsersAction) -> None:

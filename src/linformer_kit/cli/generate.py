@@ -21,24 +21,31 @@ def run(args: argparse.Namespace) -> None:
         args.checkpoint
     )
     tokenizer = load_tokenizer(args.checkpoint)
+    vocab_size = model.config.encoder.vocab_size if seq2seq else model.config.vocab_size
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"{args.checkpoint}/tokenizer.json has {tokenizer.vocab_size} tokens but the model "
+            f"only {vocab_size}: not the tokenizer it was trained with"
+        )
     ids = tokenizer.encode_batch([args.prompt])[0]
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give some text")
-    tokens = (
-        model.eval()
-        .generate(
-            torch.tensor([ids]),
-            args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            generator=torch.Generator().manual_seed(args.seed),
-        )[0]
-        .tolist()
+    generation = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        generator=torch.Generator().manual_seed(args.seed),
     )
-    if seq2seq:  # the target alone: after the start token, up to the end token
-        tokens = tokens[1:]
-        eos = model.config.eos_token_id
-        tokens = tokens[: tokens.index(eos)] if eos in tokens else tokens
+    if not seq2seq:  # a text ends where pretraining put the separator after each document
+        generation["eos_token_id"] = tokenizer.sep_id
+    tokens = model.eval().generate(torch.tensor([ids]), args.max_new_tokens, **generation)
+    tokens = tokens[0].tolist()
+    # seq2seq prints the target alone (after the start token), a causal LM the prompt and its
+    # continuation; either up to the end token, which decoding would drop without a trace.
+    start = 1 if seq2seq else len(ids)
+    eos = model.config.eos_token_id if seq2seq else tokenizer.sep_id
+    new = tokens[start:]
+    new = new[: new.index(eos)] if eos in new else new
+    tokens = new if seq2seq else ids + new
     print(tokenizer.tokenizer.decode(tokens))
 
 

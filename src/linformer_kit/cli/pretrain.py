@@ -17,7 +17,7 @@ from ..config import FINETUNE_FIELDS, LinformerConfig
 from ..data.pipeline import DataSettings
 from ..training.pretrain import pretrain
 from ..training.settings import RunConfig, TrainSettings
-from .common import format_table, run_summary
+from .common import format_table, print_checkpoints, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 FROM_TOKENIZER = ("vocab_size", "pad_token_id")  # model fields the tokenizer decides
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> None:
         result = pretrain(config)
     if main_process:
         print(format_table([{**run_summary(result), **result.final}]))
-        print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
+        print_checkpoints(result)
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -24,7 +24,7 @@ from ..training.seq2seq import (
     train_seq2seq,
 )
 from ..training.settings import TrainSettings
-from .common import format_table, run_summary
+from .common import format_table, print_checkpoints, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 NOT_SEQ2SEQ = ("objective", "mlm_probability")  # pretraining's, meaningless here
@@ -48,7 +48,7 @@ def run_train(args: argparse.Namespace) -> None:
         result = train_seq2seq(config)
     if main_process:
         print(format_table([{**run_summary(result), **result.final}]))
-        print(f"checkpoints: {result.run_dir}/last and {result.run_dir}/best")
+        print_checkpoints(result)
 
 
 @exit_on_user_error

@@ -41,7 +41,7 @@ from .convert import convert_to_dir
 from .distill import DistillSettings
 from .distill_run import DistillData, distill_checkpoint
 from .report import minilm_path
-from .task_bench_report import write_task_report
+from .task_bench_report import report_file, write_task_report
 
 logger = logging.getLogger(__name__)
 
@@ -347,10 +347,16 @@ def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:
     """Rows of an earlier OUT.json with the same settings (bar `_NOT_COMPARED`), by variant.
     A setting the earlier report lacks (added to the bench since) counts as `_ADDED_LATER`
     says."""
-    path = Path(s.out).with_suffix(".json")
+    path = report_file(s.out, ".json")
     if not path.is_file():
         return {}
-    earlier = json.loads(path.read_text())
+    try:
+        earlier = json.loads(path.read_text())
+        earlier["settings"], earlier["rows"]  # noqa: B018 (a report has both)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{path} is not a bench-task report ({error!r}); give another --out, or move it"
+        ) from None
 
     def compared(settings: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in (_ADDED_LATER | settings).items() if k not in _NOT_COMPARED}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..hub import atomic_write
 from ..training.settings import markdown_table as table
 from ..training.settings import save_json
 
@@ -55,13 +56,23 @@ def plot_task_report(report: dict[str, Any], path: Path) -> None:
     axes[0].legend(loc="lower right")
     fig.suptitle(f"Fine-tuned on {Path(report['settings']['train']).parent.name or 'the corpus'}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+
+
+def report_file(out: str | Path, suffix: str) -> Path:
+    """OUT + suffix (`.json`, `.md`, `.png`): a dot inside OUT's name stays (`runs/x.v1` ->
+    `runs/x.v1.json`); OUT given as one of the three files is read as its stem."""
+    out = Path(out)
+    stem = out.with_suffix("") if out.suffix in (".json", ".md", ".png") else out
+    return stem.with_name(stem.name + suffix)
 
 
 def write_task_report(report: dict[str, Any], out: Path) -> None:
-    """OUT.json (everything), OUT.md (the table) and OUT.png (once a variant has run)."""
+    """OUT.json (everything), OUT.md (the table) and OUT.png (once a variant has run), each
+    written atomically."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_json(report, out.with_suffix(".json"))
-    out.with_suffix(".md").write_text(markdown_table(report["rows"]))
+    save_json(report, report_file(out, ".json"))
+    text = markdown_table(report["rows"])
+    atomic_write(report_file(out, ".md"), lambda tmp: Path(tmp).write_text(text))
     if len(report["rows"]) > 1:
-        plot_task_report(report, out.with_suffix(".png"))
+        plot_task_report(report, report_file(out, ".png"))

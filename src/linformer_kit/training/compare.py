@@ -5,14 +5,15 @@ validation perplexity, speed and memory (table, JSON and a plot)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import math
 import multiprocessing
 import os
 import platform
 import shutil
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,14 @@ from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
+from ..hub import atomic_write
 from ..masked_lm import LinformerForMaskedLM
 from ..precision import cpu_features
 from .batches import language_model_loss
 from .loop import TrainResult
 from .pretrain import pretrain
 from .process import in_fresh_process
-from .settings import OBJECTIVES, RunConfig, TrainSettings
+from .settings import OBJECTIVES, RunConfig, TrainSettings, save_json
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,14 @@ class ComparisonSettings:
                 "objectives must be a comma-separated list of distinct "
                 f"{' and '.join(OBJECTIVES)}; got {self.objectives!r}"
             )
+        if "clm" in chosen and self.block_size >= self.seq_len:
+            raise ValueError(
+                f"block_size ({self.block_size}) must be below seq_len ({self.seq_len}): a "
+                f"causal Linformer attends each block exactly, so at block_size >= seq_len "
+                f"the causal pair would be exact attention twice"
+            )
+        if not 0 <= self.budget_min < math.inf:
+            raise ValueError(f"budget_min must be a finite number >= 0, got {self.budget_min}")
 
     @property
     def objective_list(self) -> list[str]:
@@ -239,7 +249,7 @@ def plot_comparison(
             axis.legend()
     fig.suptitle("Pretraining: Linformer vs exact attention, same data, steps and seed")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
 
 def machine() -> dict[str, Any]:
@@ -277,6 +287,8 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     output = Path(settings.output_dir)
     first = next(iter(runs.values()))
     prepare_pretraining_data(first.data, first.model.max_seq_len)  # tokenizer + token cache
+    for name in (RESULT_NAME, PLOT_NAME):  # they would describe the runs replaced below
+        (output / name).unlink(missing_ok=True)
     rows, records = [], {}
     for name, run in runs.items():
         shutil.rmtree(run.train.output_dir, ignore_errors=True)
@@ -299,12 +311,9 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
         "pairs": pairs,
         "records": records,
     }
-    output.mkdir(parents=True, exist_ok=True)
-    (output / RESULT_NAME).write_text(json.dumps(comparison, indent=2) + "\n")
+    save_json(comparison, output / RESULT_NAME)
     plot_comparison(rows, records, output / PLOT_NAME)
     if settings.publish_dir:
-        publish = Path(settings.publish_dir)
-        publish.mkdir(parents=True, exist_ok=True)
         for name in (RESULT_NAME, PLOT_NAME):
-            shutil.copy2(output / name, publish / name)
+            atomic_write(Path(settings.publish_dir) / name, partial(shutil.copy2, output / name))
     return comparison

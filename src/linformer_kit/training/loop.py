@@ -239,6 +239,18 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return sum(losses) / accum, tokens * self.dist.world_size
 
+    def _check_finite(self, loss: float) -> None:
+        """Stops a run whose weights are no longer numbers, before it saves them. A loss of
+        nan alone is not that: a batch with no scored token has a mean loss of nan (0 / 0)
+        and zero gradients."""
+        if math.isfinite(loss) or all(p.isfinite().all() for p in self.model.parameters()):
+            return
+        raise ValueError(
+            f"training diverged at step {self.step}: the loss is {loss} and the weights are "
+            f"no longer finite (a lower --lr or --clip-grad-norm may help); the checkpoints "
+            f"saved before it in {self.run_dir} are intact"
+        )
+
     def _evaluate(self, log: MetricsLog) -> tuple[dict[str, float], bool]:
         self.model.eval()
         with self.autocast:
@@ -266,6 +278,7 @@ class Trainer:
             interval_tokens, interval_s = interval_tokens + tokens, interval_s + elapsed
             step_times.append(elapsed)
             loss = self.dist.mean(loss)
+            self._check_finite(loss)
             lr = self.scheduler.get_last_lr()[0]
             bar.update()
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")

@@ -94,7 +94,8 @@ def fit_linear_probe(
         weight (num_labels, D), bias (num_labels,) for the raw features, and the penalty.
     """
     features = features.double()
-    mean, std = features.mean(0), features.std(0).clamp(min=1e-8)
+    # The population std: one example has std 0 (scaled to 0 below), not nan (0 / 0).
+    mean, std = features.mean(0), features.std(0, correction=0).clamp(min=1e-8)
     z = (features - mean) / std  # (N, D)
     fold = torch.arange(len(labels)) % folds
 
