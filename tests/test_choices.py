@@ -57,6 +57,7 @@ COUNTS = {
     "max_documents": (lambda: DataSettings(max_documents=-1), r">= 0 \(0 = no limit\), got -1"),
     "proj_dim": (lambda: LRASettings(proj_dim=0), ">= 1, got 0"),
     "num_eval": (lambda: LRASettings(num_eval=-1), ">= 0, got -1"),
+    "seed": (lambda: LRASettings(seed=-1), ">= 0, got -1"),  # text's numpy generator took none
     "epochs": (lambda: FinetuneSettings(epochs=0), ">= 1, got 0"),
     "max_seq_len": (lambda: FinetuneSettings(max_seq_len=-1), ">= 0, got -1"),
     "distill_steps": (lambda: TaskBenchSettings(distill_steps=-1), ">= 0, got -1"),
@@ -74,3 +75,8 @@ def test_lra_learning_rate_must_be_finite():
     message = r"^lr must be a finite number >= 0 \(0 = LRA's\), got nan$"
     with pytest.raises(ValueError, match=message):
         LRASettings(lr=float("nan"))
+
+
+def test_an_lra_device_is_checked_before_data_is_made_or_a_run_replaced():
+    with pytest.raises(ValueError, match=r"^device must be auto, cpu, cuda or cuda:N; got 'tpu'$"):
+        LRASettings(device="tpu")

@@ -165,6 +165,9 @@ def test_csv_with_a_header_reads_ids_or_names(tmp_path, tok):
     ids.write_text('label,text\n1,"the cat, again"\n\n0,the dog\n')
     data = load_classification(ids, tok, max_seq_len=16)
     assert data.labels == [1, 0] and data.lines == [2, 4] and data.label2id is None
+    spaced = tmp_path / "spaced.csv"  # " 1" was a class name, sorted before "0": 1 became 0
+    spaced.write_text("text,label\na, 1\nb,0\n")
+    assert load_classification(spaced, tok, max_seq_len=16).labels == [1, 0]
     names = tmp_path / "names.csv"
     names.write_text("text,label\nthe cat,pos\nthe dog,neg\n")
     data = load_classification(names, tok, max_seq_len=16)
@@ -179,6 +182,7 @@ def test_csv_with_a_header_reads_ids_or_names(tmp_path, tok):
         ("text,label\n", r"d.csv: no examples"),
         ("", r"d.csv: file is empty"),
         ("text,label\nx,1\ny,-1\n", r"d.csv:3: 'label' must be an integer >= 0 .* got -1"),
+        ("text,label\nx,1\ny,\n", r"d.csv:3: the 'label' cell is empty"),
     ],
 )
 def test_malformed_csv_names_file_and_line(tmp_path, tok, content, message):

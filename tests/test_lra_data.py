@@ -80,6 +80,7 @@ def test_listops_respects_a_shallow_depth_and_few_arguments():
     [
         ({"max_depth": 11}, "max_depth"),
         ({"max_args": 1}, "max_args"),
+        ({"max_args": 3}, "max_args"),  # it crashed on lengths no tree of <= 3 arguments has
         ({"min_length": 3, "max_length": 10}, "min_length"),
         ({"min_length": 20, "max_length": 10}, "min_length"),
         ({"max_depth": 1, "max_length": 13}, "max_length"),  # a single operator holds <= 12
@@ -292,3 +293,54 @@ def test_baselines_majority_of_training_and_best_constant_of_test():
     task = LRATask("text", split([0, 0, 0, 1]), split([0, 1]), split([1, 1, 0, 1]), 3, 2, 0)
     assert task.majority_baseline() == 0.25
     assert task.best_constant_baseline() == 0.75
+
+
+def test_pathfinder_refuses_knobs_with_which_no_image_fits_instead_of_retrying_forever(caplog):
+    # At size 16 the hard variant's contours never fit apart: this looped without end.
+    with pytest.raises(ValueError, match=r"pathfinder: 0 of 2048 images could be drawn with "):
+        generate_pathfinder(2, size=16)
+    # Fitting rarely is slow, not wrong: a warning says how much slower.
+    with caplog.at_level("WARNING"):
+        split = generate_pathfinder(4, contour_length=20, seed=1)
+    assert len(split.labels) == 4
+    assert "pathfinder: only" in caplog.text and "times longer" in caplog.text
+
+
+def test_text_takes_its_classes_from_test_and_leaves_an_unlabelled_train_folder_out(
+    tmp_path, caplog
+):
+    _write_reviews(tmp_path / "imdb" / "train")
+    _write_reviews(tmp_path / "imdb" / "test", per_class=3)
+    (tmp_path / "imdb" / "train" / "unsup").mkdir()  # aclImdb's 50,000 unlabelled reviews
+    for i in range(30):
+        (tmp_path / "imdb" / "train" / "unsup" / f"{i}.txt").write_text("no label")
+    with caplog.at_level("WARNING"):
+        task = load_text(tmp_path / "imdb", cache_dir=tmp_path / "cache")
+    assert task.params["classes"] == ["neg", "pos"] and task.num_labels == 2
+    assert len(task.train) + len(task.val) == 24 and "['unsup']" in caplog.text
+
+
+def test_text_csv_mistakes_are_named(tmp_path):
+    cache = tmp_path / "cache"
+    headed = tmp_path / "headed.csv"  # a header that is not text,label read as a document
+    headed.write_text("sentiment,review\n" + "0,bad film\n1,good film\n" * 5)
+    with pytest.raises(ValueError, match=r"the first row's label 'sentiment' appears on no"):
+        load_text(headed, cache_dir=cache)
+    latin = tmp_path / "latin.csv"  # bytes were replaced by U+FFFD without a word
+    latin.write_bytes(b"0,caf\xe9\n1,good\n" * 5)
+    with pytest.raises(ValueError, match=r"latin.csv: not UTF-8 text \(invalid continuation"):
+        load_text(latin, cache_dir=cache)
+    (tmp_path / "mixed.csv").write_text("text,label,source\n" + "a,0,x\nb,1,x\n" * 5)
+    with pytest.raises(ValueError, match=r"where must be COLUMN=VALUE, got 'source'"):
+        load_text(tmp_path / "mixed.csv", where="source", cache_dir=cache)
+
+
+def test_an_unreadable_cache_file_is_made_again(tmp_path, caplog):
+    knobs = {"num_train": 8, "num_val": 4, "num_test": 4, "min_length": 8, "max_length": 20}
+    task = load_listops(**knobs, cache_dir=tmp_path)
+    path = cache_path("listops", {**knobs, "max_depth": 10, "max_args": 10, "seed": 0}, tmp_path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut short
+    with caplog.at_level("WARNING"):
+        again = load_listops(**knobs, cache_dir=tmp_path)
+    assert "is unreadable" in caplog.text
+    assert np.array_equal(task.train.inputs, again.train.inputs)

@@ -165,8 +165,13 @@ def read_labelled(
         text = jsonl_field(path, number, record, text_field)
         if not isinstance(text, str):
             raise ValueError(f"{path}:{number}: {text_field!r} must be a string, got {text!r}")
+        label = jsonl_field(path, number, record, label_field)
+        if path.suffix == CSV_SUFFIX:  # a CSV's cells are text: " 1" is the id 1, "" no label
+            label = label.strip()
+            if not label:
+                raise ValueError(f"{path}:{number}: the {label_field!r} cell is empty")
         texts.append(text)
-        labels.append(jsonl_field(path, number, record, label_field))
+        labels.append(label)
         lines.append(number)
     if not labels:
         raise ValueError(f"{path}: no examples")

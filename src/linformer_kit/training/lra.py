@@ -106,6 +106,29 @@ def init_like_lra(model: LinformerForSequenceClassification) -> None:
                 init_weights(module, module.in_features**-0.5)
 
 
+def train_settings(task: str, settings: LRASettings, name: str) -> TrainSettings:
+    """The trainer's settings of one model's run (checked on construction)."""
+    recipe = settings.recipe(task)
+    eval_every = settings.eval_every or max(1, recipe.steps // 10)
+    return TrainSettings(
+        output_dir=str(Path(settings.output_dir) / task / name),
+        max_steps=recipe.steps,
+        batch_size=recipe.batch_size,
+        lr=recipe.lr,
+        weight_decay=recipe.weight_decay,
+        warmup_steps=recipe.warmup_steps,
+        schedule=recipe.schedule,
+        eval_every=eval_every,
+        save_every=eval_every,  # what --resume continues from
+        log_every=max(1, min(10, recipe.steps)),
+        keep_last=1,
+        seed=settings.seed,
+        device=settings.device,
+        threads=settings.threads,
+        resume=settings.resume,
+    )
+
+
 def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
     """Trains one model (`linformer` or `transformer`) on the task and scores it on the test set.
 
@@ -128,24 +151,7 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
         attention_dropout=recipe.dropout,
         pad_token_id=data.pad_id,
     )
-    eval_every = settings.eval_every or max(1, recipe.steps // 10)
-    train = TrainSettings(
-        output_dir=str(Path(settings.output_dir) / task / name),
-        max_steps=recipe.steps,
-        batch_size=recipe.batch_size,
-        lr=recipe.lr,
-        weight_decay=recipe.weight_decay,
-        warmup_steps=recipe.warmup_steps,
-        schedule=recipe.schedule,
-        eval_every=eval_every,
-        save_every=eval_every,  # what --resume continues from
-        log_every=max(1, min(10, recipe.steps)),
-        keep_last=1,
-        seed=settings.seed,
-        device=settings.device,
-        threads=settings.threads,
-        resume=settings.resume,
-    )
+    train = train_settings(task, settings, name)
     dist = setup_distributed(train.device)
     try:
         torch.manual_seed(settings.seed)  # both models start from the same seed
@@ -262,6 +268,8 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
             start with.
     """
     run_dir = Path(settings.output_dir) / task
+    for name in settings.model_names:  # a bad setting is named before data or runs are touched
+        train_settings(task, settings, name)
     if settings.resume:
         check_resumable(run_dir, settings)
     data = load_task(task, settings)  # generated here once; the runs read the cache

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..config import PROJECTIONS, SHARINGS, check_choice, check_non_negative, check_positive
 from ..data.lra import TASKS
 from .compare import MODELS
+from .distributed import resolve_device
 from .settings import check_threads
 
 
@@ -143,6 +144,8 @@ class LRASettings:
         if not 0 <= self.lr < math.inf:  # also refuses nan
             raise ValueError(f"lr must be a finite number >= 0 (0 = LRA's), got {self.lr!r}")
         check_positive("proj_dim", self.proj_dim)
+        check_non_negative("seed", self.seed)  # numpy's generators take no negative seed
+        resolve_device(self.device)  # before the data is made or an earlier run replaced
         check_choice("sharing", self.sharing, SHARINGS)  # here, not after the data is made
         check_choice("projection", self.projection, PROJECTIONS)
         names = self.model_names

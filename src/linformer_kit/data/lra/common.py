@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,8 +185,16 @@ def cached_task(
     """
     path = cache_path(name, params, cache_dir)
     if path.is_file():
-        logger.info("reusing the %s data cached in %s", name, path)
-        return _load(path)
+        try:
+            task = _load(path)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+            # Written atomically here, but a cache copied from elsewhere can be cut short.
+            logger.warning(
+                "the cached %s data %s is unreadable (%r): made again", name, path, error
+            )
+        else:
+            logger.info("reusing the %s data cached in %s", name, path)
+            return task
     task = build()
     _save(task, path)
     logger.info("cached the %s data in %s", name, path)

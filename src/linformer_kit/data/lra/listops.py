@@ -178,7 +178,8 @@ def generate_listops(
         min_length, max_length: token counts, 4 <= min_length <= max_length <= the capacity
             of max_depth levels.
         max_depth: operator nesting, in [1, 10].
-        max_args: arguments per operator, in [2, 10].
+        max_args: arguments per operator, in [4, 10] (with at most 3 many lengths have no
+            tree: with 3, no operator holds exactly 6 tokens; LRA uses 10).
         seed: the random seed (the same seed gives the same expressions).
 
     Returns:
@@ -189,7 +190,7 @@ def generate_listops(
     """
     check_range("num", num, 1)
     check_range("max_depth", max_depth, 1, MAX_DEPTH)
-    check_range("max_args", max_args, 2, MAX_ARGS)
+    check_range("max_args", max_args, 4, MAX_ARGS)
     longest = capacity(max_depth, max_args)
     check_range("max_length", max_length, 4, longest)
     check_range("min_length", min_length, 4, max_length)

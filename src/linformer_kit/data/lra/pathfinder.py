@@ -45,7 +45,13 @@ MARKER = 255
 SEPARATION = 2  # dilation radius: other contours stay at Chebyshev distance > 2
 TRIES = 100  # redraws of one contour before its image starts over
 CHUNK = 4096
-VERSION = 2  # part of the cache key: raise it whenever the same seed draws other images
+# Share of images whose contours fit apart (`_chunk`, 1024 images, seed 0): 0.59 at LRA's
+# settings (14 dashes, 1 distractor, size 32), 1.0 with 9 dashes, 0.025 with 20, 0.029 with 2
+# distractors, 0 at size 16. Below MIN_YIELD generation is refused, below SLOW_YIELD it warns.
+# MIN_YIELD is judged over at least MIN_DRAWN candidates, drawn MIN_DRAW or more at a time.
+LRA_YIELD, SLOW_YIELD, MIN_YIELD = 0.59, 0.1, 0.001
+MIN_DRAW, MIN_DRAWN = 512, 2048
+VERSION = 3  # part of the cache key: raise it whenever the same seed draws other images
 
 
 def _dilate(masks: np.ndarray, radius: int) -> np.ndarray:
@@ -164,6 +170,24 @@ def _chunk(
     return images, done
 
 
+def _draw(
+    rng: np.random.Generator, want: np.ndarray, contour_length: int, distractors: int, size: int
+) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    """Images for the labels `want` and which of them were made, from at least MIN_DRAW
+    candidates (the labels cycled), so a few images left to redraw still get a whole batch of
+    tries; and (candidates drawn, candidates that fit)."""
+    draw = np.resize(want, max(len(want), MIN_DRAW))  # starts with `want` itself
+    made, done = _chunk(rng, draw, contour_length, 2 + distractors, size)
+    images, filled = made[: len(want)], done[: len(want)].copy()
+    spare = np.flatnonzero(done[len(want) :]) + len(want)  # extra candidates that fit
+    for value in (0, 1):
+        need = np.flatnonzero(~filled & (want == value))
+        have = spare[draw[spare] == value][: len(need)]
+        images[need[: len(have)]] = made[have]
+        filled[need[: len(have)]] = True
+    return images, filled, (len(draw), int(done.sum()))
+
+
 def generate_pathfinder(
     num: int,
     *,
@@ -185,7 +209,8 @@ def generate_pathfinder(
         The images as a split: uint8 grey levels (0 background), labels 1 = connected.
 
     Raises:
-        ValueError: for a knob out of its range.
+        ValueError: for a knob out of its range, or knobs with which almost no image can be
+            drawn (fewer than 1 in 1000: e.g. size 16 with 14 dashes).
     """
     check_range("num", num, 1)
     check_range("contour_length", contour_length, 2, 20)
@@ -194,14 +219,34 @@ def generate_pathfinder(
     rng = np.random.default_rng(list(f"pathfinder/{seed}".encode()))
     labels = rng.permutation(np.arange(num) % 2).astype(np.int8)
     images = np.zeros((num, size, size), dtype=np.uint8)
-    todo = np.arange(num)
+    todo, drawn, fitted = np.arange(num), 0, 0
+    knobs = f"contour_length={contour_length}, num_distractors={num_distractors}, size={size}"
     with tqdm(total=num, desc="pathfinder", unit=" img", leave=False) as bar:
         while len(todo):
             rows = todo[:CHUNK]
-            made, done = _chunk(rng, labels[rows], contour_length, 2 + num_distractors, size)
-            images[rows[done]] = made[done]
-            todo = np.concatenate([todo[CHUNK:], rows[~done]])
-            bar.update(int(done.sum()))
+            made, filled, counts = _draw(rng, labels[rows], contour_length, num_distractors, size)
+            images[rows[filled]] = made[filled]
+            todo = np.concatenate([todo[CHUNK:], rows[~filled]])
+            bar.update(int(filled.sum()))
+            # Images whose contours do not fit apart are drawn again: without end where almost
+            # none fit (3 distractors at size 32, or size 16 at the hard length).
+            first = drawn == 0
+            drawn, fitted = drawn + counts[0], fitted + counts[1]
+            if drawn >= MIN_DRAWN and fitted < drawn * MIN_YIELD:
+                raise ValueError(
+                    f"pathfinder: {fitted} of {drawn} images could be drawn with {knobs}: "
+                    f"the contours do not fit apart; use fewer distractors, shorter contours or "
+                    f"a larger size"
+                )
+            if first and fitted < drawn * SLOW_YIELD:
+                logger.warning(
+                    "pathfinder: only %.1f%% of images can be drawn with %s (%.0f%% at LRA's "
+                    "settings): generation takes about %.0f times longer",
+                    100 * fitted / drawn,
+                    knobs,
+                    100 * LRA_YIELD,
+                    LRA_YIELD * drawn / max(fitted, 1),
+                )
     lengths = np.full(num, size * size, dtype=np.int32)
     return LRASplit(images.reshape(num, -1), lengths, labels, f"pathfinder(seed={seed})")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +28,13 @@ import numpy as np
 from ..corpus import iter_csv
 from .common import LRASplit, LRATask, cached_task, check_range
 
+logger = logging.getLogger(__name__)
+
 MAX_LENGTH = 4000  # LRA's 4K bytes
 VOCAB_SIZE = 257  # 256 byte values + padding
 PAD_ID = 0
 VAL_SHARE = TEST_SHARE = 0.1
+VERSION = 2  # part of the cache key: raise it whenever the same files give another task
 
 
 def _folder(path: Path) -> tuple[list[bytes], list[str]]:
@@ -76,14 +80,22 @@ def _csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
             f"(text, label, ...); the first row is {first[:3]}"
         )
     texts, labels = [], []
-    with open(path, encoding="utf-8-sig", errors="replace", newline="") as handle:
-        for number, row in enumerate(csv.reader(handle), 1):
-            if not row:
-                continue
-            if len(row) < 2:
-                raise ValueError(f"{path}:{number}: expected label,text; got {len(row)} cell")
-            labels.append(row[0].strip())
-            texts.append(",".join(row[1:]).encode())
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as handle:
+            for number, row in enumerate(csv.reader(handle), 1):
+                if not row:
+                    continue
+                if len(row) < 2:
+                    raise ValueError(f"{path}:{number}: expected label,text; got {len(row)} cell")
+                labels.append(row[0].strip())
+                texts.append(",".join(row[1:]).encode())
+    except UnicodeDecodeError as error:  # as a headed CSV: bytes are never altered silently
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason}); save it as UTF-8") from None
+    if labels and labels.count(labels[0]) == 1 and len(labels) > 2:
+        raise ValueError(
+            f"{path}: the first row's label {labels[0]!r} appears on no other row: if that row "
+            f"is a header, name its columns text and label (a CSV without one is label,text)"
+        )
     return texts, labels
 
 
@@ -104,7 +116,7 @@ def read_documents(path: str | Path, where: str = "") -> tuple[list[bytes], list
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no text data at {path}")
-    if where and not where.partition("=")[0]:
+    if where and ("=" not in where or not where.partition("=")[0]):
         raise ValueError(f"where must be COLUMN=VALUE, got {where!r}")
     if where and path.is_dir():
         raise ValueError(f"selecting rows by {where!r} needs a CSV file; {path} is a directory")
@@ -162,11 +174,21 @@ def load_text(
     check_range("max_length", max_length, 1, 65536)
     path = Path(path).resolve()
     params = {"path": str(path), "files": _fingerprint(path), "max_length": max_length}
+    params["version"] = VERSION
     params |= {"where": where, "seed": seed} if where else {"seed": seed}
 
     def build() -> LRATask:
         has_test = path.is_dir() and (path / "train").is_dir() and (path / "test").is_dir()
         texts, names = read_documents(path / "train" if has_test else path, where)
+        if has_test:  # test/'s classes are the task's (aclImdb's train/unsup/ is unlabelled)
+            test_texts, test_names = read_documents(path / "test")
+            extra = sorted(set(names) - set(test_names))
+            if extra:
+                logger.warning(
+                    "%s: train/ folders %s are not classes in test/: left out", path, extra
+                )
+                kept = [i for i, name in enumerate(names) if name not in extra]
+                texts, names = [texts[i] for i in kept], [names[i] for i in kept]
         classes = sorted(set(names))
         ids = [classes.index(name) for name in names]
         order = np.random.default_rng(seed).permutation(len(texts))
@@ -184,7 +206,6 @@ def load_text(
             for name, rows in parts.items()
         }
         if has_test:
-            test_texts, test_names = read_documents(path / "test")
             unknown = sorted(set(test_names) - set(classes))
             if unknown:
                 raise ValueError(f"{path / 'test'} has classes {unknown} that train/ lacks")
