@@ -300,12 +300,35 @@ def test_attention_refuses_kinds_that_cannot_be_causal(projection):
         LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=32, proj_k=proj, causal=True)
 
 
+def test_exact_causal_attention_returns_its_lower_triangular_weights():
+    torch.manual_seed(0)
+    model = LinformerModel(tiny(proj_dim=None)).eval()
+    ids = torch.randint(0, 50, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    layer = model.encoder.layers[0].attn
+    seen = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    out = model(ids, key_padding_mask=mask, output_attentions=True)
+    q, k = (lin(seen[0]).view(2, 9, 2, 8).transpose(1, 2) for lin in (layer.to_q, layer.to_k))
+    scores = (q @ k.transpose(-1, -2)) / 8**0.5  # the reference: a hand-masked softmax
+    allowed = torch.ones(9, 9, dtype=torch.bool).tril() & mask[:, None, None, :]
+    want = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    torch.testing.assert_close(out.attentions[0], want)
+    assert (out.attentions[0].triu(1) == 0).all()  # no weight on a later position
+
+
 def test_misuse_is_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="needs a config with causal=True"):
         LinformerForCausalLM(tiny(causal=False))
     model = LinformerModel(tiny())
     with pytest.raises(ValueError, match="return_attention is not available"):
         model(torch.zeros(1, 5, dtype=torch.long), output_attentions=True)
+    exact = LinformerModel(tiny(proj_dim=None)).eval()
+    with pytest.raises(ValueError, match="return_attention is not available"):
+        exact(
+            torch.zeros(1, 5, dtype=torch.long), output_attentions=True, states=[CausalState()] * 2
+        )
     bidirectional = LinformerModel(tiny(causal=False))
     with pytest.raises(ValueError, match="a generation state needs causal attention"):
         bidirectional(torch.zeros(1, 5, dtype=torch.long), states=[CausalState(), CausalState()])

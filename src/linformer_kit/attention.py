@@ -142,12 +142,12 @@ class LinformerSelfAttention(nn.Module):
 
         Returns:
             The output (B, N, dim), and P of shape (B, H, N, M) when asked for, else None
-            (M = k for Linformer, N for exact attention).
+            (M = k for Linformer, N for exact attention, lower-triangular when causal).
 
         Raises:
             ValueError: if N exceeds max_seq_len or the mask is malformed; for
-                `return_attention` or a padded `state` in causal mode, and for a `state`
-                without it.
+                `return_attention` with causal Linformer attention or a `state`, a padded
+                `state`, and a `state` without causal attention.
         """
         check_input(x, self.dim)
         batch, seq_len, _ = x.shape
@@ -158,12 +158,17 @@ class LinformerSelfAttention(nn.Module):
         q = q.transpose(1, 2)  # (B, H, N, D)
         dropout_p = self.dropout if self.training else 0.0
         if self.causal:
-            if return_attention:
+            if return_attention and (self.projected or state is not None):
                 raise ValueError(
-                    "return_attention is not available with causal attention: its weights "
-                    "are per block (own keys and prefix summaries), not one N x M matrix"
+                    "return_attention is not available with causal Linformer attention (its "
+                    "weights are per block: own keys and prefix summaries, not one N x M "
+                    "matrix) nor with a generation state"
                 )
-            return self._merge(self._causal(x, q, key_padding_mask, state, dropout_p)), None
+            out = self._merge(self._causal(x, q, key_padding_mask, state, dropout_p))
+            if not return_attention:
+                return out, None
+            k = apply_linear(self.to_k, x).view(batch, seq_len, heads, head_dim).transpose(1, 2)
+            return out, attention_weights(q, k, key_padding_mask, causal=True)  # (B, H, N, N)
         if state is not None:
             raise ValueError("a generation state needs causal attention (causal=True)")
         k, v, kv_mask = self.keys_values(x, key_padding_mask)

@@ -203,7 +203,11 @@ def attend(
 
 
 def attention_weights(
-    q: Tensor, k: Tensor, kv_mask: Tensor | None = None, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    kv_mask: Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
 ) -> Tensor:
     """The context-mapping matrix softmax(Q K^T * scale) that `attend` applies, materialised.
 
@@ -215,12 +219,16 @@ def attention_weights(
         k: (B, H, M, D), already projected for Linformer (M = k) or not (M = N).
         kv_mask: optional bool (B, M), True at keys that may be attended to.
         scale: softmax scale; default 1 / sqrt(D).
+        causal: query i sees keys j <= i only (exact causal attention, M = N).
 
     Returns:
         (B, H, N, M), rows summing to 1 (0 for a row with no key).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     attn_mask = None if kv_mask is None else attendable(kv_mask)[:, None, None, :]  # (B, 1, 1, M)
+    if causal:
+        allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        attn_mask = allowed if attn_mask is None else attn_mask & allowed  # (B | 1, 1, N, M)
     return masked_scores(q, k, attn_mask, scale).softmax(-1)
 
 
