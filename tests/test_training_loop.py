@@ -7,7 +7,13 @@ import torch
 from torch._dynamo.utils import counters
 from train_helpers import tiny_run
 
-from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM, hub
+from linformer_kit import (
+    LinformerConfig,
+    LinformerForCausalLM,
+    LinformerForMaskedLM,
+    hub,
+    native,
+)
 from linformer_kit.data.tokenizer import train_tokenizer
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, lr_factor, pretrain
 from linformer_kit.training.batches import language_model_loss
@@ -113,6 +119,18 @@ def test_a_nan_loss_stops_the_run_only_when_the_weights_are_nan_and_before_savin
     assert state["step"] == 2  # nothing saved after the weights went bad
     saved = hub.read_weights(tmp_path / "run/last")
     assert all(t.isfinite().all() for t in saved.values())
+
+
+def test_the_cpu_kernels_are_built_before_the_first_timed_step(tmp_path, monkeypatch):
+    # A first build takes about a minute: inside step 1 it made tokens_per_s 100x too low.
+    events = []
+    real_ops, real_step = native.cpu_ops, Trainer._train_step
+    monkeypatch.setattr(native, "cpu_ops", lambda: events.append("build") or real_ops())
+    monkeypatch.setattr(
+        Trainer, "_train_step", lambda self, model: events.append("step") or real_step(self, model)
+    )
+    pretrain(tiny_run(tmp_path, max_steps=2, eval_every=2, save_every=2))
+    assert events.index("build") < events.index("step")
 
 
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):

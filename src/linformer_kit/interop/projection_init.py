@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ..config import check_choice
 from ..models import LinformerModel
@@ -111,7 +112,7 @@ def sequence_gram_matrices(
             hooks.append(getattr(layer.attn, f"to_{slot}").register_forward_hook(keep))
     grams: dict[int, Tensor] = {}
     try:
-        for ids in calibration_ids.split(batch_size):
+        for ids in tqdm(calibration_ids.split(batch_size), desc="calibrating (svd)", leave=False):
             teacher(ids)
             for group, users in slots.items():
                 equation = "bnhd,bmhd->hnm" if per_head[group] else "bnhd,bmhd->nm"
@@ -133,7 +134,7 @@ def received_attention(
     if batch_size is None:
         batch_size = max(1, 4 * 512**2 // calibration_ids.shape[1] ** 2)
     total = 0
-    for ids in calibration_ids.split(batch_size):
+    for ids in tqdm(calibration_ids.split(batch_size), desc="calibrating (attention)", leave=False):
         attentions = teacher(ids, output_attentions=True).attentions  # depth x (B, H, N, N)
         total = total + torch.stack([p.sum((0, 2)) for p in attentions]).double()
     return total

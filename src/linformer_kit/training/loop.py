@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .. import hub
+from .. import hub, native
 from ..data.tokenizer import TextTokenizer
 from ..models import LinformerPreTrainedModel
 from ..precision import bf16_autocast
@@ -331,6 +331,8 @@ class Trainer:
         log = MetricsLog(self.run_dir, self.dist.is_main, keep_until=resumed)
         if self.dist.is_main and self.run_config is not None:
             self.run_config.save(self.run_dir / RUN_CONFIG_NAME)
+        if self.dist.device.type == "cpu":
+            native.cpu_ops()  # a first build of the CPU kernels (~1 min) is no training step's
         model = self.dist.wrap(self.model)
         if s.compile:
             model = compiled(model, s.compile)
