@@ -14,6 +14,7 @@ import torch
 
 from linformer_kit import LinformerConfig, LinformerForMaskedLM
 from linformer_kit.cli import build_parser
+from linformer_kit.data.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]
@@ -36,7 +37,7 @@ def examples() -> list[tuple[str, str]]:
 
 def reader_inputs(tmp_path: Path) -> dict[str, object]:
     """What the examples take as given: ids within an 8000-token vocabulary, masks with
-    padding, attention tensors, a saved masked-LM checkpoint and a model."""
+    padding, attention tensors, a saved masked-LM checkpoint, a model and a tokenizer."""
     torch.manual_seed(0)
     mask = torch.ones(2, 48, dtype=torch.bool)
     mask[1, 30:] = False
@@ -60,6 +61,7 @@ def reader_inputs(tmp_path: Path) -> dict[str, object]:
         "proj_k": proj,
         "proj_v": proj,
         "model": LinformerForMaskedLM(tiny),
+        "tokenizer": train_tokenizer(["def main():\n    return 0\n"] * 20, 300),
     }
 
 
