@@ -16,10 +16,12 @@ from linformer_kit.data.lra import (
     evaluate_listops,
     generate_listops,
     generate_pathfinder,
+    listops,
     load_listops,
     load_pathfinder,
     load_text,
 )
+from linformer_kit.data.lra.common import check_range
 from linformer_kit.data.lra.listops import decode, encode
 from linformer_kit.data.lra.pathfinder import CONTOUR, MARKER
 
@@ -197,7 +199,8 @@ def test_generators_are_deterministic_by_seed():
 def test_task_is_cached_and_reused(tmp_path, monkeypatch):
     knobs = {"num_train": 30, "num_val": 10, "num_test": 10, "min_length": 8, "max_length": 40}
     task = load_listops(**knobs, cache_dir=tmp_path)
-    path = cache_path("listops", {**knobs, "max_depth": 10, "max_args": 10, "seed": 0}, tmp_path)
+    params = {**knobs, "max_depth": 10, "max_args": 10, "seed": 0, "version": listops.VERSION}
+    path = cache_path("listops", params, tmp_path)
     with zipfile.ZipFile(path) as archive:  # compressed (Pathfinder's images: about 10x)
         assert {info.compress_type for info in archive.infolist()} == {zipfile.ZIP_DEFLATED}
 
@@ -338,9 +341,16 @@ def test_text_csv_mistakes_are_named(tmp_path):
 def test_an_unreadable_cache_file_is_made_again(tmp_path, caplog):
     knobs = {"num_train": 8, "num_val": 4, "num_test": 4, "min_length": 8, "max_length": 20}
     task = load_listops(**knobs, cache_dir=tmp_path)
-    path = cache_path("listops", {**knobs, "max_depth": 10, "max_args": 10, "seed": 0}, tmp_path)
+    params = {**knobs, "max_depth": 10, "max_args": 10, "seed": 0, "version": listops.VERSION}
+    path = cache_path("listops", params, tmp_path)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut short
     with caplog.at_level("WARNING"):
         again = load_listops(**knobs, cache_dir=tmp_path)
     assert "is unreadable" in caplog.text
     assert np.array_equal(task.train.inputs, again.train.inputs)
+
+
+def test_check_range_takes_numpy_integers():
+    check_range("num", np.int64(5), 1)  # refused as "got np.int64(5)" before
+    with pytest.raises(ValueError, match=r"num must be an integer >= 1, got np.int64\(0\)"):
+        check_range("num", np.int64(0), 1)

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 
+from linformer_kit.training import compare
 from linformer_kit.training.compare import ComparisonSettings, fit_to_budget, seconds_per_step
 
 TINY = ComparisonSettings(
@@ -74,3 +75,13 @@ def test_a_slow_machine_runs_fewer_steps_and_says_how_many(caplog):
 def test_at_least_one_step_runs(step_s):
     fitted = fit_to_budget(ComparisonSettings(eval_every=50), step_s)
     assert fitted.steps == 1 and fitted.eval_every == 1 and fitted.warmup_steps == 0
+
+
+def test_a_missing_corpus_is_named_before_the_probe_steps_every_model(tmp_path, monkeypatch):
+    def probe(settings):
+        raise AssertionError("the probe ran before the corpus was read")
+
+    monkeypatch.setattr(compare, "seconds_per_step", probe)
+    settings = dataclasses.replace(TINY, data=str(tmp_path / "missing"), output_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="missing"):
+        compare.run_comparison(settings)

@@ -279,14 +279,16 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     before = machine()
     before["threads"] = settings.threads or before["threads"]  # what each run is given
     requested = settings.steps
+    # The tokenizer and token cache first: a missing corpus or a vocabulary too small is
+    # named before the probe builds and steps every model (the probe's data are random).
+    first = next(iter(settings.run_configs().values()))
+    prepare_pretraining_data(first.data, first.model.max_seq_len)
     step_s = seconds_per_step(settings) if settings.budget_min else None
     if step_s is not None:
         logger.info("probe: %.2f s per training step of all models together", step_s)
         settings = fit_to_budget(settings, step_s)
     runs = settings.run_configs()
     output = Path(settings.output_dir)
-    first = next(iter(runs.values()))
-    prepare_pretraining_data(first.data, first.model.max_seq_len)  # tokenizer + token cache
     for name in (RESULT_NAME, PLOT_NAME):  # they would describe the runs replaced below
         (output / name).unlink(missing_ok=True)
     rows, records = [], {}

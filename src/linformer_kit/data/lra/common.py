@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import tempfile
 import zipfile
@@ -26,10 +27,10 @@ SPLITS = ("train", "val", "test")
 
 def check_range(name: str, value: Any, low: int, high: int | None = None) -> None:
     """Raises a ValueError unless `value` is an integer in [low, high] (no upper bound: None)."""
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
     if not ok or (high is not None and value > high):
-        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an integer in {allowed}, got {value!r}")
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
 
 
 @dataclass

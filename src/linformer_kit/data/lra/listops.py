@@ -36,6 +36,7 @@ OPERATOR_BASE = DIGIT_BASE + 10  # operator i has id i + 11
 CLOSE_ID = TOKEN_IDS[CLOSE]
 MAX_DEPTH = 10
 MAX_ARGS = 10
+VERSION = 1  # part of the cache key: raise it whenever the same seed draws other expressions
 SIZES = {"train": 96_000, "val": 2_000, "test": 2_000}  # LRA's
 
 
@@ -252,4 +253,5 @@ def load_listops(
         )
 
     params = {**{f"num_{k}": n for k, n in sizes.items()}, **shape, "seed": seed}
+    params["version"] = VERSION
     return cached_task("listops", params, build, cache_dir)
