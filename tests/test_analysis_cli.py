@@ -143,7 +143,7 @@ def test_attention_map_cli(
         + ["--out", str(out)]
     )
     check_png(out)
-    rows = len(checkpoint_tokenizer(checkpoint).tokenizer.encode(TEXT).ids)
+    rows = len(checkpoint_tokenizer(checkpoint, 10**6).tokenizer.encode(TEXT).ids)
     assert f"{rows} x {rows if proj_dim is None else proj_dim} map" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"layer must be in \[0, 1\], got 2"):
         main(["attention-map", str(checkpoint), "--text", TEXT, "--layer", "2", "--out", str(out)])

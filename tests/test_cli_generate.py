@@ -55,12 +55,28 @@ def test_generate_ends_the_text_at_the_separator_pretraining_put_after_each_docu
     assert len(calls) == 2  # generation stopped at the separator
 
 
-def test_generate_refuses_a_tokenizer_larger_than_the_model(checkpoint):
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "{ckpt}", "--prompt", "def"],
+        ["evaluate", "{ckpt}", "--data", "{text}"],
+        ["finetune", "--init", "{ckpt}", "--data", "{text}", "--eval", "{text}"],
+        ["spectrum", "{ckpt}", "--data", "{text}", "--out", "{ckpt}/spectrum"],
+        ["attention-map", "{ckpt}", "--text", "def", "--out", "{ckpt}/map.png"],
+    ],
+    ids=lambda command: command[0],
+)
+def test_commands_refuse_a_tokenizer_larger_than_the_model(checkpoint, command):
+    # Before, evaluate, finetune and the analysis tools failed in the embedding
+    # ("index out of range in self") on the first id past the model's vocabulary.
     path, model, tokenizer = checkpoint
     size = tokenizer.vocab_size
     LinformerForCausalLM(model.config.replace(vocab_size=size - 10)).save_pretrained(path)
+    text = path / "text.txt"
+    text.write_text("".join(TEXTS))
+    argv = [arg.format(ckpt=path, text=text) for arg in command]
     with pytest.raises(SystemExit, match=rf"has {size} tokens but the model only {size - 10}"):
-        main(["generate", str(path), "--prompt", "def"])
+        main(argv)
 
 
 def test_generate_refuses_a_masked_lm_checkpoint(checkpoint):

@@ -183,6 +183,22 @@ def test_cli_text_end_to_end_writes_json_and_png(tmp_path, capsys):
     assert (out / "text.png").is_file()
 
 
+def test_resume_refuses_text_whose_files_changed(tmp_path):
+    # Before, a resumed text run went on training on the rewritten files without a word.
+    reviews = keyword_reviews(tmp_path / "reviews", 10)
+    settings = LRASettings(
+        data=str(reviews), output_dir=str(tmp_path / "runs"), cache_dir=str(tmp_path / "cache"),
+        scale=0.0625, steps=2, batch_size=4, max_length=64, proj_dim=8, models="linformer",
+        isolate=False, resume=True,
+    )  # fmt: skip
+    run_lra("text", settings)
+    run_lra("text", settings)  # the same files: resumed (nothing left to train)
+    (reviews / "pos" / "0.txt").write_text("a different review, grand")
+    with pytest.raises(ValueError, match=r"on the data it started with; these differ: files '"):
+        run_lra("text", settings)
+    assert (tmp_path / "runs" / "text" / "linformer").is_dir()  # the run is kept
+
+
 def test_cli_text_without_data_or_selecting_rows_of_folders_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["lra", "text", "--output-dir", str(tmp_path)])

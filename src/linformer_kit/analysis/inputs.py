@@ -26,12 +26,16 @@ def load_backbone(path: str | os.PathLike) -> LinformerModel:
     return LinformerModel.from_pretrained(path).eval()
 
 
-def checkpoint_tokenizer(path: str | os.PathLike) -> TextTokenizer | None:
+def checkpoint_tokenizer(path: str | os.PathLike, vocab_size: int) -> TextTokenizer | None:
     """The `tokenizer.json` saved beside a checkpoint (its own truncation and padding off, as
-    for every loaded tokenizer), or None when there is none."""
+    for every loaded tokenizer), or None when there is none.
+
+    Raises:
+        ValueError: if it has more tokens than the model's `vocab_size`.
+    """
     if not (Path(path) / TOKENIZER_NAME).is_file():
         return None
-    return load_tokenizer(path)
+    return load_tokenizer(path, model_vocab_size=vocab_size)
 
 
 def token_windows(

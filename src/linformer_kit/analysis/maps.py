@@ -65,10 +65,10 @@ def write_attention_map(
         FileNotFoundError: if the checkpoint has no tokenizer.json.
         ValueError: for a layer or head out of range, or a text without tokens.
     """
-    tokenizer = checkpoint_tokenizer(path)
+    model = load_backbone(path)
+    tokenizer = checkpoint_tokenizer(path, model.config.vocab_size)
     if tokenizer is None:
         raise FileNotFoundError(f"no tokenizer.json in {path}: needed to encode --text")
-    model = load_backbone(path)
     input_ids, labels = encode_text(tokenizer, text, model.config.max_seq_len)
     matrix = attention_map(model, input_ids, layer, head)
     proj_dim = model.config.proj_dims[layer]

@@ -70,7 +70,7 @@ def sequences(
         return random_windows(
             vocab_size, count=settings.num_samples, seq_len=seq_len, seed=settings.seed
         )
-    tokenizer = checkpoint_tokenizer(path)
+    tokenizer = checkpoint_tokenizer(path, vocab_size)
     if tokenizer is None:
         raise FileNotFoundError(
             f"no tokenizer.json in {path}: pass --random-tokens to use random token ids"

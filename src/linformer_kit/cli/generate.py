@@ -20,13 +20,8 @@ def run(args: argparse.Namespace) -> None:
     model = (LinformerForSeq2SeqLM if seq2seq else LinformerForCausalLM).from_pretrained(
         args.checkpoint
     )
-    tokenizer = load_tokenizer(args.checkpoint)
     vocab_size = model.config.encoder.vocab_size if seq2seq else model.config.vocab_size
-    if tokenizer.vocab_size > vocab_size:
-        raise ValueError(
-            f"{args.checkpoint}/tokenizer.json has {tokenizer.vocab_size} tokens but the model "
-            f"only {vocab_size}: not the tokenizer it was trained with"
-        )
+    tokenizer = load_tokenizer(args.checkpoint, model_vocab_size=vocab_size)
     ids = tokenizer.encode_batch([args.prompt])[0]
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give some text")

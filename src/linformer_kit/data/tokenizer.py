@@ -78,12 +78,18 @@ def from_tokenizer(tokenizer: Tokenizer, source: str) -> TextTokenizer:
     return TextTokenizer(tokenizer, ids["pad"], ids["mask"], ids["sep"], ids["cls"])
 
 
-def load_tokenizer(path: str | Path) -> TextTokenizer:
+def load_tokenizer(path: str | Path, *, model_vocab_size: int | None = None) -> TextTokenizer:
     """Loads a `tokenizer.json` file (or the one inside a directory).
+
+    Args:
+        path: the file, or a checkpoint directory holding one.
+        model_vocab_size: the vocabulary of the model the tokenizer will feed; a tokenizer
+            with more tokens is refused (its ids past the model's would fail in the embedding).
 
     Raises:
         FileNotFoundError: if the path does not exist, or names a directory without one.
-        ValueError: if it cannot be parsed or lacks the special tokens.
+        ValueError: if it cannot be parsed, lacks the special tokens, or has more tokens than
+            `model_vocab_size`.
     """
     file = Path(path)
     if not file.exists():
@@ -99,7 +105,13 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as err:  # tokenizers raises a bare Exception on parse errors
         raise ValueError(f"{file} is not a valid tokenizer.json: {err}") from err
-    return from_tokenizer(tokenizer, str(file))
+    loaded = from_tokenizer(tokenizer, str(file))
+    if model_vocab_size is not None and loaded.vocab_size > model_vocab_size:
+        raise ValueError(
+            f"{file} has {loaded.vocab_size} tokens but the model only {model_vocab_size}: "
+            f"not the tokenizer it was trained with"
+        )
+    return loaded
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> TextTokenizer:

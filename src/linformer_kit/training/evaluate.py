@@ -112,7 +112,7 @@ def load_for_classifier(
     max_len = classifier_length(path, config)
     data = load_classification(
         spec,
-        load_tokenizer(path),
+        load_tokenizer(path, model_vocab_size=config.vocab_size),
         max_seq_len=max_len,
         num_labels=num_labels,
         label2id=config.label2id or {},
@@ -138,10 +138,10 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
         raise ValueError("evaluate needs --data")
     use_threads(settings.threads)
     data, batch_size = settings.data, settings.batch_size
-    tokenizer = load_tokenizer(path)
     meta = hub.read_encoder_config(path, f"evaluate it with `linformer seq2seq evaluate {path}`")
     target = resolve_device(settings.device)
     config = meta["config"]
+    tokenizer = load_tokenizer(path, model_vocab_size=config.vocab_size)
     if meta["architecture"] == LinformerForSequenceClassification.__name__:
         model = LinformerForSequenceClassification.from_pretrained(path)
         metrics: dict[str, Any] = {}

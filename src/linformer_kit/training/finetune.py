@@ -239,11 +239,11 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     for name in ("init", "data", "eval"):
         if not getattr(settings, name):
             raise ValueError(f"finetune needs --{name}")
-    tokenizer = load_tokenizer(settings.init)
     meta = hub.read_encoder_config(
         settings.init, "fine-tune a masked or causal LM (or a classifier) for classification"
     )
     config = meta["config"]
+    tokenizer = load_tokenizer(settings.init, model_vocab_size=config.vocab_size)
     max_len = _sequence_length(settings, config.max_seq_len)
     fields = {"text_field": settings.text_field, "label_field": settings.label_field}
     fields["truncation"] = settings.truncation or config.truncation or DEFAULT_TRUNCATION

@@ -30,6 +30,7 @@ from .settings import TrainSettings, save_json
 logger = logging.getLogger(__name__)
 
 SETTINGS_NAME = "settings.json"  # OUT/TASK/: the settings the run started with
+DATA_NAME = "data.json"  # OUT/TASK/: the parameters of the data it started with
 # What a --resume may change: where and how the run goes on, not what it trains.
 RESUME_MAY_CHANGE = ("resume", "threads", "device", "isolate", "output_dir", "cache_dir", "models")
 
@@ -234,17 +235,42 @@ def check_resumable(run_dir: Path, settings: LRASettings) -> None:
         return
     started = json.loads(path.read_text())
     now = dataclasses.asdict(settings)
-    changed = [
-        f"{name} {value!r} (the run's: {started[name]!r})"
-        for name, value in now.items()
-        if name not in RESUME_MAY_CHANGE and name in started and started[name] != value
-    ]
-    if changed:
+    names = [name for name in now if name in started and name not in RESUME_MAY_CHANGE]
+    if changed := _differences(started, now, names):
         raise ValueError(
             f"--resume continues the run in {run_dir} with the settings it started with; "
-            f"these differ: {', '.join(changed)}. Give the run's values, or start over "
-            f"without --resume"
+            f"these differ: {changed}. Give the run's values, or start over without --resume"
         )
+
+
+def check_same_data(run_dir: Path, params: dict[str, Any]) -> None:
+    """Checks that a resumed run goes on with the data it started with: the parameters of its
+    task's data (`data.json`; for text, a fingerprint of the files) are those of `params`. A
+    run without that file passes.
+
+    Raises:
+        ValueError: naming each parameter that differs, with the run's value.
+    """
+    path = run_dir / DATA_NAME
+    if not path.is_file():
+        return
+    started = json.loads(path.read_text())
+    now = json.loads(json.dumps(params))  # as the file has it: lists for tuples
+    if changed := _differences(started, now, sorted(started.keys() | now.keys())):
+        raise ValueError(
+            f"--resume continues the run in {run_dir} on the data it started with; these "
+            f"differ: {changed} (text: a file under --data was added, removed or rewritten). "
+            f"Restore the data, or start over without --resume"
+        )
+
+
+def _differences(started: dict[str, Any], now: dict[str, Any], names: list[str]) -> str:
+    """'name value (the run's: value), ...' for each of `names` whose values differ."""
+    return ", ".join(
+        f"{name} {now.get(name)!r} (the run's: {started.get(name)!r})"
+        for name in names
+        if started.get(name) != now.get(name)
+    )
 
 
 def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
@@ -273,11 +299,14 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     if settings.resume:
         check_resumable(run_dir, settings)
     data = load_task(task, settings)  # generated here once; the runs read the cache
-    if not settings.resume:
+    if settings.resume:
+        check_same_data(run_dir, data.params)
+    else:
         for name in settings.model_names:
             shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_json(dataclasses.asdict(settings), run_dir / SETTINGS_NAME)
+    save_json(data.params, run_dir / DATA_NAME)
     before = machine()
     rows = []
     for name in settings.model_names:
