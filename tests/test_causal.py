@@ -3,6 +3,7 @@ incremental generation and save/load of LinformerForCausalLM."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from reference import causal_block_attention
 
 from linformer_kit import (
@@ -222,6 +223,43 @@ def test_a_row_that_produced_the_end_token_is_padded_and_generation_stops_when_a
         last = end if end is not None else width - 1
         assert torch.equal(stopped[row, : last + 1], free[row, : last + 1])  # same until eos
         assert (stopped[row, last + 1 :] == model.config.pad_token_id).all()  # padding after
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_prompts_of_different_lengths_generate_as_each_alone(side):
+    torch.manual_seed(0)
+    model = LinformerForCausalLM(tiny()).eval()  # blocks of 4: prompts cross boundaries
+    prompts = [torch.randint(1, 50, (n,)) for n in (3, 11, 3, 7)]
+    width, pad = 11, model.config.pad_token_id
+    ids = torch.full((4, width), pad)
+    mask = torch.zeros(4, width, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        cols = slice(width - len(prompt), width) if side == "left" else slice(0, len(prompt))
+        ids[row, cols], mask[row, cols] = prompt, True
+    alone = [model.generate(p[None], 6, temperature=0)[0] for p in prompts]
+    eos = int(alone[1][13])  # the second row ends at its third new token
+    got = model.generate(ids, 6, temperature=0, key_padding_mask=mask, eos_token_id=eos)
+    assert torch.equal(got[:, :width], ids)  # the prompts as given, padding included
+    for row, want in enumerate(alone):
+        new = want[len(prompts[row]) :]
+        if (new == eos).any():  # as generate ends a text alone: padding after its eos
+            end = int((new == eos).nonzero()[0, 0]) + 1
+            new = torch.cat([new[:end], torch.full((len(new) - end,), pad)])
+        assert torch.equal(got[row, width:], new[: got.shape[1] - width]), row
+    # Sampling draws each length's rows together, from one generator: reproducible.
+    draw = [
+        model.generate(ids, 4, key_padding_mask=mask, generator=torch.Generator().manual_seed(1))
+        for _ in range(2)
+    ]
+    assert torch.equal(draw[0], draw[1]) and draw[0].shape == (4, width + 4)
+    # A prompt's real length counts against max_seq_len, not the padded width.
+    model.generate(F.pad(ids, (21, 0), value=pad), 21, key_padding_mask=F.pad(mask, (21, 0)))
+    with pytest.raises(ValueError, match=r"prompt \(11\) \+ max_new_tokens \(22\) = 33"):
+        model.generate(ids, 22, key_padding_mask=mask)
+    with pytest.raises(ValueError, match="key_padding_mask: prompt 2 has no real token"):
+        model.generate(ids, 2, key_padding_mask=mask & (torch.arange(4) != 2)[:, None])
+    with pytest.raises(ValueError, match="key_padding_mask must be a bool tensor"):
+        model.generate(ids, 2, key_padding_mask=mask.long())
 
 
 def test_a_tiny_temperature_samples_the_most_likely_token_instead_of_failing():

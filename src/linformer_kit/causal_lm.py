@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .attention import CausalState
 from .config import LinformerConfig, check_non_negative, check_positive
+from .functional import check_key_padding_mask
 from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
 
@@ -113,17 +114,20 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         eos_token_id: int | None = None,
+        key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         """Continues each prompt token by token, carrying the layers' states.
 
         The prompt is encoded in one pass; each new token then costs O((k + block_size) D)
         attention per head and layer, whatever the length generated. Call `eval()` first
-        to turn dropout off.
+        to turn dropout off. Prompts of different lengths come padded, with
+        `key_padding_mask`: the rows of each real length are generated together (a state
+        holds one length), each as if alone.
 
         Args:
-            input_ids: (B, N) prompts of equal length, N >= 1, no padding (prompts of
-                different lengths: one call each).
-            max_new_tokens: tokens to add; N + max_new_tokens must not exceed max_seq_len.
+            input_ids: (B, N) prompts, N >= 1.
+            max_new_tokens: tokens to add; a prompt's real length + max_new_tokens must not
+                exceed max_seq_len.
             temperature: softmax temperature; 0 picks the most likely token (greedy).
             top_k: sample from the k most likely tokens only (None: all).
             generator: random generator for reproducible sampling.
@@ -131,29 +135,66 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
                 `sep_id` after every document): a row that has produced it is filled with
                 `pad_token_id` after it, and generation stops once every row has. None:
                 always max_new_tokens tokens.
+            key_padding_mask: optional bool (B, N), True at the prompts' real tokens (padding
+                anywhere; left padding keeps each returned text contiguous).
 
         Returns:
-            (B, N + T), T <= max_new_tokens: the prompts followed by the new tokens.
+            (B, N + T), T <= max_new_tokens: the prompts as given (padding included)
+            followed by the new tokens; a row that ended before the others is filled with
+            `pad_token_id`.
 
         Raises:
-            ValueError: for prompts not shaped (B, N >= 1), a count that is not an integer
-                >= 0, a temperature that is not finite and >= 0, top_k < 1, or a total
-                length over max_seq_len.
+            ValueError: for prompts not shaped (B, N >= 1), a malformed mask or a prompt
+                without a real token, a count that is not an integer >= 0, a temperature
+                that is not finite and >= 0, top_k < 1, or a total length over max_seq_len.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(
                 f"input_ids must be (batch, N >= 1) token ids, got shape {tuple(input_ids.shape)}"
             )
+        check_key_padding_mask(key_padding_mask, *input_ids.shape)
         check_non_negative("max_new_tokens", max_new_tokens)
         if not 0 <= temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
         check_top_k(top_k)
-        total = input_ids.shape[1] + max_new_tokens
-        if total > self.config.max_seq_len:
+        lengths = input_ids.new_full((input_ids.shape[0],), input_ids.shape[1])
+        if key_padding_mask is not None:
+            lengths = key_padding_mask.sum(1)
+            if not lengths.all():
+                empty = int((lengths == 0).nonzero()[0])
+                raise ValueError(f"key_padding_mask: prompt {empty} has no real token")
+        longest = int(lengths.max())  # real tokens: padding takes no place in a state
+        if longest + max_new_tokens > self.config.max_seq_len:
             raise ValueError(
-                f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = {total} "
-                f"exceeds max_seq_len {self.config.max_seq_len}"
+                f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) = "
+                f"{longest + max_new_tokens} exceeds max_seq_len {self.config.max_seq_len}"
             )
+        sampling = (max_new_tokens, temperature, top_k, generator, eos_token_id)
+        if key_padding_mask is None or key_padding_mask.all():
+            return self._generate(input_ids, *sampling)
+        new_tokens = []
+        for length in lengths.unique().tolist():  # ascending: the order of the draws is fixed
+            rows = (lengths == length).nonzero()[:, 0]
+            prompts = input_ids[rows][key_padding_mask[rows]].view(len(rows), length)
+            out = self._generate(prompts, *sampling)
+            new_tokens.append((rows, out[:, length:]))
+        width = max(new.shape[1] for _, new in new_tokens)
+        tokens = F.pad(input_ids, (0, width), value=self.config.pad_token_id)
+        for rows, new in new_tokens:
+            tokens[rows, input_ids.shape[1] : input_ids.shape[1] + new.shape[1]] = new
+        return tokens
+
+    def _generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        generator: torch.Generator | None,
+        eos_token_id: int | None,
+    ) -> Tensor:
+        """`generate` for checked prompts of one length without padding."""
+        total = input_ids.shape[1] + max_new_tokens
         states = self.init_states()
         tokens = input_ids.new_empty(input_ids.shape[0], total)  # filled in place: no regrowth
         tokens[:, : input_ids.shape[1]] = input_ids
