@@ -321,12 +321,12 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 def test_config_refuses_kinds_that_cannot_be_causal_and_bad_values():
-    base = dict(max_seq_len=32, proj_dim=8, causal=True)
+    base = dict(max_seq_len=32, proj_dim=8, causal=True, block_size=8)
     for projection in ("conv", "pool", "adaptive"):
         with pytest.raises(ValueError, match=f"causal=True cannot use projection='{projection}'"):
             LinformerConfig(**base, projection=projection)
     with pytest.raises(ValueError, match="block_size must be an integer >= 1, got 0"):
-        LinformerConfig(**base, block_size=0)
+        LinformerConfig(**base | {"block_size": 0})
     with pytest.raises(ValueError, match="causal must be True or False"):
         LinformerConfig(**base | {"causal": 1})
 
