@@ -71,7 +71,7 @@ LOSS_SHAPES = {  # name -> (rows, dim, vocab_size), rows per chunk to time
 }
 # `--tiny`: the same plumbing at toy sizes (the GPU runbook's smoke run, the tests).
 TINY = dict(vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8)
-TINY_MODELS = {"tiny causal": (dict(TINY, causal=True), 2), "tiny masked": (TINY, 2)}
+TINY_MODELS = {"tiny causal": (dict(TINY, causal=True, block_size=4), 2), "tiny masked": (TINY, 2)}
 TINY_LOSS_SHAPES = {"tiny head": ((40, 8, 30), (7, 40))}
 WAYS = ("logits", "chunked")
 

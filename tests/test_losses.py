@@ -172,7 +172,14 @@ def test_a_compiled_causal_lm_gives_the_same_loss_and_gradients(gemm):
     kernels' ops in the graph, one of them adding into the weight gradient in place)."""
     torch._dynamo.reset()
     config = LinformerConfig(
-        vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8, causal=True
+        vocab_size=50,
+        max_seq_len=16,
+        dim=16,
+        depth=1,
+        num_heads=2,
+        proj_dim=8,
+        causal=True,
+        block_size=4,
     )
     model = LinformerForCausalLM(config.replace(dropout=0.0, attention_dropout=0.0))
     compiled = torch.compile(model, backend="aot_eager")

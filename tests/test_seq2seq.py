@@ -281,7 +281,7 @@ def test_generation_refuses_a_temperature_that_is_not_a_finite_number_ge_0():
 
 def test_config_refuses_mismatched_sides():
     enc = LinformerConfig(max_seq_len=32, dim=16, num_heads=2, proj_dim=8)
-    dec = LinformerConfig(max_seq_len=16, dim=16, num_heads=2, proj_dim=4, causal=True)
+    dec = LinformerConfig(max_seq_len=16, dim=16, num_heads=2, proj_dim=4, causal=True, block_size=4)
     with pytest.raises(ValueError, match="encoder.causal=False and decoder.causal=True"):
         Seq2SeqConfig(encoder=enc, decoder=dec.replace(causal=False))
     with pytest.raises(ValueError, match=r"encoder.dim \(32\) and decoder.dim \(16\)"):
