@@ -203,6 +203,46 @@ def test_classifier_ignores_padding(pooling):
         torch.testing.assert_close(padded[row], alone, rtol=0, atol=1e-10)
     if pooling == "mean":  # without the mask the padding is averaged in
         assert not torch.allclose(model(ids).logits[2], padded[2])
+    # Left padding: the first real token is pooled (it was the padding's output before).
+    left = model(ids.flip(1), mask.flip(1)).logits
+    torch.testing.assert_close(left[2], model(ids[2:, :5].flip(1)).logits[0], rtol=0, atol=1e-10)
+
+
+def scatter_rows(ids, lengths, where):
+    """Rows of `ids`'s first `lengths` tokens put at random places of a width-N row (padding
+    before, between and after them, in order), with their mask."""
+    gen = torch.Generator().manual_seed(where)
+    padded, mask = torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        cols = torch.randperm(N, generator=gen)[:n].sort().values
+        padded[row, cols], mask[row, cols] = ids[row, :n], True
+    return padded, mask
+
+
+@pytest.mark.parametrize("name", KINDS)
+@pytest.mark.parametrize("sharing", ["headwise", "kv", "layerwise"])
+def test_padding_anywhere_changes_no_real_output(name, sharing):
+    # Before, left or inner padding moved the real tokens to other positions and other rows
+    # of E: outputs 2-4 away from the unpadded ones (right padding was exact).
+    model = LinformerModel(tiny(**kind(name), sharing=sharing, pooler=True)).double().eval()
+    ids, _ = inputs()
+    lengths = (N, 13, 5)
+    for where in range(3):
+        padded, mask = scatter_rows(ids, lengths, where)
+        out = model(padded, mask, output_hidden_states=True, output_attentions=True)
+        for row, n in enumerate(lengths):
+            alone = model(ids[row : row + 1, :n], output_hidden_states=True, output_attentions=True)
+            real = mask[row]
+            torch.testing.assert_close(
+                out.pooler_output[row], alone.pooler_output[0], rtol=0, atol=1e-10
+            )
+            for got, want in zip(out.hidden_states, alone.hidden_states, strict=True):
+                torch.testing.assert_close(got[row, real], want[0], rtol=0, atol=1e-10)
+            for got, want in zip(out.attentions, alone.attentions, strict=True):
+                got = got[row][:, real]  # (H, n, M): the real queries' rows
+                if name == "exact":
+                    got = got[..., real]  # and the real keys' columns
+                torch.testing.assert_close(got[..., : want.shape[-1]], want[0], rtol=0, atol=1e-10)
 
 
 def test_regression_uses_mse():

@@ -118,6 +118,18 @@ def test_source_padding_never_changes_the_decoder(kind, sharing):
     ragged[1, 8:] = False  # row 1 is 8 tokens long: same as running it alone
     out = model(padded, tgt, ragged).logits[1]
     torch.testing.assert_close(out, model(src[1:, :8], tgt[1:]).logits[0], atol=1e-12, rtol=0)
+    # Padding before and inside the source too (before, its real tokens met other rows of
+    # E in the encoder and the cross-attention), in the forward pass and in generation.
+    left = torch.cat([torch.zeros(2, 9, dtype=torch.long), src], 1)
+    inner = left.clone()
+    inner[1] = torch.cat([src[1, :4], torch.zeros(9, dtype=torch.long), src[1, 4:]])
+    for padded in (left, inner):
+        mask = padded != 0
+        assert mask.sum(1).tolist() == [13, 13]
+        out = model(padded, tgt, mask).logits
+        torch.testing.assert_close(out, alone, atol=1e-12, rtol=0)
+        greedy = model.eval().generate(padded, 6, mask, temperature=0, stop_at_eos=False)
+        torch.testing.assert_close(greedy, model.generate(src, 6, temperature=0, stop_at_eos=False))
 
 
 def test_target_padding_left_or_right_never_changes_real_outputs():
@@ -281,7 +293,9 @@ def test_generation_refuses_a_temperature_that_is_not_a_finite_number_ge_0():
 
 def test_config_refuses_mismatched_sides():
     enc = LinformerConfig(max_seq_len=32, dim=16, num_heads=2, proj_dim=8)
-    dec = LinformerConfig(max_seq_len=16, dim=16, num_heads=2, proj_dim=4, causal=True, block_size=4)
+    dec = LinformerConfig(
+        max_seq_len=16, dim=16, num_heads=2, proj_dim=4, causal=True, block_size=4
+    )
     with pytest.raises(ValueError, match="encoder.causal=False and decoder.causal=True"):
         Seq2SeqConfig(encoder=enc, decoder=dec.replace(causal=False))
     with pytest.raises(ValueError, match=r"encoder.dim \(32\) and decoder.dim \(16\)"):

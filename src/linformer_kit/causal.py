@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import check_positive
-from .functional import check_key_padding_mask, check_projections, check_seq_len
+from .functional import check_key_padding_mask, check_projections, check_seq_len, real_first
 from .kernels import dot_product_attention
 
 
@@ -180,7 +180,7 @@ def causal_attention(
         ValueError: if N exceeds max_seq_len, the mask has the wrong shape or dtype, the
             projections give different k, proj_v comes without proj_k, or block_size < 1.
     """
-    batch, heads, seq_len, width = q.shape
+    batch, _, seq_len, _ = q.shape
     check_key_padding_mask(key_padding_mask, batch, seq_len)
     if proj_k is None and proj_v is not None:
         raise ValueError("proj_v needs proj_k: pass both, proj_k alone (shared), or neither")
@@ -191,8 +191,7 @@ def causal_attention(
         check_seq_len(seq_len, min(proj_k.shape[-2], proj_v.shape[-2]))
     index = None
     if key_padding_mask is not None:
-        order = torch.argsort((~key_padding_mask).to(torch.uint8), dim=1, stable=True)  # (B, N)
-        index = order[:, None, :, None].expand(batch, heads, seq_len, width)  # (B, H, N, D)
+        index = real_first(key_padding_mask)[:, None, :, None].expand(q.shape)  # (B, H, N, D)
         padded = ~key_padding_mask[:, None, :, None]  # (B, 1, N, 1)
         k, v = k.masked_fill(padded, 0), v.masked_fill(padded, 0)  # 0 * nan would be nan
         q, k, v = q.gather(2, index), k.gather(2, index), v.gather(2, index)

@@ -1,10 +1,11 @@
 """Cross-attention: m decoder queries over an encoder memory of length n projected n -> k.
 
 The memory is projected exactly as self-attention projects its keys and values (padding
-zeroed before the projection, the first n rows of E and F), so appending padding to the
-memory never changes the output, and m and n are independent: O(m k) per layer instead of
-O(m n). A generating decoder projects the memory once and keeps the k rows in its
-`MemoryCache`, so every new token costs O(k), however long the memory.
+zeroed before the projection, the real positions gathered first and projected by the first
+rows of E and F), so padding anywhere in the memory never changes the output, and m and n
+are independent: O(m k) per layer instead of O(m n). A generating decoder projects the
+memory once and keeps the k rows in its `MemoryCache`, so every new token costs O(k),
+however long the memory.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from .functional import (
     check_key_padding_mask,
     check_seq_len,
     exact_attention,
+    gather_positions,
     linformer_attention,
+    real_first,
 )
 from .linear_backend import apply_linear
 from .projection import SequenceProjection
@@ -126,6 +129,10 @@ class LinformerCrossAttention(LinformerSelfAttention):
         batch, seq_len, _ = memory.shape
         check_seq_len(seq_len, self.max_seq_len)
         check_key_padding_mask(memory_padding_mask, batch, seq_len)
+        if memory_padding_mask is not None:  # E's row j projects the j-th real position
+            order = real_first(memory_padding_mask)
+            memory = gather_positions(memory, order)
+            memory_padding_mask = memory_padding_mask.gather(1, order)
         return MemoryCache(*self.keys_values(memory, memory_padding_mask))
 
     def forward(

@@ -51,6 +51,20 @@ def check_key_padding_mask(key_padding_mask: Tensor | None, batch: int, seq_len:
         )
 
 
+def real_first(key_padding_mask: Tensor) -> Tensor:
+    """(B, N) indices that put each row's real tokens first, in order, then its padding (a
+    stable sort): gathered by them, any padding (left, inside) becomes right padding."""
+    return torch.argsort((~key_padding_mask).to(torch.uint8), dim=1, stable=True)
+
+
+def gather_positions(x: Tensor, order: Tensor, dim: int = 1) -> Tensor:
+    """`x` (batch first) with its positions along `dim` in `order` (B, N) (`real_first`, or
+    `order.argsort(1)` to put them back)."""
+    shape = [order.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = order.shape[1]
+    return x.gather(dim, order.view(shape).expand_as(x))
+
+
 def check_projections(proj_k: Tensor, proj_v: Tensor) -> None:
     """Raises ValueError unless the key and value projections give the same k rows."""
     if proj_k.shape[-1] != proj_v.shape[-1]:

@@ -17,7 +17,7 @@ from .attention import CausalState
 from .config import LinformerConfig, check_choice
 from .dropout import Dropout
 from .encoder import LinformerEncoder
-from .functional import check_seq_len
+from .functional import check_seq_len, gather_positions, real_first
 
 logger = logging.getLogger(__name__)
 
@@ -254,8 +254,9 @@ class LinformerModel(LinformerPreTrainedModel):
     ) -> LinformerOutput:
         """Encodes a batch of token ids of any length up to max_seq_len.
 
-        A causal model numbers the real tokens 0, 1, ... whatever padding comes before
-        them, so left padding changes no real output.
+        Padding may be anywhere: the real tokens are numbered 0, 1, ... (and an encoder
+        projects them with E's first rows), so left or inner padding changes no real output,
+        as right padding changes none.
 
         Args:
             input_ids: (B, N) int64.
@@ -278,12 +279,45 @@ class LinformerModel(LinformerPreTrainedModel):
         position_ids = (
             causal_position_ids(input_ids, key_padding_mask, start) if self.config.causal else None
         )
+        order = None
+        if key_padding_mask is not None and not self.config.causal:  # causal: per layer
+            order = real_first(key_padding_mask)  # the encoder sees right padding only
+            input_ids, key_padding_mask = (
+                input_ids.gather(1, order),
+                key_padding_mask.gather(1, order),
+            )
+            if token_type_ids is not None:
+                token_type_ids = token_type_ids.gather(1, order)
         x = self.embeddings(input_ids, token_type_ids, position_ids)
         last, hidden, attentions = self.encoder(
             x, key_padding_mask, output_hidden_states, output_attentions, states
         )
-        pooled = self.pooler(last) if self.pooler is not None else None
+        pooled = self.pooler(last) if self.pooler is not None else None  # the first real token
+        if order is not None:
+            last, hidden, attentions = self._restore_positions(order, last, hidden, attentions)
         return LinformerOutput(last, hidden, attentions, pooled)
+
+    def _restore_positions(
+        self,
+        order: Tensor,
+        last: Tensor,
+        hidden: tuple[Tensor, ...] | None,
+        attentions: tuple[Tensor, ...] | None,
+    ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
+        """The outputs of the inputs gathered by `order` put back at the inputs' positions:
+        the rows of the hidden states and attention matrices, and an exact layer's columns."""
+        back = order.argsort(1)
+        last = gather_positions(last, back)
+        if hidden is not None:
+            hidden = tuple(gather_positions(h, back) for h in hidden)
+        if attentions is not None:
+            attentions = tuple(
+                gather_positions(weights, back, 2)
+                if proj_dim is not None
+                else gather_positions(gather_positions(weights, back, 2), back, 3)
+                for weights, proj_dim in zip(attentions, self.config.proj_dims, strict=True)
+            )
+        return last, hidden, attentions
 
 
 class LinformerForSequenceClassification(LinformerPreTrainedModel):
@@ -292,7 +326,7 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
     Args:
         config: the architecture.
         num_labels: number of classes (1 for regression).
-        pooling: `cls` (first token) or `mean` (over real tokens only).
+        pooling: `cls` (the first real token) or `mean` (over real tokens only).
     """
 
     def __init__(self, config: LinformerConfig, num_labels: int = 2, pooling: str = "cls") -> None:
@@ -315,10 +349,13 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         return {"num_labels": self.num_labels, "pooling": self.pooling}
 
     def pool(self, hidden: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-        """(B, N, dim) -> (B, dim): the first token, or the mean over real tokens."""
-        if self.pooling == "cls":
+        """(B, N, dim) -> (B, dim): the first real token, or the mean over real tokens."""
+        if self.pooling == "mean":
+            return masked_mean(hidden, key_padding_mask)
+        if key_padding_mask is None:
             return hidden[:, 0]
-        return masked_mean(hidden, key_padding_mask)
+        first = key_padding_mask.to(torch.uint8).argmax(1)  # 0 under right padding
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
 
     def forward(
         self,
