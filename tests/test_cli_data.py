@@ -76,7 +76,7 @@ def test_finetune_from_a_missing_folder_says_it_does_not_exist(tmp_path):
         )
     assert str(stop.value) == (
         f"linformer finetune: error: {tmp_path / 'runs'} does not exist "
-        "(expected a checkpoint folder or a tokenizer.json)"
+        "(expected a checkpoint folder)"
     )
 
 

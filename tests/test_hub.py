@@ -139,8 +139,11 @@ def test_saved_files_get_ordinary_permissions(mlm_dir):
 
 
 def test_missing_directory_raises(tmp_path):
-    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist"):
         LinformerModel.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=CONFIG_NAME):
+        LinformerModel.from_pretrained(tmp_path / "empty")
 
 
 def test_missing_weights_raise(mlm_dir):

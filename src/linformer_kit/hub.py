@@ -213,6 +213,8 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError: if the directory or its config.json is missing.
         ValueError: if config.json is not valid JSON or holds an invalid config.
     """
+    if not Path(path).exists():  # said apart: a mistyped checkpoint folder is the usual cause
+        raise FileNotFoundError(f"{Path(path)} does not exist (expected a checkpoint folder)")
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(
