@@ -8,6 +8,7 @@ is nn.Dropout itself; the benchmark scripts run what they say."""
 
 import json
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -285,6 +286,34 @@ def test_the_build_compiles_for_the_target_it_names(monkeypatch):
     (call,) = calls
     assert "-march=haswell" in call["extra_cflags"]
     assert call["name"] == f"linformer_kit_cpu_{native._build_tag('haswell')}"
+
+
+@pytest.mark.parametrize("locked_before", [True, False])
+def test_a_build_waiting_on_an_earlier_lock_names_it(monkeypatch, tmp_path, locked_before):
+    # torch waits on a build's lock without a timeout: a build killed earlier left one that
+    # hung every later run (a clean-clone test run for 110 minutes) without a word.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "LOCK_WAIT_S", 0.05)
+    name = f"linformer_kit_cpu_{native._build_tag(native.target_arch())}"
+    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    if locked_before:
+        lock.touch()
+
+    def waiting_build(**kwargs):
+        lock.touch()  # this build's own lock, when there was none
+        time.sleep(0.5)
+        raise RuntimeError("stopped waiting")
+
+    monkeypatch.setattr(cpp_extension, "load", waiting_build)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError):
+        warnings.simplefilter("always")
+        native._build()
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    if locked_before:
+        (message,) = messages
+        assert f"has waited 0 s for {lock}: another process is building them" in message
+    else:
+        assert messages == []  # a build's own lock is no reason to warn
 
 
 def test_the_kernels_build_as_cpp17():

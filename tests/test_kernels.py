@@ -2,6 +2,7 @@
 each other, dropout is applied exactly once, and gradients pass gradcheck (which kernel a
 call runs: test_kernel_rule.py)."""
 
+import itertools
 import os
 from unittest import mock
 
@@ -87,6 +88,25 @@ def test_attention_weights_are_what_the_explicit_kernel_applies():
     mask = kv_mask(empty_row=False)
     out = attend(q, k, v, mask, kernel="explicit")
     torch.testing.assert_close(out, attention_weights(q, k, mask) @ v, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_weights_are_zero_at_rows_with_no_key_and_exact_elsewhere(causal):
+    # Left padding under causal attention: query i's keys j <= i are all padding (NaN before).
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 2, 3, 6, 4, dtype=torch.float64).unbind(0)
+    mask = torch.tensor([[False, False, True, True, False, True], [False] * 6])
+    weights = attention_weights(q, k, mask, causal=causal)
+    allowed = mask[:, None, :].expand(2, 6, 6)  # (batch, query, key)
+    if causal:
+        allowed = allowed & torch.ones(6, 6, dtype=torch.bool).tril()
+    for b, i in itertools.product(range(2), range(6)):
+        keys = allowed[b, i].nonzero().flatten()
+        expected = torch.zeros(3, 6, dtype=torch.float64)
+        if len(keys):
+            scores = torch.einsum("hd,hmd->hm", q[b, :, i], k[b][:, keys]) / 2.0
+            expected[:, keys] = scores.exp() / scores.exp().sum(-1, keepdim=True)
+        torch.testing.assert_close(weights[b, :, i], expected, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])

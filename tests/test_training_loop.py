@@ -1,5 +1,6 @@
 """The training loop: learning, exact resume, accumulation, bf16, schedules, settings."""
 
+import dataclasses
 import json
 
 import pytest
@@ -93,32 +94,57 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     assert torch.equal(a["rng"][0], b["rng"][0])
 
 
-@pytest.mark.parametrize("weights", ["finite", "nan"])
-def test_a_nan_loss_stops_the_run_only_when_the_weights_are_nan_and_before_saving(
-    tmp_path, monkeypatch, weights
+@pytest.mark.parametrize(
+    ("loss", "weights"), [("nan", "finite"), ("nan", "nan"), ("finite", "nan")]
+)
+def test_a_run_stops_when_its_weights_are_nan_whatever_the_loss_and_before_saving(
+    tmp_path, monkeypatch, loss, weights
 ):
     real_step = Trainer._train_step
 
-    def nan_at_step_3(self, model):
-        loss, tokens = real_step(self, model)
-        if self.step == 2:  # the third step: a batch with no scored token has a nan loss
-            loss = float("nan")
-            if weights == "nan":  # and a diverged one nan weights too
+    def broken_at_step_3(self, model):
+        step_loss, tokens = real_step(self, model)
+        if self.step == 2:  # the third step
+            if loss == "nan":  # a batch with no scored token has a nan loss
+                step_loss = float("nan")
+            if weights == "nan":  # the update broke the weights (measured before it: any loss)
                 with torch.no_grad():
                     next(self.model.parameters()).fill_(float("nan"))
-        return loss, tokens
+        return step_loss, tokens
 
-    monkeypatch.setattr(Trainer, "_train_step", nan_at_step_3)
+    monkeypatch.setattr(Trainer, "_train_step", broken_at_step_3)
     run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2)
     if weights == "finite":
         assert pretrain(run).final["val_loss"] < 10  # went on to the end
         return
-    with pytest.raises(ValueError, match=r"training diverged at step 3: the loss is nan"):
+    before = "nan" if loss == "nan" else r"\d"
+    message = (
+        rf"training diverged at step 3: 1 of \d+ weight tensors .* loss before it was {before}"
+    )
+    with pytest.raises(ValueError, match=message):
         pretrain(run)
     state = torch.load(tmp_path / "run/last/trainer_state.pt", weights_only=True)
     assert state["step"] == 2  # nothing saved after the weights went bad
     saved = hub.read_weights(tmp_path / "run/last")
     assert all(t.isfinite().all() for t in saved.values())
+
+
+def test_resume_refuses_another_architecture_and_takes_new_dropout(tmp_path):
+    # Weights of the same shapes loaded into a relu model without a word before.
+    pretrain(tiny_run(tmp_path, max_steps=2, eval_every=2, save_every=2))
+    last = (tmp_path / "run/last").resolve()
+    for change, message in [
+        (dict(activation="relu"), "activation 'relu' \\(the checkpoint's: 'gelu'\\)"),
+        (dict(position="sinusoidal", norm_first=False), "norm_first False .* position"),
+    ]:
+        run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2, resume=True)
+        run.model = dataclasses.replace(run.model, **change)
+        with pytest.raises(ValueError, match=rf"--resume continues the model saved in .*{message}"):
+            pretrain(run)
+        assert (tmp_path / "run/last").resolve() == last  # the run is left as it was
+    run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2, resume=True)
+    run.model = dataclasses.replace(run.model, dropout=0.0, attention_dropout=0.0)
+    assert pretrain(run).steps == 4
 
 
 def test_the_cpu_kernels_are_built_before_the_first_timed_step(tmp_path, monkeypatch):

@@ -239,11 +239,16 @@ def attention_weights(
         (B, H, N, M), rows summing to 1 (0 for a row with no key).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    attn_mask = None if kv_mask is None else attendable(kv_mask)[:, None, None, :]  # (B, 1, 1, M)
+    attn_mask = None if kv_mask is None else kv_mask[:, None, None, :]  # (B, 1, 1, M)
     if causal:
         allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         attn_mask = allowed if attn_mask is None else attn_mask & allowed  # (B | 1, 1, N, M)
-    return masked_scores(q, k, attn_mask, scale).softmax(-1)
+    if attn_mask is None:
+        return masked_scores(q, k, None, scale).softmax(-1)
+    # a row with no key (a padded sequence; under causal also a left-padded query, whose keys
+    # j <= i are all padding) is scored over every key, then zeroed: 0, not NaN
+    weights = masked_scores(q, k, attendable(attn_mask), scale).softmax(-1)
+    return weights.masked_fill(~attn_mask.any(-1, keepdim=True), 0.0)
 
 
 def linformer_attention(

@@ -28,6 +28,7 @@ import platform
 import re
 import shutil
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,7 @@ from . import precision
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+LOCK_WAIT_S = 60.0  # a build waiting this long on an earlier lock warns (`_warn_if_locked`)
 SOURCES = tuple(
     CSRC / name
     for name in (
@@ -143,25 +145,58 @@ def _build() -> object:
         arch,
         CSRC,
     )
-    load(
-        name=f"linformer_kit_cpu_{_build_tag(arch)}",
-        sources=[str(path) for path in SOURCES],
-        # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp
-        extra_cflags=[
-            "-O3",
-            f"-march={arch}",
-            "-fopenmp",
-            "-fno-trapping-math",
-            *_std_flags(),
-            *_x86_flags(),
-        ],
-        is_python_module=False,
-        verbose=False,
-    )
+    name = f"linformer_kit_cpu_{_build_tag(arch)}"
+    with _warn_if_locked(name):
+        load(
+            name=name,
+            sources=[str(path) for path in SOURCES],
+            # -fopenmp: at::parallel_for; -fno-trapping-math: lets g++ vectorise the exp's clamp
+            extra_cflags=[
+                "-O3",
+                f"-march={arch}",
+                "-fopenmp",
+                "-fno-trapping-math",
+                *_std_flags(),
+                *_x86_flags(),
+            ],
+            is_python_module=False,
+            verbose=False,
+        )
     _register_python_side()
     _apply_kernel_gemm(torch.ops.linformer_kit)
     _loaded["bf16_dot"] = bool(torch.ops.linformer_kit.bf16_dot())
     return torch.ops.linformer_kit
+
+
+@contextlib.contextmanager
+def _warn_if_locked(name: str) -> Iterator[None]:
+    """Warns, naming the file, when the build of extension `name` has waited LOCK_WAIT_S on
+    a lock that was there before it began: another process's build, or one killed earlier
+    that left its lock behind (torch's wait has no timeout: every later build would hang)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    if not lock.exists():  # this build's own lock comes later
+        yield
+        return
+
+    def warn() -> None:
+        if lock.exists():
+            warnings.warn(
+                f"linformer-kit: the CPU kernels' build has waited {LOCK_WAIT_S:.0f} s for "
+                f"{lock}: another process is building them, or a build killed earlier left "
+                f"that file; if no build is running (no ninja or cc1plus process), remove it",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+    timer = threading.Timer(LOCK_WAIT_S, warn)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _switched_off() -> bool:

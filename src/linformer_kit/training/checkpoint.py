@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 STATE_NAME = "trainer_state.pt"
 CHECKPOINTS_DIR = "checkpoints"
+# config fields a resumed run may change: regularisation, memory and the initial weights
+# (which the checkpoint's replace); any other field is the architecture the weights belong to
+RESUME_MAY_CHANGE = frozenset({"dropout", "attention_dropout", "checkpointing", "init_std"})
 
 
 @dataclass
@@ -134,6 +137,48 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     hub.verify_manifest(path, required=True)
     state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
     return Checkpoint(path.resolve(), state)
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"decoder.dim": 64, ...}: a config's nested fields (a seq2seq's) under dotted names."""
+    flat: dict[str, Any] = {}
+    for name, value in data.items():
+        if isinstance(value, dict) and name not in ("id2label", "label2id"):
+            flat.update(_flat(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def check_same_model(checkpoint: Path, model: LinformerPreTrainedModel) -> None:
+    """Checks that `model` is the model whose weights `checkpoint` holds: the same class,
+    constructor arguments and config, but for RESUME_MAY_CHANGE (weights of the same shapes
+    would load into another activation, position scheme or projection without a word).
+
+    Raises:
+        ValueError: naming each difference, with the checkpoint's value.
+    """
+    meta = hub.read_config(checkpoint)
+    saved = {
+        "architecture": meta["architecture"],
+        **_flat(meta["model_kwargs"], "model_kwargs."),
+        **_flat(meta["config"].to_dict()),
+    }
+    now = {
+        "architecture": type(model).__name__,
+        **_flat(model.model_kwargs(), "model_kwargs."),
+        **_flat(model.config.to_dict()),
+    }
+    changed = ", ".join(
+        f"{name} {now.get(name)!r} (the checkpoint's: {saved.get(name)!r})"
+        for name in sorted(saved.keys() | now.keys())
+        if name.rsplit(".", 1)[-1] not in RESUME_MAY_CHANGE and saved.get(name) != now.get(name)
+    )
+    if changed:
+        raise ValueError(
+            f"--resume continues the model saved in {checkpoint}; this run's differs: "
+            f"{changed}. Give the run's values, or start over in another --output-dir"
+        )
 
 
 def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:

@@ -23,7 +23,7 @@ from ..data.tokenizer import TextTokenizer
 from ..models import LinformerPreTrainedModel
 from ..precision import bf16_autocast
 from .batches import mix_seed
-from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, save_checkpoint
+from .checkpoint import CHECKPOINTS_DIR, check_same_model, latest_checkpoint, save_checkpoint
 from .distributed import Distributed
 from .metrics_log import MetricsLog
 from .optim import apply_settings, build_optimizer, build_scheduler
@@ -156,6 +156,7 @@ class Trainer:
             logger.info("no checkpoint in %s: starting from scratch", self.run_dir)
             return None
         state = checkpoint.state
+        check_same_model(checkpoint.path, self.model)
         hub.load_weights(self.model, hub.read_weights(checkpoint.path), str(checkpoint.path))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -240,15 +241,19 @@ class Trainer:
         return sum(losses) / accum, tokens * self.dist.world_size
 
     def _check_finite(self, loss: float) -> None:
-        """Stops a run whose weights are no longer numbers, before it saves them. A loss of
-        nan alone is not that: a batch with no scored token has a mean loss of nan (0 / 0)
-        and zero gradients."""
-        if math.isfinite(loss) or all(p.isfinite().all() for p in self.model.parameters()):
+        """Stops a run whose weights are no longer numbers after this step's update, before
+        it saves them. A loss of nan alone is not that: a batch with no scored token has a
+        mean loss of nan (0 / 0) and zero gradients; and the step that breaks the weights
+        can report a finite loss (it was measured before the update)."""
+        params = list(self.model.parameters())
+        if torch.stack([p.isfinite().all() for p in params]).all():
             return
+        broken = sum(not p.isfinite().all() for p in params)
         raise ValueError(
-            f"training diverged at step {self.step}: the loss is {loss} and the weights are "
-            f"no longer finite (a lower --lr or --clip-grad-norm may help); the checkpoints "
-            f"saved before it in {self.run_dir} are intact"
+            f"training diverged at step {self.step}: {broken} of {len(params)} weight tensors "
+            f"are no longer finite after its update (the loss before it was {loss}; a lower "
+            f"--lr or --clip-grad-norm may help); the checkpoints saved before it in "
+            f"{self.run_dir} are intact"
         )
 
     def _evaluate(self, log: MetricsLog) -> tuple[dict[str, float], bool]:

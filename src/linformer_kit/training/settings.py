@@ -32,6 +32,7 @@ COMPILES = tuple(
     for base in ("inductor", "reduce-overhead", "aot_eager")
 )
 RUN_CONFIG_NAME = "run_config.json"
+MAX_LR = 10.0  # AdamW's first step moves a weight by ~lr; 10 is already far past any recipe
 
 
 @dataclass(kw_only=True)
@@ -101,8 +102,22 @@ class TrainSettings:
             raise ValueError("output_dir must name the run's directory, got ''")
         for name in ("warmup_steps", "eval_batches"):
             check_non_negative(name, getattr(self, name))
-        if not 0 < self.lr < math.inf:  # also refuses nan
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not 0 < self.lr <= MAX_LR:  # also refuses nan
+            raise ValueError(
+                f"lr must be a number in (0, {MAX_LR:g}] (AdamW moves each weight by about lr "
+                f"a step; far larger overflow), got {self.lr}"
+            )
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(
+                f"weight_decay must be a finite number >= 0 (0 = none), got {self.weight_decay}"
+            )
+        if not 0 <= self.clip_grad_norm < math.inf:
+            raise ValueError(
+                f"clip_grad_norm must be a finite number >= 0 (0 = no clipping), "
+                f"got {self.clip_grad_norm}"
+            )
+        if not 0 <= self.beta2 < 1:
+            raise ValueError(f"beta2 must be a number in [0, 1), got {self.beta2}")
         if not 0 < self.mlm_probability < 1:
             raise ValueError(f"mlm_probability must be in (0, 1), got {self.mlm_probability}")
 
