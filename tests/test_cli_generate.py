@@ -35,6 +35,22 @@ def test_generate_prints_the_prompt_and_the_greedy_continuation(checkpoint, caps
     assert out.startswith("def add")
 
 
+def test_generate_continues_several_prompts_each_as_if_alone(checkpoint, capsys):
+    path, _, _ = checkpoint
+    prompts = ["def add", "class Point:\n    x", "y"]  # of different lengths: one padded batch
+    alone = []
+    for prompt in prompts:
+        main(["generate", str(path), "--prompt", prompt, "--max-new-tokens", "10",
+              "--temperature", "0"])  # fmt: skip
+        alone.append(capsys.readouterr().out)
+    argv = ["generate", str(path), "--max-new-tokens", "10", "--temperature", "0"]
+    main([*argv, *(arg for prompt in prompts for arg in ("--prompt", prompt))])
+    blocks = [f"==> prompt {i + 1} <==\n{text}" for i, text in enumerate(alone)]
+    assert capsys.readouterr().out == "\n".join(blocks)
+    with pytest.raises(SystemExit, match=r"--prompt '' encodes to no tokens"):
+        main([*argv, "--prompt", "def", "--prompt", ""])
+
+
 def test_generate_ends_the_text_at_the_separator_pretraining_put_after_each_document(
     checkpoint, capsys, monkeypatch
 ):

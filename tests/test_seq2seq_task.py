@@ -183,7 +183,13 @@ def test_generate_decodes_a_target_with_a_seq2seq_checkpoint(tmp_path, capsys):
     tokens = model.generate(torch.tensor([tokenizer.encode_batch([prompt])[0]]), 8, temperature=0)
     ids = tokens[0, 1:].tolist()
     ids = ids[: ids.index(tokenizer.sep_id)] if tokenizer.sep_id in ids else ids
-    assert capsys.readouterr().out == tokenizer.tokenizer.decode(ids) + "\n"
+    alone = tokenizer.tokenizer.decode(ids)
+    assert capsys.readouterr().out == alone + "\n"
+    # with a second, shorter source: one padded batch, each target as if decoded alone
+    argv = ["generate", str(tmp_path), "--max-new-tokens", "8", "--temperature", "0"]
+    main([*argv, "--prompt", "Add", "--prompt", prompt])
+    out = capsys.readouterr().out
+    assert out.startswith("==> prompt 1 <==\n") and out.endswith(f"\n\n==> prompt 2 <==\n{alone}\n")
 
 
 def test_synthetic_data_settings_check_the_lengths():

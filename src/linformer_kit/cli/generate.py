@@ -1,5 +1,5 @@
-"""`linformer generate CKPT --prompt TEXT`: continue a text with a causal-LM checkpoint, or
-decode a target for it (the source) with a seq2seq checkpoint."""
+"""`linformer generate CKPT --prompt TEXT [--prompt TEXT ...]`: continue texts with a
+causal-LM checkpoint, or decode a target for each (the source) with a seq2seq checkpoint."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ def run(args: argparse.Namespace) -> None:
     )
     vocab_size = model.config.encoder.vocab_size if seq2seq else model.config.vocab_size
     tokenizer = load_tokenizer(args.checkpoint, model_vocab_size=vocab_size)
-    ids = tokenizer.encode_batch([args.prompt])[0]
-    if not ids:
-        raise ValueError("the prompt encodes to no tokens; give some text")
+    prompts = tokenizer.encode_batch(args.prompt)
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(f"--prompt {args.prompt[i]!r} encodes to no tokens; give some text")
     generation = dict(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -32,16 +33,25 @@ def run(args: argparse.Namespace) -> None:
     )
     if not seq2seq:  # a text ends where pretraining put the separator after each document
         generation["eos_token_id"] = tokenizer.sep_id
-    tokens = model.eval().generate(torch.tensor([ids]), args.max_new_tokens, **generation)
-    tokens = tokens[0].tolist()
+    # prompts of different lengths in one batch, left-padded (each continuation follows its
+    # prompt in the rows the model returns); the model generates each as if alone
+    width = max(map(len, prompts))
+    mask = torch.tensor([[False] * (width - len(ids)) + [True] * len(ids) for ids in prompts])
+    input_ids = torch.tensor([[tokenizer.pad_id] * (width - len(ids)) + ids for ids in prompts])
+    rows = (
+        model.eval()
+        .generate(input_ids, args.max_new_tokens, key_padding_mask=mask, **generation)
+        .tolist()
+    )
     # seq2seq prints the target alone (after the start token), a causal LM the prompt and its
     # continuation; either up to the end token, which decoding would drop without a trace.
-    start = 1 if seq2seq else len(ids)
     eos = model.config.eos_token_id if seq2seq else tokenizer.sep_id
-    new = tokens[start:]
-    new = new[: new.index(eos)] if eos in new else new
-    tokens = new if seq2seq else ids + new
-    print(tokenizer.tokenizer.decode(tokens))
+    for i, (ids, tokens) in enumerate(zip(prompts, rows, strict=True)):
+        new = tokens[1:] if seq2seq else tokens[width:]
+        new = new[: new.index(eos)] if eos in new else new
+        if len(prompts) > 1:  # named as `head` names each of several files
+            print(("\n" if i else "") + f"==> prompt {i + 1} <==")
+        print(tokenizer.tokenizer.decode(new if seq2seq else ids + new))
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -53,7 +63,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "checkpoint", help="a causal-LM or seq2seq checkpoint directory with tokenizer.json"
     )
     parser.add_argument(
-        "--prompt", required=True, help="the text to continue, or the seq2seq source"
+        "--prompt",
+        required=True,
+        action="append",
+        help="the text to continue, or the seq2seq source; repeat for several (one batch, "
+        "each printed after a '==> prompt N <==' line, as if alone)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add")
     parser.add_argument(
