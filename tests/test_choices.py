@@ -71,10 +71,49 @@ def test_a_bad_count_names_the_setting_its_range_and_the_value(case):
         make()
 
 
-def test_lra_learning_rate_must_be_finite():
-    message = r"^lr must be a finite number >= 0 \(0 = LRA's\), got nan$"
-    with pytest.raises(ValueError, match=message):
-        LRASettings(lr=float("nan"))
+NAN = float("nan")
+NUMBERS = {  # each refused before any work (data parsed, a model converted, a run started)
+    "lra lr nan": (lambda: LRASettings(lr=NAN), r"lr must be a number in \[0, 10\] \(0 = LRA's\)"),
+    "lra lr 1e38": (lambda: LRASettings(lr=1e38), r"lr .* \(0 = LRA's\), got 1e\+38"),
+    "task-bench lr": (
+        lambda: TaskBenchSettings(train="a", val="b", test="c", lr=-1.0),
+        r"lr must be a number in \[0, 10\] \(0 = finetune's\), got -1.0",
+    ),
+    "distill layer_weight": (
+        lambda: DistillSettings(layer_weight=NAN),
+        "layer_weight must be a finite number >= 0, got nan",
+    ),
+    "val_fraction": (lambda: DataSettings(val_fraction=1.0), r"val_fraction must be in \(0, 1\)"),
+    "docstrings fractions": (
+        lambda: Seq2SeqDataSettings(task="docstrings", val_fraction=0.6, test_fraction=0.6),
+        "need val_fraction > 0, test_fraction > 0 and their sum < 1; got 0.6 and 0.6",
+    ),
+    "bench n": (lambda: BenchSettings(n="1024,0"), "every n value must be an integer >= 1, got 0"),
+    "bench proj_dim": (
+        lambda: BenchSettings(proj_dim="64,x"),
+        "proj_dim takes comma-separated numbers, got '64,x'",
+    ),
+    "bench min_time_s": (
+        lambda: BenchSettings(min_time_s=NAN),
+        "min_time_s must be a finite number >= 0, got nan",
+    ),
+    "bench time_budget_s": (
+        lambda: BenchSettings(time_budget_s=-5.0),
+        r"time_budget_s must be a number > 0 \(inf: none\), got -5.0",
+    ),
+    "bench memory_budget_gb": (
+        lambda: BenchSettings(memory_budget_gb=NAN),
+        r"memory_budget_gb must be a number > 0 \(inf: none\), got nan",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NUMBERS))
+def test_a_bad_number_names_the_setting_its_range_and_the_value(case):
+    # Before, each was accepted (a nan loss, a skipped sweep) or refused only after the work.
+    make, message = NUMBERS[case]
+    with pytest.raises(ValueError, match=f"^{message}"):
+        make()
 
 
 def test_an_lra_device_is_checked_before_data_is_made_or_a_run_replaced():

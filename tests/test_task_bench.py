@@ -230,7 +230,7 @@ def test_gradient_accumulation_reaches_finetune_and_sizes_the_warm_up(tmp_path, 
     assert seen["train"].warmup_steps == 10 and seen["train"].grad_accum_steps == 3
     with pytest.raises(ValueError, match="truncation must be one of head, tail, head.tail"):
         dataclasses.replace(settings, truncation="middle")
-    with pytest.raises(ValueError, match="after_lr must be > 0, got 0"):
+    with pytest.raises(ValueError, match=r"after_lr must be a number in \(0, 10\], got 0"):
         dataclasses.replace(settings, after_lr=0)
     with pytest.raises(ValueError, match="grad_accum_steps must be an integer >= 1, got 0"):
         dataclasses.replace(settings, grad_accum_steps=0)

@@ -58,6 +58,12 @@ def check_probability(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
 
 
+def check_fraction(name: str, value: Any) -> None:
+    """Raises ValueError unless `value` is a number in (0, 1), naming `name` and the value."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 < value < 1.0:
+        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+
+
 @dataclass(kw_only=True)
 class LinformerConfig:
     """Architecture of a Linformer encoder; `proj_dim=None` gives the exact-attention Transformer.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +31,14 @@ def split_floats(text: str) -> list[float]:
 def split_names(text: str) -> list[str]:
     """`"kv, layerwise"` -> ["kv", "layerwise"]; empty parts are dropped."""
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _parsed(name: str, text: str, split: Callable[[str], list[Any]]) -> list[Any]:
+    """`split(text)`, a value that does not parse named with its setting."""
+    try:
+        return split(text)
+    except ValueError as err:
+        raise ValueError(f"{name} takes comma-separated numbers, got {text!r} ({err})") from None
 
 
 @dataclass(kw_only=True)
@@ -99,7 +110,10 @@ class BenchSettings:
                 raise ValueError(f"sharing must be among {', '.join(SHARINGS)}; got {sharing!r}")
         if not set(split_names(self.exact)) <= {"sdpa", "naive"}:
             raise ValueError(f"exact must be among sdpa, naive; got {self.exact!r}")
-        for p in split_floats(self.attention_dropout):
+        for name in ("n", "proj_dim"):
+            for value in _parsed(name, getattr(self, name), split_ints):
+                check_positive(f"every {name} value", value)
+        for p in _parsed("attention_dropout", self.attention_dropout, split_floats):
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"attention_dropout values must be in [0, 1); got {p}")
         for kernel in split_names(self.kernel):
@@ -112,6 +126,13 @@ class BenchSettings:
             check_positive(name, getattr(self, name))
         check_non_negative("warmup", self.warmup)
         check_threads(self.threads)
+        if not 0 <= self.min_time_s < math.inf:
+            raise ValueError(f"min_time_s must be a finite number >= 0, got {self.min_time_s}")
+        for name in ("memory_budget_gb", "time_budget_s"):
+            if not getattr(self, name) > 0:  # also refuses nan
+                raise ValueError(
+                    f"{name} must be a number > 0 (inf: none), got {getattr(self, name)}"
+                )
         if not self.variants():
             raise ValueError("nothing to time: name a --sharing or an --exact (or add --peers)")
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..config import check_fraction
 from .corpus import Document
 from .tokenizer import TextTokenizer
 
@@ -182,8 +183,7 @@ def split_blocks(
     Raises:
         ValueError: if the corpus is too small for one block in each split.
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    check_fraction("val_fraction", val_fraction)
     num_blocks = len(tokens) // block_len
     num_val = max(1, round(num_blocks * val_fraction))
     if max_val_blocks:

@@ -96,6 +96,15 @@ def extract_stdlib_pairs(cache_dir: str | Path | None = None) -> list[CodeDoc]:
     return pairs
 
 
+def check_split_fractions(val_fraction: float, test_fraction: float) -> None:
+    """Raises ValueError unless both shares are > 0 and leave files for training."""
+    if not (0 < val_fraction and 0 < test_fraction and val_fraction + test_fraction < 1):
+        raise ValueError(
+            f"need val_fraction > 0, test_fraction > 0 and their sum < 1; got {val_fraction} "
+            f"and {test_fraction}"
+        )
+
+
 def split_by_file(
     pairs: list[CodeDoc], seed: int, val_fraction: float, test_fraction: float
 ) -> dict[str, list[CodeDoc]]:
@@ -104,11 +113,7 @@ def split_by_file(
     Raises:
         ValueError: if the fractions leave no file for training.
     """
-    if not (0 < val_fraction and 0 < test_fraction and val_fraction + test_fraction < 1):
-        raise ValueError(
-            f"need val_fraction > 0, test_fraction > 0 and their sum < 1; got {val_fraction} "
-            f"and {test_fraction}"
-        )
+    check_split_fractions(val_fraction, test_fraction)
     files = sorted({p.where.rsplit(":", 1)[0] for p in pairs})
     order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
     num_val, num_test = round(len(files) * val_fraction), round(len(files) * test_fraction)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import check_non_negative
+from ..config import check_fraction, check_non_negative
 from .cache import (
     PackedBlocks,
     build_token_cache,
@@ -56,6 +56,7 @@ class DataSettings:
     def __post_init__(self) -> None:
         for name in ("max_documents", "tokenizer_documents", "max_val_blocks"):
             check_non_negative(name, getattr(self, name), "0 = no limit")
+        check_fraction("val_fraction", self.val_fraction)  # before any tokenizing
 
 
 @dataclass

@@ -13,7 +13,7 @@ from torch import Tensor
 from ..config import check_choice, check_positive
 from .cache import cache_key, default_cache_dir
 from .corpus import STDLIB, fingerprint
-from .docstrings import extract_stdlib_pairs, split_by_file
+from .docstrings import check_split_fractions, extract_stdlib_pairs, split_by_file
 from .tokenizer import TOKENIZER_NAME, TextTokenizer, load_tokenizer, train_tokenizer
 
 SYNTHETIC_TASKS = ("copy", "reverse")
@@ -168,6 +168,8 @@ class Seq2SeqDataSettings:
             )
         for name in ("num_train", "num_eval"):
             check_positive(name, getattr(self, name))
+        if self.task == "docstrings":  # before the stdlib is parsed
+            check_split_fractions(self.val_fraction, self.test_fraction)
 
 
 @dataclass

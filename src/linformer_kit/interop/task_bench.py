@@ -37,6 +37,7 @@ from ..training.finetune import (
     finetune_train_settings,
 )
 from ..training.process import in_fresh_process
+from ..training.settings import check_lr
 from .convert import convert_to_dir
 from .distill import DistillSettings
 from .distill_run import DistillData, distill_checkpoint
@@ -124,8 +125,8 @@ class TaskBenchSettings:
         names = ("epochs", "batch_size", "grad_accum_steps", "after_epochs", "calibration_texts")
         for name in names:
             check_positive(name, getattr(self, name))
-        if not self.after_lr > 0:
-            raise ValueError(f"after_lr must be > 0, got {self.after_lr!r}")
+        check_lr("lr", self.lr, zero="0 = finetune's")
+        check_lr("after_lr", self.after_lr)
         check_choice("projections", self.projections, PROJECTION_MODES)
         check_choice("truncation", self.truncation, TRUNCATIONS)
         check_non_negative("distill_steps", self.distill_steps)

@@ -11,7 +11,7 @@ from ..config import PROJECTIONS, SHARINGS, check_choice, check_non_negative, ch
 from ..data.lra import TASKS
 from .compare import MODELS
 from .distributed import resolve_device
-from .settings import check_threads
+from .settings import check_lr, check_threads
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,7 @@ class LRASettings:
                 f"warmup_steps must be an integer >= 0, or -1 for LRA's share of the steps; "
                 f"got {self.warmup_steps!r}"
             )
-        if not 0 <= self.lr < math.inf:  # also refuses nan
-            raise ValueError(f"lr must be a finite number >= 0 (0 = LRA's), got {self.lr!r}")
+        check_lr("lr", self.lr, zero="0 = LRA's")
         check_positive("proj_dim", self.proj_dim)
         check_non_negative("seed", self.seed)  # numpy's generators take no negative seed
         resolve_device(self.device)  # before the data is made or an earlier run replaced

@@ -32,7 +32,18 @@ COMPILES = tuple(
     for base in ("inductor", "reduce-overhead", "aot_eager")
 )
 RUN_CONFIG_NAME = "run_config.json"
-MAX_LR = 10.0  # AdamW's first step moves a weight by ~lr; 10 is already far past any recipe
+# AdamW's first step moves a weight by about lr: 10 is far past any recipe, and lr near
+# float32's range (1e38) overflowed inside AdamW with a traceback
+MAX_LR = 10.0
+
+
+def check_lr(name: str, value: float, zero: str = "") -> None:
+    """Raises ValueError unless the learning rate `value` is in (0, MAX_LR], or 0 where
+    `zero` says what 0 means (e.g. "0 = LRA's"), naming `name`, the range and the value."""
+    if (value == 0 and zero) or 0 < value <= MAX_LR:  # nan fails both
+        return
+    allowed = f"[0, {MAX_LR:g}] ({zero})" if zero else f"(0, {MAX_LR:g}]"
+    raise ValueError(f"{name} must be a number in {allowed}, got {value}")
 
 
 @dataclass(kw_only=True)
@@ -102,11 +113,7 @@ class TrainSettings:
             raise ValueError("output_dir must name the run's directory, got ''")
         for name in ("warmup_steps", "eval_batches"):
             check_non_negative(name, getattr(self, name))
-        if not 0 < self.lr <= MAX_LR:  # also refuses nan
-            raise ValueError(
-                f"lr must be a number in (0, {MAX_LR:g}] (AdamW moves each weight by about lr "
-                f"a step; far larger overflow), got {self.lr}"
-            )
+        check_lr("lr", self.lr)
         if not 0 <= self.weight_decay < math.inf:
             raise ValueError(
                 f"weight_decay must be a finite number >= 0 (0 = none), got {self.weight_decay}"
