@@ -10,7 +10,12 @@ import matplotlib.image
 import pytest
 import torch
 
-from linformer_kit import LinformerConfig, LinformerForMaskedLM, LinformerModel
+from linformer_kit import (
+    LinformerConfig,
+    LinformerForCausalLM,
+    LinformerForMaskedLM,
+    LinformerModel,
+)
 from linformer_kit.analysis import attention_map
 from linformer_kit.analysis.inputs import checkpoint_tokenizer
 from linformer_kit.cli import main
@@ -182,3 +187,41 @@ def test_spectrum_and_map_of_a_converted_pretrained_bert(tmp_path: Path) -> None
         + ["--out", str(png)]
     )
     check_png(png)
+
+
+def test_attention_map_writes_the_format_its_suffix_names_and_refuses_bad_input_first(
+    random_exact: Path, tmp_path: Path
+) -> None:
+    # Before, am.pdf held PNG bytes, an empty text drew [CLS] [SEP], and a folder as --out
+    # failed in the atomic rename after the model ran.
+    main(["attention-map", str(random_exact), "--text", TEXT, "--out", str(tmp_path / "m.pdf")])
+    assert (tmp_path / "m.pdf").read_bytes().startswith(b"%PDF")
+    for text, out, message in [
+        (TEXT, tmp_path / "m.xyz", r"matplotlib writes no .xyz figure; name one of .*\.png"),
+        (TEXT, tmp_path, f"--out {tmp_path} is a directory; name a file"),
+        ("", tmp_path / "m.png", "the text '' yields no tokens"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["attention-map", str(random_exact), "--text", text, "--out", str(out)])
+    assert not (tmp_path / "m.png").exists()
+
+
+def test_the_analysis_tools_name_what_they_cannot_read(random_exact: Path, tmp_path: Path) -> None:
+    causal = tmp_path / "causal"
+    cfg = config(8).replace(causal=True, block_size=4)
+    LinformerForCausalLM(cfg).save_pretrained(causal)
+    shutil.copy(random_exact / "tokenizer.json", causal / "tokenizer.json")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32}))
+    (tmp_path / "file").write_text("")
+    for argv, message in [
+        (["spectrum", str(causal)], r"is a causal Linformer \(layers \[0, 1\]\): its attention"),
+        (["attention-map", str(causal), "--text", TEXT], "is a causal Linformer"),
+        (["spectrum", str(hf)], "holds a Hugging Face model .*: convert it first"),
+        (["spectrum", str(random_exact), "--out", str(tmp_path / "file")], "is a file; name a dir"),
+    ]:
+        if argv[0] == "attention-map":
+            argv += ["--out", str(tmp_path / "m.png")]
+        with pytest.raises(SystemExit, match=message):
+            main(argv)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from linformer_kit import LinformerModel
+from linformer_kit import LinformerModel, hub, linformer_tiny
 from linformer_kit.cli import main
 from linformer_kit.interop import convert_hf_model
 from linformer_kit.interop.report import (
@@ -90,3 +90,33 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
     message = rf"{tmp_path}/tokenizer.json has 30522 tokens but the model in {tmp_path} has"
     with pytest.raises(ValueError, match=message + r" vocab_size 1000: the tokenizer is not"):
         model_tokenizer(tmp_path, "calibration")
+
+
+def test_convert_refuses_to_overwrite_its_source_and_bad_sizes_before_any_work(tmp_path):
+    # Before, --out = --from replaced the Hugging Face config and weights, then failed copying
+    # tokenizer.json onto itself (a traceback); 0 read as "the source's length".
+    source = tmp_path / "minilm"
+    source.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (source / name).write_bytes((minilm_path() / name).read_bytes())
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    args = ["convert", "--from", str(source), "--proj-dim", "8"]
+    with pytest.raises(SystemExit, match=rf"--out {source}/ is the source folder"):
+        main([*args, "--out", f"{source}/"])
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+    for flags, message in [
+        (["--max-seq-len", "0"], "max_seq_len must be an integer >= 1, got 0"),
+        (["--calibration-texts", "0"], "calibration_texts must be an integer >= 1, got 0"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main([*args, "--out", str(tmp_path / "out"), *flags])
+    assert not (tmp_path / "out").exists()
+
+
+def test_converting_into_a_folder_with_an_old_manifest_gives_a_loadable_model(tmp_path):
+    # The old manifest described the replaced files: loading refused the new ones as corrupt.
+    out = tmp_path / "out"
+    LinformerModel(linformer_tiny(vocab_size=50, max_seq_len=16, proj_dim=4)).save_pretrained(out)
+    hub.write_manifest(out)
+    main(["convert", "--proj-dim", "16", "--init", "mean", "--out", str(out)])
+    assert LinformerModel.from_pretrained(out).config.proj_dim == 16

@@ -177,6 +177,20 @@ def _alias_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
     return list(groups.values())
 
 
+def check_output_path(path: str | os.PathLike, *, directory: bool, flag: str = "--out") -> None:
+    """Raises ValueError if output could not be written at `path` (a file where a folder is
+    wanted or the reverse, or a file where a folder of its path should be), naming `flag`:
+    checked before the work, not after it."""
+    out = Path(path)
+    if directory and out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {out} is a file; name a directory")
+    if not directory and out.is_dir():
+        raise ValueError(f"{flag} {out} is a directory; name a file")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"{flag} {out}: {parent} is a file, not a directory")
+
+
 def save_pretrained(
     model: nn.Module, path: str | os.PathLike, architecture: str, model_kwargs: dict[str, Any]
 ) -> None:
@@ -197,6 +211,8 @@ def save_pretrained(
         "config": model.config.to_dict(),
         "model_kwargs": model_kwargs,
     }
+    # a manifest there described the files this save replaces: left, it would refuse them
+    (path / MANIFEST_NAME).unlink(missing_ok=True)
     atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, {"format": "pt"}))
     text = json.dumps(meta, indent=2) + "\n"
     atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
@@ -222,6 +238,12 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         )
     try:
         meta = json.loads(file.read_text())
+        if "config" not in meta and "model_type" in meta:  # transformers' config.json
+            raise FileNotFoundError(
+                f"{Path(path)} holds a Hugging Face model (model_type {meta['model_type']!r}), "
+                f"not a linformer-kit one: convert it first (linformer convert --from "
+                f"{Path(path)} --out DIR)"
+            )
         config = config_from_dict(meta["config"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{file} is corrupt or not a linformer-kit config: {err}") from err

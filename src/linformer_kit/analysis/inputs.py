@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..config import LinformerConfig
 from ..data.corpus import iter_documents
 from ..data.tokenizer import TOKENIZER_NAME, TextTokenizer, load_tokenizer
 from ..models import LinformerModel
@@ -24,6 +25,19 @@ def load_backbone(path: str | os.PathLike) -> LinformerModel:
     """The LinformerModel of a checkpoint directory (the backbone of a masked-LM or
     classifier checkpoint), in eval mode."""
     return LinformerModel.from_pretrained(path).eval()
+
+
+def check_one_matrix(config: LinformerConfig, layers: list[int], path: str | os.PathLike) -> None:
+    """Raises ValueError if one of `layers` of a causal model is a Linformer layer, whose
+    attention has no single (n, M) matrix to analyse: per block, its own keys exactly and
+    the earlier blocks through k summary rows."""
+    projected = [i for i in layers if 0 <= i < config.depth and config.proj_dims[i] is not None]
+    if config.causal and projected:
+        raise ValueError(
+            f"{path} is a causal Linformer (layers {projected}): its attention is per block "
+            f"(the block's own keys, the earlier blocks through k summary rows), not one "
+            f"matrix; the analysis tools read encoders and exact causal models"
+        )
 
 
 def checkpoint_tokenizer(path: str | os.PathLike, vocab_size: int) -> TextTokenizer | None:
@@ -110,9 +124,9 @@ def encode_text(tokenizer: TextTokenizer, text: str, max_seq_len: int) -> tuple[
     Raises:
         ValueError: if the text yields no token.
     """
-    ids = tokenizer.tokenizer.encode(text, add_special_tokens=True).ids
-    if not ids:
+    if not tokenizer.tokenizer.encode(text, add_special_tokens=False).ids:  # [CLS] [SEP] alone
         raise ValueError(f"the text {text[:40]!r} yields no tokens")
+    ids = tokenizer.tokenizer.encode(text, add_special_tokens=True).ids
     if len(ids) > max_seq_len:
         logger.warning("the text has %d tokens; keeping the first %d", len(ids), max_seq_len)
         ids = ids[:max_seq_len]

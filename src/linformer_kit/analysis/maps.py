@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from ..models import LinformerModel
-from .inputs import checkpoint_tokenizer, encode_text, load_backbone
-from .plots import plot_attention_map
+from .inputs import check_one_matrix, checkpoint_tokenizer, encode_text, load_backbone
+from .plots import figure_format, plot_attention_map
 
 
 def check_index(name: str, value: int, count: int) -> None:
@@ -65,7 +65,9 @@ def write_attention_map(
         FileNotFoundError: if the checkpoint has no tokenizer.json.
         ValueError: for a layer or head out of range, or a text without tokens.
     """
+    figure_format(out)  # before the model runs
     model = load_backbone(path)
+    check_one_matrix(model.config, [layer], path)
     tokenizer = checkpoint_tokenizer(path, model.config.vocab_size)
     if tokenizer is None:
         raise FileNotFoundError(f"no tokenizer.json in {path}: needed to encode --text")

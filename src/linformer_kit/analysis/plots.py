@@ -1,4 +1,5 @@
-"""Matplotlib figures of the analysis tools, written atomically as PNG.
+"""Matplotlib figures of the analysis tools, written atomically (PNG, or the format a path's
+suffix names).
 
 Figures are built with `matplotlib.figure.Figure`, not pyplot, so importing this module never
 changes the user's matplotlib backend (a notebook keeps its inline plots)."""
@@ -11,15 +12,35 @@ import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..hub import atomic_write
+from ..hub import atomic_write, check_output_path
 
 MAX_TICK_LABELS = 64  # beyond this many tokens an axis shows positions, not token text
 MAX_ANNOTATED_CELLS = 256  # the heatmap prints its values when it has at most this many cells
 
 
+def figure_format(path: str | Path) -> str:
+    """The image format a figure path names by its suffix (png, pdf, svg, jpg...; png
+    without one).
+
+    Raises:
+        ValueError: for a suffix matplotlib cannot write, naming those it can, or a path
+            where no file can be written (`hub.check_output_path`).
+    """
+    check_output_path(path, directory=False)
+    suffix = Path(path).suffix.lower().lstrip(".")
+    formats = Figure().canvas.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ValueError(
+            f"{path}: matplotlib writes no .{suffix} figure; name one of "
+            f"{', '.join('.' + name for name in sorted(formats))}"
+        )
+    return suffix or "png"
+
+
 def save_figure(fig: Figure, path: str | Path) -> None:
-    """Writes a figure as PNG atomically."""
-    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    """Writes a figure atomically, in the format its suffix names (`figure_format`)."""
+    image_format = figure_format(path)
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format=image_format, dpi=120))
 
 
 def plot_spectrum(report: dict, path: str | Path, title: str) -> None:

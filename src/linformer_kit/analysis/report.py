@@ -9,8 +9,14 @@ from pathlib import Path
 
 from torch import Tensor
 
-from ..hub import atomic_write
-from .inputs import checkpoint_tokenizer, load_backbone, random_windows, token_windows
+from ..hub import atomic_write, check_output_path
+from .inputs import (
+    check_one_matrix,
+    checkpoint_tokenizer,
+    load_backbone,
+    random_windows,
+    token_windows,
+)
 from .plots import plot_spectrum
 from .spectrum import attention_spectra, summarize
 
@@ -55,6 +61,7 @@ class SpectrumSettings:
             raise ValueError(f"masses must be fractions in (0, 1], got {self.masses}")
         if self.seq_len < 0 or self.index < 0:
             raise ValueError(f"seq_len and index must be >= 0, got {self.seq_len}, {self.index}")
+        check_output_path(self.out, directory=True)  # before the model runs
 
 
 def sequences(
@@ -103,6 +110,7 @@ def spectrum_report(path: str | os.PathLike, settings: SpectrumSettings) -> dict
     """
     model = load_backbone(path)
     config = model.config
+    check_one_matrix(config, list(range(config.depth)), path)
     seq_len = settings.seq_len or config.max_seq_len
     if seq_len > config.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {config.max_seq_len}")

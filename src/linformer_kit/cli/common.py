@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PROJECTIONS, SHARINGS
-from ..hub import atomic_write
+from ..hub import atomic_write, check_output_path
 from ..training.loop import TrainResult
 
 
@@ -72,9 +72,7 @@ def check_report_path(path: str) -> None:
     out = Path(path)
     if out.is_dir():
         raise ValueError(f"--out {path} is a directory; name a file, e.g. {out / 'report.json'}")
-    for parent in out.parents:
-        if parent.exists() and not parent.is_dir():
-            raise ValueError(f"--out {path}: {parent} is a file, not a directory")
+    check_output_path(out, directory=False)
 
 
 def write_report(result: dict[str, Any], path: str) -> Path:

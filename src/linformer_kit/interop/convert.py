@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
+from ..config import check_positive
 from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel
 from .bert import convert_hf_model
@@ -58,14 +59,26 @@ def convert_to_dir(
         The converted model (its backbone, for a checkpoint with a head).
 
     Raises:
-        FileNotFoundError / ValueError: as `convert_hf_model` or `convert_checkpoint`.
+        FileNotFoundError / ValueError: as `convert_hf_model` or `convert_checkpoint`; a
+            ValueError before any work for `out` the source folder itself, a max_seq_len or
+            (data-driven inits) calibration_texts below 1.
     """
     source = Path(source)
+    if Path(out).resolve() == source.resolve():
+        raise ValueError(
+            f"--out {out} is the source folder: the conversion would overwrite the model it "
+            f"reads; name another folder"
+        )
+    hub.check_output_path(out, directory=True)
+    if max_seq_len is not None:
+        check_positive("max_seq_len", max_seq_len)
     data_driven = proj_dim is not None and projection == "linear"
     data_driven = data_driven and (init or DEFAULT_INIT) in DATA_DRIVEN
     if data_driven and init is None and not (source / TOKENIZER_NAME).is_file():
         logger.info("no %s in %s to calibrate on: mean-pooling init", TOKENIZER_NAME, source)
         data_driven = False  # init_projections' default without calibration ids
+    if data_driven:
+        check_positive("calibration_texts", calibration_texts)
     options = {
         "proj_dim": proj_dim,
         "max_seq_len": max_seq_len,
