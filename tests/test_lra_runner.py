@@ -183,6 +183,17 @@ def test_cli_text_end_to_end_writes_json_and_png(tmp_path, capsys):
     assert (out / "text.png").is_file()
 
 
+def test_cli_table_of_one_model_shows_a_dash_for_the_ratio_it_has_not(tmp_path, capsys):
+    main(["lra", "listops", "--output-dir", str(tmp_path / "runs"), "--cache-dir",
+          str(tmp_path / "cache"), "--min-length", "4", "--max-length", "12", "--max-depth",
+          "1", "--scale", "0.0625", "--steps", "2", "--batch-size", "8", "--proj-dim", "4",
+          "--num-train", "16", "--num-eval", "8", "--models", "linformer",
+          "--no-isolate"])  # fmt: skip
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("listops"))
+    # ... s / step, step time: exact / this, peak MB, steps
+    assert "nan" not in row and row.split()[-3] == "-"  # the ratio (was nan)
+
+
 def test_resume_refuses_text_whose_files_changed(tmp_path):
     # Before, a resumed text run went on training on the rewritten files without a word.
     reviews = keyword_reviews(tmp_path / "reviews", 10)
@@ -243,6 +254,21 @@ def test_models_trains_only_those_named(tmp_path):
     assert row.split(" | ")[3] == f"{report['rows'][0]['test_acc']:.1f}"
     assert row.split(" | ")[8] == "-"
     assert LRASettings(models=" transformer , linformer").model_names == MODELS[::-1]
+
+
+def test_a_fresh_run_of_one_model_leaves_the_others_resume_to_its_own_settings(tmp_path):
+    # Before, it overwrote the task's one settings.json: `--resume --models transformer` then
+    # went on from the exact model's 6-step checkpoint under the 8-step settings silently.
+    run_lra("listops", tiny_listops(tmp_path, **RESUMABLE))
+    run_lra("listops", tiny_listops(tmp_path, models="linformer", **{**RESUMABLE, "steps": 8}))
+    again = tiny_listops(tmp_path, models="transformer", resume=True, **{**RESUMABLE, "steps": 8})
+    message = r"continues the run in .*/listops/transformer .*these differ: steps 8 \(the run's: 6"
+    with pytest.raises(ValueError, match=message):
+        run_lra("listops", again)
+    for name in MODELS:  # each model's own settings and data beside its checkpoints
+        started = json.loads((tmp_path / "runs/listops" / name / "settings.json").read_text())
+        assert started["steps"] == (8 if name == "linformer" else 6)
+        assert (tmp_path / "runs/listops" / name / "data.json").is_file()
 
 
 def test_a_killed_model_run_is_reported_not_a_crash(tmp_path, monkeypatch):

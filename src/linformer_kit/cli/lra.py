@@ -29,7 +29,10 @@ def run(args: argparse.Namespace) -> None:
     )
     with logging_redirect_tqdm():  # log lines between progress bars, not inside them
         report = run_lra(args.task, settings)
-    print(format_table([{COLUMNS[k]: v for k, v in row.items()} for row in summary_rows(report)]))
+    rows = [  # a figure not measured (no exact model: no step-time ratio) is a dash (v != v: nan)
+        {COLUMNS[k]: "-" if v != v else v for k, v in row.items()} for row in summary_rows(report)
+    ]
+    print(format_table(rows))
     output = Path(settings.output_dir)
     print(
         f"wrote {output / f'{args.task}.json'}, {output / f'{args.task}.png'} and "

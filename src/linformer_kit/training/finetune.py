@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -13,8 +14,8 @@ import torch
 
 from .. import hub
 from ..config import TRUNCATIONS, LinformerConfig, check_choice, check_non_negative, check_positive
-from ..data.classification import load_classification
-from ..data.tokenizer import load_tokenizer
+from ..data.classification import ClassificationData, load_classification
+from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
@@ -22,7 +23,7 @@ from .checkpoint import latest_checkpoint
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
-from .settings import TrainSettings, save_json
+from .settings import RUN_CONFIG_NAME, TrainSettings, save_json
 from .task_distill import DistillationObjective, teacher_logits
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,37 @@ def _sequence_length(settings: FinetuneSettings, model_len: int) -> int:
     return settings.max_seq_len or model_len
 
 
+def _check_same_inputs(
+    run_dir: Path, settings: FinetuneSettings, max_len: int, model_len: int
+) -> None:
+    """Checks that a resumed fine-tuning reads its texts as it started (the run_config.json
+    of its last checkpoint): the same length cut and fields (the truncation rule is the
+    model's config, `check_same_model`'s). A run without a checkpoint passes.
+
+    Raises:
+        ValueError: naming each flag that differs, with the run's value.
+    """
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None or not (checkpoint.path / RUN_CONFIG_NAME).is_file():
+        return
+    started = json.loads((checkpoint.path / RUN_CONFIG_NAME).read_text())["finetune"]
+    was = {name: started[name] for name in ("text_field", "label_field")}
+    was["max_seq_len"] = started["max_seq_len"] or model_len
+    now = {"text_field": settings.text_field, "label_field": settings.label_field}
+    now["max_seq_len"] = max_len
+    changed = ", ".join(
+        f"--{name.replace('_', '-')} {now[name]!r} (the run's: {was[name]!r})"
+        for name in now
+        if now[name] != was[name]
+    )
+    if changed:
+        raise ValueError(
+            f"--resume continues the fine-tuning in {run_dir} on texts read as it started; "
+            f"these differ: {changed}. Give the run's values, or start over in another "
+            f"--output-dir"
+        )
+
+
 def _sized(
     settings: FinetuneSettings, train: TrainSettings, examples: int, ranks: int
 ) -> TrainSettings:
@@ -190,11 +222,44 @@ def _sized(
     return dataclasses.replace(train, max_steps=max_steps, eval_every=every, save_every=every)
 
 
-def _keeps_head(meta: dict[str, Any], num_labels: int) -> bool:
+def _head_labels(meta: dict[str, Any], num_labels: int) -> int:
+    """The classes of `--init`'s head when it is a classifier that `--num-labels` (0: any)
+    does not resize, else 0."""
+    if meta["architecture"] != LinformerForSequenceClassification.__name__:
+        return 0
+    saved = meta["model_kwargs"].get("num_labels", 0)
+    return saved if num_labels in (0, saved) else 0
+
+
+def _training_data(
+    settings: FinetuneSettings,
+    tokenizer: TextTokenizer,
+    max_len: int,
+    fields: dict[str, str],
+    head_names: dict[str, int] | None,
+) -> ClassificationData:
+    """The training file, its class names numbered as `--init`'s classifier numbers them
+    (`head_names`, its label2id) when they are among that classifier's (its head's outputs
+    keep their meaning), else in sorted order."""
+    if head_names:
+        try:
+            return load_classification(
+                settings.data, tokenizer, max_seq_len=max_len, label2id=head_names, **fields
+            )
+        except ValueError:  # other names, or ids: a task of its own (a bad file fails below)
+            pass
+    return load_classification(settings.data, tokenizer, max_seq_len=max_len, **fields)
+
+
+def _keeps_head(meta: dict[str, Any], num_labels: int, names_match: bool) -> bool:
     """Whether `--init` is a classifier of `num_labels` classes, whose trained head is kept
     (e.g. the exact model fine-tuned at full length, then converted to a Linformer). A
-    classifier of another number of classes gives its backbone only: a new head starts."""
+    classifier of another number of classes, or whose class names are not the data's
+    (`names_match`), gives its backbone only: a new head starts."""
     if meta["architecture"] != LinformerForSequenceClassification.__name__:
+        return False
+    if not names_match:
+        logger.info("--init's classes are not the data's: its backbone is kept, with a new head")
         return False
     saved = meta["model_kwargs"].get("num_labels")
     if saved != num_labels:
@@ -245,10 +310,17 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     config = meta["config"]
     tokenizer = load_tokenizer(settings.init, model_vocab_size=config.vocab_size)
     max_len = _sequence_length(settings, config.max_seq_len)
+    if train.resume:
+        _check_same_inputs(Path(train.output_dir), settings, max_len, config.max_seq_len)
     fields = {"text_field": settings.text_field, "label_field": settings.label_field}
     fields["truncation"] = settings.truncation or config.truncation or DEFAULT_TRUNCATION
-    train_data = load_classification(settings.data, tokenizer, max_seq_len=max_len, **fields)
-    num_labels = settings.num_labels or max(train_data.labels) + 1
+    head_labels = _head_labels(meta, settings.num_labels)
+    head_names = (config.label2id or None) if head_labels else None
+    train_data = _training_data(settings, tokenizer, max_len, fields, head_names)
+    named_as_head = head_names is not None and train_data.label2id == head_names
+    num_labels = settings.num_labels or (
+        head_labels if named_as_head else max(train_data.labels) + 1
+    )
     if num_labels < 2:
         label = next(iter(train_data.label2id)) if train_data.label2id else 0
         raise ValueError(
@@ -270,7 +342,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     try:
         train = _sized(settings, train, len(train_data), dist.world_size)
         torch.manual_seed(train.seed)
-        keep_head = _keeps_head(meta, num_labels)
+        keep_head = _keeps_head(meta, num_labels, names_match=named_as_head or not head_names)
         model = LinformerForSequenceClassification.from_pretrained(
             settings.init,
             num_labels=num_labels,

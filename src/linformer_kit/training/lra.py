@@ -29,8 +29,9 @@ from .settings import TrainSettings, save_json
 
 logger = logging.getLogger(__name__)
 
-SETTINGS_NAME = "settings.json"  # OUT/TASK/: the settings the run started with
-DATA_NAME = "data.json"  # OUT/TASK/: the parameters of the data it started with
+# in each model's run, OUT/TASK/MODEL/ (a run of one model leaves the other's as it was):
+SETTINGS_NAME = "settings.json"  # the settings the run started with
+DATA_NAME = "data.json"  # the parameters of the data it started with
 # What a --resume may change: where and how the run goes on, not what it trains.
 RESUME_MAY_CHANGE = ("resume", "threads", "device", "isolate", "output_dir", "cache_dir", "models")
 
@@ -224,8 +225,9 @@ def _failed_row(
 
 
 def check_resumable(run_dir: Path, settings: LRASettings) -> None:
-    """Checks that `settings` continue the run in `run_dir` as it started (its
-    `settings.json`), but for RESUME_MAY_CHANGE; a run without that file passes.
+    """Checks that `settings` continue the run of one model in `run_dir` (OUT/TASK/MODEL)
+    as it started (its `settings.json`), but for RESUME_MAY_CHANGE; a run without that file
+    passes.
 
     Raises:
         ValueError: naming each setting that differs, with the run's value.
@@ -296,17 +298,18 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     run_dir = Path(settings.output_dir) / task
     for name in settings.model_names:  # a bad setting is named before data or runs are touched
         train_settings(task, settings, name)
-    if settings.resume:
-        check_resumable(run_dir, settings)
+    for name in settings.model_names if settings.resume else ():
+        check_resumable(run_dir / name, settings)
     data = load_task(task, settings)  # generated here once; the runs read the cache
-    if settings.resume:
-        check_same_data(run_dir, data.params)
-    else:
-        for name in settings.model_names:
+    for name in settings.model_names:
+        if settings.resume:
+            check_same_data(run_dir / name, data.params)
+        else:
             shutil.rmtree(run_dir / name, ignore_errors=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_json(dataclasses.asdict(settings), run_dir / SETTINGS_NAME)
-    save_json(data.params, run_dir / DATA_NAME)
+    for name in settings.model_names:
+        (run_dir / name).mkdir(parents=True, exist_ok=True)
+        save_json(dataclasses.asdict(settings), run_dir / name / SETTINGS_NAME)
+        save_json(data.params, run_dir / name / DATA_NAME)
     before = machine()
     rows = []
     for name in settings.model_names:

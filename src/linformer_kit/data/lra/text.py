@@ -133,7 +133,7 @@ def _encode(texts: list[bytes], labels: list[int], max_length: int, source: str)
         tokens = np.frombuffer(text[:max_length], dtype=np.uint8).astype(np.uint16) + 1
         inputs[row, : len(tokens)] = tokens
         lengths[row] = max(1, len(tokens))  # an empty file is one padding token, not none
-    return LRASplit(inputs, lengths, np.asarray(labels, dtype=np.int8), source)
+    return LRASplit(inputs, lengths, np.asarray(labels, dtype=np.int32), source)  # any count
 
 
 def _fingerprint(path: Path) -> str:
