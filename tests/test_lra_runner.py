@@ -194,6 +194,22 @@ def test_cli_table_of_one_model_shows_a_dash_for_the_ratio_it_has_not(tmp_path, 
     assert "nan" not in row and row.split()[-3] == "-"  # the ratio (was nan)
 
 
+@pytest.mark.parametrize(
+    ("task", "flags", "message"),
+    [
+        ("listops", ["--data", "reviews"], "--data sets the data of text only; listops does not"),
+        ("text", ["--max-depth", "3"], "--max-depth sets the data of listops only; text does"),
+        ("pathfinder", ["--max-length", "50"], "--max-length sets the data of listops and text"),
+        ("listops", ["--max-depth", "1"], r"got 2000 \(LRA's, --max-length left at 0; give one\)"),
+    ],
+)
+def test_a_flag_the_task_does_not_read_is_named(tmp_path, task, flags, message):
+    # Before, listops ran with --data or --contour-length and ignored them without a word.
+    with pytest.raises(SystemExit, match=message):
+        main(["lra", task, *flags, "--output-dir", str(tmp_path), "--steps", "1"])
+    assert not any(tmp_path.iterdir())
+
+
 def test_resume_refuses_text_whose_files_changed(tmp_path):
     # Before, a resumed text run went on training on the rewritten files without a word.
     reviews = keyword_reviews(tmp_path / "reviews", 10)

@@ -23,7 +23,7 @@ from .compare import machine
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer
 from .lra_report import model_label, plot_lra, write_summary
-from .lra_settings import LRASettings, Recipe, check_task
+from .lra_settings import LRASettings, Recipe, check_task, check_task_flags
 from .process import in_fresh_process
 from .settings import TrainSettings, save_json
 
@@ -55,14 +55,19 @@ def load_task(task: str, settings: LRASettings) -> LRATask:
     if settings.num_eval:
         sizes |= {"num_val": settings.num_eval, "num_test": settings.num_eval}
     if check_task(task) == "listops":
-        return load_listops(
-            **sizes,
-            min_length=settings.min_length,
-            max_length=settings.max_length or 2000,
-            max_depth=settings.max_depth,
-            seed=settings.seed,
-            cache_dir=cache,
-        )
+        try:
+            return load_listops(
+                **sizes,
+                min_length=settings.min_length,
+                max_length=settings.max_length or 2000,
+                max_depth=settings.max_depth,
+                seed=settings.seed,
+                cache_dir=cache,
+            )
+        except ValueError as err:
+            if settings.max_length:
+                raise
+            raise ValueError(f"{err} (LRA's, --max-length left at 0; give one)") from None
     if task == "pathfinder":
         return load_pathfinder(
             **sizes, contour_length=settings.contour_length, seed=settings.seed, cache_dir=cache
@@ -295,6 +300,7 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
         ValueError: for an unknown task or bad settings, or settings a resumed run did not
             start with.
     """
+    check_task_flags(check_task(task), settings)
     run_dir = Path(settings.output_dir) / task
     for name in settings.model_names:  # a bad setting is named before data or runs are touched
         train_settings(task, settings, name)

@@ -176,8 +176,31 @@ class LRASettings:
         )
 
 
+# the settings of one task's data, and the tasks that read them
+TASK_FLAGS = {
+    "min_length": ("listops",),
+    "max_depth": ("listops",),
+    "max_length": ("listops", "text"),
+    "contour_length": ("pathfinder",),
+    "data": ("text",),
+    "data_where": ("text",),
+}
+
+
 def check_task(task: str) -> str:
     """Returns `task`, or raises a ValueError naming the known tasks."""
     if task not in TASKS:
         raise ValueError(f"unknown LRA task {task!r}; known: {', '.join(TASKS)}")
     return task
+
+
+def check_task_flags(task: str, settings: LRASettings) -> None:
+    """Raises ValueError for a setting of another task's data given (not its default) to
+    `task`, which would ignore it (`--data` on listops, `--contour-length` on text...)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LRASettings)}
+    for name, tasks in TASK_FLAGS.items():
+        if task not in tasks and getattr(settings, name) != defaults[name]:
+            raise ValueError(
+                f"--{name.replace('_', '-')} sets the data of {' and '.join(tasks)} only; "
+                f"{task} does not read it"
+            )
