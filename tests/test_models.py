@@ -383,3 +383,38 @@ def test_mean_pooling_never_lets_nan_in_padding_through():
     hidden[1, 2:] = float("nan")
     torch.testing.assert_close(masked_mean(hidden, mask), clean)
     torch.testing.assert_close(clean[1], hidden[1, :2].mean(0))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_inputs_that_do_not_fit_are_named_before_they_are_read(causal):
+    # Before, a (2, 9) mask for (2, 10) ids dropped the last token (gathered by it), a
+    # (1, 10) mask dropped the second row, a float mask failed in `~`, an empty batch in a
+    # reshape, and wrong token types in the embedding.
+    model = LinformerModel(tiny(causal=causal, block_size=4, type_vocab_size=2)).eval()
+    ids = torch.randint(2, VOCAB, (2, 10))
+    for mask in (torch.ones(2, 9, dtype=torch.bool), torch.ones(1, 10, dtype=torch.bool),
+                 torch.ones(2, 10), torch.ones(2, 1, 10, dtype=torch.bool)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"key_padding_mask must be a bool tensor of shape"):
+            model(ids, mask)
+    for empty, message in [
+        (ids[:0], r"input_ids must be \(batch >= 1, seq_len\), got shape \(0, 10\)"),
+        (ids[:, :0], "sequence length 0 holds no token; inputs may have any length from 1 to 64"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            model(empty)
+    with pytest.raises(ValueError, match=r"token_type_ids must have input_ids' shape \(2, 10\)"):
+        model(ids, token_type_ids=torch.zeros(2, 9, dtype=torch.long))
+
+
+def test_classifier_labels_shaped_as_the_logits_score_the_same_and_others_are_named():
+    # Regression labels (B, 1) broadcast against (B,) to a (B, B) mean: wrong loss, no error.
+    ids = torch.randint(2, VOCAB, (3, 10))
+    for num_labels, labels in [(1, torch.randn(3)), (4, torch.tensor([0, 3, 1]))]:
+        model = LinformerForSequenceClassification(tiny(), num_labels=num_labels).eval()
+        flat = model(ids, labels=labels).loss
+        assert torch.equal(model(ids, labels=labels[:, None]).loss, flat)
+        with pytest.raises(ValueError, match=r"labels must have shape \(batch,\) = \(3,\)"):
+            model(ids, labels=labels[:1])
+    model = LinformerForSequenceClassification(tiny(), num_labels=1).eval()
+    out = model(ids)
+    assert model(ids, labels=out.logits.detach()).loss == 0  # was 0.004 with (B, 1) labels

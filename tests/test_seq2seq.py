@@ -339,3 +339,15 @@ def test_a_tiny_linformer_learns_to_copy_in_seconds(one_thread):
     accuracy = ((logits.argmax(-1) == targets) & real).sum() / real.sum()
     # Chance is 1/8 per symbol; knowing only the lengths (the end token) gives about 0.26.
     assert accuracy > 0.6, f"token accuracy {accuracy:.2f}"
+
+
+def test_a_source_batch_other_than_the_targets_is_named():
+    # SDPA broadcast a memory of batch 1 over a target batch of 2: logits (2, M, vocab).
+    model = model_for()
+    src, tgt = torch.randint(3, 40, (1, 12)), torch.randint(3, 40, (2, 6))
+    with pytest.raises(ValueError, match=r"the source batch \(1\) and the target batch \(2\)"):
+        model(src, tgt)
+    with pytest.raises(ValueError, match="key_padding_mask must be a bool tensor of shape"):
+        model(src.expand(2, 12), tgt, key_padding_mask=torch.ones(1, 12, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask must be a bool tensor of shape"):
+        model(src.expand(2, 12), tgt, decoder_padding_mask=torch.ones(2, 5, dtype=torch.bool))

@@ -23,11 +23,12 @@ from .linear_backend import matmul
 
 
 def check_seq_len(seq_len: int, max_seq_len: int) -> None:
-    """Raises ValueError if a sequence is longer than the model accepts."""
-    if seq_len > max_seq_len:
+    """Raises ValueError unless a sequence's length is in [1, max_seq_len]."""
+    if not 1 <= seq_len <= max_seq_len:
+        problem = f"exceeds max_seq_len {max_seq_len}" if seq_len > 1 else "holds no token"
         raise ValueError(
-            f"sequence length {seq_len} exceeds max_seq_len {max_seq_len}; inputs may have any "
-            f"length from 1 to {max_seq_len}"
+            f"sequence length {seq_len} {problem}; inputs may have any length from 1 to "
+            f"{max_seq_len}"
         )
 
 

@@ -17,7 +17,7 @@ from .attention import CausalState
 from .config import LinformerConfig, check_choice
 from .dropout import Dropout
 from .encoder import LinformerEncoder
-from .functional import check_seq_len, gather_positions, real_first
+from .functional import check_key_padding_mask, check_seq_len, gather_positions, real_first
 
 logger = logging.getLogger(__name__)
 
@@ -270,12 +270,20 @@ class LinformerModel(LinformerPreTrainedModel):
         Raises:
             ValueError: if N exceeds max_seq_len or the inputs are malformed.
         """
-        if input_ids.dim() != 2:
+        if input_ids.dim() != 2 or input_ids.shape[0] < 1:
             raise ValueError(
-                f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}"
+                f"input_ids must be (batch >= 1, seq_len), got shape {tuple(input_ids.shape)}"
             )
         start = states[0].length if states else 0
         check_seq_len(start + input_ids.shape[1], self.config.max_seq_len)
+        if input_ids.shape[1] < 1:  # a generation step of no token
+            raise ValueError("input_ids holds no token (seq_len 0)")
+        check_key_padding_mask(key_padding_mask, *input_ids.shape)  # before anything reads it
+        if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)}, got "
+                f"{tuple(token_type_ids.shape)}"
+            )
         position_ids = (
             causal_position_ids(input_ids, key_padding_mask, start) if self.config.causal else None
         )
@@ -373,6 +381,13 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         logits = self.head(self.pool(out.last_hidden_state, key_padding_mask))
         loss = None
         if labels is not None:
+            batch = logits.shape[0]
+            if labels.shape not in ((batch,), (batch, 1)):  # (B, 1) as the logits, as in HF
+                raise ValueError(
+                    f"labels must have shape (batch,) = ({batch},) (or ({batch}, 1)), got "
+                    f"{tuple(labels.shape)}"
+                )
+            labels = labels.reshape(batch)
             if self.num_labels == 1:
                 loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
             else:
