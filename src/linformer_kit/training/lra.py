@@ -64,8 +64,8 @@ def load_task(task: str, settings: LRASettings) -> LRATask:
                 seed=settings.seed,
                 cache_dir=cache,
             )
-        except ValueError as err:
-            if settings.max_length:
+        except ValueError as err:  # a length that does not fit: say where 2000 came from
+            if settings.max_length or "max_length" not in str(err):
                 raise
             raise ValueError(f"{err} (LRA's, --max-length left at 0; give one)") from None
     if task == "pathfinder":
