@@ -216,6 +216,18 @@ def test_classifier_from_masked_lm_gets_backbone_and_fresh_head(mlm_dir):
     assert clf.eval()(ids, mask).logits.shape == (3, 3)
 
 
+def test_a_classifier_reloaded_with_other_classes_names_keep_head(tmp_path):
+    # Before, only the shapes were named: not the way to a new head of 5 classes.
+    LinformerForSequenceClassification(tiny(), num_labels=3).save_pretrained(tmp_path)
+    message = r"\{'num_labels': 5\} differ from the saved .*: pass keep_head=False"
+    with pytest.raises(ValueError, match=message):
+        LinformerForSequenceClassification.from_pretrained(tmp_path, num_labels=5)
+    model = LinformerForSequenceClassification.from_pretrained(
+        tmp_path, num_labels=5, keep_head=False
+    )
+    assert model.num_labels == 5
+
+
 @pytest.mark.parametrize(
     "source", [LinformerForSequenceClassification, LinformerForMaskedLM, LinformerModel]
 )

@@ -210,7 +210,16 @@ class LinformerPreTrainedModel(nn.Module):
         model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
         tensors = hub.read_weights(path)
         if same:
-            hub.load_weights(model, tensors, str(path))
+            changed = {k: v for k, v in model_kwargs.items() if meta["model_kwargs"].get(k) != v}
+            try:
+                hub.load_weights(model, tensors, str(path))
+            except ValueError as err:
+                if not changed:
+                    raise
+                raise ValueError(
+                    f"{err}\n{changed} differ from the saved {meta['model_kwargs']}: pass "
+                    f"keep_head=False to load the backbone with a new head"
+                ) from None
             return model
         if meta["architecture"] != LinformerModel.__name__:
             prefix = cls.base_model_prefix + "."
