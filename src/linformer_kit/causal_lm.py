@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +9,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import CausalState
-from .config import LinformerConfig, check_non_negative, check_positive
+from .config import (
+    LinformerConfig,
+    check_finite_non_negative,
+    check_non_negative,
+    check_positive,
+)
 from .functional import check_key_padding_mask
 from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
@@ -154,8 +158,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
             )
         check_key_padding_mask(key_padding_mask, *input_ids.shape)
         check_non_negative("max_new_tokens", max_new_tokens)
-        if not 0 <= temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        check_finite_non_negative("temperature", temperature)
         check_top_k(top_k)
         lengths = input_ids.new_full((input_ids.shape[0],), input_ids.shape[1])
         if key_padding_mask is not None:

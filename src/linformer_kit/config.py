@@ -34,6 +34,14 @@ def check_non_negative(name: str, value: Any, zero: str = "") -> None:
         raise ValueError(f"{name} must be an integer >= 0{meaning}, got {value!r}")
 
 
+def check_finite_non_negative(name: str, value: float, zero: str = "") -> None:
+    """Raises ValueError unless `value` is a finite number >= 0 (nan and inf refused), naming
+    `name`, the value and, when given, what 0 means (`zero`, e.g. "0 = no clipping")."""
+    if not 0 <= value < math.inf:
+        meaning = f" ({zero})" if zero else ""
+        raise ValueError(f"{name} must be a finite number >= 0{meaning}, got {value}")
+
+
 def check_proj_dim(proj_dim: Any, max_seq_len: int) -> None:
     """Raises ValueError unless `proj_dim` (k) is an integer in [1, max_seq_len]."""
     if (

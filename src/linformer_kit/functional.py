@@ -25,11 +25,17 @@ from .linear_backend import matmul
 def check_seq_len(seq_len: int, max_seq_len: int) -> None:
     """Raises ValueError unless a sequence's length is in [1, max_seq_len]."""
     if not 1 <= seq_len <= max_seq_len:
-        problem = f"exceeds max_seq_len {max_seq_len}" if seq_len > 1 else "holds no token"
+        problem = "holds no token" if seq_len < 1 else f"exceeds max_seq_len {max_seq_len}"
         raise ValueError(
             f"sequence length {seq_len} {problem}; inputs may have any length from 1 to "
             f"{max_seq_len}"
         )
+
+
+def check_token_ids(ids: Tensor, name: str = "input_ids") -> None:
+    """Raises ValueError unless `ids` is a (batch >= 1, seq_len) tensor, naming `name`."""
+    if ids.dim() != 2 or ids.shape[0] < 1:
+        raise ValueError(f"{name} must be (batch >= 1, seq_len), got shape {tuple(ids.shape)}")
 
 
 def check_input(x: Tensor, dim: int) -> None:

@@ -17,7 +17,13 @@ from .attention import CausalState
 from .config import LinformerConfig, check_choice
 from .dropout import Dropout
 from .encoder import LinformerEncoder
-from .functional import check_key_padding_mask, check_seq_len, gather_positions, real_first
+from .functional import (
+    check_key_padding_mask,
+    check_seq_len,
+    check_token_ids,
+    gather_positions,
+    real_first,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -279,10 +285,7 @@ class LinformerModel(LinformerPreTrainedModel):
         Raises:
             ValueError: if N exceeds max_seq_len or the inputs are malformed.
         """
-        if input_ids.dim() != 2 or input_ids.shape[0] < 1:
-            raise ValueError(
-                f"input_ids must be (batch >= 1, seq_len), got shape {tuple(input_ids.shape)}"
-            )
+        check_token_ids(input_ids)
         start = states[0].length if states else 0
         check_seq_len(start + input_ids.shape[1], self.config.max_seq_len)
         if input_ids.shape[1] < 1:  # a generation step of no token

@@ -19,7 +19,7 @@ from .attention import CausalState
 from .causal_lm import LinformerForCausalLM, check_top_k, next_token_targets
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .encoder import LinformerEncoderLayer, layer_arguments
-from .functional import check_key_padding_mask, check_seq_len
+from .functional import check_key_padding_mask, check_seq_len, check_token_ids
 from .losses import check_labels, lm_head_loss
 from .models import (
     LinformerEmbeddings,
@@ -206,11 +206,7 @@ class LinformerDecoder(nn.Module):
             ValueError: if the target is longer than max_seq_len, or the target, memory and
                 masks disagree in shape.
         """
-        if input_ids.dim() != 2 or input_ids.shape[0] < 1:
-            raise ValueError(
-                f"decoder_input_ids must be (batch >= 1, seq_len), got shape "
-                f"{tuple(input_ids.shape)}"
-            )
+        check_token_ids(input_ids, "decoder_input_ids")
         start = states[0].self_attention.length if states else 0
         check_seq_len(start + input_ids.shape[1], self.config.max_seq_len)
         check_key_padding_mask(key_padding_mask, *input_ids.shape)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..config import check_choice, check_non_negative, check_positive
+from ..config import (
+    check_choice,
+    check_finite_non_negative,
+    check_non_negative,
+    check_positive,
+)
 from ..kernel_rule import KERNELS
 from ..training.settings import check_compile, check_threads
 from .variants import SCOPES, SHARINGS, Variant, default_variants
@@ -126,8 +130,7 @@ class BenchSettings:
             check_positive(name, getattr(self, name))
         check_non_negative("warmup", self.warmup)
         check_threads(self.threads)
-        if not 0 <= self.min_time_s < math.inf:
-            raise ValueError(f"min_time_s must be a finite number >= 0, got {self.min_time_s}")
+        check_finite_non_negative("min_time_s", self.min_time_s)
         for name in ("memory_budget_gb", "time_budget_s"):
             if not getattr(self, name) > 0:  # also refuses nan
                 raise ValueError(

@@ -13,7 +13,6 @@ memory (precomputed, 4096 MiniLM windows of 512 tokens would hold 19 GB of targe
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..config import LinformerConfig, check_choice
+from ..config import LinformerConfig, check_choice, check_finite_non_negative
 from ..models import LinformerModel, masked_mean
 from ..precision import bf16_autocast
 from ..training.distributed import resolve_device
@@ -78,8 +77,7 @@ class DistillSettings:
         check_choice("trainable", self.trainable, TRAINABLES)
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
-        if not 0 <= self.layer_weight < math.inf:  # also refuses nan
-            raise ValueError(f"layer_weight must be a finite number >= 0, got {self.layer_weight}")
+        check_finite_non_negative("layer_weight", self.layer_weight)
         if self.device != "auto":
             self.torch_device()  # names the allowed devices, or says CUDA is missing
         self.train_settings()  # validates steps, batch size, lr, warm-up and precision

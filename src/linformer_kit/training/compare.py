@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import multiprocessing
 import os
 import platform
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from ..causal_lm import LinformerForCausalLM
-from ..config import LinformerConfig
+from ..config import LinformerConfig, check_finite_non_negative
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
 from ..hub import atomic_write
@@ -92,8 +91,7 @@ class ComparisonSettings:
                 f"causal Linformer attends each block exactly, so at block_size >= seq_len "
                 f"the causal pair would be exact attention twice"
             )
-        if not 0 <= self.budget_min < math.inf:
-            raise ValueError(f"budget_min must be a finite number >= 0, got {self.budget_min}")
+        check_finite_non_negative("budget_min", self.budget_min)
 
     @property
     def objective_list(self) -> list[str]:

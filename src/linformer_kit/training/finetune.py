@@ -19,7 +19,7 @@ from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
-from .checkpoint import latest_checkpoint
+from .checkpoint import Checkpoint, latest_checkpoint
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
@@ -174,16 +174,15 @@ def _sequence_length(settings: FinetuneSettings, model_len: int) -> int:
 
 
 def _check_same_inputs(
-    run_dir: Path, settings: FinetuneSettings, max_len: int, model_len: int
+    checkpoint: Checkpoint | None, settings: FinetuneSettings, max_len: int, model_len: int
 ) -> None:
     """Checks that a resumed fine-tuning reads its texts as it started (the run_config.json
     of its last checkpoint): the same length cut and fields (the truncation rule is the
-    model's config, `check_same_model`'s). A run without a checkpoint passes.
+    model's config, `check_same_model`'s). A run without a checkpoint (None) passes.
 
     Raises:
         ValueError: naming each flag that differs, with the run's value.
     """
-    checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None or not (checkpoint.path / RUN_CONFIG_NAME).is_file():
         return
     started = json.loads((checkpoint.path / RUN_CONFIG_NAME).read_text())["finetune"]
@@ -198,9 +197,9 @@ def _check_same_inputs(
     )
     if changed:
         raise ValueError(
-            f"--resume continues the fine-tuning in {run_dir} on texts read as it started; "
-            f"these differ: {changed}. Give the run's values, or start over in another "
-            f"--output-dir"
+            f"--resume continues the fine-tuning of {checkpoint.path} on texts read as it "
+            f"started; these differ: {changed}. Give the run's values, or start over in "
+            f"another --output-dir"
         )
 
 
@@ -310,8 +309,10 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     config = meta["config"]
     tokenizer = load_tokenizer(settings.init, model_vocab_size=config.vocab_size)
     max_len = _sequence_length(settings, config.max_seq_len)
+    # a folder with checkpoints is resumed (its head loaded) or refused by the Trainer
+    last = latest_checkpoint(Path(train.output_dir))
     if train.resume:
-        _check_same_inputs(Path(train.output_dir), settings, max_len, config.max_seq_len)
+        _check_same_inputs(last, settings, max_len, config.max_seq_len)
     fields = {"text_field": settings.text_field, "label_field": settings.label_field}
     fields["truncation"] = settings.truncation or config.truncation or DEFAULT_TRUNCATION
     head_labels = _head_labels(meta, settings.num_labels)
@@ -352,8 +353,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         ).to(dist.device)
         if settings.projections == "freeze":
             freeze_projections(model)
-        # A folder with checkpoints is resumed (its head loaded) or refused by the Trainer.
-        fresh = latest_checkpoint(Path(train.output_dir)) is None
+        fresh = last is None
         if keep_head:
             logger.info("the classification head of %s is kept", settings.init)
         elif settings.head_init == "probe" and fresh:

@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from ..config import LinformerConfig, check_choice, check_non_negative, check_positive
+from ..config import (
+    LinformerConfig,
+    check_choice,
+    check_finite_non_negative,
+    check_non_negative,
+    check_positive,
+)
 from ..data.pipeline import DataSettings
 from ..hub import atomic_write
 
@@ -114,15 +120,8 @@ class TrainSettings:
         for name in ("warmup_steps", "eval_batches"):
             check_non_negative(name, getattr(self, name))
         check_lr("lr", self.lr)
-        if not 0 <= self.weight_decay < math.inf:
-            raise ValueError(
-                f"weight_decay must be a finite number >= 0 (0 = none), got {self.weight_decay}"
-            )
-        if not 0 <= self.clip_grad_norm < math.inf:
-            raise ValueError(
-                f"clip_grad_norm must be a finite number >= 0 (0 = no clipping), "
-                f"got {self.clip_grad_norm}"
-            )
+        check_finite_non_negative("weight_decay", self.weight_decay, "0 = none")
+        check_finite_non_negative("clip_grad_norm", self.clip_grad_norm, "0 = no clipping")
         if not 0 <= self.beta2 < 1:
             raise ValueError(f"beta2 must be a number in [0, 1), got {self.beta2}")
         if not 0 < self.mlm_probability < 1:
