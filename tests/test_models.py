@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from script_helpers import BENCHMARKS, load_script
 
 from linformer_kit import (
+    LinformerForCausalLM,
     LinformerForMaskedLM,
     LinformerForSequenceClassification,
     LinformerModel,
@@ -404,6 +405,49 @@ def test_inputs_that_do_not_fit_are_named_before_they_are_read(causal):
             model(empty)
     with pytest.raises(ValueError, match=r"token_type_ids must have input_ids' shape \(2, 10\)"):
         model(ids, token_type_ids=torch.zeros(2, 9, dtype=torch.long))
+
+
+def test_ids_and_labels_out_of_range_are_named_with_the_range():
+    # Before: torch's "index out of range in self" (IndexError) from the embedding, and
+    # "Target 103 is out of bounds" from cross_entropy on the logits path.
+    config = tiny(type_vocab_size=2)
+    ids = torch.randint(2, VOCAB, (2, 10))
+    model = LinformerModel(config).eval()
+    for value in (VOCAB, -1):
+        with pytest.raises(ValueError, match=rf"input_ids must lie in \[0, {VOCAB}\); got {value}"):
+            model(ids.index_fill(1, torch.tensor([3]), value))
+    with pytest.raises(ValueError, match=r"token_type_ids must lie in \[0, 2\); got 2"):
+        model(ids, token_type_ids=torch.full_like(ids, 2))
+    labels = ids.index_fill(1, torch.tensor([4]), VOCAB + 3)
+    in_range = rf"labels must lie in \[0, {VOCAB}\) or equal ignore_index -100; got {VOCAB + 3}"
+    for head in (
+        LinformerForMaskedLM(config),
+        LinformerForCausalLM(tiny(causal=True, block_size=4)),
+    ):
+        for return_logits in (True, False):
+            with pytest.raises(ValueError, match=in_range):
+                head(ids, labels=labels, return_logits=return_logits)
+    classifier = LinformerForSequenceClassification(config, num_labels=4).eval()
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 4\) or equal .* got 4"):
+        classifier(ids, labels=torch.tensor([1, 4]))
+    # -100 still scores nothing, as in F.cross_entropy
+    one = classifier(ids[:1], labels=torch.tensor([2])).loss
+    torch.testing.assert_close(classifier(ids, labels=torch.tensor([2, -100])).loss, one)
+
+
+def test_a_float64_classifier_scores_its_loss_in_float64():
+    ids = torch.randint(2, VOCAB, (3, 10))
+    for num_labels in (1, 3):
+        labels = torch.randn(3, dtype=torch.float64) if num_labels == 1 else torch.tensor([0, 2, 1])
+        model = LinformerForSequenceClassification(tiny(), num_labels=num_labels).double().eval()
+        out = model(ids, labels=labels)
+        assert out.loss.dtype == torch.float64  # was float32
+        logits = out.logits.detach()
+        if num_labels == 1:
+            want = ((logits.squeeze(-1) - labels) ** 2).mean()
+        else:
+            want = -torch.log_softmax(logits, -1)[torch.arange(3), labels].mean()
+        torch.testing.assert_close(out.loss, want, rtol=1e-12, atol=1e-12)
 
 
 def test_classifier_labels_shaped_as_the_logits_score_the_same_and_others_are_named():

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .kernels import dot_product_attention, masked_scores
 from .linear_backend import matmul
+from .native import transformed
 
 
 def check_seq_len(seq_len: int, max_seq_len: int) -> None:
@@ -36,6 +37,25 @@ def check_token_ids(ids: Tensor, name: str = "input_ids") -> None:
     """Raises ValueError unless `ids` is a (batch >= 1, seq_len) tensor, naming `name`."""
     if ids.dim() != 2 or ids.shape[0] < 1:
         raise ValueError(f"{name} must be (batch >= 1, seq_len), got shape {tuple(ids.shape)}")
+
+
+def check_index_range(
+    values: Tensor, size: int, name: str, ignore_index: int | None = None
+) -> None:
+    """Raises ValueError naming `name`, the range and the first value outside [0, size)
+    (`ignore_index` excepted). Checked on CPU in eager mode outside torch.func only: on a
+    GPU it would cost a host sync per call (an out-of-range index fails there in a
+    device-side assert), and vmap refuses the data-dependent branch."""
+    if values.device.type != "cpu" or torch.compiler.is_compiling() or transformed(values):
+        return
+    bad = (values < 0) | (values >= size)
+    if ignore_index is not None:
+        bad &= values != ignore_index
+    if bad.any():
+        allowed = f"[0, {size})"
+        if ignore_index is not None:
+            allowed += f" or equal ignore_index {ignore_index}"
+        raise ValueError(f"{name} must lie in {allowed}; got {int(values[bad][0])}")
 
 
 def check_input(x: Tensor, dim: int) -> None:

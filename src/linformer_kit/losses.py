@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .functional import check_index_range
 from .linear_backend import add_matmul_, linear, matmul
 from .native import transformed
 
@@ -158,18 +159,10 @@ def linear_cross_entropy(
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
         bias = None if bias is None else bias.to(dtype)
         logits = F.linear(hidden.to(dtype), weight.to(dtype), bias).flatten(0, -2)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits = at_least_float32(logits)
         return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)
     device = hidden.device.type
-    # Checked on CPU in eager mode; on a GPU (no host sync) an out-of-range target fails in
-    # gather's device-side assert, as in F.cross_entropy.
-    if device == "cpu" and not torch.compiler.is_compiling():
-        bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-        if bad.any():
-            raise ValueError(
-                f"targets must lie in [0, {vocab_size}) or equal ignore_index {ignore_index}; "
-                f"got {int(targets[bad][0])}"
-            )
+    check_index_range(targets, vocab_size, "targets", ignore_index)
     rows = targets.numel()
     step = rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
@@ -218,11 +211,17 @@ def lm_head_loss(
     Returns:
         (loss, logits), each None where not computed.
     """
+    if targets is not None:
+        check_index_range(targets, weight.shape[0], "labels", -100)
     if not return_logits:
         return linear_cross_entropy(hidden, weight, targets, bias), None
     logits = linear(hidden, weight, bias)
     if targets is None:
         return None, logits
-    flat = logits.reshape(-1, logits.shape[-1])  # bf16 up to float32, not float64 down
-    flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
+    flat = at_least_float32(logits.reshape(-1, logits.shape[-1]))
     return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100), logits
+
+
+def at_least_float32(t: Tensor) -> Tensor:
+    """`t` cast up to float32 for a loss (bf16 / fp16 up, float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))

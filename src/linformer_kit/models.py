@@ -18,12 +18,14 @@ from .config import LinformerConfig, check_choice
 from .dropout import Dropout
 from .encoder import LinformerEncoder
 from .functional import (
+    check_index_range,
     check_key_padding_mask,
     check_seq_len,
     check_token_ids,
     gather_positions,
     real_first,
 )
+from .losses import at_least_float32
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +118,12 @@ class LinformerEmbeddings(nn.Module):
         seq_len = input_ids.shape[1]
         positions = self.positions.weight if self.positions is not None else self.sinusoid
         positions = positions[:seq_len] if position_ids is None else positions[position_ids]
+        check_index_range(input_ids, self.tokens.num_embeddings, "input_ids")
         x = self.tokens(input_ids) + positions
         if token_type_ids is not None:
             if self.token_types is None:
                 raise ValueError("token_type_ids given but the config has type_vocab_size=0")
+            check_index_range(token_type_ids, self.token_types.num_embeddings, "token_type_ids")
             x = x + self.token_types(token_type_ids)
         elif self.token_types is not None:
             x = x + self.token_types.weight[0]
@@ -401,9 +405,11 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
                 )
             labels = labels.reshape(batch)
             if self.num_labels == 1:
-                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+                logits32 = at_least_float32(logits.squeeze(-1))
+                loss = F.mse_loss(logits32, labels.to(logits32.dtype))
             else:
-                loss = F.cross_entropy(logits.float(), labels)
+                check_index_range(labels, self.num_labels, "labels", -100)
+                loss = F.cross_entropy(at_least_float32(logits), labels)
         return SequenceClassifierOutput(
             loss, logits, out.last_hidden_state, out.hidden_states, out.attentions
         )
