@@ -252,6 +252,14 @@ def test_padded_prompts_of_different_lengths_generate_as_each_alone(side):
         for _ in range(2)
     ]
     assert torch.equal(draw[0], draw[1]) and draw[0].shape == (4, width + 4)
+    # With one generator per row, each row's draws are those of its prompt alone.
+    seeded = [torch.Generator().manual_seed(1) for _ in range(4)]
+    got = model.generate(ids, 4, key_padding_mask=mask, generator=seeded)
+    for row, prompt in enumerate(prompts):
+        want = model.generate(prompt[None], 4, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(got[row, width:], want[0, len(prompt) :]), row
+    with pytest.raises(ValueError, match=r"one per row \(4\); got 2 items"):
+        model.generate(ids, 4, key_padding_mask=mask, generator=seeded[:2])
     # A prompt's real length counts against max_seq_len, not the padded width.
     model.generate(F.pad(ids, (21, 0), value=pad), 21, key_padding_mask=F.pad(mask, (21, 0)))
     with pytest.raises(ValueError, match=r"prompt \(11\) \+ max_new_tokens \(22\) = 33"):

@@ -189,6 +189,34 @@ def test_evaluating_a_base_model_on_labelled_data_says_it_is_not_a_classifier(
     assert "val_ppl" in capsys.readouterr().out
 
 
+def test_evaluate_masks_at_the_runs_rate_and_refuses_documents_without_text(
+    pretrained, data, tmp_path, capsys
+):
+    # evaluate masked 15% whatever --mlm-probability the run trained (and reported val_ppl)
+    # with; documents that tokenize to nothing were scored as nan.
+    run = pretrain_cli(tmp_path, "--max-steps", "1", "--mlm-probability", "0.4", *MODEL, *TRAIN)
+    text = str(data[1])
+
+    def metrics(path, *flags):
+        out = tmp_path / "e.json"
+        main(["evaluate", str(path), "--data", text, "--out", str(out), *flags])
+        return json.loads(out.read_text())["metrics"][text]
+
+    assert metrics(run / "last") == metrics(run / "last", "--mlm-probability", "0.4")
+    assert metrics(run / "last") != metrics(run / "last", "--mlm-probability", "0.15")
+    assert metrics(pretrained) == metrics(pretrained, "--mlm-probability", "0.15")  # its rate
+    err = user_error(capsys, lambda: metrics(pretrained, "--mlm-probability", "1"))
+    assert err == "linformer evaluate: error: mlm_probability must be in (0, 1), got 1.0\n"
+    classifier = tmp_path / "ft"
+    finetune(pretrained, data, classifier, "--max-steps", "1")
+    err = user_error(capsys, lambda: metrics(classifier / "last", "--mlm-probability", "0.3"))
+    assert "mlm_probability is the masking of a masked LM; " in err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}) + "\n")
+    err = user_error(capsys, lambda: main(["evaluate", str(pretrained), "--data", str(empty)]))
+    assert err.endswith(f"error: {empty}: no text (its 2 documents are empty)\n")
+
+
 def test_ctrl_c_before_the_first_checkpoint_says_to_start_again(pretrained, data, tmp_path, capsys):
     out = tmp_path / "ft"
     argv = ["finetune", "--init", str(pretrained), "--data", str(data[0]), "--eval", str(data[1])]

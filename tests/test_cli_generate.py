@@ -35,20 +35,35 @@ def test_generate_prints_the_prompt_and_the_greedy_continuation(checkpoint, caps
     assert out.startswith("def add")
 
 
-def test_generate_continues_several_prompts_each_as_if_alone(checkpoint, capsys):
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_generate_continues_several_prompts_each_as_if_alone(checkpoint, capsys, temperature):
+    # Sampling (temperature 1) drew every row from one generator: a prompt's text depended on
+    # the others beside it; each now has its own, seeded with --seed.
     path, _, _ = checkpoint
-    prompts = ["def add", "class Point:\n    x", "y"]  # of different lengths: one padded batch
+    prompts = ["def add", "class Point:\n    x", "y", "def mul"]  # lengths 2-7, two of one
+    argv = ["generate", str(path), "--max-new-tokens", "10", "--temperature", temperature]
     alone = []
     for prompt in prompts:
-        main(["generate", str(path), "--prompt", prompt, "--max-new-tokens", "10",
-              "--temperature", "0"])  # fmt: skip
+        main([*argv, "--prompt", prompt])
         alone.append(capsys.readouterr().out)
-    argv = ["generate", str(path), "--max-new-tokens", "10", "--temperature", "0"]
     main([*argv, *(arg for prompt in prompts for arg in ("--prompt", prompt))])
     blocks = [f"==> prompt {i + 1} <==\n{text}" for i, text in enumerate(alone)]
     assert capsys.readouterr().out == "\n".join(blocks)
     with pytest.raises(SystemExit, match=r"--prompt '' encodes to no tokens"):
         main([*argv, "--prompt", "def", "--prompt", ""])
+
+
+def test_generate_by_default_adds_as_many_tokens_as_the_model_has_room_for(checkpoint, capsys):
+    # The default of 64 new tokens was refused for any prompt of a max_seq_len-64 model.
+    path, model, tokenizer = checkpoint
+    ids = tokenizer.encode_batch(["def add"])[0]
+    main(["generate", str(path), "--prompt", "def add", "--temperature", "0"])
+    want = model.generate(torch.tensor([ids]), 64 - len(ids), temperature=0)[0].tolist()
+    if tokenizer.sep_id in want[len(ids) :]:
+        want = want[: want.index(tokenizer.sep_id, len(ids))]
+    assert capsys.readouterr().out == tokenizer.tokenizer.decode(want) + "\n"
+    with pytest.raises(SystemExit, match=r"prompt \(\d+\) \+ max_new_tokens \(64\) = \d+ exceeds"):
+        main(["generate", str(path), "--prompt", "def add", "--max-new-tokens", "64"])
 
 
 def test_generate_ends_the_text_at_the_separator_pretraining_put_after_each_document(

@@ -26,6 +26,18 @@ def test_jsonl_documents_come_from_the_text_field(tmp_path):
     assert docs[1].source == f"{path}:3"
 
 
+def test_a_byte_order_mark_is_not_text_in_any_format(tmp_path):
+    # Before: kept as "\ufeff" at the start of a .txt document (3 junk tokens), and a JSONL
+    # file that begins with one refused as "not valid JSON"; CSV alone stripped it.
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.txt").write_bytes(bom + b"alpha beta\n")
+    (tmp_path / "b.jsonl").write_bytes(bom + json.dumps({"text": "gamma"}).encode() + b"\n")
+    (tmp_path / "c.csv").write_bytes(bom + b"text\ndelta\n")
+    names = ("a.txt", "b.jsonl", "c.csv")
+    texts = [d.text for name in names for d in iter_documents([str(tmp_path / name)])]
+    assert texts == ["alpha beta\n", "gamma", "delta"]
+
+
 def test_jsonl_without_the_field_names_file_and_line(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no"}) + "\n")

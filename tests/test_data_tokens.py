@@ -18,8 +18,9 @@ from linformer_kit.data import (
     train_tokenizer,
 )
 from linformer_kit.data import tokenizer as tokenizer_module
-from linformer_kit.data.cache import open_token_cache
+from linformer_kit.data.cache import build_token_cache, open_token_cache
 from linformer_kit.data.classification import load_classification
+from linformer_kit.data.corpus import Document
 from linformer_kit.interop.report import minilm_path
 
 
@@ -158,3 +159,41 @@ def test_a_corpus_of_only_bad_files_says_how_many_were_skipped(tmp_path):
     )
     with pytest.raises(ValueError, match=r"^the corpus holds no documents; skipped 1 bad file$"):
         prepare_pretraining_data(settings, 32)
+
+
+def test_special_token_text_in_a_document_is_encoded_as_text():
+    # "</s>" in a document (the stdlib holds some) became the separator id, "<mask>" the mask
+    # id: fake document ends and masks in the stream, never predicted.
+    tok = train_tokenizer(["the cat eats red apples", "the dog sees blue fish"] * 20, 300)
+    ids = tok.encode_batch(["x <mask> y <pad> </s> <s>"])[0]
+    assert not set(ids) & set(tok.special_ids)
+    assert tok.tokenizer.decode(ids) == "x <mask> y <pad> </s> <s>"
+
+
+def test_a_corpus_of_empty_documents_is_refused_not_scored_as_nan(tmp_path):
+    # Before: cached as N separators, then loss = 0 / 0 = nan at every step, exit status 0.
+    tok = train_tokenizer(["the cat eats red apples"] * 20, 300)
+    documents = [Document(f"d{i}", "") for i in range(5)]
+    with pytest.raises(ValueError, match=r"^the corpus holds no text \(its 5 documents are"):
+        build_token_cache(documents, tok, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_token_cache_another_process_published_first_is_used(tmp_path, caplog):
+    # Two runs on one corpus building its cache at once: the second's rename met the first's
+    # directory and ended in "OSError: Directory not empty" (a traceback).
+    tok = train_tokenizer(["the cat eats red apples"] * 20, 300)
+    directory = tmp_path / "tokens"
+    texts = ["the cat", "eats red apples"]
+
+    def documents():  # the other process finishes while this one tokenizes
+        yield Document("a", texts[0])
+        build_token_cache([Document(str(i), t) for i, t in enumerate(texts)], tok, directory)
+        yield Document("b", texts[1])
+
+    with caplog.at_level("INFO"):
+        assert build_token_cache(documents(), tok, directory) == directory
+    assert f"another process built the token cache {directory} first; using it" in caplog.messages
+    want = [t for ids in tok.encode_batch(texts) for t in (*ids, tok.sep_id)]
+    assert open_token_cache(directory).tolist() == want
+    assert [p.name for p in tmp_path.iterdir()] == ["tokens"]  # no temporary left behind

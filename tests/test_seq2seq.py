@@ -284,11 +284,43 @@ def test_save_and_load_round_trip(tmp_path, share):
     )
 
 
-def test_generation_refuses_a_temperature_that_is_not_a_finite_number_ge_0():
+def test_generation_refuses_bad_settings_and_empty_sources_before_any_work():
+    # A float count ended in a TypeError, True decoded one token, an empty source row was
+    # decoded from no memory; the causal LM refused all three.
     model = model_for()
+    src = torch.randint(3, 40, (2, 5))
     for temperature in (float("nan"), float("inf"), -1.0):
-        with pytest.raises(ValueError, match=rf"finite temperature >= 0; got 3 and {temperature}"):
-            model.generate(torch.randint(3, 40, (1, 5)), 3, temperature=temperature)
+        with pytest.raises(
+            ValueError, match=rf"temperature must be a finite .*, got {temperature}"
+        ):
+            model.generate(src, 3, temperature=temperature)
+    for count in (2.5, True, -1):
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be an integer .*, got {count}"):
+            model.generate(src, count)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1] = False
+    with pytest.raises(ValueError, match="key_padding_mask: source 1 has no real token"):
+        model.generate(src, 3, mask)
+    with pytest.raises(ValueError, match=r"one per row \(2\); got 3 items"):
+        model.generate(src, 3, generator=[torch.Generator()] * 3)
+
+
+def test_sampling_with_a_generator_per_row_gives_each_source_its_own_draws():
+    torch.manual_seed(0)
+    model = model_for().eval()
+    pad = model.config.encoder.pad_token_id
+    sources = [torch.randint(3, 40, (n,)) for n in (5, 9, 5)]
+    ids = torch.full((3, 9), pad)
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    for row, source in enumerate(sources):
+        ids[row, 9 - len(source) :], mask[row, 9 - len(source) :] = source, True
+
+    def seeded(count):
+        return [torch.Generator().manual_seed(7) for _ in range(count)]
+
+    alone = [model.generate(s[None], 6, generator=seeded(1), stop_at_eos=False)[0] for s in sources]
+    batch = model.generate(ids, 6, mask, generator=seeded(3), stop_at_eos=False)
+    assert all(torch.equal(batch[row], want) for row, want in enumerate(alone))
 
 
 def test_config_refuses_mismatched_sides():
@@ -304,7 +336,7 @@ def test_config_refuses_mismatched_sides():
         Seq2SeqConfig(encoder=enc, decoder=dec, eos_token_id=-1)
     with pytest.raises(ValueError, match="needs a Seq2SeqConfig, got LinformerConfig"):
         LinformerForSeq2SeqLM(enc)
-    with pytest.raises(ValueError, match=r"need 0 <= max_new_tokens <= 15"):
+    with pytest.raises(ValueError, match=r"max_new_tokens must be at most 15 \(the decoder's"):
         LinformerForSeq2SeqLM(Seq2SeqConfig(encoder=enc, decoder=dec)).generate(
             torch.ones(1, 4, dtype=torch.long), 16
         )

@@ -185,11 +185,23 @@ def test_generate_decodes_a_target_with_a_seq2seq_checkpoint(tmp_path, capsys):
     ids = ids[: ids.index(tokenizer.sep_id)] if tokenizer.sep_id in ids else ids
     alone = tokenizer.tokenizer.decode(ids)
     assert capsys.readouterr().out == alone + "\n"
-    # with a second, shorter source: one padded batch, each target as if decoded alone
-    argv = ["generate", str(tmp_path), "--max-new-tokens", "8", "--temperature", "0"]
-    main([*argv, "--prompt", "Add", "--prompt", prompt])
-    out = capsys.readouterr().out
-    assert out.startswith("==> prompt 1 <==\n") and out.endswith(f"\n\n==> prompt 2 <==\n{alone}\n")
+    # with a second, shorter source: one padded batch, each target as if decoded alone,
+    # greedy or sampled (each prompt's own generator)
+    for temperature in ("0", "1"):
+        argv = ["generate", str(tmp_path), "--max-new-tokens", "8", "--temperature", temperature]
+        main([*argv, "--prompt", prompt])
+        alone = capsys.readouterr().out
+        main([*argv, "--prompt", "Add", "--prompt", prompt])
+        out = capsys.readouterr().out
+        assert out.startswith("==> prompt 1 <==\n") and out.endswith(
+            f"\n\n==> prompt 2 <==\n{alone}"
+        )
+    # the default --max-new-tokens (64) is capped at the decoder's room (max_seq_len 12 - 1)
+    main(["generate", str(tmp_path), "--prompt", prompt, "--temperature", "0"])
+    full = model.generate(torch.tensor([tokenizer.encode_batch([prompt])[0]]), 11, temperature=0)
+    ids = full[0, 1:].tolist()
+    ids = ids[: ids.index(tokenizer.sep_id)] if tokenizer.sep_id in ids else ids
+    assert capsys.readouterr().out == tokenizer.tokenizer.decode(ids) + "\n"
 
 
 def test_synthetic_data_settings_check_the_lengths():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,11 @@ from .config import (
 from .functional import check_key_padding_mask
 from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
+
+# One generator for the batch (its rows share the stream: a row's samples depend on the
+# others), or one per row (each row's samples are those of its prompt alone with that
+# generator).
+Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
 @dataclass
@@ -116,7 +122,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         max_new_tokens: int,
         temperature: float = 1.0,
         top_k: int | None = None,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
         eos_token_id: int | None = None,
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
@@ -126,7 +132,8 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         attention per head and layer, whatever the length generated. Call `eval()` first
         to turn dropout off. Prompts of different lengths come padded, with
         `key_padding_mask`: the rows of each real length are generated together (a state
-        holds one length), each as if alone.
+        holds one length), each as if alone: greedily, or sampling with one generator per
+        row.
 
         Args:
             input_ids: (B, N) prompts, N >= 1.
@@ -134,7 +141,8 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
                 exceed max_seq_len.
             temperature: softmax temperature; 0 picks the most likely token (greedy).
             top_k: sample from the k most likely tokens only (None: all).
-            generator: random generator for reproducible sampling.
+            generator: random generator for reproducible sampling, or one per row (B of
+                them: a row's samples then do not depend on the other rows).
             eos_token_id: the token that ends a text (pretraining puts the tokenizer's
                 `sep_id` after every document): a row that has produced it is filled with
                 `pad_token_id` after it, and generation stops once every row has. None:
@@ -150,7 +158,8 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         Raises:
             ValueError: for prompts not shaped (B, N >= 1), a malformed mask or a prompt
                 without a real token, a count that is not an integer >= 0, a temperature
-                that is not finite and >= 0, top_k < 1, or a total length over max_seq_len.
+                that is not finite and >= 0, top_k < 1, a list of generators not one per
+                row, or a total length over max_seq_len.
         """
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(
@@ -160,6 +169,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         check_non_negative("max_new_tokens", max_new_tokens)
         check_finite_non_negative("temperature", temperature)
         check_top_k(top_k)
+        check_generators(generator, input_ids.shape[0])
         lengths = input_ids.new_full((input_ids.shape[0],), input_ids.shape[1])
         if key_padding_mask is not None:
             lengths = key_padding_mask.sum(1)
@@ -172,14 +182,17 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
                 f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) = "
                 f"{longest + max_new_tokens} exceeds max_seq_len {self.config.max_seq_len}"
             )
-        sampling = (max_new_tokens, temperature, top_k, generator, eos_token_id)
+        sampling = (max_new_tokens, temperature, top_k)
         if key_padding_mask is None or key_padding_mask.all():
-            return self._generate(input_ids, *sampling)
+            return self._generate(input_ids, *sampling, generator, eos_token_id)
         new_tokens = []
         for length in lengths.unique().tolist():  # ascending: the order of the draws is fixed
             rows = (lengths == length).nonzero()[:, 0]
             prompts = input_ids[rows][key_padding_mask[rows]].view(len(rows), length)
-            out = self._generate(prompts, *sampling)
+            mine = generator
+            if generator is not None and not isinstance(generator, torch.Generator):
+                mine = [generator[row] for row in rows.tolist()]
+            out = self._generate(prompts, *sampling, mine, eos_token_id)
             new_tokens.append((rows, out[:, length:]))
         width = max(new.shape[1] for _, new in new_tokens)
         tokens = F.pad(input_ids, (0, width), value=self.config.pad_token_id)
@@ -193,7 +206,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         max_new_tokens: int,
         temperature: float,
         top_k: int | None,
-        generator: torch.Generator | None,
+        generator: Generators,
         eos_token_id: int | None,
     ) -> Tensor:
         """`generate` for checked prompts of one length without padding."""
@@ -220,12 +233,13 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         logits: Tensor,
         temperature: float,
         top_k: int | None,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> Tensor:
-        """Picks one token per row from (B, vocab_size) logits: argmax at temperature 0.
+        """Picks one token per row from (B, vocab_size) logits: argmax at temperature 0;
+        otherwise drawn with `generator`, or row i with `generator[i]`.
 
         Raises:
-            ValueError: for top_k < 1.
+            ValueError: for top_k < 1, or a list of generators not one per row.
         """
         check_top_k(top_k)
         if temperature == 0:
@@ -237,7 +251,21 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         # maximum to 0 (greedy), where dividing first overflows to inf and the softmax to nan.
         top = logits.amax(-1, keepdim=True)  # (B, 1)
         probs = ((logits - top) / temperature).softmax(-1)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        if generator is None or isinstance(generator, torch.Generator):
+            return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        check_generators(generator, len(probs))
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator)])
+
+
+def check_generators(generator: Generators, batch: int) -> None:
+    """Raises ValueError for a sequence of generators that is not one per row."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return
+    if len(generator) != batch or not all(isinstance(g, torch.Generator) for g in generator):
+        raise ValueError(
+            f"generator must be a torch.Generator or one per row ({batch}); got "
+            f"{len(generator)} items of types {sorted({type(g).__name__ for g in generator})}"
+        )
 
 
 def check_top_k(top_k: int | None) -> None:

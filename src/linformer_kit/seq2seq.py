@@ -7,7 +7,6 @@ length up to its own max_seq_len, with its own padding and, optionally, its own 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,7 +15,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import CausalState
-from .causal_lm import LinformerForCausalLM, check_top_k, next_token_targets
+from .causal_lm import (
+    Generators,
+    LinformerForCausalLM,
+    check_generators,
+    check_top_k,
+    next_token_targets,
+)
+from .config import check_finite_non_negative, check_non_negative
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .encoder import LinformerEncoderLayer, layer_arguments
 from .functional import check_key_padding_mask, check_seq_len, check_token_ids
@@ -316,7 +322,7 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
         key_padding_mask: Tensor | None = None,
         temperature: float = 1.0,
         top_k: int | None = None,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
         stop_at_eos: bool = True,
     ) -> Tensor:
         """Decodes a target for each source token by token: the encoder runs once, every
@@ -333,23 +339,34 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
             key_padding_mask: optional bool (B, N), True at real source tokens.
             temperature: softmax temperature; 0 picks the most likely token (greedy).
             top_k: sample from the k most likely tokens only (None: all).
-            generator: random generator for reproducible sampling.
+            generator: random generator for reproducible sampling, or one per row (B of
+                them: a row's samples then do not depend on the other rows; with one, they
+                share its stream).
             stop_at_eos: end rows at the end token (False: always max_new_tokens tokens).
 
         Returns:
             (B, 1 + T), T <= max_new_tokens: the start token, then the generated tokens.
 
         Raises:
-            ValueError: for a negative count or temperature, top_k < 1, or a target over
-                max_seq_len.
+            ValueError: for a count that is not an integer in [0, the decoder's max_seq_len
+                - 1], a temperature that is not finite and >= 0, top_k < 1, a list of
+                generators not one per row, or a source without a real token.
         """
+        check_non_negative("max_new_tokens", max_new_tokens)
         limit = self.config.decoder.max_seq_len - 1
-        if not 0 <= max_new_tokens <= limit or not 0 <= temperature < math.inf:
+        if max_new_tokens > limit:
             raise ValueError(
-                f"need 0 <= max_new_tokens <= {limit} (the decoder's max_seq_len - 1) and "
-                f"a finite temperature >= 0; got {max_new_tokens} and {temperature}"
+                f"max_new_tokens must be at most {limit} (the decoder's max_seq_len - 1, the "
+                f"start token taking one place); got {max_new_tokens}"
             )
+        check_finite_non_negative("temperature", temperature)
         check_top_k(top_k)
+        check_generators(generator, input_ids.shape[0])
+        if key_padding_mask is not None and input_ids.dim() == 2:  # else `encode` names it
+            check_key_padding_mask(key_padding_mask, *input_ids.shape)
+            if not key_padding_mask.any(1).all():
+                empty = int((~key_padding_mask.any(1)).nonzero()[0])
+                raise ValueError(f"key_padding_mask: source {empty} has no real token")
         memory = self.encode(input_ids, key_padding_mask)
         states = self.init_states()
         batch = input_ids.shape[0]

@@ -13,6 +13,8 @@ from ..data.tokenizer import load_tokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
 from .overrides import exit_on_user_error
 
+DEFAULT_NEW_TOKENS = 64
+
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
@@ -29,18 +31,23 @@ def run(args: argparse.Namespace) -> None:
     generation = dict(
         temperature=args.temperature,
         top_k=args.top_k,
-        generator=torch.Generator().manual_seed(args.seed),
+        # one per prompt, each seeded alike: a prompt's sample is that of it alone
+        generator=[torch.Generator().manual_seed(args.seed) for _ in prompts],
     )
     if not seq2seq:  # a text ends where pretraining put the separator after each document
         generation["eos_token_id"] = tokenizer.sep_id
     # prompts of different lengths in one batch, left-padded (each continuation follows its
     # prompt in the rows the model returns); the model generates each as if alone
     width = max(map(len, prompts))
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:  # up to DEFAULT_NEW_TOKENS, as many as the model has room for
+        room = model.config.decoder.max_seq_len - 1 if seq2seq else model.config.max_seq_len - width
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS
     mask = torch.tensor([[False] * (width - len(ids)) + [True] * len(ids) for ids in prompts])
     input_ids = torch.tensor([[tokenizer.pad_id] * (width - len(ids)) + ids for ids in prompts])
     rows = (
         model.eval()
-        .generate(input_ids, args.max_new_tokens, key_padding_mask=mask, **generation)
+        .generate(input_ids, max_new_tokens, key_padding_mask=mask, **generation)
         .tolist()
     )
     # seq2seq prints the target alone (after the start token), a causal LM the prompt and its
@@ -67,9 +74,16 @@ def register(commands: argparse._SubParsersAction) -> None:
         required=True,
         action="append",
         help="the text to continue, or the seq2seq source; repeat for several (one batch, "
-        "each printed after a '==> prompt N <==' line, as if alone)",
+        "each printed after a '==> prompt N <==' line, as if alone: sampled with its own "
+        "generator seeded with --seed)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to add (default: {DEFAULT_NEW_TOKENS}, or as many as the model's "
+        "max_seq_len leaves after the longest prompt)",
+    )
     parser.add_argument(
         "--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy"
     )

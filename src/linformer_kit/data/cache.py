@@ -25,7 +25,7 @@ from .tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: special-token text in documents encoded as text
 TOKENS_NAME = "tokens.bin"
 META_NAME = "meta.json"
 SPLIT_SEED = 0  # the train/validation split never depends on the training seed
@@ -43,6 +43,17 @@ def cache_key(*parts: object) -> str:
     """A short stable hash of JSON-serialisable parts."""
     text = json.dumps([CACHE_FORMAT, *parts], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _publish(tmp: Path, directory: Path) -> None:
+    """Renames the finished `tmp` to `directory`, unless another process (a second run on
+    the same corpus) published that cache first: the key is the same, so is the cache."""
+    try:
+        os.replace(tmp, directory)
+    except OSError:
+        if not (directory / META_NAME).is_file():
+            raise
+        logger.info("another process built the token cache %s first; using it", directory)
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:
@@ -93,21 +104,26 @@ def build_token_cache(
                 if batch and (document is None or len(batch) == chunk):
                     for ids in tokenizer.encode_batch(batch):
                         out.write(np.asarray([*ids, tokenizer.sep_id], dtype=dtype).tobytes())
-                        count += len(ids) + 1
+                        count += len(ids)
                     num_documents += len(batch)
                     progress.update(len(batch))
                     batch = []
             progress.close()
         meta = {
             "dtype": dtype.name,
-            "num_tokens": count,
+            "num_tokens": count + num_documents,  # a separator after each document
             "num_documents": num_documents,
             "skipped_files": len(skipped or {}),
         }
-        if count == 0:
-            raise ValueError(f"the corpus holds no documents{_skipped_note(meta)}")
+        if count == 0:  # separators alone: nothing to learn, a loss of 0 / 0
+            what = (
+                f"no text (its {num_documents} documents are empty)"
+                if num_documents
+                else "no documents"
+            )
+            raise ValueError(f"the corpus holds {what}{_skipped_note(meta)}")
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(tmp, directory)
+        _publish(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info(

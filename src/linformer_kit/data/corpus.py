@@ -7,6 +7,7 @@ for JSONL and CSV), so later errors can point at it.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -43,15 +44,25 @@ def _line_of(data: bytes, offset: int) -> int:
     return data.count(b"\n", 0, offset) + 1
 
 
+def _read_bytes(path: Path) -> bytes:
+    """A file's bytes without the UTF-8 byte-order mark Windows editors write first.
+
+    Raises:
+        ValueError: if the file holds nothing but whitespace.
+    """
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+    if not data.strip():
+        raise ValueError(f"{path}: file is empty")
+    return data
+
+
 def read_text(path: Path) -> str:
-    """Reads a UTF-8 text file.
+    """Reads a UTF-8 text file (a leading byte-order mark is not text).
 
     Raises:
         ValueError: if the file is empty or not valid UTF-8 (naming the file and line).
     """
-    data = path.read_bytes()
-    if not data.strip():
-        raise ValueError(f"{path}: file is empty")
+    data = _read_bytes(path)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -73,9 +84,7 @@ def iter_jsonl(path: Path, *, expected: str = JSONL_EXAMPLE) -> Iterator[tuple[i
         ValueError: naming the file and line, if the file is empty, a line is not valid UTF-8
             or JSON, or a line holds something other than an object.
     """
-    data = path.read_bytes()
-    if not data.strip():
-        raise ValueError(f"{path}: file is empty")
+    data = _read_bytes(path)
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
@@ -111,7 +120,7 @@ def iter_csv(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]
         ValueError: naming the file and line, for a missing column, a row of the wrong
             width or malformed CSV (and as `read_text`).
     """
-    reader = csv.reader(io.StringIO(read_text(path).removeprefix("\ufeff"), newline=""))
+    reader = csv.reader(io.StringIO(read_text(path), newline=""))
     try:
         header = next(reader)
         for column in columns:

@@ -59,7 +59,8 @@ class TextTokenizer:
 
 
 def from_tokenizer(tokenizer: Tokenizer, source: str) -> TextTokenizer:
-    """Finds the special tokens of a tokenizer, and switches off the truncation and padding a
+    """Finds the special tokens of a tokenizer, encodes special-token text in documents as
+    plain text, and switches off the truncation and padding a
     tokenizer.json may carry: this library cuts and pads sequences itself, to the model's
     `--max-seq-len` (MiniLM's tokenizer.json truncates every text to 128 tokens and pads it
     to 128, which would silently cut long documents whatever the model accepts).
@@ -69,6 +70,10 @@ def from_tokenizer(tokenizer: Tokenizer, source: str) -> TextTokenizer:
     """
     tokenizer.no_truncation()
     tokenizer.no_padding()
+    # Text is text: "</s>" or "<mask>" written in a document (HTML, code about tokenizers;
+    # the stdlib holds both) is encoded as characters, never as the separator or mask ids
+    # the pipeline and the models give their own meaning (HF's `split_special_tokens`).
+    tokenizer.encode_special_tokens = True
     ids = {}
     for role, names in ROLES.items():
         found = [tokenizer.token_to_id(n) for n in names if tokenizer.token_to_id(n) is not None]

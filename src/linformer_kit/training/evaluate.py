@@ -44,6 +44,13 @@ class EvaluateSettings:
     label_field: str = field(
         default="label", metadata={"help": "JSONL field or CSV column of the label"}
     )
+    mlm_probability: float | None = field(
+        default=None,
+        metadata={
+            "help": "share of tokens masked for a masked LM (default: the run's "
+            "--mlm-probability, as its run_config.json records it, else 0.15)"
+        },
+    )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
 
@@ -51,6 +58,8 @@ class EvaluateSettings:
         check_threads(self.threads)
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if self.mlm_probability is not None and not 0 < self.mlm_probability < 1:
+            raise ValueError(f"mlm_probability must be in (0, 1), got {self.mlm_probability}")
 
 
 def _text_blocks(
@@ -60,6 +69,8 @@ def _text_blocks(
     texts = [d.text for d in tqdm(documents, desc="reading", unit=" documents")]
     logger.info("tokenizing %d documents", len(texts))
     stream = [t for ids in tokenizer.encode_batch(texts) for t in (*ids, tokenizer.sep_id)]
+    if len(stream) == len(texts):  # separators alone: a loss of 0 / 0
+        raise ValueError(f"{', '.join(specs)}: no text (its {len(texts)} documents are empty)")
     count = len(stream) // block_len
     if count == 0:
         raise ValueError(
@@ -80,18 +91,23 @@ def _labelled(spec: str, label_field: str) -> bool:
     return label_field in record
 
 
+def _run_setting(path: str | Path, section: str, name: str) -> Any:
+    """A setting of the run that saved the checkpoint at `path`, as the run_config.json
+    beside it records it; None without one (a model saved by other means) or that setting."""
+    file = Path(path) / RUN_CONFIG_NAME
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text()).get(section, {}).get(name)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
+
+
 def classifier_length(path: str | Path, config: LinformerConfig) -> int:
     """The length the classifier at `path` was fine-tuned at: `finetune --max-seq-len`, as
     the run_config.json beside each of its checkpoints records it, else the model's
     max_seq_len (0 there, or no run config: a model saved by other means)."""
-    file = Path(path) / RUN_CONFIG_NAME
-    if not file.is_file():
-        return config.max_seq_len
-    try:
-        length = json.loads(file.read_text()).get("finetune", {}).get("max_seq_len", 0)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
-    return length or config.max_seq_len
+    return _run_setting(path, "finetune", "max_seq_len") or config.max_seq_len
 
 
 def load_for_classifier(
@@ -142,6 +158,13 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
     target = resolve_device(settings.device)
     config = meta["config"]
     tokenizer = load_tokenizer(path, model_vocab_size=config.vocab_size)
+    if (
+        settings.mlm_probability is not None
+        and meta["architecture"] != LinformerForMaskedLM.__name__
+    ):
+        raise ValueError(
+            f"mlm_probability is the masking of a masked LM; {path} is a {meta['architecture']}"
+        )
     if meta["architecture"] == LinformerForSequenceClassification.__name__:
         model = LinformerForSequenceClassification.from_pretrained(path)
         metrics: dict[str, Any] = {}
@@ -174,7 +197,10 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
     model = (LinformerForCausalLM if causal else LinformerForMaskedLM).from_pretrained(path)
     blocks = _text_blocks(data, tokenizer, config.max_seq_len, settings)
     schedule = RowSchedule(len(blocks), batch_size, 1, 1, 0)
+    rate = settings.mlm_probability or _run_setting(path, "train", "mlm_probability") or 0.15
+    if not causal:  # the run's rate, so the perplexity compares with its own val_ppl
+        logger.info("masking %.0f%% of the tokens", 100 * rate)
     evaluator = LMEvaluator(
-        LMBatches(blocks, tokenizer, schedule, causal=causal), batch_size, verbose=True
+        LMBatches(blocks, tokenizer, schedule, rate, causal=causal), batch_size, verbose=True
     )
     return {"+".join(data): evaluator(model.to(target).eval(), target)}
