@@ -116,9 +116,13 @@ def test_sweep_writes_json_csv_and_plots(tmp_path, monkeypatch):
     assert not (out / "peers.png").exists()  # no peers timed
 
 
-def test_a_sweep_stopped_early_keeps_the_lengths_it_finished(tmp_path, monkeypatch):
+def test_a_sweep_stopped_early_keeps_the_lengths_it_finished(tmp_path, monkeypatch, caplog):
     # bench.json is rewritten after every n: a run killed at a deadline (the GPU runbook's)
-    # keeps what it timed.
+    # keeps what it timed, and no earlier run's plots beside it (they described other rows).
+    out = tmp_path / "bench"
+    out.mkdir()
+    for name in ("bench.json", "scaling.png", "grid.png", "peers.png"):
+        (out / name).write_text("an earlier run")
     real = sweep.make_step
 
     def failing(call):
@@ -127,10 +131,26 @@ def test_a_sweep_stopped_early_keeps_the_lengths_it_finished(tmp_path, monkeypat
         return real(call)
 
     monkeypatch.setattr(sweep, "make_step", failing)
-    with pytest.raises(RuntimeError, match="stopped"):
+    with pytest.raises(RuntimeError, match="stopped"), caplog.at_level("INFO"):
         run_bench(tiny_settings(tmp_path))
-    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    saved = json.loads((out / "bench.json").read_text())
     assert {r["n"] for r in saved["rows"]} == {32} and set(saved["ceiling_gflop_per_s"]) == {"32"}
+    assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "bench.json"]
+    assert (
+        f"{out} holds an earlier run's results: replaced once the first n is timed" in caplog.text
+    )
+
+
+def test_the_time_budget_counts_both_calls_of_every_round(tmp_path):
+    # time_interleaved calls each step twice a round (settling, timed); the estimate counted
+    # one, so configurations of up to twice the budget ran.
+    settings = tiny_settings(tmp_path, n="64", scope="attention", sharing="kv", exact="")
+    [call] = sweep._calls(settings, 64)
+    flops = sweep.variant_flops(call.variant, call.shape, call.scope, backward=call.backward)
+    one_call_per_round = flops * (settings.warmup + settings.repeats)  # at 3 FLOP/s / 3
+    for budget, skipped in [(1.5 * one_call_per_round, True), (2.5 * one_call_per_round, False)]:
+        settings = dataclasses.replace(settings, time_budget_s=budget)
+        assert (sweep._skip_reason(call, settings, 3.0) is not None) == skipped
 
 
 def test_budgets_skip_with_a_stated_reason(tmp_path):

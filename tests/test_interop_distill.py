@@ -96,7 +96,15 @@ def test_cli_distill_converts_distils_saves_and_reloads(tiny, tmp_path, capsys):
     assert (out / "tokenizer.json").is_file()
     first = LinformerModel.from_pretrained(out)
     assert first.config.proj_dim == K
-    main([*command, "--max-steps", "1"])
+    # A shape flag that is not the existing student's was ignored without a word (the run
+    # distilled k = 8 when asked for 16); its own shape, or none, distils it further.
+    for flag, value in (("--proj-dim", "16"), ("--sharing", "kv"), ("--projection", "conv")):
+        name = flag[2:].replace("-", "_")
+        with pytest.raises(SystemExit, match=f"{name} {value} differs from the student's"):
+            main([*command, flag, value, "--max-steps", "1"])
+    untouched = LinformerModel.from_pretrained(out).state_dict()
+    assert all(torch.equal(t, untouched[name]) for name, t in first.state_dict().items())
+    main([*command, "--max-steps", "1", "--proj-dim", str(K)])
     second = LinformerModel.from_pretrained(out)  # distilled further, in place
     assert _projections(first).keys() == _projections(second).keys()
     assert any(not torch.equal(t, _projections(second)[n]) for n, t in _projections(first).items())

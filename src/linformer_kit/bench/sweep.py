@@ -9,6 +9,7 @@ import csv
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import statistics
 from pathlib import Path
@@ -34,7 +35,10 @@ from .timing import (
 )
 from .variants import compile_limits, estimate_bytes, peer_available, variant_flops
 
+logger = logging.getLogger(__name__)
+
 RESULT_NAME, TABLE_NAME = "bench.json", "bench.csv"
+PLOT_NAMES = ("scaling.png", "grid.png", "peers.png")  # what `plots.plot_result` draws
 EMULATED = "emulated"  # the status of a bf16 row on a CPU without native bf16
 
 
@@ -54,8 +58,9 @@ def _skip_reason(call: Call, settings: BenchSettings, ceiling_flops_s: float) ->
     if gib > settings.memory_budget_gb:
         return f"estimated {gib:.1f} GiB > memory budget {settings.memory_budget_gb:g} GiB"
     # Assume a third of the matmul ceiling: a pessimistic guess for a memory-bound variant.
+    # Every round calls each step twice (`time_interleaved`: a settling call, the timed one).
     flops = variant_flops(variant, shape, call.scope, backward=call.backward)
-    seconds = flops / (ceiling_flops_s / 3) * (settings.warmup + settings.repeats)
+    seconds = flops / (ceiling_flops_s / 3) * 2 * (settings.warmup + settings.repeats)
     if seconds > settings.time_budget_s:
         return f"estimated {seconds:.0f} s > time budget {settings.time_budget_s:g} s"
     return None
@@ -215,6 +220,12 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             "rows": table,
         }
 
+    if (Path(settings.out) / RESULT_NAME).is_file():
+        logger.info(
+            "%s holds an earlier run's results: replaced once the first n is timed (give "
+            "--out another folder to keep them)",
+            settings.out,
+        )
     rounds = len(seq_lens) * (settings.warmup + settings.repeats)
     compiling = bool(split_names(settings.compile))
     limits = compile_limits() if compiling else contextlib.nullcontext()
@@ -257,7 +268,10 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
                 row = _row(call, None, None)
                 row.update(status="skipped", reason=reason)
                 rows.append((call, row))
-            # Written after each n, so a run stopped early keeps the lengths it finished.
+            # Written after each n, so a run stopped early keeps the lengths it finished; the
+            # first write removes an earlier run's plots, which no longer describe the JSON.
+            if seq_len == seq_lens[0]:
+                _remove_earlier_plots(Path(settings.out))
             write_outputs(result(), Path(settings.out))
     if settings.memory:
         # Not the compiled variants: on CPU the compile's own memory would count.
@@ -276,6 +290,11 @@ def _title(settings: BenchSettings) -> str:
         f"{settings.mode}, {dtypes}, dim {settings.dim}, {settings.num_heads} heads, "
         f"batch {settings.batch_size}, {settings.device}"
     )
+
+
+def _remove_earlier_plots(out: Path) -> None:
+    for name in PLOT_NAMES:
+        (out / name).unlink(missing_ok=True)
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> None:

@@ -12,7 +12,7 @@ import torch
 from .. import __version__
 from ..bench.settings import BenchSettings
 from ..bench.summary import peer_ratios
-from ..bench.sweep import EMULATED, RESULT_NAME, TABLE_NAME, run_bench
+from ..bench.sweep import EMULATED, PLOT_NAMES, RESULT_NAME, TABLE_NAME, run_bench
 from .common import add_dataclass_arguments, dataclass_from_args, format_table
 from .overrides import exit_on_user_error
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> None:
         if any(quartiles for points in ratios.values() for _, _, quartiles in points):
             print("(in brackets: the quartiles of the same ratio round by round)")
     out = Path(settings.out)
-    names = (RESULT_NAME, TABLE_NAME, "scaling.png", "grid.png", "peers.png")
+    names = (RESULT_NAME, TABLE_NAME, *PLOT_NAMES)
     print("wrote " + ", ".join(str(out / name) for name in names if (out / name).exists()))
 
 

@@ -78,6 +78,10 @@ def split_documents(
     return documents[: data.texts], heldout[: data.heldout_texts]
 
 
+# The shape of a student converted by `distill_checkpoint` where the caller names none.
+NEW_STUDENT = {"proj_dim": 128, "sharing": "layerwise", "projection": "linear"}
+
+
 def distill_checkpoint(
     teacher_dir: str | os.PathLike,
     student_dir: str | os.PathLike,
@@ -87,9 +91,9 @@ def distill_checkpoint(
     files: list[Path] | None = None,
     documents: list[str] | None = None,
     heldout_documents: list[str] | None = None,
-    proj_dim: int = 128,
-    sharing: str = "layerwise",
-    projection: str = "linear",
+    proj_dim: int | None = None,
+    sharing: str | None = None,
+    projection: str | None = None,
     max_seq_len: int | None = None,
 ) -> list[dict[str, float | None]]:
     """Distils the Linformer in `student_dir` against the exact `teacher_dir` (extended to
@@ -109,39 +113,45 @@ def distill_checkpoint(
         files: the distillation text (`distillation_files`), when no `documents`.
         documents: texts distilled on whole.
         heldout_documents: texts scored, with `documents`.
-        proj_dim: k of a newly converted student.
-        sharing: sharing of a newly converted student.
-        projection: projection kind of a newly converted student.
+        proj_dim: k of a newly converted student (None: 128).
+        sharing: sharing of a newly converted student (None: layerwise).
+        projection: projection kind of a newly converted student (None: linear).
         max_seq_len: length of a newly converted student (None: the teacher's).
+            Each of these four given for an existing student must be its own.
 
     Returns:
         `distill`'s history, scored on the held-out windows or documents.
 
     Raises:
         FileNotFoundError: for a missing teacher, tokenizer or data file.
-        ValueError: if the student does not match the teacher, or on bad settings.
+        ValueError: if the student does not match the teacher or the shape asked for, or
+            on bad settings.
     """
     teacher_dir, student_dir = Path(teacher_dir), Path(student_dir)
     device = settings.torch_device()
     read_hf_config(teacher_dir)  # a missing teacher is named before anything else
     tokenizer = model_tokenizer(teacher_dir, "the text")
+    asked = dict(proj_dim=proj_dim, sharing=sharing, projection=projection)
+    asked = {name: value for name, value in asked.items() if value is not None}
+    if max_seq_len is not None:
+        asked["max_seq_len"] = max_seq_len
     if (student_dir / "config.json").is_file():
         student = LinformerModel.from_pretrained(student_dir)
-        if max_seq_len not in (None, student.config.max_seq_len):
+        differ = [
+            f"{name} {value} differs from the student's {getattr(student.config, name)}"
+            for name, value in asked.items()
+            if value != getattr(student.config, name)
+        ]
+        if differ:  # silently distilling another shape than the one asked for
             raise ValueError(
-                f"max_seq_len {max_seq_len} differs from the student's "
-                f"{student.config.max_seq_len} in {student_dir}"
+                f"{'; '.join(differ)} in {student_dir} (these flags shape a new student: leave "
+                "them out, or give a new --student folder)"
             )
     else:
-        logger.info("no model in %s: converting %s at k=%d", student_dir, teacher_dir, proj_dim)
+        shape = {**NEW_STUDENT, **asked}
+        logger.info("no model in %s: converting %s with %s", student_dir, teacher_dir, shape)
         student = convert_to_dir(
-            teacher_dir,
-            student_dir,
-            proj_dim=proj_dim,
-            max_seq_len=max_seq_len,
-            sharing=sharing,
-            projection=projection,
-            calibration_texts=data.calibration_texts,
+            teacher_dir, student_dir, calibration_texts=data.calibration_texts, **shape
         )
     n = student.config.max_seq_len
     teacher = convert_hf_model(teacher_dir, proj_dim=None, max_seq_len=n).to(device)
