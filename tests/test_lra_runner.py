@@ -272,11 +272,15 @@ def test_models_trains_only_those_named(tmp_path):
     assert LRASettings(models=" transformer , linformer").model_names == MODELS[::-1]
 
 
-def test_a_fresh_run_of_one_model_leaves_the_others_resume_to_its_own_settings(tmp_path):
+def test_a_fresh_run_of_one_model_leaves_the_others_resume_to_its_own_settings(tmp_path, caplog):
     # Before, it overwrote the task's one settings.json: `--resume --models transformer` then
     # went on from the exact model's 6-step checkpoint under the 8-step settings silently.
     run_lra("listops", tiny_listops(tmp_path, **RESUMABLE))
-    run_lra("listops", tiny_listops(tmp_path, models="linformer", **{**RESUMABLE, "steps": 8}))
+    with caplog.at_level("WARNING"):
+        run_lra("listops", tiny_listops(tmp_path, models="linformer", **{**RESUMABLE, "steps": 8}))
+    replaced = tmp_path / "runs/listops/linformer"
+    warning = f"replacing the earlier linformer run in {replaced} (--resume continues it)"
+    assert [m for m in caplog.messages if m.startswith("replacing")] == [warning]
     again = tiny_listops(tmp_path, models="transformer", resume=True, **{**RESUMABLE, "steps": 8})
     message = r"continues the run in .*/listops/transformer .*these differ: steps 8 \(the run's: 6"
     with pytest.raises(ValueError, match=message):

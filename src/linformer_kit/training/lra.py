@@ -310,7 +310,10 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     for name in settings.model_names:
         if settings.resume:
             check_same_data(run_dir / name, data.params)
-        else:
+        elif (run_dir / name).exists():
+            logger.warning(
+                "replacing the earlier %s run in %s (--resume continues it)", name, run_dir / name
+            )
             shutil.rmtree(run_dir / name, ignore_errors=True)
     for name in settings.model_names:
         (run_dir / name).mkdir(parents=True, exist_ok=True)
