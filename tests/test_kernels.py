@@ -172,6 +172,28 @@ def test_compiled_and_torch_ops_kernels_give_the_same_outputs_and_gradients(
         torch.testing.assert_close(compiled, reference, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_expanded_over_the_queries_or_a_gradient_summed_over_them_are_read_right(
+    dtype, mask_path
+):
+    # A row expanded over a dimension has row stride 0, as has the gradient of a sum over
+    # the query axis; the compiled kernel handed such matrices to the BLAS, which raised
+    # the leading dimension to the row length and read past them: the outputs were off by
+    # 1.5, the gradients by 1e27 (the torch-ops path was right).
+    q, k, v = qkv(dtype, n=6, m=6)
+    q, v = q[:, :, :1].expand_as(q), v[:, :, :1].expand_as(v)
+    want = softmax_attention(q, k, v)
+    for pair in ((q, k, v), (q.contiguous(), k, v.contiguous())):
+        torch.testing.assert_close(explicit(*pair), want)
+    leaves = [t.contiguous().requires_grad_() for t in qkv(dtype, n=6, m=6)]
+    refs = [t.detach().clone().requires_grad_() for t in leaves]
+    seeded(1, explicit, *leaves, dropout_p=0.3).sum(2).pow(2).sum().backward()
+    with mock.patch.dict(os.environ, {native.ENV_SWITCH: "0"}):  # the torch-ops kernel
+        seeded(1, explicit, *refs, dropout_p=0.3).sum(2).pow(2).sum().backward()
+    for leaf, ref in zip(leaves, refs, strict=True):
+        torch.testing.assert_close(leaf.grad, ref.grad)
+
+
 def test_backward_applies_the_mask_its_forward_chose_whatever_the_switch_says_then(blocks):
     # The switch is read once, in forward: a backward run after it flips (e.g. under
     # another context manager) still makes the compiled kernel's mask, not no mask at all.

@@ -56,7 +56,7 @@ from .kernel_rule import (
     compute_dtype,
     pinned_kernel,
 )
-from .native import transformed
+from .native import rows_in_place, transformed
 
 # Blocks of the explicit kernel (`block_rows`): rows of queries per block between 64 (GEMMs
 # stay efficient) and 512, at most 2^22 weights (16 MiB in fp32). Measured on CPU (fp32,
@@ -286,19 +286,21 @@ def _fused_attention(
     its seed.
 
     Inputs of any leading dimensions are seen as (B, H, ..): views wherever the layout
-    allows (unit stride in the last dimension, which the BLAS calls need); the mask is
-    broadcast to (B, H, N, M) as a view.
+    allows (unit stride in the last dimension and rows at least a row apart, which the BLAS
+    calls need: a row expanded over a dimension has row stride 0, and a BLAS reading it as
+    a matrix walks past it); the mask is broadcast to (B, H, N, M) as a view, read row by
+    row, any row stride.
     """
     *lead, seq_len, _ = q.shape
     keys, groups = k.shape[-2], math.prod(lead)
 
-    def four_d(t: Tensor) -> Tensor:
+    def four_d(t: Tensor, *, matrix: bool = True) -> Tensor:
         t = t if t.dim() == 4 else t.reshape(groups, 1, *t.shape[-2:])
-        return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+        return t if rows_in_place(t, matrix=matrix) else t.contiguous()
 
     mask = None
     if attn_mask is not None:
-        mask = four_d(attn_mask.expand(*lead, seq_len, keys))
+        mask = four_d(attn_mask.expand(*lead, seq_len, keys), matrix=False)
     seed = dropout_seed(q.device) if dropout_p > 0.0 else q.new_zeros((), dtype=torch.int64)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     keep = backward and dropout_p > 0.0 and groups * seq_len * keys <= _KEEP_WEIGHTS

@@ -381,6 +381,16 @@ def _register_python_side() -> None:
         )
 
 
+def rows_in_place(t: Tensor, *, matrix: bool = True) -> bool:
+    """Whether the compiled kernels can read the last two dimensions of `t` in place: unit
+    stride in the last (or one column) and, for a GEMM operand (`matrix`), rows at least
+    a row apart (or one row). An expanded row (stride 0) fails the second: a BLAS raises
+    such a leading dimension to the row length and reads past the tensor."""
+    rows, cols = t.shape[-2:]
+    unit = t.stride(-1) == 1 or cols <= 1
+    return unit and (not matrix or rows <= 1 or t.stride(-2) >= cols)
+
+
 def transformed(*tensors: Tensor | None) -> bool:
     """Whether a functorch transform (torch.func) is active or wraps any of `tensors`, or a
     forward-AD dual level is open: ops without batching or forward-mode rules (the compiled

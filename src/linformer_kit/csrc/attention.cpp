@@ -99,12 +99,15 @@ void keep_row(const Plan& plan, int64_t g, int64_t row, int64_t keys, const T* w
   keep(bits, plan.threshold, weights, kept, keys, factor);
 }
 
+// The GEMMs read each (rows, cols) matrix with leading dimension stride(2), which a BLAS
+// raises to at least cols: an expanded row (stride 0) would be read past its end.
 void check_matrices(const at::Tensor& t, const at::Tensor& q) {
   TORCH_CHECK(t.dim() == 4 && t.device().is_cpu() && t.scalar_type() == q.scalar_type() &&
-                  (t.stride(3) == 1 || t.size(3) <= 1 || t.numel() == 0),
+                  (t.numel() == 0 || ((t.stride(3) == 1 || t.size(3) <= 1) &&
+                                      (t.stride(2) >= t.size(3) || t.size(2) <= 1))),
               "fused attention: q, k, v and grad must be 4-D CPU tensors of one dtype with "
-              "unit stride in the last dimension; got ", t.sizes(), " strides ", t.strides(),
-              " ", t.scalar_type());
+              "unit stride in the last dimension and rows at least a row apart; got ",
+              t.sizes(), " strides ", t.strides(), " ", t.scalar_type());
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -98,9 +98,14 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     if (!grads[0].defined()) return variable_list(11);  // (grads not materialized: none)
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& mask = saved[3];
-    // (sym_stride: under torch.compile a plain stride() would fix every size of a dynamic
-    // shape, one recompile per sequence length)
-    at::Tensor grad = grads[0].sym_stride(-1) == 1 ? grads[0] : grads[0].contiguous();
+    // Read in place with unit stride and rows at least a row apart (`check_matrices`): the
+    // gradient of a sum over the query axis is expanded, row stride 0. (sym_stride: under
+    // torch.compile a plain stride() would fix every size of a dynamic shape, one
+    // recompile per sequence length.)
+    const at::Tensor& given = grads[0];
+    const bool in_place = given.sym_stride(-1) == 1 &&
+                          (given.sym_size(-2) <= 1 || given.sym_stride(-2) >= given.sym_size(-1));
+    at::Tensor grad = in_place ? given : given.contiguous();
     const std::array<bool, 3> needs = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                        ctx->needs_input_grad(2)};
     auto [grad_q, grad_k, grad_v] = op.call(
