@@ -9,12 +9,14 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from train_helpers import flip_last_byte
 
 from linformer_kit import (
     LinformerForMaskedLM,
     LinformerForSequenceClassification,
     LinformerModel,
+    hub,
     linformer_tiny,
 )
 from linformer_kit.hub import (
@@ -345,3 +347,59 @@ def test_directory_without_manifest_loads_and_only_a_required_one_fails(mlm_dir)
     state_equal(LinformerForMaskedLM.from_pretrained(path), model)
     with pytest.raises(IntegrityError, match="no manifest.json: the checkpoint is incomplete"):
         verify_manifest(path, required=True)
+
+
+def test_a_save_interrupted_between_its_two_files_is_refused_not_mixed(tmp_path, monkeypatch):
+    # The new weights beside the old config.json (a kill between the two renames) loaded
+    # silently when the shapes agreed: a relu model's weights run as gelu.
+    LinformerForMaskedLM(tiny(activation="gelu")).save_pretrained(tmp_path)
+    written = hub.atomic_write
+
+    def killed_before_the_config(path, write):
+        if path.name == CONFIG_NAME:
+            raise KeyboardInterrupt  # the process ends here
+        written(path, write)
+
+    monkeypatch.setattr(hub, "atomic_write", killed_before_the_config)
+    with pytest.raises(KeyboardInterrupt):
+        LinformerForMaskedLM(tiny(activation="relu")).save_pretrained(tmp_path)
+    monkeypatch.undo()
+    message = "were written by different saves .*interrupted between them.*: save the model again"
+    with pytest.raises(ValueError, match=message):
+        LinformerForMaskedLM.from_pretrained(tmp_path)
+    # a config.json edited by hand (another dropout) keeps its save's id and loads; one
+    # copied from another save does not; files saved before the id existed load as before
+    other = tmp_path / "other"
+    LinformerForMaskedLM(tiny(activation="relu")).save_pretrained(other)
+    meta = json.loads((other / CONFIG_NAME).read_text())
+    (other / CONFIG_NAME).write_text(
+        json.dumps({**meta, "config": {**meta["config"], "dropout": 0.3}})
+    )
+    assert LinformerForMaskedLM.from_pretrained(other).config.dropout == 0.3
+    (tmp_path / CONFIG_NAME).write_text((other / CONFIG_NAME).read_text())
+    with pytest.raises(ValueError, match="different saves"):
+        LinformerForMaskedLM.from_pretrained(tmp_path)
+    del meta[hub.SAVE_ID]
+    (other / CONFIG_NAME).write_text(json.dumps(meta))
+    save_file(hub.read_weights(other), other / WEIGHTS_NAME, {"format": "pt"})  # no ids
+    assert LinformerForMaskedLM.from_pretrained(other).config.activation == "relu"
+
+
+def test_from_pretrained_keeps_a_float64_model_float64_when_asked(tmp_path):
+    # It built every model in float32 and cast the file into it: 1/3 came back 0.33333334.
+    model = perturbed(LinformerForSequenceClassification(tiny(), num_labels=3)).double()
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 100, (2, 10))
+    for dtype in ("auto", torch.float64):
+        again = LinformerForSequenceClassification.from_pretrained(tmp_path, dtype=dtype).eval()
+        assert all(
+            t.dtype == torch.float64 for t in again.state_dict().values() if t.is_floating_point()
+        )
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    plain = LinformerForSequenceClassification.from_pretrained(tmp_path)  # as transformers
+    assert next(plain.parameters()).dtype == torch.float32
+    bf16 = LinformerModel.from_pretrained(tmp_path, dtype=torch.bfloat16)  # a new head too
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    for bad in ("float64", torch.int64):
+        with pytest.raises(ValueError, match='dtype must be a floating torch dtype or "auto"'):
+            LinformerModel.from_pretrained(tmp_path, dtype=bad)

@@ -2,7 +2,10 @@
 
 Shared tensors (a `layerwise` projection used by every layer) are written once; on load
 every alias of a shared tensor is filled from that one entry. Files are written to a
-temporary name and renamed, so an interrupted save never leaves a half-written file.
+temporary name and renamed, so an interrupted save never leaves a half-written file; both
+carry one random `save_id` (config.json's field, the weights' metadata), so a save
+interrupted between the two renames (the new weights beside the old config) is refused on
+load rather than run under the other config.
 
 A directory may carry a `manifest.json` (size and SHA-256 of its files; training
 checkpoints do): loading such a directory checks it first, so a truncated or altered file
@@ -17,11 +20,12 @@ import json
 import logging
 import os
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -34,6 +38,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+SAVE_ID = "save_id"  # config.json's field and the weights' metadata key: one save's pair
 NO_VERIFY_ENV = "LINFORMER_NO_VERIFY"
 OPT_OUT = (
     f"If the files were changed on purpose, load with verify=False (from_pretrained), "
@@ -205,15 +210,18 @@ def save_pretrained(
     path = Path(path)
     state = model.state_dict()
     tensors = {group[0]: state[group[0]].contiguous() for group in _alias_groups(state)}
+    save_id = uuid.uuid4().hex
     meta = {
         "format_version": FORMAT_VERSION,
         "architecture": architecture,
         "config": model.config.to_dict(),
         "model_kwargs": model_kwargs,
+        SAVE_ID: save_id,
     }
     # a manifest there described the files this save replaces: left, it would refuse them
     (path / MANIFEST_NAME).unlink(missing_ok=True)
-    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, {"format": "pt"}))
+    metadata = {"format": "pt", SAVE_ID: save_id}
+    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata))
     text = json.dumps(meta, indent=2) + "\n"
     atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
 
@@ -273,15 +281,44 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     Raises:
         FileNotFoundError: if the file is missing.
-        ValueError: if it is truncated or not a safetensors file.
+        ValueError: if it is truncated or not a safetensors file, or the directory's
+            config.json was written by another save (`SAVE_ID`).
     """
     file = Path(path) / WEIGHTS_NAME
     if not file.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {Path(path)}")
     try:
-        return load_file(file)
+        with safe_open(file, "pt") as handle:
+            saved_with = (handle.metadata() or {}).get(SAVE_ID)
+        tensors = load_file(file)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{file} is corrupt or truncated: {err}") from err
+    config = Path(path) / CONFIG_NAME
+    if saved_with is not None and config.is_file():
+        try:
+            config_id = json.loads(config.read_text()).get(SAVE_ID, saved_with)
+        except json.JSONDecodeError:
+            config_id = saved_with  # `read_config` names a corrupt config
+        if config_id != saved_with:
+            raise ValueError(
+                f"{config} and {file} were written by different saves (a save_pretrained "
+                f"interrupted between them, or a config copied from another model): save "
+                f"the model again"
+            )
+    return tensors
+
+
+def weights_dtype(tensors: dict[str, torch.Tensor], source: str | os.PathLike) -> torch.dtype:
+    """The one floating dtype of a model file's tensors (`from_pretrained(dtype="auto")`).
+
+    Raises:
+        ValueError: if the file holds floating tensors of several dtypes, or none.
+    """
+    found = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(found) != 1:
+        names = sorted(str(d) for d in found) or "none"
+        raise ValueError(f"{source}: dtype='auto' needs floating tensors of one dtype, got {names}")
+    return found.pop()
 
 
 def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:

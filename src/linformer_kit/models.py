@@ -191,6 +191,7 @@ class LinformerPreTrainedModel(nn.Module):
         config_overrides: dict[str, Any] | None = None,
         verify: bool = True,
         keep_head: bool = True,
+        dtype: torch.dtype | str | None = None,
         **model_kwargs: Any,
     ) -> ModelT:
         """Loads a model saved by `save_pretrained` (or a training checkpoint).
@@ -206,19 +207,27 @@ class LinformerPreTrainedModel(nn.Module):
             verify: check the files against the directory's manifest.json, when it has one
                 (training checkpoints do); False loads files changed on purpose.
             keep_head: load the saved head too when the architecture is the same.
+            dtype: the model's dtype: None, float32 (as `transformers`' default: a float64
+                or bf16 file is cast); "auto", the file's; or a torch dtype.
             **model_kwargs: constructor arguments (e.g. num_labels) overriding the saved ones.
 
         Raises:
             FileNotFoundError: if a file is missing.
-            ValueError: if a file is corrupt or the weights do not match the config;
+            ValueError: if a file is corrupt or the weights do not match the config, or
+                for a dtype that is not a floating torch dtype or "auto";
                 hub.IntegrityError if a file does not match the manifest.
         """
+        floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
+        if not (floating or dtype in (None, "auto")):
+            raise ValueError(f'dtype must be a floating torch dtype or "auto", got {dtype!r}')
         hub.check_before_load(path, verify)
         meta = hub.read_config(path)
         config = meta["config"].replace(**(config_overrides or {}))
         same = meta["architecture"] == cls.__name__ and keep_head
         model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
         tensors = hub.read_weights(path)
+        if dtype is not None:
+            model.to(hub.weights_dtype(tensors, path) if dtype == "auto" else dtype)
         if same:
             changed = {k: v for k, v in model_kwargs.items() if meta["model_kwargs"].get(k) != v}
             try:
