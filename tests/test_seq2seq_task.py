@@ -86,6 +86,11 @@ def test_the_split_is_by_file_and_fixed_by_the_seed():
     assert split_by_file(pairs, 4, 0.1, 0.1) != splits
     with pytest.raises(ValueError, match="val_fraction > 0, test_fraction > 0 and their sum < 1"):
         split_by_file(pairs, 3, 0.5, 0.5)
+    # Shares that round to no file left a split empty: val scored 0 (and chose `best` by
+    # it), evaluate --split test divided by zero, an empty train split crashed the batches.
+    for val, test, empty in [(0.01, 0.1, "val"), (0.1, 0.01, "test"), (0.5, 0.49, "train")]:
+        with pytest.raises(ValueError, match=rf"of 40 files leave {empty} without a file"):
+            split_by_file(pairs, 3, val, test)
 
 
 def tiny_run(output_dir, steps, resume=False):

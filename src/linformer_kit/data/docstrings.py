@@ -111,12 +111,21 @@ def split_by_file(
     """Train / val / test: the files shuffled by `seed`, then cut by the share of files.
 
     Raises:
-        ValueError: if the fractions leave no file for training.
+        ValueError: if the fractions, rounded to whole files, leave a split without a file.
     """
     check_split_fractions(val_fraction, test_fraction)
     files = sorted({p.where.rsplit(":", 1)[0] for p in pairs})
     order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
     num_val, num_test = round(len(files) * val_fraction), round(len(files) * test_fraction)
+    counts = {"val": num_val, "test": num_test, "train": len(files) - num_val - num_test}
+    empty = [name for name, count in counts.items() if count < 1]
+    if empty:  # an empty val split scored a loss of 0 and chose `best` by it
+        raise ValueError(
+            f"val_fraction {val_fraction} and test_fraction {test_fraction} of {len(files)} "
+            f"files leave {' and '.join(empty)} without a file (val {num_val}, test "
+            f"{num_test}, train {counts['train']}); each share must hold at least 1 / "
+            f"{len(files)} of them and leave as much for training"
+        )
     split_of = {}
     for rank, index in enumerate(order):
         split_of[files[index]] = (
