@@ -33,9 +33,19 @@ def test_convert_round_trip(tmp_path, capsys):
         assert torch.equal(loaded(ids).last_hidden_state, direct(ids).last_hidden_state)
 
 
-def test_convert_exact_with_data_driven_init_flag_is_still_exact(tmp_path):
+def test_convert_exact_refuses_the_flags_that_shape_a_linformer(tmp_path):
+    # Before, they were ignored (and --sharing / --projection recorded in the exact config).
     out = tmp_path / "exact"
-    main(["convert", "--exact", "--init", "attention", "--out", str(out)])
+    for flags, named in [
+        (["--init", "attention"], "--init"),
+        (["--proj-dim", "8", "--sharing", "none"], "--proj-dim, --sharing"),
+        (["--projection", "adaptive"], "--projection"),
+    ]:
+        message = f"--exact keeps exact attention: {named} shape a Linformer"
+        with pytest.raises(SystemExit, match=message):
+            main(["convert", "--exact", *flags, "--out", str(out)])
+    assert not out.exists()
+    main(["convert", "--exact", "--out", str(out)])
     assert LinformerModel.from_pretrained(out).config.is_exact
 
 
@@ -120,3 +130,19 @@ def test_converting_into_a_folder_with_an_old_manifest_gives_a_loadable_model(tm
     hub.write_manifest(out)
     main(["convert", "--proj-dim", "16", "--init", "mean", "--out", str(out)])
     assert LinformerModel.from_pretrained(out).config.proj_dim == 16
+
+
+def test_converting_over_a_model_says_so_and_drops_its_tokenizer(tmp_path, caplog):
+    # A source without tokenizer.json left the replaced model's in --out: the folder then
+    # paired a 1000-token model with a 30522-token tokenizer, refused only later.
+    out, source = tmp_path / "out", tmp_path / "no_tokenizer"
+    main(["convert", "--proj-dim", "16", "--init", "mean", "--out", str(out)])
+    assert (out / "tokenizer.json").is_file()
+    source.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (source / name).write_bytes((minilm_path() / name).read_bytes())
+    with caplog.at_level("WARNING"):
+        main(["convert", "--from", str(source), "--exact", "--out", str(out)])
+    assert f"replacing the model in {out}" in caplog.messages
+    assert f"removed the replaced model's tokenizer.json from {out}" in caplog.messages
+    assert not (out / "tokenizer.json").exists()

@@ -132,6 +132,37 @@ def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path, monkey
     assert ran == ["exact@64"]
 
 
+def test_variants_added_one_run_at_a_time_keep_the_earlier_rows(tmp_path, monkeypatch, caplog):
+    # A second run naming only a new variant wrote a report of that one alone (and TF-IDF):
+    # the earlier rows vanished without a word; settings that differ now say why they go.
+    pytest.importorskip("sklearn")
+    files = {
+        name: str(write_classification(tmp_path / f"{name}.jsonl", 12, seed=seed))
+        for name, seed in (("train", 0), ("val", 1), ("test", 2))
+    }
+    settings = TaskBenchSettings(**files, variants="exact@64", out=str(tmp_path / "report"))
+    settings = dataclasses.replace(settings, work_dir=str(tmp_path / "work"))
+
+    def row(v, s):
+        return {"variant": v.name, "test_acc": 0.5, "s_per_step": 0.1, "peak_mem_mb": 300.0}
+
+    monkeypatch.setattr(task_bench, "_variant_row", row)
+    run_task_bench(settings)
+    with caplog.at_level("INFO"):
+        report = run_task_bench(dataclasses.replace(settings, variants="exact@32"))
+    assert [r["variant"] for r in report["rows"]] == ["tfidf", "exact@32", "exact@64"]
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert [r["variant"] for r in saved["rows"]] == ["tfidf", "exact@32", "exact@64"]
+    kept = f"exact@64: kept from the earlier {tmp_path / 'report'}.json (not in --variants)"
+    assert kept in caplog.messages
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        report = run_task_bench(dataclasses.replace(settings, variants="exact@32", seed=5))
+    assert [r["variant"] for r in report["rows"]] == ["tfidf", "exact@32"]
+    replaced = "was made with other settings (seed): this run replaces its rows"
+    assert f"{tmp_path / 'report.json'} {replaced}" in caplog.messages
+
+
 def test_a_dot_in_out_stays_in_the_file_names_and_a_foreign_json_is_named():
     # with_suffix made `runs/x.v1` write runs/x.json: two outputs overwrote each other.
     assert report_file("runs/x.v1", ".json") == task_bench.Path("runs/x.v1.json")

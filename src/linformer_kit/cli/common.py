@@ -11,6 +11,7 @@ from typing import Any
 
 from ..config import PROJECTIONS, SHARINGS
 from ..hub import atomic_write, check_output_path
+from ..interop.convert import DEFAULT_SHAPE
 from ..training.loop import TrainResult
 
 
@@ -95,16 +96,23 @@ def add_student_arguments(parser: argparse.ArgumentParser, proj_dim_help: str) -
         "(512 for BERT) the learned positions are copied block after block (Longformer's "
         "rule) (default: the source's)",
     )
-    parser.add_argument("--proj-dim", type=int, default=128, help=proj_dim_help)
+    # None where not given: DEFAULT_SHAPE's, or the flags told apart from their defaults
+    # (refused with `convert --exact`, checked against an existing `distill` student)
+    parser.add_argument(
+        "--proj-dim",
+        type=int,
+        default=None,
+        help=f"{proj_dim_help} (default: {DEFAULT_SHAPE['proj_dim']})",
+    )
     parser.add_argument(
         "--sharing",
         choices=SHARINGS,
-        default="layerwise",
-        help="projection sharing (paper sec. 4) (default: layerwise)",
+        default=None,
+        help=f"projection sharing (paper sec. 4) (default: {DEFAULT_SHAPE['sharing']})",
     )
     parser.add_argument(
         "--projection",
         choices=PROJECTIONS,
-        default="linear",
-        help="sequence projection kind (default: linear)",
+        default=None,
+        help=f"sequence projection kind (default: {DEFAULT_SHAPE['projection']})",
     )

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from ..interop import DEFAULT_INIT, INITS
-from ..interop.convert import convert_to_dir, is_linformer_checkpoint
+from ..interop.convert import DEFAULT_SHAPE, convert_to_dir, is_linformer_checkpoint
 from ..interop.report import ConversionReport, conversion_report, minilm_path
 from .common import (
     add_dataclass_arguments,
@@ -24,18 +24,21 @@ from .overrides import exit_on_user_error
 def _convert(args: argparse.Namespace, source: Path) -> None:
     if args.out is None:
         raise ValueError("--out DIR is required (or pass --report)")
+    shape = {name: getattr(args, name) for name in (*DEFAULT_SHAPE, "init")}
+    given = [name for name, value in shape.items() if value is not None]
+    if args.exact and given:  # ignored before, and recorded in the config
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(f"--exact keeps exact attention: {flags} shape a Linformer (leave out)")
+    shape = {**DEFAULT_SHAPE, **{name: shape[name] for name in given}}
     model = convert_to_dir(
         source,
         args.out,
-        proj_dim=None if args.exact else args.proj_dim,
+        **{**shape, "proj_dim": None if args.exact else shape["proj_dim"]},
         max_seq_len=args.max_seq_len,
-        sharing=args.sharing,
-        projection=args.projection,
-        init=args.init,
         calibration_texts=args.calibration_texts,
         seed=args.seed,
     )
-    kind = "exact attention" if args.exact else f"k={args.proj_dim}, {args.sharing}"
+    kind = "exact attention" if args.exact else f"k={shape['proj_dim']}, {shape['sharing']}"
     print(f"converted {source} ({kind}, max_seq_len {model.config.max_seq_len}) -> {args.out}")
 
 
@@ -43,7 +46,7 @@ def _report(args: argparse.Namespace, source: Path) -> None:
     result = conversion_report(
         source,
         dataclass_from_args(ConversionReport, args),
-        sharing=args.sharing,
+        sharing=args.sharing or DEFAULT_SHAPE["sharing"],
         calibration_texts=args.calibration_texts,
         seed=args.seed,
     )

@@ -8,14 +8,10 @@ import argparse
 from pathlib import Path
 
 from ..data.corpus import iter_documents
+from ..interop.convert import DEFAULT_SHAPE
 from ..interop.distill import DistillSettings
 from ..interop.distill_report import distillation_report, plot_curves
-from ..interop.distill_run import (
-    NEW_STUDENT,
-    DistillData,
-    distill_checkpoint,
-    distillation_files,
-)
+from ..interop.distill_run import DistillData, distill_checkpoint, distillation_files
 from ..interop.report import minilm_path
 from .common import (
     add_dataclass_arguments,
@@ -65,8 +61,8 @@ def _report(args: argparse.Namespace, teacher: Path) -> None:
         dataclass_from_args(DistillSettings, args),
         data,
         files=distillation_files(args.data, data.glob),
-        sharing=args.sharing or NEW_STUDENT["sharing"],
-        projection=args.projection or NEW_STUDENT["projection"],
+        sharing=args.sharing or DEFAULT_SHAPE["sharing"],
+        projection=args.projection or DEFAULT_SHAPE["projection"],
         max_seq_len=args.max_seq_len,
     )
     out = write_report(result, args.report_out)
@@ -123,10 +119,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--text-field", default="text", help="JSONL field or CSV column of the text"
     )
-    add_student_arguments(parser, "k of a new student (default: 128)")
-    # None: a new student's defaults (the help's); an existing student's own shape, which
-    # a flag given must match
-    parser.set_defaults(proj_dim=None, sharing=None, projection=None)
+    add_student_arguments(parser, "k of a new student (an existing one's must match)")
     parser.add_argument(
         "--report", action="store_true", help="before / after table for every --proj-dims"
     )

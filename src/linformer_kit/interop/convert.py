@@ -23,6 +23,10 @@ from .report import TOKENIZER_NAME, calibration_ids
 
 logger = logging.getLogger(__name__)
 
+# A converted Linformer's shape where the caller names none (`convert`, a new `distill`
+# student).
+DEFAULT_SHAPE = {"proj_dim": 128, "sharing": "layerwise", "projection": "linear"}
+
 DATA_DRIVEN = ("svd", "attention")  # inits that need calibration text
 # Checkpoints of this library that `convert` takes: the bidirectional encoders.
 ENCODERS = {
@@ -94,9 +98,14 @@ def convert_to_dir(
     else:
         ids = calibration_ids(source, calibration_texts, max_seq_len) if data_driven else None
         model = convert_hf_model(source, calibration_ids=ids, **options)
+    if (Path(out) / hub.CONFIG_NAME).is_file():
+        logger.warning("replacing the model in %s", out)
     model.save_pretrained(out)
     if (source / TOKENIZER_NAME).is_file():
         shutil.copy(source / TOKENIZER_NAME, Path(out) / TOKENIZER_NAME)
+    elif (Path(out) / TOKENIZER_NAME).is_file():  # the replaced model's: not this one's
+        (Path(out) / TOKENIZER_NAME).unlink()
+        logger.warning("removed the replaced model's %s from %s", TOKENIZER_NAME, out)
     return model.backbone
 
 

@@ -15,7 +15,7 @@ import torch
 from ..data.corpus import list_files
 from ..models import LinformerModel
 from .bert import convert_hf_model, read_hf_config
-from .convert import convert_to_dir
+from .convert import DEFAULT_SHAPE, convert_to_dir
 from .distill import DistillSettings, HeldOut, distill
 from .report import TOKENIZER_NAME, document_ids, model_tokenizer, stdlib_files, text_windows
 
@@ -76,10 +76,6 @@ def split_documents(
             "give more documents, fewer --heldout-texts or --heldout-documents"
         )
     return documents[: data.texts], heldout[: data.heldout_texts]
-
-
-# The shape of a student converted by `distill_checkpoint` where the caller names none.
-NEW_STUDENT = {"proj_dim": 128, "sharing": "layerwise", "projection": "linear"}
 
 
 def distill_checkpoint(
@@ -148,7 +144,7 @@ def distill_checkpoint(
                 "them out, or give a new --student folder)"
             )
     else:
-        shape = {**NEW_STUDENT, **asked}
+        shape = {**DEFAULT_SHAPE, **asked}
         logger.info("no model in %s: converting %s with %s", student_dir, teacher_dir, shape)
         student = convert_to_dir(
             teacher_dir, student_dir, calibration_texts=data.calibration_texts, **shape

@@ -42,7 +42,7 @@ from .convert import convert_to_dir
 from .distill import DistillSettings
 from .distill_run import DistillData, distill_checkpoint
 from .report import minilm_path
-from .task_bench_report import report_file, write_task_report
+from .task_bench_report import TFIDF, report_file, write_task_report
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class TaskBenchSettings:
         metadata={
             "help": "before fine-tuning, distil each Linformer variant this many steps (of 4 "
             "documents) against the exact model at its length, on the training texts "
-            "(labels unused); 0 = no distillation"
+            "(labels unused); not :after ones, converted from the bench's own classifier, "
+            "not from a Hugging Face teacher; 0 = no distillation"
         },
     )
     threads: int = field(default=0, metadata={"help": "CPU threads (0 = torch's default)"})
@@ -271,7 +272,7 @@ def tfidf_baseline(train: str, test: str) -> dict[str, Any]:
     predicted = classifier.predict(vectorizer.transform(test_texts))
     correct = sum(p == str(y) for p, y in zip(predicted, test_labels))
     return {
-        "variant": "tfidf",
+        "variant": TFIDF,
         "model": "TF-IDF 1-2-grams + logistic regression",
         "test_acc": correct / len(test_labels),
         "train_s": time.perf_counter() - start,
@@ -312,6 +313,8 @@ def _variant_row(v: Variant, s: TaskBenchSettings) -> dict[str, Any]:
         kind += f" from fine-tuned {v.exact}"
     cut = f", {s.truncation} kept" if s.truncation != DEFAULT_TRUNCATION else ""
     distilled: dict[str, Any] = {}
+    if v.after and s.distill_steps:
+        logger.info("%s: not distilled (converted from a fine-tuned classifier)", v.name)
     if v.proj_dim is not None and s.distill_steps and not v.after:
         start = time.perf_counter()
         distilled = in_fresh_process(_distill, source, folder / "model", s)
@@ -362,7 +365,14 @@ def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:
     def compared(settings: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in (_ADDED_LATER | settings).items() if k not in _NOT_COMPARED}
 
-    if compared(earlier["settings"]) != compared(dataclasses.asdict(s)):
+    before, now = compared(earlier["settings"]), compared(dataclasses.asdict(s))
+    if before != now:
+        differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        logger.warning(
+            "%s was made with other settings (%s): this run replaces its rows",
+            path,
+            ", ".join(differ),
+        )
         return {}
     return {row["variant"]: row for row in earlier["rows"]}
 
@@ -381,16 +391,22 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
     runs = {v.name for v in variants if v.name not in earlier}
     runs |= {v.name for v in variants if v.after and v.exact in runs}
     done = {v.name: earlier[v.name] for v in variants if v.name not in runs}
+    # an earlier run's other variants stay in the report: variants are added one run at a time
+    named = {v.name for v in variants} | {TFIDF}
+    others = [row for name, row in earlier.items() if name not in named]
     report: dict[str, Any] = {"settings": dataclasses.asdict(s), "machine": machine()}
     tfidf = tfidf_baseline(s.train, s.test)
 
     def write() -> None:
         # Every row so far, kept ones included: a run killed in the next variant loses none.
-        report["rows"] = [tfidf, *(done[v.name] for v in variants if v.name in done)]
+        rows = [done[v.name] for v in variants if v.name in done]
+        report["rows"] = [tfidf, *rows, *others]
         write_task_report(report, Path(s.out))
 
     for name in done:
         logger.info("%s: kept from the earlier %s.json", name, s.out)
+    for row in others:
+        logger.info("%s: kept from the earlier %s.json (not in --variants)", row["variant"], s.out)
     write()
     for variant in variants:
         if variant.name in runs:

@@ -10,6 +10,8 @@ from ..hub import atomic_write
 from ..training.settings import markdown_table as table
 from ..training.settings import save_json
 
+TFIDF = "tfidf"  # the baseline's row
+
 COLUMNS = {
     "model": "model",
     "test_acc": "test accuracy",
@@ -30,8 +32,8 @@ def plot_task_report(report: dict[str, Any], path: Path) -> None:
     """Test accuracy, time per step and peak memory of every variant (baseline as a line)."""
     from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
-    rows = [r for r in report["rows"] if r["variant"] != "tfidf"]
-    baseline = next(r["test_acc"] for r in report["rows"] if r["variant"] == "tfidf")
+    rows = [r for r in report["rows"] if r["variant"] != TFIDF]
+    baseline = next(r["test_acc"] for r in report["rows"] if r["variant"] == TFIDF)
     fig = Figure(figsize=(12, 4))
     axes = fig.subplots(1, 3)
     names = [r["variant"].replace(":", "\n", 1) for r in rows]  # k512@2048 / adaptive:after
