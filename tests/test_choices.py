@@ -10,11 +10,13 @@ from linformer_kit.bench.variants import build_variant
 from linformer_kit.data.pipeline import DataSettings
 from linformer_kit.data.seq2seq import Seq2SeqDataSettings, synthetic_pairs
 from linformer_kit.interop.distill import DistillSettings, set_trainable
+from linformer_kit.interop.distill_run import DistillData
 from linformer_kit.interop.projection_init import init_projections
 from linformer_kit.interop.report import stdlib_files
 from linformer_kit.interop.task_bench import TaskBenchSettings
 from linformer_kit.models import LinformerForSequenceClassification, LinformerModel
 from linformer_kit.projection import build_projection
+from linformer_kit.training.compare import ComparisonSettings
 from linformer_kit.training.finetune import FinetuneSettings
 from linformer_kit.training.lra_settings import LRASettings
 from linformer_kit.training.seq2seq import evaluate_seq2seq
@@ -104,6 +106,18 @@ NUMBERS = {  # each refused before any work (data parsed, a model converted, a r
     "bench memory_budget_gb": (
         lambda: BenchSettings(memory_budget_gb=NAN),
         r"memory_budget_gb must be a number > 0 \(inf: none\), got nan",
+    ),
+    "finetune temperature inf": (  # went on into the feature extraction
+        lambda: FinetuneSettings(temperature=float("inf")),
+        "temperature must be a finite number > 0, got inf",
+    ),
+    "distill texts 0": (  # converted and saved a student, then calibrated on nothing
+        lambda: DistillData(texts=0),
+        "texts must be an integer >= 1, got 0",
+    ),
+    "demo seq_len": (  # said "block_size (64) must be below seq_len (-1)"
+        lambda: ComparisonSettings(seq_len=-1),
+        "seq_len must be an integer >= 1, got -1",
     ),
 }
 

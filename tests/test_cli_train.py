@@ -206,19 +206,28 @@ def test_bad_training_flags_are_named_before_any_work(tmp_path, capsys, flags, m
 
 
 def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
-    tmp_path, pretrained, capsys
+    tmp_path, pretrained, capsys, monkeypatch
 ):
-    corpus = tmp_path / "corpus"
+    # An --output-dir or --cache-dir that is a file was named by errno only ("File exists",
+    # "Not a directory"), after the tokenizer was trained and the corpus cached.
+    corpus = tmp_path / "corpus"  # the fixture's (its tokenizer and tokens cached)
+    monkeypatch.setenv("LINFORMER_CACHE", str(tmp_path / "fresh"))
     note = tmp_path / "notes.txt"
     note.write_text("mine")
     pretrain = ["pretrain", "--data", str(corpus), "--vocab-size", "300", *MODEL, *TRAIN]
     pretrain += ["--proj-dim", "16", "--max-steps", "1"]
     evaluate = ["evaluate", str(pretrained / "best"), "--data", str(corpus)]
+    run = ["--output-dir", str(tmp_path / "new-run")]
     for argv, message in [
-        ([*pretrain, "--output-dir", str(note)], f"File exists: '{note}'"),
-        ([*pretrain, "--output-dir", str(note / "run")], "Not a directory"),
+        ([*pretrain, "--output-dir", str(note)], f"--output-dir {note} is a file; name a"),
+        ([*pretrain, "--output-dir", str(note / "run")], f"{note} is a file, not a directory"),
+        ([*pretrain, *run, "--cache-dir", str(note)], f"--cache-dir {note} is a file; name a"),
+        ([*pretrain, *run, "--config", str(tmp_path / "nope")], f"--config {tmp_path / 'nope'}"),
+        ([*pretrain, *run, "--data", ""], "a data path is empty ('')"),  # was: the working dir
+        ([*pretrain, *run, "--data", "/dev/null"], "/dev/null is neither a file nor a directory"),
         ([*evaluate, "--out", str(tmp_path)], f"--out {tmp_path} is a directory; name a file"),
         ([*evaluate, "--out", f"{note}/m.json"], f"{note} is a file, not a directory"),
+        (["bench", "--n", "64", "--out", str(note)], f"--out {note} is a file; name a directory"),
     ]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:
@@ -226,6 +235,7 @@ def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and message in err, err
         assert "Traceback" not in err and "validation" not in err  # stopped before the work
+        assert not (tmp_path / "fresh").exists()  # no tokenizer trained, no corpus cached
     assert note.read_text() == "mine"
     user_best = tmp_path / "fresh" / "best"
     user_best.parent.mkdir()
@@ -246,3 +256,17 @@ def test_the_checkpoint_line_names_only_checkpoints_that_exist(tmp_path, capsys)
     (tmp_path / "best").mkdir()
     print_checkpoints(SimpleNamespace(run_dir=tmp_path))
     assert capsys.readouterr().out == f"checkpoints: {tmp_path / 'last'} and {tmp_path / 'best'}\n"
+
+
+def test_seq2seq_errors_name_the_subcommand_as_argparse_does(tmp_path, capsys):
+    # The library's errors said "linformer seq2seq: error:", argparse's own "linformer
+    # seq2seq train: error:".
+    for argv in (
+        ["seq2seq", "train", "--task", "reverse", "--max-len", "0"],
+        ["seq2seq", "evaluate", str(tmp_path / "none"), "--batch-size", "0"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--output-dir", str(tmp_path / "run")] if "train" in argv else argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"linformer seq2seq {argv[1]}: error: "), err

@@ -28,8 +28,11 @@ from linformer_kit.config import proj_dim_schedule
         ({"pad_token_id": True}, r"pad_token_id must be an integer in \[0, 100\), got True"),
         ({"norm_first": "no"}, r"norm_first must be True or False, got 'no'"),
         ({"pooler": 1}, r"pooler must be True or False, got 1"),
-        ({"layer_norm_eps": "1e-5"}, r"layer_norm_eps must be a number > 0, got '1e-5'"),
-        ({"init_std": 0.0}, r"init_std must be a number > 0, got 0.0"),
+        ({"layer_norm_eps": "1e-5"}, r"layer_norm_eps must be a finite number > 0, got '1e-5'"),
+        ({"init_std": 0.0}, r"init_std must be a finite number > 0, got 0.0"),
+        # nan and inf passed `<= 0`: a traceback in the init, or training that diverged
+        ({"init_std": float("nan")}, r"init_std must be a finite number > 0, got nan"),
+        ({"layer_norm_eps": float("inf")}, r"layer_norm_eps must be a finite number > 0, got inf"),
         ({"dropout": True}, r"dropout must be a float in \[0, 1\), got True"),
         ({"type_vocab_size": -1}, r"type_vocab_size must be an integer >= 0"),
         ({"ffn_dim": 0}, r"ffn_dim must be an integer >= 1"),

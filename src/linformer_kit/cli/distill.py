@@ -117,13 +117,15 @@ def register(commands: argparse._SubParsersAction) -> None:
         "drawn by --seed and left out of the distillation)",
     )
     parser.add_argument(
-        "--text-field", default="text", help="JSONL field or CSV column of the text"
+        "--text-field", default="text", help="JSONL field or CSV column of the text (default: text)"
     )
     add_student_arguments(parser, "k of a new student (an existing one's must match)")
     parser.add_argument(
         "--report", action="store_true", help="before / after table for every --proj-dims"
     )
-    parser.add_argument("--proj-dims", default="64,128,256", help="k values of --report")
+    parser.add_argument(
+        "--proj-dims", default="64,128,256", help="k values of --report (default: %(default)s)"
+    )
     parser.add_argument(
         "--report-out",
         default="benchmarks/convert/distill_minilm_l6.json",

@@ -30,7 +30,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("evaluate", help="evaluate a checkpoint on text or labelled data")
     parser.add_argument("checkpoint", help="a checkpoint directory (e.g. runs/x/best)")
     parser.add_argument(
-        "--out", default=None, help="also write the metrics (and the machine) as JSON here"
+        "--out",
+        default=None,
+        help="also write the metrics (and the machine) as JSON here (default: none)",
     )
     add_override_arguments(parser, EvaluateSettings, "evaluate")
     parser.set_defaults(func=run)

@@ -85,8 +85,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "max_seq_len leaves after the longest prompt)",
     )
     parser.add_argument(
-        "--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy"
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature; 0 is greedy (default: 1.0)",
     )
-    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    parser.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k likeliest (default: all)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
     parser.set_defaults(func=run)

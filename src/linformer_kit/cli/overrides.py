@@ -115,8 +115,8 @@ def exit_on_user_error(run: Callable[[argparse.Namespace], None]) -> Callable:
     def wrapper(args: argparse.Namespace) -> None:
         try:
             run(args)
-        except USER_ERRORS as err:
-            fail(args.command, str(err))
+        except USER_ERRORS as err:  # `linformer seq2seq train: error: ...`, as argparse says
+            fail(" ".join(filter(None, (args.command, getattr(args, "action", None)))), str(err))
 
     return wrapper
 

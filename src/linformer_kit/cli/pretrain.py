@@ -70,7 +70,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--config", default="", help="a run_config.json (or run directory) to start from"
+        "--config",
+        default="",
+        help="a run_config.json (or run directory) to start from (default: none)",
     )
     add_override_arguments(parser, DataSettings, "data")
     add_override_arguments(parser, TrainSettings, "train")

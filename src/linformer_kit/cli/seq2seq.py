@@ -78,7 +78,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     train = actions.add_parser("train", help="train (or --resume) an encoder-decoder")
     train.add_argument(
-        "--config", default="", help="a run_config.json (or run directory) to start from"
+        "--config",
+        default="",
+        help="a run_config.json (or run directory) to start from (default: none)",
     )
     add_override_arguments(train, Seq2SeqDataSettings, "data")
     add_override_arguments(train, Seq2SeqModelSettings, "model")
@@ -90,11 +92,15 @@ def register(commands: argparse._SubParsersAction) -> None:
         "evaluate", help="loss, token accuracy, ROUGE-L and exact match of a checkpoint"
     )
     evaluate.add_argument("checkpoint", help="a checkpoint directory (e.g. runs/seq2seq/best)")
-    evaluate.add_argument("--split", choices=SPLITS, default="test", help="held-out split")
-    evaluate.add_argument("--batch-size", type=int, default=16, help="pairs per batch")
     evaluate.add_argument(
-        "--max-examples", type=int, default=0, help="score the first N pairs (0 = all)"
+        "--split", choices=SPLITS, default="test", help="held-out split (default: test)"
     )
-    evaluate.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    evaluate.add_argument(
+        "--batch-size", type=int, default=16, help="pairs per batch (default: 16)"
+    )
+    evaluate.add_argument(
+        "--max-examples", type=int, default=0, help="score the first N pairs (0 = all) (default: 0)"
+    )
+    evaluate.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     evaluate.add_argument("--threads", type=int, default=0, help="CPU threads (0 = default)")
     evaluate.set_defaults(func=run_evaluate)

@@ -194,9 +194,13 @@ def list_files(spec: str, glob: str) -> list[Path]:
             for p in root.rglob("*.py")
             if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
         )
+    if not spec:  # Path("") is the working directory: read whatever lies there
+        raise FileNotFoundError("a data path is empty ('')")
     path = Path(spec)
     if path.is_file():
         return [path]
+    if path.exists() and not path.is_dir():  # a device, a fifo: /dev/null
+        raise FileNotFoundError(f"data path {path} is neither a file nor a directory")
     if not path.is_dir():
         raise FileNotFoundError(f"data path {path} does not exist")
     files = sorted(p for p in path.glob(glob) if p.is_file())

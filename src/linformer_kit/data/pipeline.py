@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import check_fraction, check_non_negative
+from ..hub import check_output_path
 from .cache import (
     PackedBlocks,
     build_token_cache,
@@ -57,6 +58,8 @@ class DataSettings:
         for name in ("max_documents", "tokenizer_documents", "max_val_blocks"):
             check_non_negative(name, getattr(self, name), "0 = no limit")
         check_fraction("val_fraction", self.val_fraction)  # before any tokenizing
+        if self.cache_dir:
+            check_output_path(self.cache_dir, directory=True, flag="--cache-dir")
 
 
 @dataclass

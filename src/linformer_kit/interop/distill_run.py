@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import check_positive
 from ..data.corpus import list_files
 from ..models import LinformerModel
 from .bert import convert_hf_model, read_hf_config
@@ -33,6 +34,10 @@ class DistillData:
         default=16, metadata={"help": "calibration windows of the attention init"}
     )
     glob: str = field(default="**/*.txt", metadata={"help": "files read inside --data dirs"})
+
+    def __post_init__(self) -> None:
+        for name in ("texts", "per_file", "heldout_texts", "calibration_texts"):
+            check_positive(name, getattr(self, name))
 
 
 def distillation_files(data: list[str] | None, glob: str) -> list[Path]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..causal_lm import LinformerForCausalLM
-from ..config import LinformerConfig, check_finite_non_negative
+from ..config import LinformerConfig, check_finite_non_negative, check_positive
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
 from ..hub import atomic_write
@@ -85,6 +85,8 @@ class ComparisonSettings:
                 "objectives must be a comma-separated list of distinct "
                 f"{' and '.join(OBJECTIVES)}; got {self.objectives!r}"
             )
+        for name in ("seq_len", "block_size"):  # the rest is checked where it is used
+            check_positive(name, getattr(self, name))
         if "clm" in chosen and self.block_size >= self.seq_len:
             raise ValueError(
                 f"block_size ({self.block_size}) must be below seq_len ({self.seq_len}): a "

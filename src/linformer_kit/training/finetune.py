@@ -21,7 +21,7 @@ from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import Checkpoint, latest_checkpoint
 from .distributed import setup_distributed, teardown_distributed
-from .loop import Trainer, TrainResult
+from .loop import Trainer, TrainResult, check_run_dir
 from .probe import init_head_from_probe
 from .settings import RUN_CONFIG_NAME, TrainSettings, save_json
 from .task_distill import DistillationObjective, teacher_logits
@@ -132,8 +132,8 @@ class FinetuneSettings:
             check_choice("truncation", self.truncation, TRUNCATIONS)
         if not 0.0 <= self.distill_weight <= 1.0:
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight!r}")
-        if not self.temperature > 0.0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not 0.0 < self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
 
 
 @dataclass(kw_only=True)
@@ -303,6 +303,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     for name in ("init", "data", "eval"):
         if not getattr(settings, name):
             raise ValueError(f"finetune needs --{name}")
+    check_run_dir(train.output_dir, resume=train.resume)  # before the model and data load
     meta = hub.read_encoder_config(
         settings.init, "fine-tune a masked or causal LM (or a classifier) for classification"
     )

@@ -101,6 +101,27 @@ def _model_loss(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
     return model(**batch).loss
 
 
+def check_run_dir(run_dir: str | Path, *, resume: bool) -> None:
+    """Raises ValueError, before any work, for an --output-dir that is a file, or (a fresh
+    run) one holding another run's checkpoints or a `best` / `last` that is not a link."""
+    run_dir = Path(run_dir)
+    hub.check_output_path(run_dir, directory=True, flag="--output-dir")
+    if resume:
+        return
+    if any((run_dir / CHECKPOINTS_DIR).glob("step-*")):
+        raise ValueError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
+            f"or choose another --output-dir"
+        )
+    for name in ("best", "last"):  # a run's are links to its checkpoints
+        path = run_dir / name
+        if path.exists() and not path.is_symlink():
+            raise ValueError(
+                f"{path} is not a run's checkpoint link, and a run would replace it: "
+                f"choose another --output-dir"
+            )
+
+
 class Trainer:
     """Trains `model` on `batches` for `settings.max_steps` steps.
 
@@ -169,20 +190,6 @@ class Trainer:
             torch.cuda.set_rng_state(state["cuda_rng"][self.dist.rank], self.dist.device)
         logger.info("resumed from %s at step %d", checkpoint.path, self.step)
         return self.step
-
-    def _check_fresh(self) -> None:
-        if any((self.run_dir / CHECKPOINTS_DIR).glob("step-*")):
-            raise ValueError(
-                f"{self.run_dir} already holds checkpoints: pass --resume to continue that run, "
-                f"or choose another --output-dir"
-            )
-        for name in ("best", "last"):  # a run's are links to its checkpoints
-            path = self.run_dir / name
-            if path.exists() and not path.is_symlink():
-                raise ValueError(
-                    f"{path} is not a run's checkpoint link, and a run would replace it: "
-                    f"choose another --output-dir"
-                )
 
     def _state(self) -> dict[str, Any]:
         cuda = self.dist.device.type == "cuda"
@@ -323,7 +330,7 @@ class Trainer:
             logger.debug("glibc keeps freed memory in this process (keep_freed_memory)")
         resumed = self._resume() if s.resume else None
         if resumed is None:
-            self._check_fresh()
+            check_run_dir(self.run_dir, resume=False)
             torch.manual_seed(mix_seed(s.seed, self.dist.rank))  # dropout differs per rank
         if s.warmup_steps > s.max_steps:
             logger.warning(

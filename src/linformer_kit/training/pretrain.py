@@ -16,7 +16,7 @@ from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
 from .checkpoint import CHECKPOINTS_DIR
 from .distributed import Distributed, setup_distributed, teardown_distributed
-from .loop import Trainer, TrainResult
+from .loop import Trainer, TrainResult, check_run_dir
 from .settings import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ def pretrain(run: RunConfig, data: PretrainingData | None = None) -> TrainResult
     Returns:
         The run's records, final validation metrics and throughput.
     """
+    check_run_dir(run.train.output_dir, resume=run.train.resume)  # before the data's work
     dist = setup_distributed(run.train.device)
     try:
         result = build_trainer(run, data or prepare_data(run, dist), dist).fit()

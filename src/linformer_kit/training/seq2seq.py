@@ -22,7 +22,7 @@ from ..seq2seq import LinformerForSeq2SeqLM
 from ..seq2seq_config import Seq2SeqConfig
 from .batches import RowSchedule, language_model_loss
 from .distributed import resolve_device, setup_distributed, teardown_distributed
-from .loop import Trainer, TrainResult
+from .loop import Trainer, TrainResult, check_run_dir
 from .rouge import rouge_l, words
 from .settings import RunConfig, TrainSettings, _build, use_threads
 
@@ -215,6 +215,7 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
     Returns:
         The run's records, final validation metrics (loss, token accuracy) and throughput.
     """
+    check_run_dir(run.train.output_dir, resume=run.train.resume)  # before the data loads
     data = data or load_seq2seq_data(run.data)
     config = run.model.config(data, run.data)
     settings = run.train

@@ -186,6 +186,10 @@ class RunConfig:
         file = Path(path)
         if file.is_dir():
             file = file / RUN_CONFIG_NAME
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"--config {path}: no {file} (expected a run_config.json or a run directory)"
+            )
         try:
             return cls.from_dict(json.loads(file.read_text()))
         except json.JSONDecodeError as err:
