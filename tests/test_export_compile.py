@@ -6,6 +6,7 @@ import torch._dynamo.testing
 
 from linformer_kit import (
     LinformerEncoder,
+    LinformerForCausalLM,
     LinformerForMaskedLM,
     LinformerModel,
     linformer_tiny,
@@ -93,6 +94,31 @@ def test_compiled_training_with_attention_dropout_does_not_recompile_for_every_l
     compiled = torch.compile(encoder, backend=counter)
     for n in range(40, 140, 10):
         compiled(torch.randn(2, n, DIM, requires_grad=True))[0].sum().backward()
+    assert counter.frame_count <= 2
+
+
+def test_the_loss_without_logits_compiles_one_graph_for_every_length_and_scores_the_same():
+    # The chunked loss (return_logits=False) looped over chunks of B x N rows in Python:
+    # dynamo pinned the row count, one graph per length (a causal LM's and a seq2seq
+    # model's training under --compile). Compiled it now makes one chunk.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = tiny(max_seq_len=256, depth=1, causal=True, block_size=8)
+    model = LinformerForCausalLM(config).train()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    for n in (40, 48, 56, 64, 72):
+        ids = torch.randint(0, 100, (2, n))
+        loss = compiled(ids, labels=ids, return_logits=False).loss
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        eager = model(ids, labels=ids, return_logits=False).loss
+        eager.backward()
+        torch.testing.assert_close(loss, eager)
+        for compiled_grad, p in zip(grads, model.parameters(), strict=True):
+            torch.testing.assert_close(compiled_grad, p.grad)
+        model.zero_grad()
     assert counter.frame_count <= 2
 
 

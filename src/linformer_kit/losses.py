@@ -68,29 +68,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
         lse = torch.empty((rows, 1), dtype=acc, device=hidden.device)  # log-sum-exp per row
         picked = torch.empty_like(lse)  # the target's logit per row
+
+        def chunk(part: slice) -> None:
+            h = hidden[part].to(dtype)
+            logits = linear(h, w, b).to(acc)  # (C, V), fresh: worked on in place
+            picked[part] = logits.gather(1, index[part])  # (no out=: compiles)
+            top = logits.amax(1, keepdim=True)
+            probs = logits.sub_(top).exp_()  # (C, V) unnormalised
+            sums = probs.sum(1, keepdim=True)
+            lse[part] = top + sums.log()
+            if not any(needs):
+                return
+            probs.mul_(keep[part] / sums)  # softmax on scored rows, zeros on the others
+            probs.scatter_add_(1, index[part], -keep[part])  # d(loss sum) / d(logits)
+            grad_logits = probs.to(dtype)
+            if need_hidden:
+                grad_hidden[part] = matmul(grad_logits, w)
+            if need_weight and dtype == acc:
+                add_matmul_(grad_weight, grad_logits.t(), h)  # no (V, dim) temporary
+            elif need_weight:
+                grad_weight.add_(grad_logits.t() @ h)
+            if need_bias:
+                grad_bias.add_(probs.sum(0))
+
         with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, rows, step):
-                part = slice(start, start + step)
-                h = hidden[part].to(dtype)
-                logits = linear(h, w, b).to(acc)  # (C, V), fresh: worked on in place
-                picked[part] = logits.gather(1, index[part])  # (no out=: compiles)
-                top = logits.amax(1, keepdim=True)
-                probs = logits.sub_(top).exp_()  # (C, V) unnormalised
-                sums = probs.sum(1, keepdim=True)
-                lse[part] = top + sums.log()
-                if not any(needs):
-                    continue
-                probs.mul_(keep[part] / sums)  # softmax on scored rows, zeros on the others
-                probs.scatter_add_(1, index[part], -keep[part])  # d(loss sum) / d(logits)
-                grad_logits = probs.to(dtype)
-                if need_hidden:
-                    grad_hidden[part] = matmul(grad_logits, w)
-                if need_weight and dtype == acc:
-                    add_matmul_(grad_weight, grad_logits.t(), h)  # no (V, dim) temporary
-                elif need_weight:
-                    grad_weight += grad_logits.t() @ h
-                if need_bias:
-                    grad_bias += probs.sum(0)
+            if step is None:  # compiled: one chunk (`linear_cross_entropy`)
+                chunk(slice(None))
+            else:
+                for start in range(0, rows, step):
+                    chunk(slice(start, start + step))
         total = torch.where(keep > 0, lse - picked, 0).sum()  # (an unscored inf: not nan)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, count)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -131,7 +137,8 @@ def linear_cross_entropy(
         bias: optional (vocab_size,).
         ignore_index: the target value that scores nothing.
         rows_per_chunk: rows of logits made at a time; None: `chunk_rows`' choice for the
-            device and vocabulary.
+            device and vocabulary. Under torch.compile all rows make one chunk (a loop over
+            a symbolic row count would compile a graph per sequence length).
 
     Returns:
         The mean over the scored rows, a float32 scalar (float64 for float64 inputs); nan
@@ -164,7 +171,10 @@ def linear_cross_entropy(
     device = hidden.device.type
     check_index_range(targets, vocab_size, "targets", ignore_index)
     rows = targets.numel()
-    step = rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
+    # Compiled, the rows go in one chunk: a Python loop over a symbolic row count makes
+    # dynamo specialise it, one graph per sequence length (rows_per_chunk is ignored there).
+    compiled = torch.compiler.is_compiling()
+    step = None if compiled else rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
     if torch.is_autocast_enabled(device) and dtype == torch.float32:
         dtype = torch.get_autocast_dtype(device)
