@@ -97,7 +97,7 @@ def test_compiled_training_with_attention_dropout_does_not_recompile_for_every_l
     assert counter.frame_count <= 2
 
 
-def test_the_loss_without_logits_compiles_one_graph_for_every_length_and_scores_the_same():
+def test_the_loss_without_logits_compiles_one_graph_for_all_lengths_and_scores_the_same():
     # The chunked loss (return_logits=False) looped over chunks of B x N rows in Python:
     # dynamo pinned the row count, one graph per length (a causal LM's and a seq2seq
     # model's training under --compile). Compiled it now makes one chunk.
@@ -107,7 +107,7 @@ def test_the_loss_without_logits_compiles_one_graph_for_every_length_and_scores_
     model = LinformerForCausalLM(config).train()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter)
-    for n in (40, 48, 56, 64, 72):
+    for n in (40, 56, 72):  # the old code: a graph each
         ids = torch.randint(0, 100, (2, n))
         loss = compiled(ids, labels=ids, return_logits=False).loss
         loss.backward()

@@ -140,5 +140,5 @@ def test_a_teacher_that_is_not_a_classifier_or_knows_other_classes_is_refused(
         assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"distill_weight must be in \[0, 1\], got 1.5"):
         FinetuneSettings(init="x", data="y", eval="z", teacher="t", distill_weight=1.5)
-    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0.0"):
         FinetuneSettings(init="x", data="y", eval="z", teacher="t", temperature=0.0)

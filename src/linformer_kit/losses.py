@@ -119,6 +119,7 @@ def linear_cross_entropy(
     *,
     ignore_index: int = -100,
     rows_per_chunk: int | None = None,
+    name: str = "targets",
 ) -> Tensor:
     """Mean cross-entropy of the logits `hidden @ weight.T + bias` against `targets`,
     holding one chunk of rows' logits at a time (`chunk_rows`).
@@ -139,6 +140,7 @@ def linear_cross_entropy(
         rows_per_chunk: rows of logits made at a time; None: `chunk_rows`' choice for the
             device and vocabulary. Under torch.compile all rows make one chunk (a loop over
             a symbolic row count would compile a graph per sequence length).
+        name: what an out-of-range error calls the targets (the models: "labels").
 
     Returns:
         The mean over the scored rows, a float32 scalar (float64 for float64 inputs); nan
@@ -169,7 +171,7 @@ def linear_cross_entropy(
         logits = at_least_float32(logits)
         return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)
     device = hidden.device.type
-    check_index_range(targets, vocab_size, "targets", ignore_index)
+    check_index_range(targets, vocab_size, name, ignore_index)
     rows = targets.numel()
     # Compiled, the rows go in one chunk: a Python loop over a symbolic row count makes
     # dynamo specialise it, one graph per sequence length (rows_per_chunk is ignored there).
@@ -221,13 +223,12 @@ def lm_head_loss(
     Returns:
         (loss, logits), each None where not computed.
     """
-    if targets is not None:
-        check_index_range(targets, weight.shape[0], "labels", -100)
     if not return_logits:
-        return linear_cross_entropy(hidden, weight, targets, bias), None
+        return linear_cross_entropy(hidden, weight, targets, bias, name="labels"), None
     logits = linear(hidden, weight, bias)
     if targets is None:
         return None, logits
+    check_index_range(targets, weight.shape[0], "labels", -100)
     flat = at_least_float32(logits.reshape(-1, logits.shape[-1]))
     return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100), logits
 

@@ -85,6 +85,13 @@ def write_report(result: dict[str, Any], path: str) -> Path:
     return out
 
 
+def config_path(path: str) -> str:
+    """`--config PATH`, named as that flag when it does not exist."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--config {path} does not exist")
+    return path
+
+
 def add_student_arguments(parser: argparse.ArgumentParser, proj_dim_help: str) -> None:
     """Adds `--max-seq-len`, `--proj-dim`, `--sharing` and `--projection`: the shape of a
     Linformer made from a pretrained model (`convert`, `distill`)."""

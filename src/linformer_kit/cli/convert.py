@@ -82,7 +82,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--out", default=None, help="output model directory (required unless --report)"
     )
-    add_student_arguments(parser, "Linformer k (default: 128)")
+    add_student_arguments(parser, "Linformer k")
     parser.add_argument("--exact", action="store_true", help="keep exact attention (no k)")
     parser.add_argument(
         "--init",

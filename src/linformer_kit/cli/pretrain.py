@@ -17,7 +17,7 @@ from ..config import FINETUNE_FIELDS, LinformerConfig
 from ..data.pipeline import DataSettings
 from ..training.pretrain import pretrain
 from ..training.settings import RunConfig, TrainSettings
-from .common import format_table, print_checkpoints, run_summary
+from .common import config_path, format_table, print_checkpoints, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 FROM_TOKENIZER = ("vocab_size", "pad_token_id")  # model fields the tokenizer decides
@@ -26,7 +26,7 @@ FROM_OBJECTIVE = ("causal",)  # set by --objective, so the two cannot disagree
 
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     """Defaults, then `--config FILE` (a run_config.json or a run directory), then flags."""
-    base = RunConfig.load(args.config).to_dict() if args.config else {}
+    base = RunConfig.load(config_path(args.config)).to_dict() if args.config else {}
     overrides = collect_overrides(args)
     merged: dict[str, Any] = {}
     for section, values in overrides.items():

@@ -24,7 +24,7 @@ from ..training.seq2seq import (
     train_seq2seq,
 )
 from ..training.settings import TrainSettings
-from .common import format_table, print_checkpoints, run_summary
+from .common import config_path, format_table, print_checkpoints, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 NOT_SEQ2SEQ = ("objective", "mlm_probability")  # pretraining's, meaningless here
@@ -32,7 +32,7 @@ NOT_SEQ2SEQ = ("objective", "mlm_probability")  # pretraining's, meaningless her
 
 def build_run_config(args: argparse.Namespace) -> Seq2SeqRunConfig:
     """Defaults, then `--config FILE` (a run_config.json or a run directory), then flags."""
-    base = Seq2SeqRunConfig.load(args.config).to_dict() if args.config else {}
+    base = Seq2SeqRunConfig.load(config_path(args.config)).to_dict() if args.config else {}
     given = collect_overrides(args)
     return Seq2SeqRunConfig.from_dict(
         {**base, **{section: {**base.get(section, {}), **v} for section, v in given.items()}}

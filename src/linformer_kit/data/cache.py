@@ -25,7 +25,8 @@ from .tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # 2: special-token text in documents encoded as text
+CACHE_FORMAT = 1
+TOKENS_FORMAT = 2  # the token cache's own: 2, special-token text in documents is text
 TOKENS_NAME = "tokens.bin"
 META_NAME = "meta.json"
 SPLIT_SEED = 0  # the train/validation split never depends on the training seed
@@ -128,7 +129,7 @@ def build_token_cache(
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info(
         "cached %d tokens of %d documents in %s%s",
-        count,
+        meta["num_tokens"],
         num_documents,
         directory,
         _skipped_note(meta),

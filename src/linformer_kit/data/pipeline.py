@@ -11,6 +11,7 @@ from pathlib import Path
 from ..config import check_fraction, check_non_negative
 from ..hub import check_output_path
 from .cache import (
+    TOKENS_FORMAT,
     PackedBlocks,
     build_token_cache,
     cache_key,
@@ -131,6 +132,7 @@ def prepare_pretraining_data(settings: DataSettings, max_seq_len: int) -> Pretra
     tokenizer = prepare_tokenizer(settings, skipped)
     key = cache_key(
         "tokens",
+        TOKENS_FORMAT,
         _corpus_id(settings),
         tokenizer.tokenizer.to_str(),
         settings.max_documents,

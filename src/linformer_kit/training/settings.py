@@ -188,7 +188,7 @@ class RunConfig:
             file = file / RUN_CONFIG_NAME
         if not file.is_file():
             raise FileNotFoundError(
-                f"--config {path}: no {file} (expected a run_config.json or a run directory)"
+                f"{path}: no {file} (expected a run_config.json or a run directory)"
             )
         try:
             return cls.from_dict(json.loads(file.read_text()))
