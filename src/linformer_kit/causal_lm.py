@@ -16,7 +16,7 @@ from .config import (
     check_non_negative,
     check_positive,
 )
-from .functional import check_key_padding_mask
+from .functional import check_key_padding_mask, check_rows_hold_a_token
 from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
 
@@ -172,10 +172,8 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         check_generators(generator, input_ids.shape[0])
         lengths = input_ids.new_full((input_ids.shape[0],), input_ids.shape[1])
         if key_padding_mask is not None:
+            check_rows_hold_a_token(key_padding_mask, "prompt")
             lengths = key_padding_mask.sum(1)
-            if not lengths.all():
-                empty = int((lengths == 0).nonzero()[0])
-                raise ValueError(f"key_padding_mask: prompt {empty} has no real token")
         longest = int(lengths.max())  # real tokens: padding takes no place in a state
         if longest + max_new_tokens > self.config.max_seq_len:
             raise ValueError(

@@ -42,6 +42,14 @@ def check_finite_non_negative(name: str, value: float, zero: str = "") -> None:
         raise ValueError(f"{name} must be a finite number >= 0{meaning}, got {value}")
 
 
+def check_finite_positive(name: str, value: Any) -> None:
+    """Raises ValueError unless `value` is a finite number > 0 (nan, inf and bools refused),
+    naming `name` and the value."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0 < value < math.inf:  # nan fails both comparisons
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 def check_proj_dim(proj_dim: Any, max_seq_len: int) -> None:
     """Raises ValueError unless `proj_dim` (k) is an integer in [1, max_seq_len]."""
     if (
@@ -194,10 +202,7 @@ class LinformerConfig:
                 f"pad_token_id must be an integer in [0, {self.vocab_size}), got {pad!r}"
             )
         for name in ("layer_norm_eps", "init_std"):
-            value = getattr(self, name)
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not number or not 0 < value < math.inf:  # nan fails both comparisons
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+            check_finite_positive(name, getattr(self, name))
         self._check_proj_dim()
         self._check_label_names()
         self._check_causal()

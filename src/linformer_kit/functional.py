@@ -78,6 +78,14 @@ def check_key_padding_mask(key_padding_mask: Tensor | None, batch: int, seq_len:
         )
 
 
+def check_rows_hold_a_token(key_padding_mask: Tensor, what: str) -> None:
+    """Raises ValueError naming the first row of a (B, N) mask with no real token, as
+    `what` (a prompt, a source)."""
+    held = key_padding_mask.any(1)
+    if not held.all():
+        raise ValueError(f"key_padding_mask: {what} {int((~held).nonzero()[0])} has no real token")
+
+
 def real_first(key_padding_mask: Tensor) -> Tensor:
     """(B, N) indices that put each row's real tokens first, in order, then its padding (a
     stable sort): gathered by them, any padding (left, inside) becomes right padding."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from .config import LinformerConfig
@@ -288,9 +288,9 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {Path(path)}")
     try:
-        with safe_open(file, "pt") as handle:
+        with safe_open(file, "pt") as handle:  # the header once: metadata and tensors
             saved_with = (handle.metadata() or {}).get(SAVE_ID)
-        tensors = load_file(file)
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{file} is corrupt or truncated: {err}") from err
     config = Path(path) / CONFIG_NAME

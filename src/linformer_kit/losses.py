@@ -175,8 +175,11 @@ def linear_cross_entropy(
     rows = targets.numel()
     # Compiled, the rows go in one chunk: a Python loop over a symbolic row count makes
     # dynamo specialise it, one graph per sequence length (rows_per_chunk is ignored there).
-    compiled = torch.compiler.is_compiling()
-    step = None if compiled else rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
+    step = (
+        None
+        if torch.compiler.is_compiling()
+        else rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
+    )
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
     if torch.is_autocast_enabled(device) and dtype == torch.float32:
         dtype = torch.get_autocast_dtype(device)

@@ -25,7 +25,12 @@ from .causal_lm import (
 from .config import check_finite_non_negative, check_non_negative
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .encoder import LinformerEncoderLayer, layer_arguments
-from .functional import check_key_padding_mask, check_seq_len, check_token_ids
+from .functional import (
+    check_key_padding_mask,
+    check_rows_hold_a_token,
+    check_seq_len,
+    check_token_ids,
+)
 from .losses import check_labels, lm_head_loss
 from .models import (
     LinformerEmbeddings,
@@ -364,9 +369,7 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
         check_generators(generator, input_ids.shape[0])
         if key_padding_mask is not None and input_ids.dim() == 2:  # else `encode` names it
             check_key_padding_mask(key_padding_mask, *input_ids.shape)
-            if not key_padding_mask.any(1).all():
-                empty = int((~key_padding_mask.any(1)).nonzero()[0])
-                raise ValueError(f"key_padding_mask: source {empty} has no real token")
+            check_rows_hold_a_token(key_padding_mask, "source")
         memory = self.encode(input_ids, key_padding_mask)
         states = self.init_states()
         batch = input_ids.shape[0]

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from .. import hub
 from ..causal_lm import LinformerForCausalLM
-from ..config import LinformerConfig
+from ..config import LinformerConfig, check_fraction
 from ..data.cache import PackedBlocks
 from ..data.classification import ClassificationData, load_classification
 from ..data.corpus import JSONL_SUFFIXES, iter_documents, iter_jsonl
@@ -58,8 +58,8 @@ class EvaluateSettings:
         check_threads(self.threads)
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
-        if self.mlm_probability is not None and not 0 < self.mlm_probability < 1:
-            raise ValueError(f"mlm_probability must be in (0, 1), got {self.mlm_probability}")
+        if self.mlm_probability is not None:
+            check_fraction("mlm_probability", self.mlm_probability)
 
 
 def _text_blocks(

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from .. import hub
-from ..config import TRUNCATIONS, LinformerConfig, check_choice, check_non_negative, check_positive
+from ..config import (
+    TRUNCATIONS,
+    LinformerConfig,
+    check_choice,
+    check_finite_positive,
+    check_non_negative,
+    check_positive,
+)
 from ..data.classification import ClassificationData, load_classification
 from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForSequenceClassification
@@ -132,8 +139,7 @@ class FinetuneSettings:
             check_choice("truncation", self.truncation, TRUNCATIONS)
         if not 0.0 <= self.distill_weight <= 1.0:
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight!r}")
-        if not 0.0 < self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        check_finite_positive("temperature", self.temperature)
 
 
 @dataclass(kw_only=True)

@@ -18,6 +18,7 @@ from ..config import (
     LinformerConfig,
     check_choice,
     check_finite_non_negative,
+    check_fraction,
     check_non_negative,
     check_positive,
 )
@@ -124,8 +125,7 @@ class TrainSettings:
         check_finite_non_negative("clip_grad_norm", self.clip_grad_norm, "0 = no clipping")
         if not 0 <= self.beta2 < 1:
             raise ValueError(f"beta2 must be a number in [0, 1), got {self.beta2}")
-        if not 0 < self.mlm_probability < 1:
-            raise ValueError(f"mlm_probability must be in (0, 1), got {self.mlm_probability}")
+        check_fraction("mlm_probability", self.mlm_probability)
 
 
 @dataclass(kw_only=True)
