@@ -16,7 +16,7 @@ from linformer_kit import (
     LinformerModel,
     linformer_tiny,
 )
-from linformer_kit.models import masked_mean
+from linformer_kit.embeddings import masked_mean
 
 B, N, VOCAB, DIM, DEPTH = 3, 20, 100, 32, 2
 KINDS = ["exact", "linear", "conv", "pool", "random", "adaptive"]

@@ -23,7 +23,7 @@ from linformer_kit.interop.task_bench import (
     parse_variants,
     run_task_bench,
 )
-from linformer_kit.interop.task_bench_report import markdown_table, report_file
+from linformer_kit.interop.task_bench_report import earlier_rows, markdown_table, report_file
 
 
 def test_variants_parse_and_malformed_ones_are_named():
@@ -175,7 +175,7 @@ def test_an_out_json_that_is_not_a_report_is_named_before_any_work(tmp_path, tex
     (tmp_path / "report.json").write_text(text)
     settings = TaskBenchSettings(train="t", val="v", test="t", out=str(tmp_path / "report"))
     with pytest.raises(ValueError, match=r"report.json is not a bench-task report"):
-        task_bench._earlier_rows(settings)
+        earlier_rows(dataclasses.asdict(settings))
 
 
 def test_an_after_row_is_run_again_with_its_exact_run_and_kept_rows_survive_a_crash(

@@ -9,8 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from .config import LinformerConfig
+from .embeddings import init_weights
 from .losses import check_labels, lm_head_loss
-from .models import LinformerModel, LinformerPreTrainedModel, init_weights
+from .models import LinformerModel, LinformerPreTrainedModel
 
 
 @dataclass

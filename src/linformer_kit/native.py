@@ -3,7 +3,7 @@ for `dropout.Dropout`), `attention_forward` / `attention_backward` (`csrc/attent
 the explicit attention kernel with its dropout, `kernels._fused_attention`) and
 `feedforward_forward` / `feedforward_backward` (`csrc/feedforward.cpp`, for
 `encoder.FeedForward`; bf16 rows in `csrc/feedforward_bf16.cpp`), their backward formulas
-(`csrc/autograd.cpp`) and fake kernels (torch.compile, `_register_python_side`).
+(`csrc/autograd.cpp`) and fake kernels (torch.compile, `python_side`).
 
 `cpu_ops()` compiles the C++ files with torch's `cpp_extension` (g++ and ninja; about
 20-55 s once per machine, then loaded from torch's extension cache) and returns
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import precision
+from . import precision, python_side
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,6 @@ _loaded: dict[str, object] = {}
 # The library of the kernels' float GEMMs: the one `set_kernel_gemm` set ("blas", "onednn",
 # or None for the machine's), and the one the loaded kernels use (None before they load).
 _kernel_gemm: dict[str, Any] = {"backend": None, "applied": None}
-_python_side = {"registered": False}  # fake kernels, double-backward error: once a process
 
 
 def target_arch() -> str:
@@ -162,7 +161,7 @@ def _build() -> object:
             is_python_module=False,
             verbose=False,
         )
-    _register_python_side()
+    python_side.register(ENV_SWITCH)
     _apply_kernel_gemm(torch.ops.linformer_kit)
     _loaded["bf16_dot"] = bool(torch.ops.linformer_kit.bf16_dot())
     return torch.ops.linformer_kit
@@ -283,102 +282,6 @@ def set_kernel_gemm(backend: str | None) -> str | None:
     if _loaded.get("ops") is not None:
         _apply_kernel_gemm(_loaded["ops"])
     return before
-
-
-def _register_python_side() -> None:
-    """Each op's fake kernel (its outputs' shapes and strides, so that torch.compile
-    traces the op as one node), the error a double backward through the attention
-    kernel raises, and `matmul`'s backward (itself on transposed views). The other forward
-    ops' backward formulas are C++ (`csrc/autograd.cpp`)."""
-    if _python_side["registered"]:
-        return
-    _python_side["registered"] = True
-
-    @torch.library.register_fake("linformer_kit::dropout_forward")
-    def _dropout_shape(x, seed, threshold, scale):  # noqa: ANN001, ANN202, ARG001
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("linformer_kit::attention_forward")
-    def _attention_shape(
-        q, k, v, mask, causal, scale, seed, threshold, factor, rows, keep_weights=False
-    ):  # noqa: ANN001, ANN202, ARG001
-        batch, heads, seq_len, _ = q.shape
-        out = q.new_empty(batch, seq_len, heads, v.shape[-1]).transpose(1, 2)
-        # out: (B, H, N, Dv) over (B, N, H, Dv) memory; the stats (each row's logsumexp, or
-        # with keep_weights the weights) in the compute dtype (at::toOpMathType in
-        # attention_forward: float32 for bf16, else q's own)
-        stats_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
-        keys = (k.shape[-2],) if keep_weights else ()
-        return out, q.new_empty(batch * heads, seq_len, *keys, dtype=stats_dtype)
-
-    @torch.library.register_fake("linformer_kit::attention_backward")
-    def _gradient_shapes(
-        grad, q, k, v, mask, stats, causal, scale, seed, threshold, factor, rows, needs
-    ):  # noqa: ANN001, ANN202, ARG001
-        return tuple(torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs))
-
-    @torch.library.register_fake("linformer_kit::feedforward_forward")
-    def _feedforward_shapes(x, w1, b1, w2, b2, activation, keep_hidden):  # noqa: ANN001, ANN202, ARG001
-        kept = x.shape[0] if keep_hidden else 0  # the pre-activation, when kept for backward
-        return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(kept, w1.shape[0])
-
-    @torch.library.register_fake("linformer_kit::feedforward_backward")
-    def _feedforward_gradients(grad, x, w1, w2, hidden, activation, needs, weight_sums=-1):  # noqa: ANN001, ANN202, ARG001
-        weights = (w1, w1.new_empty(w1.shape[0]), w2, w2.new_empty(w2.shape[0]))
-        return (torch.empty_like(x) if needs[0] else x.new_empty(0),) + tuple(
-            torch.empty_like(t) if needs[1] else t.new_empty(0) for t in weights
-        )
-
-    @torch.library.register_fake("linformer_kit::matmul")
-    def _matmul_shape(a, b):  # noqa: ANN001, ANN202
-        return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
-
-    def _save_operands(ctx, inputs, output):  # noqa: ANN001, ANN202, ARG001
-        ctx.save_for_backward(*inputs)
-
-    def _matmul_backward(ctx, grad):  # noqa: ANN001, ANN202
-        # grad b^T and a^T grad by the same op on transposed views (so differentiable again),
-        # each made in its operand's layout: the transposed product for a transposed view
-        # (as E^T in the sequence projection), which spares the GEMM a transposed copy of
-        # the large operand and autograd one of the result
-        a, b = ctx.saved_tensors
-        need_a, need_b = ctx.needs_input_grad
-        return (
-            _product(grad, b.transpose(1, 2), _is_transposed(a)) if need_a else None,
-            _product(a.transpose(1, 2), grad, _is_transposed(b)) if need_b else None,
-        )
-
-    def _is_transposed(t):  # noqa: ANN001, ANN202
-        return t.stride(-1) != 1 and t.stride(-2) == 1
-
-    def _product(left, right, transposed):  # noqa: ANN001, ANN202
-        matmul = torch.ops.linformer_kit.matmul
-        if transposed:
-            return matmul(right.transpose(1, 2), left.transpose(1, 2)).transpose(1, 2)
-        return matmul(left, right)
-
-    torch.library.register_autograd(
-        "linformer_kit::matmul", _matmul_backward, setup_context=_save_operands
-    )
-
-    @torch.library.register_fake("linformer_kit::matmul_add_")
-    def _matmul_add_shape(out, a, b):  # noqa: ANN001, ANN202, ARG001
-        return None
-
-    hints = {"attention": f"kernel='sdpa' or {ENV_SWITCH}=0", "feedforward": f"{ENV_SWITCH}=0"}
-    for kernel, hint in hints.items():
-        # (kernel, hint: defaults bind each pass's values)
-        def no_double_backward(ctx, *grads, kernel=kernel, hint=hint):  # noqa: ANN001, ANN002, ANN202, ARG001
-            raise RuntimeError(
-                f"linformer-kit: the compiled {kernel} kernel's backward is not differentiable "
-                f"(no double backward); for higher-order gradients use {hint}"
-            )
-
-        torch.library.register_autograd(
-            f"linformer_kit::{kernel}_backward",
-            no_double_backward,
-            setup_context=lambda ctx, inputs, output: None,  # noqa: ARG005
-        )
 
 
 def rows_in_place(t: Tensor, *, matrix: bool = True) -> bool:

@@ -24,6 +24,7 @@ from .causal_lm import (
 )
 from .config import check_finite_non_negative, check_non_negative
 from .cross_attention import LinformerCrossAttention, MemoryCache
+from .embeddings import LinformerEmbeddings, causal_position_ids, init_weights
 from .encoder import LinformerEncoderLayer, layer_arguments
 from .functional import (
     check_key_padding_mask,
@@ -32,13 +33,7 @@ from .functional import (
     check_token_ids,
 )
 from .losses import check_labels, lm_head_loss
-from .models import (
-    LinformerEmbeddings,
-    LinformerModel,
-    LinformerPreTrainedModel,
-    causal_position_ids,
-    init_weights,
-)
+from .models import LinformerModel, LinformerPreTrainedModel
 from .projection import SequenceProjection, build_sharing_plan
 from .seq2seq_config import Seq2SeqConfig
 

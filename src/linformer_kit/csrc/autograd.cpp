@@ -4,7 +4,7 @@
 // (attention; dropout 95-104 against 50-63 us): about 65 us per attention layer and step,
 // some 0.5 % of one at n = 1024. Each kernel calls its op again below autograd, saves what
 // backward needs and, in backward, calls the backward op through the dispatcher, so
-// torch.compile (fake kernels, `native._register_python_side`) traces the same nodes.
+// torch.compile (fake kernels, `python_side.register`) traces the same nodes.
 //
 // dropout_forward: backward is the same mask from the seed, times the same scale (the op
 // itself, so it is differentiable again). attention_forward and feedforward_forward: backward

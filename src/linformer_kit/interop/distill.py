@@ -22,7 +22,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import LinformerConfig, check_choice, check_finite_non_negative
-from ..models import LinformerModel, masked_mean
+from ..embeddings import masked_mean
+from ..models import LinformerModel
 from ..precision import bf16_autocast
 from ..training.distributed import resolve_device
 from ..training.optim import build_optimizer, build_scheduler

@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 from ..config import LinformerConfig, check_choice
 from ..data.classification import encode_documents, pad_sequences
 from ..data.tokenizer import load_tokenizer
-from ..models import LinformerModel, masked_mean
+from ..embeddings import masked_mean
+from ..models import LinformerModel
 from ..training.compare import machine
 from .bert import convert_hf_model, linformer_config_from_hf, read_hf_config
 from .projection_init import INITS

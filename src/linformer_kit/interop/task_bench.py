@@ -11,7 +11,6 @@ its own (the calibration of a data-driven projection init runs the exact model).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import re
@@ -42,7 +41,7 @@ from .convert import convert_to_dir
 from .distill import DistillSettings
 from .distill_run import DistillData, distill_checkpoint
 from .report import minilm_path
-from .task_bench_report import TFIDF, report_file, write_task_report
+from .task_bench_report import TFIDF, earlier_rows, write_task_report
 
 logger = logging.getLogger(__name__)
 
@@ -334,49 +333,6 @@ def _variant_row(v: Variant, s: TaskBenchSettings) -> dict[str, Any]:
     }
 
 
-# Settings that do not change a variant's figures: what runs, and where files are written.
-_NOT_COMPARED = ("variants", "work_dir", "out")
-# Settings the bench gained after reports were committed, with the value those runs used.
-_ADDED_LATER = {
-    "grad_accum_steps": 1,
-    "projections": "train",
-    "distill_steps": 0,
-    "truncation": "head",
-    "after_epochs": 2,
-    "after_lr": 3e-5,
-}
-
-
-def _earlier_rows(s: TaskBenchSettings) -> dict[str, dict[str, Any]]:
-    """Rows of an earlier OUT.json with the same settings (bar `_NOT_COMPARED`), by variant.
-    A setting the earlier report lacks (added to the bench since) counts as `_ADDED_LATER`
-    says."""
-    path = report_file(s.out, ".json")
-    if not path.is_file():
-        return {}
-    try:
-        earlier = json.loads(path.read_text())
-        earlier["settings"], earlier["rows"]  # noqa: B018 (a report has both)
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(
-            f"{path} is not a bench-task report ({error!r}); give another --out, or move it"
-        ) from None
-
-    def compared(settings: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in (_ADDED_LATER | settings).items() if k not in _NOT_COMPARED}
-
-    before, now = compared(earlier["settings"]), compared(dataclasses.asdict(s))
-    if before != now:
-        differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-        logger.warning(
-            "%s was made with other settings (%s): this run replaces its rows",
-            path,
-            ", ".join(differ),
-        )
-        return {}
-    return {row["variant"]: row for row in earlier["rows"]}
-
-
 def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
     """Runs every variant and the TF-IDF baseline; writes OUT.json, OUT.md and OUT.png after
     each. Variants already in an OUT.json of the same settings are kept, not run again (a run
@@ -387,7 +343,7 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
         The report: settings, machine, one row per variant plus the baseline.
     """
     variants = parse_variants(s.variants)
-    earlier = _earlier_rows(s)
+    earlier = earlier_rows(dataclasses.asdict(s))
     runs = {v.name for v in variants if v.name not in earlier}
     runs |= {v.name for v in variants if v.after and v.exact in runs}
     done = {v.name: earlier[v.name] for v in variants if v.name not in runs}

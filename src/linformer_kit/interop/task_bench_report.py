@@ -1,14 +1,19 @@
 """bench-task's report: the Markdown table and the plot of test accuracy, time per step and
-peak memory per variant, beside the TF-IDF baseline."""
+peak memory per variant, beside the TF-IDF baseline; the rows an earlier report of the same
+settings holds (`earlier_rows`)."""
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from ..hub import atomic_write
 from ..training.settings import markdown_table as table
 from ..training.settings import save_json
+
+logger = logging.getLogger(__name__)
 
 TFIDF = "tfidf"  # the baseline's row
 
@@ -78,3 +83,53 @@ def write_task_report(report: dict[str, Any], out: Path) -> None:
     atomic_write(report_file(out, ".md"), lambda tmp: Path(tmp).write_text(text))
     if len(report["rows"]) > 1:
         plot_task_report(report, report_file(out, ".png"))
+
+
+# Settings that do not change a variant's figures: what runs, and where files are written.
+_NOT_COMPARED = ("variants", "work_dir", "out")
+# Settings the bench gained after reports were committed, with the value those runs used.
+_ADDED_LATER = {
+    "grad_accum_steps": 1,
+    "projections": "train",
+    "distill_steps": 0,
+    "truncation": "head",
+    "after_epochs": 2,
+    "after_lr": 3e-5,
+}
+
+
+def earlier_rows(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Rows of an earlier OUT.json with the same settings (bar `_NOT_COMPARED`), by variant.
+    A setting the earlier report lacks (added to the bench since) counts as `_ADDED_LATER`
+    says; other settings log a warning and keep nothing.
+
+    Args:
+        settings: this run's `TaskBenchSettings` as a dict (`out` names the report).
+
+    Raises:
+        ValueError: OUT.json exists but is not a bench-task report.
+    """
+    path = report_file(settings["out"], ".json")
+    if not path.is_file():
+        return {}
+    try:
+        earlier = json.loads(path.read_text())
+        earlier["settings"], earlier["rows"]  # noqa: B018 (a report has both)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{path} is not a bench-task report ({error!r}); give another --out, or move it"
+        ) from None
+
+    def compared(settings: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in (_ADDED_LATER | settings).items() if k not in _NOT_COMPARED}
+
+    before, now = compared(earlier["settings"]), compared(settings)
+    if before != now:
+        differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        logger.warning(
+            "%s was made with other settings (%s): this run replaces its rows",
+            path,
+            ", ".join(differ),
+        )
+        return {}
+    return {row["variant"]: row for row in earlier["rows"]}

@@ -17,7 +17,8 @@ import torch
 
 from ..config import LinformerConfig
 from ..data.lra import LRASplit, LRATask, load_listops, load_pathfinder, load_text
-from ..models import LinformerForSequenceClassification, init_weights
+from ..embeddings import init_weights
+from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .compare import machine
 from .distributed import setup_distributed, teardown_distributed
