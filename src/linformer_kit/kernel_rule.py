@@ -144,7 +144,9 @@ def choose_kernel(
     `amd-epyc/table-bf16-mkl/`). Below 64 queries the bf16
     rows are mixed (`amd-epyc/table-queries-bf16-dot/`: explicit 0.75-2.11x in training,
     SDPA's bf16 backward being slow; 0.81-1.32x in inference, 0.81-0.98x at 16 queries), so
-    bf16 goes explicit at any query count in training and from 64 in inference.
+    bf16 goes explicit at any query count in training and from 64 in inference. A Zen 5
+    EPYC (`zen5/table/`, the same 162 cells) agrees at every one: fp32 1.83-2.49x in training
+    without dropout, 1.63-2.40x in inference; bf16 1.88-2.99x and 2.09-3.55x.
 
     On a non-Intel CPU without AVX-512 (AVX2 only) the kernels' GEMMs are MKL's, as on
     Intel CPUs: so SDPA without dropout in float32. Emulated on the AMD EPYC (torch, MKL and
