@@ -1,5 +1,6 @@
 """The training loop: learning, exact resume, accumulation, bf16, schedules, settings."""
 
+import copy
 import dataclasses
 import json
 
@@ -20,6 +21,8 @@ from linformer_kit.training import RunConfig, Trainer, TrainSettings, lr_factor,
 from linformer_kit.training.batches import language_model_loss
 from linformer_kit.training.distributed import Distributed, resolve_device
 from linformer_kit.training.optim import apply_settings, build_optimizer, build_scheduler
+from linformer_kit.training.pretrain import build_trainer, prepare_data
+from linformer_kit.training.seq2seq import Seq2SeqBatches
 
 
 def records(run_dir):
@@ -103,14 +106,14 @@ def test_a_run_stops_when_its_weights_are_nan_whatever_the_loss_and_before_savin
     real_step = Trainer._train_step
 
     def broken_at_step_3(self, model):
-        step_loss, tokens = real_step(self, model)
+        step_loss, tokens, lr = real_step(self, model)
         if self.step == 2:  # the third step
             if loss == "nan":  # a batch with no scored token has a nan loss
                 step_loss = float("nan")
             if weights == "nan":  # the update broke the weights (measured before it: any loss)
                 with torch.no_grad():
                     next(self.model.parameters()).fill_(float("nan"))
-        return step_loss, tokens
+        return step_loss, tokens, lr
 
     monkeypatch.setattr(Trainer, "_train_step", broken_at_step_3)
     run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2)
@@ -203,7 +206,8 @@ def test_a_resumed_run_logs_the_lr_it_was_given(tmp_path):
     run.train.resume, run.train.max_steps, run.train.lr = True, 6, 1e-2
     pretrain(run)
     lrs = {r["step"]: r["lr"] for r in records(tmp_path / "run") if r["split"] == "train"}
-    assert [lrs[step] for step in range(1, 7)] == [3e-3] * 4 + [1e-2] * 2
+    # each step's own lr: the first in its warm-up (2 steps), then the run's, then the new one
+    assert [lrs[step] for step in range(1, 7)] == [1.5e-3] + [3e-3] * 3 + [1e-2] * 2
 
 
 def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_the_resume(tmp_path, caplog):
@@ -235,15 +239,80 @@ def test_a_resumed_run_keeps_its_tokenizer_when_the_corpus_changed(tmp_path, cap
         pretrain(run)
 
 
-def test_gradient_accumulation_matches_a_large_batch(tmp_path):
-    run = tiny_run(tmp_path / "one", max_steps=3, batch_size=4, eval_every=3)
+def _trainer(tmp_path, **train):
+    run = tiny_run(tmp_path, **train)
     run.model = run.model.replace(dropout=0.0, attention_dropout=0.0)
-    big = pretrain(run)
-    run = tiny_run(tmp_path / "two", max_steps=3, batch_size=2, grad_accum_steps=2, eval_every=3)
-    run.model = run.model.replace(dropout=0.0, attention_dropout=0.0)
-    accumulated = pretrain(run)
-    # same rows per step (the masking seeds differ per micro-batch, so compare loosely)
-    assert accumulated.final["val_loss"] == pytest.approx(big.final["val_loss"], rel=0.05)
+    dist = Distributed(rank=0, world_size=1, device=torch.device("cpu"))
+    return build_trainer(run, prepare_data(run, dist), dist)
+
+
+def _step_gradients(trainer):
+    """The gradients the optimiser steps with, and the step's (loss, tokens, lr)."""
+    grads, step = {}, trainer.optimizer.step
+
+    def recording(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording
+    return grads, trainer._train_step(trainer.model)
+
+
+@pytest.mark.parametrize("rates", [(0.15, 0.15), (0.01, 0.01)])
+def test_gradient_accumulation_gives_the_gradient_of_one_batch_of_all_scored_tokens(
+    tmp_path, rates
+):
+    # Masked micro-batches score different numbers of tokens; their gradients were averaged
+    # 1 / G each, so a step's gradient was not that of the whole batch (20 % off here), and
+    # a micro-batch scoring nothing made the step's loss nan beside scored ones.
+    trainer = _trainer(tmp_path, max_steps=1, batch_size=2, grad_accum_steps=3, clip_grad_norm=0)
+    trainer.batches.mlm_probability = rates[0]
+    micro = [trainer.batches.micro_batch(0, m, 0) for m in range(3)]
+    counts = [trainer.batches.scored(batch) for batch in micro]
+    if rates[0] == 0.01:  # find a step where one micro-batch scores nothing, the others some
+        step = next(
+            s for s in range(500)
+            if sorted(trainer.batches.scored(trainer.batches.micro_batch(s, m, 0)) > 0
+                      for m in range(3)) == [False, True, True]
+        )  # fmt: skip
+        trainer.step = step
+        micro = [trainer.batches.micro_batch(step, m, 0) for m in range(3)]
+        counts = [trainer.batches.scored(batch) for batch in micro]
+    assert len(set(counts)) > 1, counts
+    reference = copy.deepcopy(trainer.model)
+    grads, (loss, tokens, _) = _step_gradients(trainer)
+    whole = {k: torch.cat([batch[k] for batch in micro]) for k in micro[0]}
+    expected = language_model_loss(reference, whole, causal=False)
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    assert tokens == sum(batch["input_ids"].numel() for batch in micro)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_accumulation_of_seq2seq_pairs_weighs_each_target_token_once():
+    pairs = {
+        "labels": torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]]),
+        "decoder_padding_mask": torch.tensor([[True] * 4, [True, True, True, False]]),
+    }
+    batches = Seq2SeqBatches(pairs=None, schedule=None)
+    assert batches.scored(pairs) == 3 + 2  # each real position's real successor
+
+
+def test_the_logged_lr_is_the_one_each_step_ran_at(tmp_path):
+    # The lr logged (and shown on the bar) was the next step's: read after the schedule moved.
+    trainer = _trainer(tmp_path, max_steps=6, warmup_steps=3, lr=1e-2, log_every=1)
+    used, step = [], trainer.optimizer.step
+
+    def recording(*args, **kwargs):
+        used.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording
+    trainer.fit()
+    logged = [r["lr"] for r in records(tmp_path / "run") if r["split"] == "train"]
+    settings = trainer.settings
+    assert logged == used == [1e-2 * lr_factor(i, settings) for i in range(6)]
 
 
 def test_bf16_autocast_trains(tmp_path):

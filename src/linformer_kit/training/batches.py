@@ -116,9 +116,10 @@ class LMBatches:
         """The model's loss on one of these batches (`language_model_loss`)."""
         return language_model_loss(model, batch, causal=self.causal)
 
-    def scored(self, labels: Tensor) -> int:
-        """How many tokens the loss on `labels` averages over (a causal model has no target
+    def scored(self, batch: dict[str, Tensor]) -> int:
+        """How many tokens the loss on `batch` averages over (a causal model has no target
         for the first position: it predicts each position's successor)."""
+        labels = batch["labels"]
         targets = labels[:, 1:] if self.causal else labels
         return int((targets != IGNORE_INDEX).sum())
 
@@ -147,7 +148,7 @@ class LMEvaluator:
             )
             generator = torch.Generator().manual_seed(mix_seed(EVAL_SEED, index))
             batch = self.batches.label(blocks.batch(rows), generator)
-            n = self.batches.scored(batch["labels"])
+            n = self.batches.scored(batch)
             loss = self.batches.loss(model, {k: v.to(device) for k, v in batch.items()})
             total += float(loss) * n
             scored += n

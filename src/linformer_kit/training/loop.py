@@ -42,7 +42,10 @@ logger = logging.getLogger(__name__)
 
 
 class BatchSource(Protocol):
-    """Anything that yields the micro-batch of (step, micro-batch index, rank)."""
+    """Anything that yields the micro-batch of (step, micro-batch index, rank). A source
+    whose micro-batches score different numbers of targets (masked tokens, padded targets)
+    also has `scored(batch) -> int`, how many the loss on `batch` averages over: the step
+    then weighs each micro-batch by it (`Trainer._loss_weights`)."""
 
     def micro_batch(self, step: int, micro: int, rank: int) -> dict[str, Tensor]: ...
 
@@ -224,11 +227,36 @@ class Trainer:
             )
         self.dist.barrier()
 
-    def _train_step(self, model: torch.nn.Module) -> tuple[float, int]:
+    def _loss_weights(self, batches: list[dict[str, Tensor]]) -> tuple[list[float], float]:
+        """Each micro-batch's weight in the step's gradient, and the step's scored count
+        over all ranks (nan where the source does not count them). Weighed by the targets
+        it scores (`BatchSource`), G micro-batches give the gradient of one batch of them
+        all on every rank however the masking falls (the weights times the world size,
+        which DDP's mean over ranks divides out); other sources' micro-batches, as many
+        examples each, weigh 1 / G."""
+        scored = getattr(self.batches, "scored", None)
+        if scored is None:
+            return [1.0 / len(batches)] * len(batches), math.nan
+        counts = [scored(batch) for batch in batches]
+        world = self.dist.world_size
+        total = round(self.dist.mean(float(sum(counts))) * world)
+        if total == 0:  # nothing scored on any rank: a loss of nan, zero gradients
+            return [1.0 / len(batches)] * len(batches), 0.0
+        return [count * world / total for count in counts], float(total)
+
+    def _train_step(self, model: torch.nn.Module) -> tuple[float, int, float]:
+        """One optimiser step over `grad_accum_steps` micro-batches.
+
+        Returns:
+            The step's loss (over every rank: the mean over its scored targets, or over
+            its micro-batches where they are not counted), its tokens (every rank's) and
+            the learning rate it ran at.
+        """
         accum = self.settings.grad_accum_steps
-        losses, tokens = [], 0
-        for micro in range(accum):
-            batch = self.batches.micro_batch(self.step, micro, self.dist.rank)
+        batches = [self.batches.micro_batch(self.step, m, self.dist.rank) for m in range(accum)]
+        weights, total = self._loss_weights(batches)
+        weighted, tokens = 0.0, 0
+        for micro, (batch, weight) in enumerate(zip(batches, weights)):
             batch = {k: v.to(self.dist.device) for k, v in batch.items()}
             last = micro == accum - 1
             sync = contextlib.nullcontext() if last or not self.dist.enabled else model.no_sync()
@@ -237,15 +265,19 @@ class Trainer:
             with sync, compiled_backward(self.settings.compile):
                 with self.autocast:
                     loss = self.loss_fn(model, batch)
-                (loss / accum).backward()
-            losses.append(loss.item())
+                # a micro-batch scoring nothing has a loss of nan (0 / 0) and weighs 0; its
+                # backward still runs, for DDP's reduction on the last micro-batch
+                (loss.nan_to_num() * 0.0 if weight == 0 else loss * weight).backward()
+            weighted += 0.0 if weight == 0 else loss.item() * weight
             tokens += batch["input_ids"].numel()
         if self.settings.clip_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.clip_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's, before the schedule moves on
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return sum(losses) / accum, tokens * self.dist.world_size
+        loss = self.dist.mean(weighted) if total else math.nan
+        return loss, tokens * self.dist.world_size, lr
 
     def _check_finite(self, loss: float) -> None:
         """Stops a run whose weights are no longer numbers after this step's update, before
@@ -283,16 +315,14 @@ class Trainer:
         final: dict[str, float] = {}
         while self.step < s.max_steps:
             start = time.perf_counter()
-            loss, tokens = self._train_step(model)
+            loss, tokens, lr = self._train_step(model)
             elapsed = time.perf_counter() - start
             self.step += 1
             self.tokens += tokens
             self.train_s += elapsed
             interval_tokens, interval_s = interval_tokens + tokens, interval_s + elapsed
             step_times.append(elapsed)
-            loss = self.dist.mean(loss)
             self._check_finite(loss)
-            lr = self.scheduler.get_last_lr()[0]
             bar.update()
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:.0f}")
             if self.step % s.log_every == 0 or self.step == s.max_steps:

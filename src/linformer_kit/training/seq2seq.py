@@ -15,7 +15,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import hub
+from ..causal_lm import next_token_targets
 from ..config import LinformerConfig, check_choice
+from ..data.masking import IGNORE_INDEX
 from ..data.seq2seq import Seq2SeqData, Seq2SeqDataSettings, Seq2SeqPairs, load_seq2seq_data
 from ..data.tokenizer import TextTokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
@@ -142,6 +144,12 @@ class Seq2SeqBatches:
         """The model's loss on one of these batches, without the logits (the decoder's loss
         in chunks of rows, as a causal LM's: `language_model_loss`)."""
         return language_model_loss(model, batch, causal=True)
+
+    def scored(self, batch: dict[str, torch.Tensor]) -> int:
+        """How many target tokens the loss on `batch` averages over (each real position's
+        successor, when that is real too: `next_token_targets`)."""
+        targets = next_token_targets(batch["labels"], batch["decoder_padding_mask"])
+        return int((targets != IGNORE_INDEX).sum())
 
 
 @dataclass
