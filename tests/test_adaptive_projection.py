@@ -89,3 +89,18 @@ def test_a_short_input_keeps_its_tokens_where_a_fixed_pooling_averages_them():
     fixed = LinformerModel(tiny(proj_dim=8, projection="pool")).encoder.layers[0].attn.proj_k
     assert fixed(torch.randn(1, 10, 1, 4), real)[0].shape[1] == 2
     assert AdaptivePoolProjection(8)(torch.randn(1, 10, 1, 4), real)[0].shape[1] == 8
+
+
+def test_the_projection_runs_where_float64_is_the_default_dtype():
+    # Its block counts were made in the default dtype and scattered float32 into them.
+    x = torch.randn(2, 10, 1, 8, dtype=torch.float64)
+    mask = torch.arange(10) < torch.tensor([[10], [6]])
+    expected, _ = AdaptivePoolProjection(4)(x, mask)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out, kept = AdaptivePoolProjection(4)(x, mask)
+    finally:
+        torch.set_default_dtype(before)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert kept.all()

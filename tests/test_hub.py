@@ -106,6 +106,16 @@ def test_shared_projections_are_stored_once(tmp_path, sharing, stored):
             torch.testing.assert_close(f.get_tensor(key), ours[key], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("saved", "loaded"), [("kv", "layerwise"), ("headwise", "kv")])
+def test_loading_under_a_sharing_that_ties_saved_projections_is_refused(tmp_path, saved, loaded):
+    # Each saved E went into the one shared Parameter in turn: the last stayed, the others
+    # were dropped, without a word.
+    model = perturbed(LinformerModel(tiny(sharing=saved)))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"as different tensors, which this model shares"):
+        LinformerModel.from_pretrained(tmp_path, config_overrides={"sharing": loaded})
+
+
 @pytest.mark.parametrize("projection", ["linear", "conv", "random"])
 def test_loaded_layerwise_projection_is_still_one_tensor(tmp_path, projection):
     model = perturbed(LinformerModel(tiny(sharing="layerwise", projection=projection)))

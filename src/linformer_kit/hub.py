@@ -325,10 +325,13 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
     """Loads `tensors` into `model` strictly, filling every alias of a shared tensor.
 
     Raises:
-        ValueError: listing missing, unexpected or mis-shaped weights.
+        ValueError: listing missing, unexpected or mis-shaped weights, or naming tensors
+            the model shares (one Parameter) that the file holds different (saved with
+            another `sharing`: loading them would keep the last and drop the others).
     """
     state = model.state_dict()
-    missing = [g[0] for g in _alias_groups(state) if not any(name in tensors for name in g)]
+    groups = _alias_groups(state)
+    missing = [g[0] for g in groups if not any(name in tensors for name in g)]
     unexpected = sorted(set(tensors) - set(state))
     wrong = [
         f"{n}: file {tuple(t.shape)} vs model {tuple(state[n].shape)}"
@@ -340,4 +343,12 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
             f"weights in {source} do not match the model: missing {missing}, "
             f"unexpected {unexpected}, wrong shapes {wrong}"
         )
+    for group in groups:
+        saved = [name for name in group if name in tensors]
+        if any(not torch.equal(tensors[saved[0]], tensors[name]) for name in saved[1:]):
+            raise ValueError(
+                f"weights in {source} hold {', '.join(saved)} as different tensors, which "
+                f"this model shares as one (its projection sharing differs from the saved "
+                f"model's); load it with the sharing it was saved with"
+            )
     model.load_state_dict(tensors, strict=False)

@@ -126,17 +126,21 @@ def _median_seconds(a: torch.Tensor, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-@functools.cache
-def bf16_support(device: str = "cpu") -> Bf16Support:
+def bf16_support(device: str | torch.device = "cpu") -> Bf16Support:
     """Measures (once per process and device type) whether bf16 compute is native.
 
     Args:
-        device: a device type, cpu or cuda.
+        device: a device or device type ("cpu", "cuda:1", ...): each type is probed once.
 
     Returns:
         The verdict, with the measured slowdown on CPU (the probe costs under 0.1 s).
     """
-    device = torch.device(device).type
+    return _probe(torch.device(device).type)
+
+
+@functools.cache
+def _probe(device: str) -> Bf16Support:
+    """`bf16_support` of one device type (cached: "cpu" and "cpu:0" share one probe)."""
     if device == "cuda":
         name = torch.cuda.get_device_name()
         return Bf16Support(

@@ -202,9 +202,8 @@ class AdaptivePoolProjection(SequenceProjection):
         block = adaptive_block_index(real, self.proj_dim)
         blocks = self.output_len(seq_len)
         slot = torch.where(block < 0, blocks, block)  # padding goes to a spare row, dropped
-        counts = torch.zeros(batch, blocks + 1, device=x.device).scatter_add_(
-            1, slot, real.float()
-        )[:, :blocks]  # (B, M)
+        counts = torch.zeros(batch, blocks + 1, device=x.device, dtype=torch.float32)
+        counts = counts.scatter_add_(1, slot, real.float())[:, :blocks]  # (B, M)
         flat = x.reshape(batch, seq_len, groups * width)
         sums = flat.new_zeros(batch, blocks + 1, groups * width)
         sums = sums.scatter_add(1, slot[:, :, None].expand_as(flat), flat)[:, :blocks]
