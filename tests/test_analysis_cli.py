@@ -73,14 +73,16 @@ def check_png(path: Path) -> None:
     assert image.std() > 0.05  # not a blank canvas
 
 
-def check_report(out: Path, depth: int, heads: int, curve_len: int) -> dict:
+def check_report(
+    out: Path, depth: int, heads: int, curve_len: int, masses=("0.9", "0.95", "0.99")
+) -> dict:
     report = json.loads((out / "spectrum.json").read_text())
     assert len(report["layers"]) == depth
     for layer in report["layers"]:
         assert len(layer["heads"]) == heads
         assert len(layer["mean_curve"]) == curve_len
         assert layer["mean_curve"][-1] == pytest.approx(1.0)
-        assert set(layer["k"]) == {"0.9", "0.95", "0.99"}
+        assert set(layer["k"]) == set(masses)
         assert all(1 <= k <= curve_len for k in layer["k"].values())
         for head in layer["heads"]:
             assert all(a <= b + 1e-9 for a, b in zip(head["curve"], head["curve"][1:]))
@@ -115,15 +117,18 @@ def test_spectrum_pads_a_short_text(random_exact: Path, tmp_path: Path) -> None:
 
 
 def test_spectrum_of_trained_linformer_with_random_tokens(
-    trained_linformer: Path, tmp_path: Path
+    trained_linformer: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "spectrum"
     main(
         ["spectrum", str(trained_linformer), "--random-tokens", "--num-samples", "4"]
-        + ["--masses", "0.9", "0.99", "--out", str(out)]
+        + ["--masses", "0.9", "0.99", "0.995", "--out", str(out)]
     )
-    report = check_report(out, depth=2, heads=2, curve_len=8)
+    report = check_report(out, 2, 2, 8, masses=("0.9", "0.95", "0.99", "0.995"))
     assert report["attention"] == "linformer (proj_dim=8)"
+    # each mass its own column: 0.995 was printed as "k@100%" and 0.99's column dropped
+    heading = next(line for line in capsys.readouterr().out.splitlines() if "layer" in line)
+    assert heading.split()[1:5] == ["k@90%", "k@95%", "k@99%", "k@99.5%"]
     with pytest.raises(SystemExit, match="--random-tokens"):
         main(["spectrum", str(trained_linformer), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match=r"masses must be fractions in \(0, 1\]"):

@@ -9,6 +9,7 @@ from train_helpers import interrupted_after, pretrain_cli, write_classification
 
 from linformer_kit import LinformerConfig, LinformerForSeq2SeqLM, Seq2SeqConfig
 from linformer_kit.cli import main
+from linformer_kit.training.finetune import FinetuneSettings, _sized, finetune_train_settings
 
 MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "1", "--num-heads", "2"]
 TRAIN = ["--batch-size", "4", "--warmup-steps", "1", "--lr", "3e-3", "--log-every", "1"]
@@ -230,7 +231,7 @@ def test_ctrl_c_before_the_first_checkpoint_says_to_start_again(pretrained, data
         f"with: linformer {' '.join(argv)}"
     )
     main(argv)  # the folder holds no checkpoint, so starting again needs no --resume
-    assert records(out, "val") == [2, 4, 6]
+    assert records(out, "val") == [2, 4, 5]  # 24 rows at 16 a step: 3 epochs in ceil(4.5) steps
 
 
 @pytest.fixture
@@ -281,6 +282,10 @@ def test_training_data_of_one_class_and_an_encoder_decoder_init_are_refused(
     one_class.write_text((json.dumps({"text": "a cat", "label": 0}) + "\n") * 8)
     err = user_error(capsys, lambda: finetune(pretrained, (one_class, data[1]), tmp_path / "a"))
     assert f"{one_class} has one class only (every label is 0)" in err
+    # one class whose id is not 0 made max(label) + 1 = 2 classes and trained without a word
+    one_class.write_text((json.dumps({"text": "a cat", "label": 1}) + "\n") * 8)
+    err = user_error(capsys, lambda: finetune(pretrained, (one_class, data[1]), tmp_path / "c"))
+    assert f"{one_class} has one class only (every label is 1)" in err
     seq2seq = tmp_path / "s2s"
     encoder = LinformerConfig(
         vocab_size=40, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8
@@ -329,3 +334,16 @@ def test_a_kept_head_keeps_the_meaning_of_its_classes(pretrained, data, tmp_path
     finetune(first, (other, other), tmp_path / "other", "--max-steps", "1")
     saved = json.loads((tmp_path / "other" / "last" / "config.json").read_text())
     assert saved["config"]["label2id"] == {"cat": 0, "dog": 1}
+
+
+@pytest.mark.parametrize(
+    ("examples", "batch", "epochs", "steps"), [(10, 16, 3, 2), (10, 4, 3, 8), (500, 8, 3, 188)]
+)
+def test_epochs_are_passes_over_the_data_not_rounded_up_each(examples, batch, epochs, steps):
+    # Each epoch's steps were rounded up and the stream went on: 10 examples at 16 a step
+    # for 3 epochs ran 3 steps, 48 rows (4.8 passes); now 2 steps (3.2), ceil(3 x 10 / 16).
+    settings = FinetuneSettings(init="x", data="x", eval="x", epochs=epochs)
+    train = _sized(settings, finetune_train_settings(batch_size=batch), examples, 1)
+    assert train.max_steps == steps
+    assert epochs <= steps * batch / examples < epochs + batch / examples
+    assert train.eval_every == -(-examples // batch)  # about an epoch, the last step too

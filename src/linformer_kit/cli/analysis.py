@@ -20,7 +20,7 @@ def run_spectrum(args: argparse.Namespace) -> None:
     rows = [
         {
             "layer": layer["layer"],
-            **{f"k@{float(m):.0%}": k for m, k in layer["k"].items()},
+            **{f"k@{100 * float(m):g}%": k for m, k in layer["k"].items()},
             f"mass@{index}": sum(layer["value_at_index"]) / len(layer["value_at_index"]),
         }
         for layer in report["layers"]

@@ -212,16 +212,22 @@ def _check_same_inputs(
 def _sized(
     settings: FinetuneSettings, train: TrainSettings, examples: int, ranks: int
 ) -> TrainSettings:
-    """`train` with max_steps, eval_every and save_every from the epochs or the step flags."""
+    """`train` with max_steps, eval_every and save_every from the epochs or the step flags.
+
+    The rows run as one stream over the shuffled epochs (a step's batch can span two), so
+    `--epochs E` is ceil(E x examples / rows a step) steps: rounding each epoch up instead
+    added up (3 epochs of 10 examples at 16 a step ran 4.8 passes)."""
     per_step = train.batch_size * train.grad_accum_steps * ranks
     epoch_steps = math.ceil(examples / per_step)
-    max_steps = settings.max_steps or epoch_steps * settings.epochs
+    max_steps = settings.max_steps or math.ceil(settings.epochs * examples / per_step)
     every = settings.eval_every or epoch_steps  # the last step validates and saves anyway
     logger.info(
-        "fine-tuning for %d steps (%.3g epochs of %d steps), validating every %d steps",
+        "fine-tuning for %d steps (%.3g passes over the %d examples, %d a step), validating "
+        "every %d steps",
         max_steps,
-        max_steps / epoch_steps,
-        epoch_steps,
+        max_steps * per_step / examples,
+        examples,
+        per_step,
         every,
     )
     return dataclasses.replace(train, max_steps=max_steps, eval_every=every, save_every=every)
@@ -329,8 +335,12 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     num_labels = settings.num_labels or (
         head_labels if named_as_head else max(train_data.labels) + 1
     )
-    if num_labels < 2:
-        label = next(iter(train_data.label2id)) if train_data.label2id else 0
+    keep_head = _keeps_head(meta, num_labels, names_match=named_as_head or not head_names)
+    # One class in the data is refused where the classes come from it (a new head without
+    # --num-labels; one class of id 1 made max + 1 = 2), not for a kept head's classes.
+    classes_from_data = not settings.num_labels and not keep_head
+    if num_labels < 2 or (classes_from_data and len(set(train_data.labels)) < 2):
+        label = next(iter(train_data.label2id)) if train_data.label2id else train_data.labels[0]
         raise ValueError(
             f"{settings.data} has one class only (every label is {label!r}); a classifier "
             f"needs two or more: check --data, or give --num-labels"
@@ -350,7 +360,6 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     try:
         train = _sized(settings, train, len(train_data), dist.world_size)
         torch.manual_seed(train.seed)
-        keep_head = _keeps_head(meta, num_labels, names_match=named_as_head or not head_names)
         model = LinformerForSequenceClassification.from_pretrained(
             settings.init,
             num_labels=num_labels,
