@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from train_helpers import interrupted_after, write_classification, write_corpus
 
-from linformer_kit import LinformerForCausalLM
+from linformer_kit import LinformerForCausalLM, cli
 from linformer_kit.cli import build_parser, main
 from linformer_kit.cli.common import print_checkpoints
 from linformer_kit.cli.overrides import collect_overrides
-from linformer_kit.training.loop import Trainer
+from linformer_kit.training.loop import Trainer, TrainingInterrupted
 
 MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "2", "--num-heads", "2"]
 TRAIN = ["--batch-size", "4", "--warmup-steps", "2", "--lr", "3e-3", "--log-every", "1"]
@@ -100,6 +100,17 @@ def test_sigterm_stops_training_as_ctrl_c_does_with_status_143(tmp_path, capsys,
         "linformer pretrain: interrupted at step 3; last checkpoint: run/checkpoints/step-00000002"
     )
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored after the command
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_an_interrupted_lra_model_says_how_to_continue_it(tmp_path, resumed, monkeypatch):
+    # lra's flag is `resume` (its settings are not a "train" section): the line repeated it.
+    saved = SimpleNamespace(path=tmp_path / "step-00000002")
+    monkeypatch.setattr(cli, "latest_checkpoint", lambda run_dir: saved)
+    argv = ["lra", "listops", "--output-dir", str(tmp_path)] + ["--resume"] * resumed
+    args = build_parser().parse_args(argv)
+    line = cli.interrupted(args, argv, TrainingInterrupted(3, tmp_path / "listops" / "linformer"))
+    assert line.endswith(f"continue with: {shlex.join(['linformer', *argv[:4], '--resume'])}")
 
 
 def test_finetune_reports_accuracy_per_epoch_and_evaluate_reads_it(tmp_path, pretrained, capsys):

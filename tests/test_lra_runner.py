@@ -39,6 +39,9 @@ def test_recipes_scale_width_and_steps():
     # Fewer steps keep LRA's warm-up share (text: 8K of 20K), unless the warm-up is given.
     assert LRASettings(scale=0.125, steps=300).recipe("text").warmup_steps == 120
     assert LRASettings(scale=0.125, steps=300).recipe("listops").warmup_steps == 60
+    # from LRA's figures, not the scaled recipe's rounded ones (which gave 0 and 10000 here)
+    assert LRASettings(scale=0.001, steps=2000).recipe("pathfinder").warmup_steps == 10
+    assert LRASettings(scale=0.0001, steps=20000).recipe("text").warmup_steps == 8000
     given = LRASettings(scale=0.125, steps=300, warmup_steps=125).recipe("listops")
     assert given.warmup_steps == 125
     assert RECIPES["pathfinder"].published == {"linformer": 76.34, "transformer": 71.40}

@@ -83,3 +83,48 @@ def test_the_fresh_process_ends_when_its_parent_is_killed(tmp_path):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+@pytest.mark.parametrize("how", ["kill the parent", "Ctrl-C the group"])
+def test_an_interrupted_parent_stops_the_fresh_process_and_raises_where_it_stopped(tmp_path, how):
+    # Before: `kill` (SIGTERM) on `linformer lra` left its parent waiting for the model's
+    # training to run to its end, writing checkpoints; a Ctrl-C ended the parent with a bare
+    # "interrupted", never the checkpoint and the command that continues it.
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {str(TESTS)!r})
+            from train_helpers import write_pid_and_train
+            from linformer_kit.cli import sigterm_as_interrupt
+            from linformer_kit.training.loop import TrainingInterrupted
+            from linformer_kit.training.process import in_fresh_process
+            with sigterm_as_interrupt():
+                try:
+                    in_fresh_process(write_pid_and_train, {str(pid_file)!r}, 120)
+                except TrainingInterrupted as err:
+                    print("stopped at step", err.step, "in", err.run_dir)
+            """)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline, parent.stderr.read()
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        if how == "kill the parent":
+            parent.send_signal(signal.SIGTERM)
+        else:  # the terminal's Ctrl-C: SIGINT to every process of the group
+            os.killpg(parent.pid, signal.SIGINT)
+        out, err = parent.communicate(timeout=30)
+        assert out == f"stopped at step 3 in {tmp_path}\n", err
+        assert not _alive(child)
+    finally:
+        parent.kill()
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

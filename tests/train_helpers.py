@@ -114,3 +114,14 @@ def write_pid_and_sleep(path: str, seconds: float) -> None:
     """Writes this process's id to `path`, then sleeps (a run that a test stops)."""
     Path(path).write_text(str(os.getpid()))
     time.sleep(seconds)
+
+
+def write_pid_and_train(path: str, seconds: float) -> None:
+    """As `write_pid_and_sleep`, interrupted as a Trainer is: `TrainingInterrupted` at step 3,
+    its run folder `path`'s."""
+    from linformer_kit.training.loop import TrainingInterrupted
+
+    try:
+        write_pid_and_sleep(path, seconds)
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(3, Path(path).parent) from None

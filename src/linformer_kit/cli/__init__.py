@@ -70,7 +70,8 @@ def interrupted(args: argparse.Namespace, argv: list[str], err: KeyboardInterrup
             f"linformer {args.command}: interrupted at step {err.step}, before the first "
             f"checkpoint; start again with: {shlex.join(['linformer', *argv])}"
         )
-    again = argv if getattr(args, "train.resume", False) is True else [*argv, "--resume"]
+    resumed = getattr(args, "train.resume", getattr(args, "resume", False)) is True  # lra's
+    again = argv if resumed else [*argv, "--resume"]
     return (
         f"linformer {args.command}: interrupted at step {err.step}; last checkpoint: "
         f"{err.run_dir / CHECKPOINTS_DIR / checkpoint.path.name}; continue with: "

@@ -83,6 +83,10 @@ class TrainingInterrupted(KeyboardInterrupt):
         super().__init__(f"interrupted at step {step}")
         self.step, self.run_dir = step, run_dir
 
+    def __reduce__(self) -> tuple[type, tuple[int, Path]]:
+        # pickled whole: a run in a fresh process (`in_fresh_process`) raises it in its parent
+        return type(self), (self.step, self.run_dir)
+
 
 @dataclass
 class TrainResult:

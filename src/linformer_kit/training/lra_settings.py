@@ -164,9 +164,12 @@ class LRASettings:
     def recipe(self, task: str) -> Recipe:
         """The task's recipe, scaled, with this run's overrides. Fewer or more `steps` keep
         LRA's warm-up share of them (text: 8K of 20K), so the peak learning rate is reached."""
-        recipe = RECIPES[check_task(task)].scaled(self.scale)
+        lra = RECIPES[check_task(task)]
+        recipe = lra.scaled(self.scale)
         steps = self.steps or recipe.steps
-        warmup = round(recipe.warmup_steps * steps / recipe.steps)
+        # the share from LRA's own figures: the scaled recipe's are rounded (at scale 0.001
+        # pathfinder's warm-up rounds to 0 steps, which --steps 2000 kept at 0)
+        warmup = round(lra.warmup_steps * steps / lra.steps) if self.steps else recipe.warmup_steps
         return dataclasses.replace(
             recipe,
             steps=steps,

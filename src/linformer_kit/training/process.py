@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -17,10 +18,19 @@ T = TypeVar("T")
 ORPHANED_EXIT_CODE = 70  # the fresh process's exit status when its parent died first
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _start(level: int) -> None:
-    """The fresh process's start: log at the parent's level, and exit as soon as the parent
-    ends (its sentinel becomes ready), whatever killed it."""
+    """The fresh process's start: log at the parent's level, take interrupts from the parent
+    only (the terminal's Ctrl-C reaches the whole process group; `in_fresh_process` forwards
+    the parent's, Ctrl-C or `kill`, as one SIGTERM, which interrupts here as Ctrl-C would),
+    and exit as soon as the parent ends (its sentinel becomes ready), whatever killed it."""
     logging.basicConfig(level=level)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _interrupt)
     parent = multiprocessing.parent_process()
     if parent is None:  # not started by multiprocessing
         return
@@ -43,11 +53,33 @@ def in_fresh_process(function: Callable[..., T], *args: Any) -> T:
     Returns:
         What `function` returned.
 
+    An interrupt here (Ctrl-C, or SIGTERM where the CLI makes it one) interrupts the fresh
+    process too, and this one waits for it to stop where it is: what it raises then (a
+    training's `TrainingInterrupted`, which names its last checkpoint) is raised here. A
+    second interrupt kills it.
+
     Raises:
         concurrent.futures.process.BrokenProcessPool: if the process died without a result
             (killed; most often out of memory). Whatever `function` raised, re-raised here.
+        KeyboardInterrupt: when interrupted, as above.
     """
     level = logging.getLogger().getEffectiveLevel()
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=context, initializer=_start, initargs=(level,)) as pool:
-        return pool.submit(function, *args).result()
+        future = pool.submit(function, *args)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            # Leaving the block waits for the process: without this it trained on, to its end.
+            processes = list(pool._processes.values())  # noqa: SLF001 (no public handle)
+            for process in processes:
+                process.terminate()
+            try:
+                error = future.exception()
+            except KeyboardInterrupt:
+                for process in processes:
+                    process.kill()
+                raise
+            if isinstance(error, KeyboardInterrupt):
+                raise error from None
+            raise
