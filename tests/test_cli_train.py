@@ -111,6 +111,10 @@ def test_an_interrupted_lra_model_says_how_to_continue_it(tmp_path, resumed, mon
     args = build_parser().parse_args(argv)
     line = cli.interrupted(args, argv, TrainingInterrupted(3, tmp_path / "listops" / "linformer"))
     assert line.endswith(f"continue with: {shlex.join(['linformer', *argv[:4], '--resume'])}")
+    # a command without --resume (its runs now raise where they stopped) is not told to use it
+    argv = ["demo", "--output-dir", str(tmp_path)]
+    line = cli.interrupted(build_parser().parse_args(argv), argv, TrainingInterrupted(3, tmp_path))
+    assert line == f"linformer demo: interrupted at step 3 of {tmp_path}"
 
 
 def test_finetune_reports_accuracy_per_epoch_and_evaluate_reads_it(tmp_path, pretrained, capsys):

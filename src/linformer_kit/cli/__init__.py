@@ -64,6 +64,8 @@ def interrupted(args: argparse.Namespace, argv: list[str], err: KeyboardInterrup
     checkpoint and the command that continues it."""
     if not isinstance(err, TrainingInterrupted):
         return f"linformer {args.command}: interrupted"
+    if build_parser().parse_known_args([*argv, "--resume"])[1]:  # no --resume: demo, bench-task
+        return f"linformer {args.command}: interrupted at step {err.step} of {err.run_dir}"
     checkpoint = latest_checkpoint(err.run_dir)
     if checkpoint is None:
         return (
