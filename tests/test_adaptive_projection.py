@@ -1,12 +1,17 @@
 """The `adaptive` projection: blocks sized to each sequence's real length, its first token a
 block of its own, exact attention for inputs of <= k tokens, and padding that changes nothing."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from linformer_kit import LinformerConfig, LinformerModel
-from linformer_kit.projection import AdaptivePoolProjection, adaptive_block_index
+from linformer_kit.projection import (
+    AdaptivePoolProjection,
+    MatrixProjection,
+    adaptive_block_index,
+)
 
 
 def tiny(**changes):
@@ -104,3 +109,12 @@ def test_the_projection_runs_where_float64_is_the_default_dtype():
         torch.set_default_dtype(before)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert kept.all()
+
+
+def test_the_projection_classes_check_their_k_as_build_projection_does():
+    # MatrixProjection(proj_dim=0) made 0 rows and AdaptivePoolProjection(0) failed in torch.
+    with pytest.raises(ValueError, match=r"proj_dim must be an integer in \[1, max_seq_len=16\]"):
+        MatrixProjection(max_seq_len=16, proj_dim=0)
+    for bad in (0, -2, 2.5):
+        with pytest.raises(ValueError, match="proj_dim must be"):
+            AdaptivePoolProjection(bad)

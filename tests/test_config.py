@@ -77,5 +77,9 @@ def test_proj_dim_schedule_is_non_increasing_between_the_bounds():
     assert all(a >= b for a, b in zip(dims, dims[1:]))
     assert all(k % 32 == 0 for k in dims)
     assert proj_dim_schedule(128, 128, 3) == [128, 128, 128]
-    with pytest.raises(ValueError, match="1 <= last <= first"):
+    with pytest.raises(ValueError, match="1 <= multiple_of <= last <= first"):
         proj_dim_schedule(64, 128, 4)
+    # a multiple above `last` gave k above `first`: (4, 2) in multiples of 8 was [8, 8, 8]
+    with pytest.raises(ValueError, match="got depth=3, first=4, last=2, multiple_of=8"):
+        proj_dim_schedule(4, 2, 3, multiple_of=8)
+    assert min(proj_dim_schedule(100, 10, 5, multiple_of=8)) == 8  # rounded down, as it says

@@ -103,6 +103,31 @@ def test_padding_never_changes_real_outputs(n, pad, per_head, seed):
     torch.testing.assert_close(padded, alone, atol=1e-10, rtol=0)
 
 
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 10), pad=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_padding_anywhere_never_changes_real_outputs_nor_cross_attention(n, pad, seed):
+    # The functions projected by absolute position, so left or inner padding moved the real
+    # tokens onto other rows of E and F (cross-attention's output moved by 6.6 where its
+    # module, which gathers the real tokens first, moved by 0).
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = qkv(n, seed=seed)
+    proj_k, proj_v = (torch.randn(H, 18, 4, generator=g, dtype=torch.float64) for _ in "kv")
+    mask = torch.zeros(B, n + pad, dtype=torch.bool)
+    for row in range(B):  # the real tokens at random places, in order
+        mask[row, torch.randperm(n + pad, generator=g)[:n].sort().values] = True
+    padded = [torch.full((B, H, n + pad, D), float("nan"), dtype=torch.float64) for _ in "qkv"]
+    for t, alone in zip(padded, (q, k, v)):
+        t.transpose(1, 2)[mask] = alone.transpose(1, 2).reshape(B * n, H, D)
+    out = linformer_attention(*padded, proj_k, proj_v, mask).transpose(1, 2)[mask]
+    expected = linformer_attention(q, k, v, proj_k, proj_v).transpose(1, 2).reshape(B * n, H, D)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
+    queries = torch.randn(B, H, 3, D, generator=g, dtype=torch.float64)
+    out = cross_attention(queries, *padded[1:], proj_k, proj_v, key_padding_mask=mask)
+    torch.testing.assert_close(
+        out, cross_attention(queries, k, v, proj_k, proj_v), atol=1e-10, rtol=0
+    )
+
+
 @pytest.mark.parametrize(
     "attention",
     [

@@ -89,6 +89,13 @@ def test_cross_attention_matches_a_query_by_query_reference(per_head, masked, pr
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
+def test_a_memory_of_another_batch_is_named():
+    # A raw broadcast error before, from inside the attention.
+    attention = LinformerCrossAttention(dim=8, num_heads=2, max_seq_len=9)
+    with pytest.raises(ValueError, match="the memory holds 2 sequences and x 3"):
+        attention(torch.randn(3, 4, 8), torch.randn(2, 9, 8))
+
+
 def test_identity_projection_at_full_length_is_exact_cross_attention():
     torch.manual_seed(0)
     q = torch.randn(2, 2, 3, 4, dtype=torch.float64)

@@ -334,17 +334,19 @@ def proj_dim_schedule(first: int, last: int, depth: int, multiple_of: int = 1) -
         first: k of the first layer.
         last: k of the last layer; at most `first`.
         depth: number of layers.
-        multiple_of: round every k down to a multiple of this (e.g. to divide max_seq_len).
+        multiple_of: round every k down to a multiple of this, at most `last` (so a
+            layer may get less than `last`, down to that multiple). A multiple does not
+            divide max_seq_len: `conv` and `pool` projections need k to divide it.
 
     Returns:
-        A list of `depth` ints, non-increasing.
+        A list of `depth` ints, non-increasing, each in [multiple_of, first].
 
     Raises:
-        ValueError: if the bounds are not 1 <= last <= first or depth < 1.
+        ValueError: if the bounds are not 1 <= multiple_of <= last <= first or depth < 1.
     """
-    if depth < 1 or not 1 <= last <= first or multiple_of < 1:
+    if depth < 1 or not 1 <= multiple_of <= last <= first:
         raise ValueError(
-            f"need depth >= 1, 1 <= last <= first and multiple_of >= 1; got depth={depth}, "
+            f"need depth >= 1 and 1 <= multiple_of <= last <= first; got depth={depth}, "
             f"first={first}, last={last}, multiple_of={multiple_of}"
         )
     if depth == 1:

@@ -47,8 +47,8 @@ def cross_attention(
         k, v: (B, H, N, D) memory keys and values, N <= max_seq_len.
         proj_k, proj_v: (max_seq_len, K) shared across heads, or (H, max_seq_len, K); both
             None for exact cross-attention. Pass `proj_k` alone for key-value sharing.
-        key_padding_mask: optional bool (B, N), True at real memory positions; padded keys
-            and values are zeroed before the projection.
+        key_padding_mask: optional bool (B, N), True at real memory positions, anywhere
+            (padding never changes the output: `linformer_attention`).
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
         scale: softmax scale; default 1 / sqrt(D).
 
@@ -155,7 +155,8 @@ class LinformerCrossAttention(LinformerSelfAttention):
             (B, M, dim).
 
         Raises:
-            ValueError: if there is neither a memory nor a filled cache.
+            ValueError: if there is neither a memory nor a filled cache, or the memory's
+                batch is not x's.
         """
         if cache is not None and cache.keys is not None:
             projected = cache
@@ -167,6 +168,11 @@ class LinformerCrossAttention(LinformerSelfAttention):
                 vars(cache).update(vars(projected))  # filled in place: the caller holds it
         check_input(x, self.dim)
         batch, seq_len, _ = x.shape
+        if projected.keys.shape[0] != batch:
+            raise ValueError(
+                f"the memory holds {projected.keys.shape[0]} sequences and x {batch}: "
+                f"one memory per decoder sequence"
+            )
         q = apply_linear(self.to_q, x).view(batch, seq_len, self.num_heads, self.head_dim)
         q = q.transpose(1, 2)
         dropout_p = self.dropout if self.training else 0.0

@@ -302,8 +302,9 @@ def linformer_attention(
         q, k, v: (B, H, N, D) with N <= max_seq_len.
         proj_k, proj_v: (max_seq_len, K) shared across heads, or (H, max_seq_len, K).
             Pass the same tensor twice for key-value sharing.
-        key_padding_mask: optional bool (B, N), True at real tokens; padded keys and values
-            are zeroed before the projection.
+        key_padding_mask: optional bool (B, N), True at real tokens, anywhere: the real
+            keys and values are projected as the first rows of E and F (`real_first`, as
+            the modules do), the padded ones not at all, so padding never changes the output.
         dropout_p: dropout on the attention weights, as in SDPA (pass 0.0 in eval mode).
         scale: softmax scale; default 1 / sqrt(D).
 
@@ -316,6 +317,10 @@ def linformer_attention(
     """
     check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2])
     check_projections(proj_k, proj_v)
+    if key_padding_mask is not None:  # E's row j projects the j-th real token (left padding)
+        order = real_first(key_padding_mask)
+        k, v = gather_positions(k, order, dim=2), gather_positions(v, order, dim=2)
+        key_padding_mask = key_padding_mask.gather(1, order)
     k = project_linear(k.transpose(1, 2), proj_k, key_padding_mask).transpose(1, 2)
     v = project_linear(v.transpose(1, 2), proj_v, key_padding_mask).transpose(1, 2)
     return attend(q, k, v, None, dropout_p, scale)  # (B, H, N, D)

@@ -71,6 +71,7 @@ class MatrixProjection(SequenceProjection):
         self, *, max_seq_len: int, proj_dim: int, num_heads: int | None = None, learned: bool = True
     ) -> None:
         super().__init__()
+        check_proj_dim(proj_dim, max_seq_len)
         shape = (max_seq_len, proj_dim) if num_heads is None else (num_heads, max_seq_len, proj_dim)
         self.per_head = num_heads is not None
         self.num_matrices = num_heads or 1
@@ -188,6 +189,7 @@ class AdaptivePoolProjection(SequenceProjection):
 
     def __init__(self, proj_dim: int) -> None:
         super().__init__()
+        check_positive("proj_dim", proj_dim)
         self.proj_dim = proj_dim
 
     def forward(
