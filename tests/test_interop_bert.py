@@ -232,3 +232,11 @@ def test_roberta_positions_start_after_the_padding_index(copy_of_minilm, exact):
     assert model.config.max_seq_len == 512 and model.config.pad_token_id == 1
     assert isinstance(model, LinformerModel)
     assert torch.equal(model.embeddings.positions.weight, exact.embeddings.positions.weight)
+    # a config without the key pads with RobertaConfig's 1 (it was read as BERT's 0: every
+    # position row shifted by one, without a word)
+    config = json.loads((copy_of_minilm / "config.json").read_text())
+    del config["pad_token_id"]
+    (copy_of_minilm / "config.json").write_text(json.dumps(config))
+    model = convert_hf_model(copy_of_minilm, proj_dim=None)
+    assert model.config.max_seq_len == 512 and model.config.pad_token_id == 1
+    assert torch.equal(model.embeddings.positions.weight, exact.embeddings.positions.weight)

@@ -139,7 +139,10 @@ def linformer_config_from_hf(
             problems.append(f"{flag}=true (only encoders convert)")
     if problems:
         raise ValueError(f"cannot convert {source}: " + "; ".join(problems))
-    pad_token_id = hf.get("pad_token_id") or 0
+    # transformers' own defaults when the key is absent: RoBERTa-family configs pad with 1
+    pad_token_id = hf.get("pad_token_id")
+    if pad_token_id is None:
+        pad_token_id = 1 if model_type in OFFSET_POSITIONS else 0
     offset = pad_token_id + 1 if model_type in OFFSET_POSITIONS else 0
     fields = dict(
         vocab_size=hf["vocab_size"],
