@@ -22,6 +22,7 @@ from linformer_kit.bench import (
     peak_memory,
     run_bench,
     time_interleaved,
+    timing,
 )
 from linformer_kit.bench.timing import module_step, size_ceiling_matmul
 from linformer_kit.kernel_rule import pinned_kernel, use_kernel
@@ -80,6 +81,16 @@ def test_ceiling_matmul_grows_to_the_time_budget_or_stops_at_the_limit():
     # An unreachable target: the growth stops at the limit.
     size, seconds = size_ceiling_matmul("float32", "cpu", target_s=60.0, start=64, limit=256)
     assert size == 256 and 0 < seconds < 60.0
+
+
+def test_ceiling_matmul_sizes_above_1024_are_multiples_of_512(monkeypatch):
+    # A size such as 2432 (a multiple of 64) ran oneDNN 7 % below 2048 and 2560: the probe
+    # read low and every layer's share of the ceiling high. A machine of 1e-11 s per
+    # multiply-add (time = size^3 * 1e-11) reaches 0.05 s near 1710.
+    monkeypatch.setattr(timing, "matmul_step", lambda size, dtype, device: lambda: size)
+    monkeypatch.setattr(timing, "_seconds", lambda step, device: step() ** 3 * 1e-11)
+    size, seconds = size_ceiling_matmul("float32", "cpu", target_s=0.1, start=256)
+    assert size % 512 == 0 and seconds >= 0.05
 
 
 def test_compiled_variants_time_the_same_layers_under_torch_compile(tmp_path):

@@ -40,7 +40,9 @@ class Variant:
         sharing: projection sharing for ours; the peers run `headwise` (their default: E and
             F shared by the heads of a layer, E != F).
         attention_dropout: dropout on the attention weights in training (ours and exact
-            SDPA; the peers run their default, none).
+            SDPA). The peers run without dropout whatever this is (lucidrains' default;
+            linformer-pytorch's 0.1 and 0.15 set to 0): their fastest setting, which the
+            rows with dropout are compared against too.
         kernel: ours only: the attention kernel it runs on (`kernel_rule.use_kernel`), None
             for the rule's choice.
         compile: run under `torch.compile` (`training.settings.compiled`), one of its
