@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM, losses
 from linformer_kit.bench.timing import time_interleaved
 from linformer_kit.training.compare import machine
-from linformer_kit.training.loop import peak_memory_mb
+from linformer_kit.training.distributed import peak_memory_mb
 from linformer_kit.training.process import in_fresh_process
 
 OUT = Path(__file__).parent / "lm_loss"

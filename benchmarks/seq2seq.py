@@ -64,7 +64,7 @@ def build(name: str):
 
 def measure(name: str, what: str) -> dict:
     """One measurement in this (fresh) process: median seconds and the peak resident set."""
-    from linformer_kit.training.loop import peak_memory_mb
+    from linformer_kit.training.distributed import peak_memory_mb
 
     torch.set_num_threads(1)
     model = build(name)

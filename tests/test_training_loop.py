@@ -17,7 +17,8 @@ from linformer_kit import (
     native,
 )
 from linformer_kit.data.tokenizer import train_tokenizer
-from linformer_kit.training import RunConfig, Trainer, TrainSettings, lr_factor, pretrain
+from linformer_kit.kernel_rule import pinned_kernel
+from linformer_kit.training import RunConfig, Trainer, TrainSettings, loop, lr_factor, pretrain
 from linformer_kit.training.batches import language_model_loss
 from linformer_kit.training.distributed import Distributed, resolve_device
 from linformer_kit.training.optim import apply_settings, build_optimizer, build_scheduler
@@ -410,3 +411,21 @@ def test_cuda_graphs_are_refused_off_a_gpu(tmp_path):
     if not torch.cuda.is_available():  # "auto" resolves to the CPU: the trainer refuses it
         with pytest.raises(ValueError, match="needs a CUDA device, got 'cpu'"):
             pretrain(tiny_run(tmp_path, compile="reduce-overhead"))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_training_under_cuda_graphs_pins_sdpa(tmp_path, monkeypatch, graphs):
+    # The rule's compiled CUDA band picks the explicit kernel, which loses under CUDA graphs
+    # (--compile reduce-overhead), where nothing pinned SDPA.
+    trainer = _trainer(tmp_path, max_steps=1, grad_accum_steps=2)
+    monkeypatch.setattr(loop, "cuda_graphs", lambda setting: graphs)
+    seen, loss = [], trainer.loss_fn
+
+    def recording(model, batch):
+        seen.append(pinned_kernel())
+        return loss(model, batch)
+
+    trainer.loss_fn = recording
+    trainer._train_step(trainer.model)
+    assert seen == (["sdpa"] * 2 if graphs else [None] * 2)
+    assert pinned_kernel() is None  # only around the steps' forward passes

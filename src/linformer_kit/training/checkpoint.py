@@ -212,3 +212,24 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
         + f"To go on, either start a fresh run in another --output-dir, or remove the corrupt "
         f"checkpoints (rm -r {run_dir / CHECKPOINTS_DIR}) to start again from step 0 in {run_dir}."
     )
+
+
+def check_run_dir(run_dir: str | Path, *, resume: bool) -> None:
+    """Raises ValueError, before any work, for an --output-dir that is a file, or (a fresh
+    run) one holding another run's checkpoints or a `best` / `last` that is not a link."""
+    run_dir = Path(run_dir)
+    hub.check_output_path(run_dir, directory=True, flag="--output-dir")
+    if resume:
+        return
+    if any((run_dir / CHECKPOINTS_DIR).glob("step-*")):
+        raise ValueError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
+            f"or choose another --output-dir"
+        )
+    for name in ("best", "last"):  # a run's are links to its checkpoints
+        path = run_dir / name
+        if path.exists() and not path.is_symlink():
+            raise ValueError(
+                f"{path} is not a run's checkpoint link, and a run would replace it: "
+                f"choose another --output-dir"
+            )

@@ -7,7 +7,10 @@ import gc
 import logging
 import os
 import re
+import resource
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,3 +119,20 @@ def teardown_distributed() -> None:
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far: allocated CUDA memory, or the CPU resident set.
+
+    On Linux the resident peak is VmHWM (reset when a process starts, unlike ru_maxrss,
+    which a spawned child inherits from its parent).
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**10  # kB
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB else

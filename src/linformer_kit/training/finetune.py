@@ -26,9 +26,9 @@ from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
-from .checkpoint import Checkpoint, latest_checkpoint
+from .checkpoint import Checkpoint, check_run_dir, latest_checkpoint
 from .distributed import setup_distributed, teardown_distributed
-from .loop import Trainer, TrainResult, check_run_dir
+from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
 from .settings import RUN_CONFIG_NAME, TrainSettings, save_json
 from .task_distill import DistillationObjective, teacher_logits

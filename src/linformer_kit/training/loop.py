@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import resource
 import sys
 import time
 from collections.abc import Callable
@@ -20,11 +19,17 @@ from tqdm.auto import tqdm
 
 from .. import hub, native
 from ..data.tokenizer import TextTokenizer
+from ..kernel_rule import use_kernel
 from ..models import LinformerPreTrainedModel
 from ..precision import bf16_autocast
 from .batches import mix_seed
-from .checkpoint import CHECKPOINTS_DIR, check_same_model, latest_checkpoint, save_checkpoint
-from .distributed import Distributed
+from .checkpoint import (
+    check_run_dir,
+    check_same_model,
+    latest_checkpoint,
+    save_checkpoint,
+)
+from .distributed import Distributed, peak_memory_mb
 from .metrics_log import MetricsLog
 from .optim import apply_settings, build_optimizer, build_scheduler
 from .settings import (
@@ -59,23 +64,6 @@ class SavedConfig(Protocol):
     def save(self, path: Path) -> None: ...
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process so far: allocated CUDA memory, or the CPU resident set.
-
-    On Linux the resident peak is VmHWM (reset when a process starts, unlike ru_maxrss,
-    which a spawned child inherits from its parent).
-    """
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**10  # kB
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB else
-
-
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during training; `step` is the step reached, `run_dir` holds the checkpoints."""
 
@@ -106,27 +94,6 @@ class TrainResult:
 def _model_loss(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """The loss the model computes itself from the batch (labels included)."""
     return model(**batch).loss
-
-
-def check_run_dir(run_dir: str | Path, *, resume: bool) -> None:
-    """Raises ValueError, before any work, for an --output-dir that is a file, or (a fresh
-    run) one holding another run's checkpoints or a `best` / `last` that is not a link."""
-    run_dir = Path(run_dir)
-    hub.check_output_path(run_dir, directory=True, flag="--output-dir")
-    if resume:
-        return
-    if any((run_dir / CHECKPOINTS_DIR).glob("step-*")):
-        raise ValueError(
-            f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
-            f"or choose another --output-dir"
-        )
-    for name in ("best", "last"):  # a run's are links to its checkpoints
-        path = run_dir / name
-        if path.exists() and not path.is_symlink():
-            raise ValueError(
-                f"{path} is not a run's checkpoint link, and a run would replace it: "
-                f"choose another --output-dir"
-            )
 
 
 class Trainer:
@@ -231,6 +198,13 @@ class Trainer:
             )
         self.dist.barrier()
 
+    def _kernel_pin(self) -> contextlib.AbstractContextManager:
+        """SDPA for the attention under CUDA graphs (`--compile reduce-overhead`): the rule's
+        compiled band takes the explicit kernel, which loses there and which a trace cannot
+        tell apart (`kernel_rule.choose_kernel`); no pin otherwise."""
+        graphs = cuda_graphs(self.settings.compile)
+        return use_kernel("sdpa") if graphs else contextlib.nullcontext()
+
     def _loss_weights(self, batches: list[dict[str, Tensor]]) -> tuple[list[float], float]:
         """Each micro-batch's weight in the step's gradient, and the step's scored count
         over all ranks (nan where the source does not count them). Weighed by the targets
@@ -266,7 +240,7 @@ class Trainer:
             sync = contextlib.nullcontext() if last or not self.dist.enabled else model.no_sync()
             if cuda_graphs(self.settings.compile):
                 torch.compiler.cudagraph_mark_step_begin()  # the last graph's outputs are read
-            with sync, compiled_backward(self.settings.compile):
+            with sync, compiled_backward(self.settings.compile), self._kernel_pin():
                 with self.autocast:
                     loss = self.loss_fn(model, batch)
                 # a micro-batch scoring nothing has a loss of nan (0 / 0) and weighs 0; its

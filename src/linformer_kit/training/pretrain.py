@@ -14,9 +14,9 @@ from ..data.pipeline import DataSettings, PretrainingData, prepare_pretraining_d
 from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
-from .checkpoint import CHECKPOINTS_DIR
+from .checkpoint import CHECKPOINTS_DIR, check_run_dir
 from .distributed import Distributed, setup_distributed, teardown_distributed
-from .loop import Trainer, TrainResult, check_run_dir
+from .loop import Trainer, TrainResult
 from .settings import RunConfig
 
 logger = logging.getLogger(__name__)

@@ -23,8 +23,9 @@ from ..data.tokenizer import TextTokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
 from ..seq2seq_config import Seq2SeqConfig
 from .batches import RowSchedule, language_model_loss
+from .checkpoint import check_run_dir
 from .distributed import resolve_device, setup_distributed, teardown_distributed
-from .loop import Trainer, TrainResult, check_run_dir
+from .loop import Trainer, TrainResult
 from .rouge import rouge_l, words
 from .settings import RunConfig, TrainSettings, _build, use_threads
 
