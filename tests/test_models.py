@@ -1,5 +1,6 @@
 """Whole models: outputs, heads, losses, masks, variants, checkpointing, training, bf16."""
 
+import contextlib
 import json
 
 import pytest
@@ -15,8 +16,10 @@ from linformer_kit import (
     LinformerForSequenceClassification,
     LinformerModel,
     linformer_tiny,
+    native,
 )
 from linformer_kit.embeddings import masked_mean
+from linformer_kit.kernel_rule import pinned_kernel, use_kernel
 
 B, N, VOCAB, DIM, DEPTH = 3, 20, 100, 32, 2
 KINDS = ["exact", "linear", "conv", "pool", "random", "adaptive"]
@@ -294,17 +297,27 @@ def test_variants_run_and_backprop(changes):
 
 
 @pytest.mark.parametrize("checkpointing", ["layer", "attention"])
-def test_activation_checkpointing_matches_plain_training(checkpointing):
+@pytest.mark.parametrize("block", ["none", "sdpa pinned", "kernels off"])
+def test_activation_checkpointing_matches_plain_training(checkpointing, block):
+    # The README's pattern, a pin around the forward and backward after it, failed with
+    # checkpointing: the recomputation ran outside the block, on the other kernel.
     ids, mask = inputs()
     labels = mlm_labels(ids)
+    contexts = {
+        "none": contextlib.nullcontext,
+        "sdpa pinned": lambda: use_kernel("sdpa"),
+        "kernels off": native.kernels_off,
+    }
 
     def loss_and_grads(level, state=None):
         model = LinformerForMaskedLM(tiny(dropout=0.2, attention_dropout=0.2, checkpointing=level))
         if state is not None:
             model.load_state_dict(state)
         torch.manual_seed(0)
-        loss = model(ids, mask, labels=labels).loss
+        with contexts[block]():
+            loss = model(ids, mask, labels=labels).loss
         loss.backward()
+        assert pinned_kernel() is None and not native.switched_off()  # nothing left pinned
         return model.state_dict(), loss, grads(model)
 
     state, loss, expected = loss_and_grads("none")

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from . import native
 from .attention import CausalState, LinformerSelfAttention
 from .config import LinformerConfig
 from .dropout import Dropout, native_ops
+from .kernel_rule import checkpointed
 from .linear_backend import apply_linear, hooked
 from .native import transformed
 from .projection import SequenceProjection, build_sharing_plan
@@ -177,9 +177,7 @@ class LinformerEncoderLayer(nn.Module):
         # (x, key_padding_mask, return_attention) signature.
         extra = {} if state is None else {"state": state}
         if self.checkpoint_attention and self.training and torch.is_grad_enabled():
-            return checkpoint(
-                self.attn, x, key_padding_mask, return_attention, use_reentrant=False, **extra
-            )
+            return checkpointed(self.attn, x, key_padding_mask, return_attention, **extra)
         return self.attn(x, key_padding_mask, return_attention, **extra)
 
     def forward(
@@ -271,9 +269,7 @@ class LinformerEncoder(nn.Module):
         for i, layer in enumerate(self.layers):
             state = states[i] if states is not None else None
             if recompute:
-                x, weights = checkpoint(
-                    layer, x, key_padding_mask, output_attentions, state, use_reentrant=False
-                )
+                x, weights = checkpointed(layer, x, key_padding_mask, output_attentions, state)
             else:
                 x, weights = layer(x, key_padding_mask, output_attentions, state)
             if hidden is not None:

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from . import native, precision
 from .cut_rule import choose_reduction_splits, choose_splits, use_reduction_splits
 
 __all__ = [
-    "KERNELS", "autocast_casts", "autocast_on", "check_kernel", "choose_kernel",
+    "KERNELS", "autocast_casts", "autocast_on", "check_kernel", "checkpointed", "choose_kernel",
     "choose_reduction_splits", "choose_splits", "compute_dtype", "pinned_kernel", "use_kernel",
     "use_reduction_splits",
 ]  # fmt: skip
@@ -50,6 +52,25 @@ def use_kernel(kernel: str | None) -> Iterator[None]:
         yield
     finally:
         _pinned = before
+
+
+def checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)` under activation checkpointing (non-reentrant), its
+    recomputation in backward under the kernel pin (`use_kernel`) and switch
+    (`native.kernels_off`) of the forward, as checkpoint does for autocast: a backward
+    after the block ended ran the other kernel and failed ("a different number of tensors
+    was saved during the original forward and recomputation")."""
+    pin, off = _pinned, native.switched_off()
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:  # entered in backward, around the recomputation
+        with use_kernel(pin), native.kernels_off() if off else contextlib.nullcontext():
+            yield
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return contextlib.nullcontext(), recompute()
+
+    return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
 def check_kernel(kernel: str | None) -> None:

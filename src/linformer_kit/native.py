@@ -198,7 +198,7 @@ def _warn_if_locked(name: str) -> Iterator[None]:
         timer.cancel()
 
 
-def _switched_off() -> bool:
+def switched_off() -> bool:
     """Whether `LINFORMER_KIT_NATIVE=0` switches the kernels off."""
     return os.environ.get(ENV_SWITCH, "1") == "0"
 
@@ -232,7 +232,7 @@ def kernel_gemm() -> str:
     had sent that CPU's attention kernel to oneDNN until 2026-11-28). "blas" while
     `torch.backends.mkldnn.enabled` is False (the kernels' GEMMs then take the BLAS too),
     and where the kernels are switched off or failed to build."""
-    kernels_off = _switched_off() or _loaded.get("ops", True) is None
+    kernels_off = switched_off() or _loaded.get("ops", True) is None
     if kernels_off or not torch.backends.mkldnn.enabled:
         return "blas"
     return _kernel_gemm["applied"] or _wanted_kernel_gemm()
@@ -320,7 +320,7 @@ def cpu_ops() -> object | None:
     apart): a graph traced before any eager call built the kernels uses the PyTorch-ops
     paths, and is traced again, with the kernels, once they are built.
     """
-    if _switched_off():
+    if switched_off():
         return None
     if "ops" not in _loaded:
         if torch.compiler.is_compiling():

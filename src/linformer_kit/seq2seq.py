@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from .attention import CausalState
 from .causal_lm import (
@@ -32,6 +31,7 @@ from .functional import (
     check_seq_len,
     check_token_ids,
 )
+from .kernel_rule import checkpointed
 from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
 from .projection import SequenceProjection, build_sharing_plan
@@ -130,7 +130,7 @@ class LinformerDecoderLayer(LinformerEncoderLayer):
 
     def _run(self, module: nn.Module, *args: object) -> Tensor:
         if self.checkpoint_attention and self.training and torch.is_grad_enabled():
-            return checkpoint(module, *args, use_reentrant=False)
+            return checkpointed(module, *args)
         return module(*args)
 
     def _residual(self, x: Tensor, norm: nn.LayerNorm, sublayer: Callable) -> Tensor:
@@ -231,7 +231,7 @@ class LinformerDecoder(nn.Module):
         )
         for i, layer in enumerate(self.layers):
             args = (x, memory, key_padding_mask, memory_padding_mask, states and states[i])
-            x = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
+            x = checkpointed(layer, *args) if recompute else layer(*args)
         return self.norm(x) if self.norm is not None else x
 
 
