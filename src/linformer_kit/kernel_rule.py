@@ -61,6 +61,10 @@ def checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     after the block ended ran the other kernel and failed ("a different number of tensors
     was saved during the original forward and recomputation")."""
     pin, off = _pinned, native.switched_off()
+    # Under torch.compile the pin is read at trace time and the recomputation is traced with
+    # it (and dynamo takes no nested context_fn); with nothing pinned there is nothing to redo.
+    if torch.compiler.is_compiling() or (pin is None and not off):
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:  # entered in backward, around the recomputation
