@@ -31,6 +31,16 @@ def _alive(pid: int) -> bool:
         return not stat.parent.parent.is_dir()  # no /proc: trust kill(pid, 0)
 
 
+def _kill_both(parent: subprocess.Popen, pid_file: Path) -> None:
+    """Kills a test's parent process and the fresh process whose id it wrote, if alive."""
+    parent.kill()
+    if pid_file.exists() and pid_file.read_text():
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_returns_the_result_and_reraises_the_error_of_the_function():
     assert in_fresh_process(divmod, 17, 5) == (3, 2)
     assert in_fresh_process(os.getpid) != os.getpid()
@@ -77,12 +87,7 @@ def test_the_fresh_process_ends_when_its_parent_is_killed(tmp_path):
             time.sleep(0.1)
         assert not _alive(child), "the fresh process outlived its killed parent"
     finally:
-        parent.kill()
-        if pid_file.exists() and pid_file.read_text():
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_both(parent, pid_file)
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
@@ -122,9 +127,4 @@ def test_an_interrupted_parent_stops_the_fresh_process_and_raises_where_it_stopp
         assert out == f"stopped at step 3 in {tmp_path}\n", err
         assert not _alive(child)
     finally:
-        parent.kill()
-        if pid_file.exists() and pid_file.read_text():
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_both(parent, pid_file)
