@@ -46,17 +46,17 @@ def in_fresh_process(function: Callable[..., T], *args: Any) -> T:
     """`function(*args)` in a new (spawned) process that logs at this process's level and
     ends when this one does, killed or not.
 
+    An interrupt here (Ctrl-C, or SIGTERM where the CLI makes it one) interrupts the fresh
+    process too, and this one waits for it to stop where it is: what it raises then (a
+    training's `TrainingInterrupted`, which names its last checkpoint) is raised here. A
+    second interrupt kills it.
+
     Args:
         function: a picklable callable (a module-level function).
         *args: its picklable arguments.
 
     Returns:
         What `function` returned.
-
-    An interrupt here (Ctrl-C, or SIGTERM where the CLI makes it one) interrupts the fresh
-    process too, and this one waits for it to stop where it is: what it raises then (a
-    training's `TrainingInterrupted`, which names its last checkpoint) is raised here. A
-    second interrupt kills it.
 
     Raises:
         concurrent.futures.process.BrokenProcessPool: if the process died without a result
