@@ -60,7 +60,7 @@ def forward_backward(encoder, run, x, mask):
     encoder.zero_grad()
     x = x.clone().requires_grad_()
     out = run(x, mask)[0]
-    (out * torch.linspace(-1.0, 1.0, DIM)).sum().backward()
+    (out * torch.linspace(-1.0, 1.0, DIM, device=out.device)).sum().backward()
     params = {n: p.grad.clone() for n, p in encoder.named_parameters()}
     return out.detach(), x.grad, params
 
