@@ -177,13 +177,19 @@ def test_a_classifier_predicting_one_class_gets_a_warning_naming_likely_causes(
     assert re.fullmatch(expected, warning)
 
 
+@pytest.mark.parametrize("suffix", ["jsonl", "csv"])
 def test_evaluating_a_base_model_on_labelled_data_says_it_is_not_a_classifier(
-    pretrained, data, caplog, capsys
+    pretrained, data, caplog, capsys, suffix
 ):
-    main(["evaluate", str(pretrained), "--data", str(data[1])])
+    labelled = data[1]
+    if suffix == "csv":  # the CSV's labels went unnoticed
+        labelled = labelled.with_suffix(".csv")
+        rows = [json.loads(line) for line in data[1].read_text().splitlines()]
+        labelled.write_text("text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
+    main(["evaluate", str(pretrained), "--data", str(labelled)])
     assert warnings(caplog) == [
         f"{pretrained} is not a classifier (LinformerForMaskedLM, no classification head): the "
-        f"labels in {data[1]} are ignored and its texts scored for masked-LM perplexity. For "
+        f"labels in {labelled} are ignored and its texts scored for masked-LM perplexity. For "
         f"accuracy and F1, fine-tune it first: linformer finetune --init {pretrained} "
         "--data ... --eval ..."
     ]

@@ -50,7 +50,7 @@ def test_csv_documents_come_from_the_text_column(tmp_path):
     path.write_text('label,body\npos,"one, with a comma"\n\nneg,"two\nlines"\n')
     docs = list(iter_documents([str(path)], text_field="body"))
     assert [d.text for d in docs] == ["one, with a comma", "two\nlines"]
-    assert docs[1].source == f"{path}:5"  # the line where the row ends
+    assert docs[1].source == f"{path}:4"  # the line where the row starts
     with pytest.raises(ValueError, match=rf"{path}:1: the header has no column 'text' "):
         list(iter_documents([str(path)]))
 

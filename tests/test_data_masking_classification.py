@@ -174,10 +174,38 @@ def test_csv_with_a_header_reads_ids_or_names(tmp_path, tok):
     assert data.labels == [1, 0] and data.label2id == {"neg": 0, "pos": 1}
 
 
+def test_a_csv_row_s_line_is_where_it_starts_and_a_long_cell_is_read_whole(tmp_path, tok):
+    # Rows were numbered by their last line, and csv refused a cell over 131,072 characters
+    # as "not valid CSV": a long document's text is one cell.
+    path = tmp_path / "d.CSV"  # the suffix in any case
+    long = "word " * 40_000
+    path.write_text(f'text,label\n"two\nlines",1\n{long},0\n"three\n\nlines",1\n')
+    data = load_classification(path, tok, max_seq_len=16)
+    assert data.lines == [2, 4, 5] and data.labels == [1, 0, 1]
+    assert data.full_lengths[1] > 40_000
+    path.write_text('text,label\n"a\nb",\n')
+    with pytest.raises(ValueError, match=r"d.CSV:2: the 'label' cell is empty"):
+        load_classification(path, tok, max_seq_len=16)
+
+
+def test_csv_whole_number_labels_map_through_a_model_s_names(tmp_path, tok):
+    # Names "0" / "1" (from JSONL strings): a CSV's 0 / 1 are those names, not ids.
+    path = tmp_path / "eval.csv"
+    path.write_text("text,label\na,1\nb,0\n")
+    data = load_classification(path, tok, max_seq_len=16, label2id={"0": 0, "1": 1})
+    assert data.labels == [1, 0] and data.label2id == {"0": 0, "1": 1}
+    with pytest.raises(ValueError, match=r"eval.csv:2: unknown label '1'; known labels: neg, pos"):
+        load_classification(path, tok, max_seq_len=16, label2id={"neg": 0, "pos": 1})
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
         ("body,label\nx,1\n", r"d.csv:1: the header has no column 'text' \(columns: body, label\)"),
+        ("text,label,text\nx,1,y\n", r"d.csv:1: the header names column 'text' twice"),
+        # One label not a whole number made every label a class name (3 classes here).
+        ("text,label\nx,0\ny,1\nz,1.0\n", r"d.csv:4: 'label' must be a whole number like the la"),
+        ('text,label\nx,1\n"y\n', r"d.csv:3: 1 cells, the header has 2"),  # an open quote
         ("text,label\nx,1\ny\n", r"d.csv:3: 1 cells, the header has 2"),
         ("text,label\n", r"d.csv: no examples"),
         ("", r"d.csv: file is empty"),

@@ -236,6 +236,10 @@ def test_text_from_a_headerless_csv_and_a_train_test_layout(tmp_path):
     (tmp_path / "reviews.csv").write_text("\ufeff" + "\n".join(rows * 10))
     task = load_text(tmp_path / "reviews.csv", cache_dir=tmp_path / "cache")
     assert task.params["classes"] == ["-1", "1"] and task.num_labels == 2
+    # A review over csv's default cell limit (131,072 characters) was "not valid CSV".
+    (tmp_path / "long.csv").write_text("\n".join(rows * 10 + [f"1,{'x' * 200_000}"]))
+    long = load_text(tmp_path / "long.csv", cache_dir=tmp_path / "cache")
+    assert len(long.train) + len(long.val) + len(long.test) == 21
     _write_reviews(tmp_path / "imdb" / "train")
     _write_reviews(tmp_path / "imdb" / "test", per_class=3)
     split = load_text(tmp_path / "imdb", cache_dir=tmp_path / "cache")
@@ -340,7 +344,7 @@ def test_text_csv_mistakes_are_named(tmp_path):
         load_text(headed, cache_dir=cache)
     latin = tmp_path / "latin.csv"  # bytes were replaced by U+FFFD without a word
     latin.write_bytes(b"0,caf\xe9\n1,good\n" * 5)
-    with pytest.raises(ValueError, match=r"latin.csv: not UTF-8 text \(invalid continuation"):
+    with pytest.raises(ValueError, match=r"latin.csv:1: not valid UTF-8 \(byte 0xe9 at offset 5"):
         load_text(latin, cache_dir=cache)
     (tmp_path / "mixed.csv").write_text("text,label,source\n" + "a,0,x\nb,1,x\n" * 5)
     with pytest.raises(ValueError, match=r"where must be COLUMN=VALUE, got 'source'"):

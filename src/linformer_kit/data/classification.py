@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..config import TRUNCATIONS, check_choice
-from .corpus import CSV_SUFFIX, iter_csv, iter_jsonl, jsonl_field
+from .corpus import is_csv, iter_csv, iter_jsonl, jsonl_field
 from .tokenizer import TextTokenizer
 
 # A CSV label that reads as a whole number (signed: a -1 is then refused as an id at its own
@@ -143,8 +143,8 @@ def read_labelled(
     path: str | Path, *, text_field: str = "text", label_field: str = "label"
 ) -> tuple[list[str], list[int] | list[str], list[int]]:
     """Reads (texts, labels, line numbers) from a JSONL or CSV file. Labels are all ids
-    (integers >= 0) or all names (strings); in a CSV file, a label column of whole numbers
-    holds ids.
+    (integers >= 0) or all names (strings); in a CSV file, whose cells have no type, labels
+    are ids when the first is a whole number.
 
     Raises:
         ValueError: naming the file and line, for an empty file, bad UTF-8, JSON or CSV, a
@@ -154,7 +154,7 @@ def read_labelled(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no data file {path}")
-    if path.suffix == CSV_SUFFIX:
+    if is_csv(path):
         records = iter_csv(path, (text_field, label_field))
     else:
         example = f'{{"{text_field}": "a fine film", "{label_field}": "positive"}}'
@@ -166,7 +166,7 @@ def read_labelled(
         if not isinstance(text, str):
             raise ValueError(f"{path}:{number}: {text_field!r} must be a string, got {text!r}")
         label = jsonl_field(path, number, record, label_field)
-        if path.suffix == CSV_SUFFIX:  # a CSV's cells are text: " 1" is the id 1, "" no label
+        if is_csv(path):  # a CSV's cells are text: " 1" is the id 1, "" no label
             label = label.strip()
             if not label:
                 raise ValueError(f"{path}:{number}: the {label_field!r} cell is empty")
@@ -175,8 +175,15 @@ def read_labelled(
         lines.append(number)
     if not labels:
         raise ValueError(f"{path}: no examples")
-    if path.suffix == CSV_SUFFIX and all(WHOLE_NUMBER.fullmatch(label) for label in labels):
-        labels = [int(label) for label in labels]  # CSV has no types: whole numbers are ids
+    if is_csv(path) and WHOLE_NUMBER.fullmatch(labels[0]):  # CSV has no types
+        for label, number in zip(labels, lines):
+            if not WHOLE_NUMBER.fullmatch(label):
+                raise ValueError(
+                    f"{path}:{number}: {label_field!r} must be a whole number like the label "
+                    f"on line {lines[0]}, got {label!r} (a file's labels are all ids or all "
+                    "names)"
+                )
+        labels = [int(label) for label in labels]
     kinds = [_kind(label) for label in labels]
     for label, kind, number in zip(labels, kinds, lines):
         if kind is None:
@@ -214,8 +221,11 @@ def _label_ids(
 
     Raises:
         ValueError: naming the file, line and the known labels, for a name the mapping lacks,
-            or for ids given to a model whose labels are names.
+            or for ids given to a model whose labels are names (a CSV's whole numbers are
+            looked up as names there).
     """
+    if label2id and is_csv(path) and not isinstance(labels[0], str):
+        labels = [str(label) for label in labels]  # whole numbers may name classes: "0", "1"
     if not isinstance(labels[0], str):
         if label2id:
             raise ValueError(

@@ -27,6 +27,16 @@ CSV_SUFFIX = ".csv"
 JSONL_EXAMPLE = 'JSONL, one object per line such as {"text": "a document"}'
 
 
+def is_csv(path: Path) -> bool:
+    """Whether `path` names a CSV file (`.csv`, in any case)."""
+    return path.suffix.lower() == CSV_SUFFIX
+
+
+def is_jsonl(path: Path) -> bool:
+    """Whether `path` names a JSONL file (`.jsonl` or `.ndjson`, in any case)."""
+    return path.suffix.lower() in JSONL_SUFFIXES
+
+
 @dataclass(frozen=True)
 class Document:
     """One training document and where it came from (`path` or `path:line`)."""
@@ -112,37 +122,58 @@ def jsonl_field(path: Path, number: int, record: dict, field: str) -> object:
     return record[field]
 
 
-def iter_csv(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
-    """Yields (line number, {column: cell}) for each non-blank row of a CSV file whose
-    header row names `columns` (and maybe others).
+def csv_rows(path: Path, text: str) -> Iterator[tuple[int, list[str]]]:
+    """Yields (the line it starts on, its cells) for each row of `text`, the CSV file `path`
+    holds; a blank line is a row of no cells. A cell may be as long as the file (the csv
+    module's process-wide limit, 128 Ki characters by default, holds only while no row is
+    read here): a long document's whole text is one cell.
 
     Raises:
-        ValueError: naming the file and line, for a missing column, a row of the wrong
-            width or malformed CSV (and as `read_text`).
+        ValueError: naming the file and line, for malformed CSV.
     """
-    reader = csv.reader(io.StringIO(read_text(path), newline=""))
-    try:
-        header = next(reader)
-        for column in columns:
-            if column not in header:
-                raise ValueError(
-                    f"{path}:1: the header has no column {column!r} (columns: {', '.join(header)})"
-                )
-        for row in reader:
-            if not any(cell.strip() for cell in row):
-                continue
-            if len(row) != len(header):
-                raise ValueError(
-                    f"{path}:{reader.line_num}: {len(row)} cells, the header has {len(header)}"
-                )
-            yield reader.line_num, dict(zip(header, row))
-    except csv.Error as err:
-        raise ValueError(f"{path}:{reader.line_num}: not valid CSV ({err})") from err
+    reader = csv.reader(io.StringIO(text, newline=""))
+    while True:
+        start = reader.line_num + 1
+        limit = csv.field_size_limit(max(csv.field_size_limit(), len(text)))
+        try:
+            row = next(reader, None)
+        except csv.Error as err:
+            raise ValueError(f"{path}:{start}: not valid CSV ({err})") from err
+        finally:
+            csv.field_size_limit(limit)
+        if row is None:
+            return
+        yield start, row
+
+
+def iter_csv(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """Yields (the line it starts on, {column: cell}) for each non-blank row of a CSV file
+    whose header row names `columns` (and maybe others).
+
+    Raises:
+        ValueError: naming the file and line, for a missing or repeated column of
+            `columns`, a row of the wrong width or malformed CSV (and as `read_text`).
+    """
+    rows = csv_rows(path, read_text(path))
+    _, header = next(rows, (1, []))
+    for column in columns:
+        if column not in header:
+            raise ValueError(
+                f"{path}:1: the header has no column {column!r} (columns: {', '.join(header)})"
+            )
+        if header.count(column) > 1:
+            raise ValueError(f"{path}:1: the header names column {column!r} twice")
+    for number, row in rows:
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != len(header):
+            raise ValueError(f"{path}:{number}: {len(row)} cells, the header has {len(header)}")
+        yield number, dict(zip(header, row))
 
 
 def _record_documents(path: Path, text_field: str) -> Iterator[Document]:
     """The `text_field` of each JSONL record or CSV row, one document each."""
-    records = iter_csv(path, (text_field,)) if path.suffix == CSV_SUFFIX else iter_jsonl(path)
+    records = iter_csv(path, (text_field,)) if is_csv(path) else iter_jsonl(path)
     for number, record in records:
         text = jsonl_field(path, number, record, text_field)
         if not isinstance(text, str):
@@ -210,7 +241,7 @@ def list_files(spec: str, glob: str) -> list[Path]:
 
 
 def _file_documents(path: Path, text_field: str) -> Iterator[Document]:
-    if path.suffix in (*JSONL_SUFFIXES, CSV_SUFFIX):
+    if is_csv(path) or is_jsonl(path):
         return _record_documents(path, text_field)
     return iter([Document(str(path), read_text(path))])
 

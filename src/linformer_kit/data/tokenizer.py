@@ -124,8 +124,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> TextTokenizer:
 
     Args:
         texts: the training texts.
-        vocab_size: size of the vocabulary, special tokens included; at least 260
-            (the 256 bytes plus the special tokens).
+        vocab_size: size of the vocabulary, special tokens included; at least 261
+            (the 256 bytes plus the 5 special tokens).
 
     Raises:
         ValueError: if vocab_size is too small.

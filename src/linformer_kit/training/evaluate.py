@@ -17,7 +17,7 @@ from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig, check_fraction
 from ..data.cache import PackedBlocks
 from ..data.classification import ClassificationData, load_classification
-from ..data.corpus import JSONL_SUFFIXES, iter_documents, iter_jsonl
+from ..data.corpus import is_csv, is_jsonl, iter_csv, iter_documents, iter_jsonl
 from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification
@@ -80,12 +80,13 @@ def _text_blocks(
 
 
 def _labelled(spec: str, label_field: str) -> bool:
-    """Whether `spec` is a JSONL file whose first record has a label."""
+    """Whether `spec` is a JSONL or CSV file whose first record has a label."""
     path = Path(spec)
-    if path.suffix not in JSONL_SUFFIXES or not path.is_file():
+    if not (is_jsonl(path) or is_csv(path)) or not path.is_file():
         return False
+    records = iter_csv(path, ()) if is_csv(path) else iter_jsonl(path)
     try:
-        _, record = next(iter_jsonl(path))
+        _, record = next(records)
     except (ValueError, StopIteration):  # malformed: the text reader will say where
         return False
     return label_field in record

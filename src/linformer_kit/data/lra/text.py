@@ -18,14 +18,14 @@ split by a fixed permutation into train / validation / test (80 / 10 / 10).
 
 from __future__ import annotations
 
-import csv
 import hashlib
+import itertools
 import logging
 from pathlib import Path
 
 import numpy as np
 
-from ..corpus import iter_csv
+from ..corpus import csv_rows, iter_csv, read_text
 from .common import LRASplit, LRATask, cached_task, check_range
 
 logger = logging.getLogger(__name__)
@@ -70,27 +70,23 @@ def _headed_csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
 
 
 def _csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
-    with open(path, encoding="utf-8-sig", errors="replace", newline="") as handle:
-        first = next(csv.reader(handle), [])
-    if {"text", "label"} <= set(first):
+    rows = csv_rows(path, read_text(path))  # bytes are never altered silently
+    first = next(rows, (1, []))
+    if {"text", "label"} <= set(first[1]):
         return _headed_csv(path, where)
     if where:
         raise ValueError(
             f"{path}: selecting rows by {where!r} needs a header row naming the columns "
-            f"(text, label, ...); the first row is {first[:3]}"
+            f"(text, label, ...); the first row is {first[1][:3]}"
         )
     texts, labels = [], []
-    try:
-        with open(path, encoding="utf-8-sig", newline="") as handle:
-            for number, row in enumerate(csv.reader(handle), 1):
-                if not row:
-                    continue
-                if len(row) < 2:
-                    raise ValueError(f"{path}:{number}: expected label,text; got {len(row)} cell")
-                labels.append(row[0].strip())
-                texts.append(",".join(row[1:]).encode())
-    except UnicodeDecodeError as error:  # as a headed CSV: bytes are never altered silently
-        raise ValueError(f"{path}: not UTF-8 text ({error.reason}); save it as UTF-8") from None
+    for number, row in itertools.chain([first], rows):
+        if not row:
+            continue
+        if len(row) < 2:
+            raise ValueError(f"{path}:{number}: expected label,text; got {len(row)} cell")
+        labels.append(row[0].strip())
+        texts.append(",".join(row[1:]).encode())
     if labels and labels.count(labels[0]) == 1 and len(labels) > 2:
         raise ValueError(
             f"{path}: the first row's label {labels[0]!r} appears on no other row: if that row "
