@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -359,9 +360,13 @@ def test_directory_without_manifest_loads_and_only_a_required_one_fails(mlm_dir)
         verify_manifest(path, required=True)
 
 
-def test_a_save_interrupted_between_its_two_files_is_refused_not_mixed(tmp_path, monkeypatch):
+def test_a_save_interrupted_between_its_two_files_loads_whole_under_the_weights_config(
+    tmp_path, monkeypatch, caplog
+):
     # The new weights beside the old config.json (a kill between the two renames) loaded
-    # silently when the shapes agreed: a relu model's weights run as gelu.
+    # silently when the shapes agreed (a relu model's weights run as gelu); then they were
+    # refused: the previous model was lost. The weights carry their config: the new model
+    # loads whole.
     LinformerForMaskedLM(tiny(activation="gelu")).save_pretrained(tmp_path)
     written = hub.atomic_write
 
@@ -371,14 +376,20 @@ def test_a_save_interrupted_between_its_two_files_is_refused_not_mixed(tmp_path,
         written(path, write)
 
     monkeypatch.setattr(hub, "atomic_write", killed_before_the_config)
+    new = perturbed(LinformerForMaskedLM(tiny(activation="relu")))
     with pytest.raises(KeyboardInterrupt):
-        LinformerForMaskedLM(tiny(activation="relu")).save_pretrained(tmp_path)
+        new.save_pretrained(tmp_path)
     monkeypatch.undo()
-    message = "were written by different saves .*interrupted between them.*: save the model again"
-    with pytest.raises(ValueError, match=message):
-        LinformerForMaskedLM.from_pretrained(tmp_path)
-    # a config.json edited by hand (another dropout) keeps its save's id and loads; one
-    # copied from another save does not; files saved before the id existed load as before
+    assert json.loads((tmp_path / CONFIG_NAME).read_text())["config"]["activation"] == "gelu"
+    loaded = LinformerForMaskedLM.from_pretrained(tmp_path)
+    assert loaded.config.activation == "relu"
+    state_equal(loaded, new)
+    assert "(a save interrupted between the two files): using the config saved in the weights" in (
+        caplog.text
+    )
+    # a config.json edited by hand (another dropout) keeps its save's id and loads; files
+    # saved before the id existed load as before; weights with an id but no config (saved
+    # before the config went into them) beside another save's config.json are refused
     other = tmp_path / "other"
     LinformerForMaskedLM(tiny(activation="relu")).save_pretrained(other)
     meta = json.loads((other / CONFIG_NAME).read_text())
@@ -386,13 +397,31 @@ def test_a_save_interrupted_between_its_two_files_is_refused_not_mixed(tmp_path,
         json.dumps({**meta, "config": {**meta["config"], "dropout": 0.3}})
     )
     assert LinformerForMaskedLM.from_pretrained(other).config.dropout == 0.3
-    (tmp_path / CONFIG_NAME).write_text((other / CONFIG_NAME).read_text())
-    with pytest.raises(ValueError, match="different saves"):
-        LinformerForMaskedLM.from_pretrained(tmp_path)
+    tensors = hub.read_weights(other)
+    save_file(tensors, other / WEIGHTS_NAME, {"format": "pt", hub.SAVE_ID: "an older save"})
+    with pytest.raises(ValueError, match="were written by different saves .*: save the model"):
+        LinformerForMaskedLM.from_pretrained(other)
     del meta[hub.SAVE_ID]
     (other / CONFIG_NAME).write_text(json.dumps(meta))
-    save_file(hub.read_weights(other), other / WEIGHTS_NAME, {"format": "pt"})  # no ids
+    save_file(tensors, other / WEIGHTS_NAME, {"format": "pt"})  # no ids
     assert LinformerForMaskedLM.from_pretrained(other).config.activation == "relu"
+
+
+def test_a_save_killed_mid_write_leaves_a_folder_the_next_save_removes(tmp_path):
+    # A killed save left its temporary weights (in full) beside the model, for good.
+    model = LinformerForMaskedLM(tiny())
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = tmp_path / f".{WEIGHTS_NAME}.{gone.stdout.strip()}.x1y2.tmp"
+    alive = tmp_path / f".{WEIGHTS_NAME}.{os.getppid()}.x3y4.tmp"  # another save, running
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / ".tmpA1b2C3").write_bytes(b"half of the weights")
+    model.save_pretrained(tmp_path)
+    assert not dead.exists() and alive.exists()
+    state_equal(LinformerForMaskedLM.from_pretrained(tmp_path), model)
 
 
 def test_from_pretrained_keeps_a_float64_model_float64_when_asked(tmp_path):

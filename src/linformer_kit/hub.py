@@ -1,11 +1,12 @@
 """Save and load models as `config.json` + `model.safetensors` (never pickle).
 
 Shared tensors (a `layerwise` projection used by every layer) are written once; on load
-every alias of a shared tensor is filled from that one entry. Files are written to a
-temporary name and renamed, so an interrupted save never leaves a half-written file; both
-carry one random `save_id` (config.json's field, the weights' metadata), so a save
-interrupted between the two renames (the new weights beside the old config) is refused on
-load rather than run under the other config.
+every alias of a shared tensor is filled from that one entry. Files are written in a
+temporary folder and renamed, so an interrupted save never leaves a half-written file (and
+the next save removes what a killed one left); both carry one random `save_id`
+(config.json's field, the weights' metadata), and the weights their config too, so a save
+interrupted between the two renames (the new weights beside the old config) loads the new
+model whole, under the config saved in its weights.
 
 A directory may carry a `manifest.json` (size and SHA-256 of its files; training
 checkpoints do): loading such a directory checks it first, so a truncated or altered file
@@ -19,6 +20,8 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -69,17 +72,40 @@ def umask_mode(mode: int) -> int:
 
 
 def atomic_write(path: Path, write: Any) -> None:
-    """Calls `write(tmp_path)` then renames tmp_path to `path`, so readers see old or new."""
+    """Calls `write(tmp_path)` then renames tmp_path to `path`, so readers see old or new.
+
+    tmp_path lies in a private folder beside `path`, where a writer's own temporary file
+    (safetensors makes one) lands too; the folder is removed after, and one that a killed
+    process left is removed by the next write of `path`.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    _remove_leftovers(path)
+    prefix = f".{path.name}.{os.getpid()}."
+    folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".tmp"))
     try:
-        write(tmp)
-        os.chmod(tmp, umask_mode(0o666))  # mkstemp made it private (0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write(folder / path.name)
+        os.chmod(folder / path.name, umask_mode(0o666))  # not a private temporary's 0o600
+        os.replace(folder / path.name, path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Removes the temporary folders of `atomic_write`s of `path` whose process is gone
+    (killed mid-write: a model's weights in full, each). Not on Windows, whose os.kill ends
+    the process it probes."""
+    if sys.platform == "win32":
+        return
+    for folder in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = folder.name[len(path.name) + 2 :].split(".")[0]
+        if not pid.isdigit() or not folder.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # another user's, alive
+            continue
 
 
 def sha256(file: Path) -> str:
@@ -220,14 +246,18 @@ def save_pretrained(
     }
     # a manifest there described the files this save replaces: left, it would refuse them
     (path / MANIFEST_NAME).unlink(missing_ok=True)
-    metadata = {"format": "pt", SAVE_ID: save_id}
-    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata))
     text = json.dumps(meta, indent=2) + "\n"
+    # The weights carry their config too: a save killed between the two renames leaves
+    # the new weights beside the old config.json, and `read_config` then takes theirs.
+    metadata = {"format": "pt", SAVE_ID: save_id, CONFIG_NAME: text}
+    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata))
     atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """Reads a saved model's `config.json`.
+    """Reads a saved model's `config.json`, or, where that names another save than the
+    weights beside it (a save interrupted between its two files), the config the weights
+    carry, with a warning.
 
     Returns:
         A dict with `architecture`, `config` (a LinformerConfig, or a Seq2SeqConfig) and
@@ -252,6 +282,14 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
                 f"not a linformer-kit one: convert it first (linformer convert --from "
                 f"{Path(path)} --out DIR)"
             )
+        saved_with = _weights_metadata(Path(path))
+        if CONFIG_NAME in saved_with and _other_save(meta, saved_with):
+            logger.warning(
+                "%s is not the config %s was saved with (a save interrupted between the "
+                "two files): using the config saved in the weights",
+                file, Path(path) / WEIGHTS_NAME,
+            )  # fmt: skip
+            meta = json.loads(saved_with[CONFIG_NAME])
         config = config_from_dict(meta["config"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{file} is corrupt or not a linformer-kit config: {err}") from err
@@ -260,6 +298,22 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         "config": config,
         "model_kwargs": meta.get("model_kwargs", {}),
     }
+
+
+def _other_save(config: Any, metadata: dict[str, str]) -> bool:
+    """Whether a config.json's contents and its weights' metadata name different saves."""
+    ids = config.get(SAVE_ID) if isinstance(config, dict) else None, metadata.get(SAVE_ID)
+    return None not in ids and ids[0] != ids[1]
+
+
+def _weights_metadata(path: Path) -> dict[str, str]:
+    """The metadata in the header of `path`'s weights ({} without a readable file:
+    `read_weights` names what is wrong)."""
+    try:
+        with safe_open(path / WEIGHTS_NAME, "pt") as handle:
+            return handle.metadata() or {}
+    except (SafetensorError, OSError):
+        return {}
 
 
 def read_encoder_config(path: str | os.PathLike, seq2seq_advice: str) -> dict[str, Any]:
@@ -282,24 +336,25 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     Raises:
         FileNotFoundError: if the file is missing.
         ValueError: if it is truncated or not a safetensors file, or the directory's
-            config.json was written by another save (`SAVE_ID`).
+            config.json was written by another save (`SAVE_ID`) and the weights, saved
+            before their config went into them, carry none.
     """
     file = Path(path) / WEIGHTS_NAME
     if not file.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {Path(path)}")
     try:
         with safe_open(file, "pt") as handle:  # the header once: metadata and tensors
-            saved_with = (handle.metadata() or {}).get(SAVE_ID)
+            metadata = handle.metadata() or {}
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{file} is corrupt or truncated: {err}") from err
     config = Path(path) / CONFIG_NAME
-    if saved_with is not None and config.is_file():
+    if CONFIG_NAME not in metadata and config.is_file():
         try:
-            config_id = json.loads(config.read_text()).get(SAVE_ID, saved_with)
+            config_meta = json.loads(config.read_text())
         except json.JSONDecodeError:
-            config_id = saved_with  # `read_config` names a corrupt config
-        if config_id != saved_with:
+            config_meta = {}  # `read_config` names a corrupt config
+        if _other_save(config_meta, metadata):
             raise ValueError(
                 f"{config} and {file} were written by different saves (a save_pretrained "
                 f"interrupted between them, or a config copied from another model): save "
