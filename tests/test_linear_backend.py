@@ -96,6 +96,30 @@ def test_without_gradients_onednn_linear_runs_onednns_matmul(with_bias, no_grad,
     torch.testing.assert_close(wide, F.linear(columns, rows_weight), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "bias",
+    [
+        lambda: torch.randn(80)[::2],  # strided: the matmul read every other 40 wrong
+        lambda: torch.tensor([0.5]).expand(40),  # expanded: it read past the storage
+        lambda: torch.tensor(0.75),  # 0-d: dropped
+        lambda: torch.randn(1),  # (1,) and (1, 40): oneDNN could not make a primitive
+        lambda: torch.randn(1, 40),
+    ],
+    ids=["strided", "expanded", "0-d", "(1,)", "(1, out)"],
+)
+@pytest.mark.parametrize("grad", [False, True])
+def test_any_bias_f_linear_takes_gives_its_result(bias, grad, two_threads):
+    x, weight, bias = torch.randn(300, 24), torch.randn(40, 24, requires_grad=grad), bias()
+    wanted = F.linear(x.double(), weight.double(), bias.double())
+    with torch.set_grad_enabled(grad):
+        got = onednn_linear(x, weight, bias)
+        with use_linear_backend("onednn"):
+            pinned = linear(x, weight, bias)
+    assert choose_linear_backend(x, weight, bias) == "blas"
+    for out in (got, pinned):
+        torch.testing.assert_close(out.double(), wanted, atol=1e-4, rtol=1e-4)
+
+
 def test_onednn_linear_takes_non_contiguous_input_and_weight():
     x = torch.randn(6, 300, 8).transpose(0, 1)  # (300, 6, 8), not contiguous
     weight = torch.randn(8, 5).t()  # (5, 8), not contiguous

@@ -115,7 +115,7 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
     Args:
         x: the input, (..., in_features).
         weight: (out_features, in_features).
-        bias: (out_features,) or None.
+        bias: (out_features,) or None (any other, F.linear's broadcast, is "blas").
 
     Returns:
         "blas" or "onednn".
@@ -125,6 +125,7 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
         and x.dim() > 0
         and x.numel() > 0
         and weight.dim() == 2
+        and _dense_bias(weight, bias)
         and torch.backends.mkldnn.enabled
     ):
         return "blas"
@@ -142,6 +143,14 @@ def choose_linear_backend(x: Tensor, weight: Tensor, bias: Tensor | None = None)
     rows = _rows(x)
     big = rows >= ONEDNN_MIN_ROWS and rows * weight.numel() >= ONEDNN_MIN_MACS
     return "onednn" if big and min(weight.shape) >= ONEDNN_MIN_WIDTH else "blas"
+
+
+def _dense_bias(weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether `bias` is None or the dense (out_features,) vector oneDNN's matmul reads (not a
+    0-d, (1,) or (1, out) one F.linear broadcasts, nor a strided or expanded view)."""
+    return bias is None or (
+        bias.dim() == 1 and bias.shape[0] == weight.shape[0] and bias.is_contiguous()
+    )
 
 
 def _plain_float32_cpu(*tensors: Tensor) -> bool:
@@ -200,8 +209,8 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     (`_pointwise_conv_backward`: the bias's gradient a sum). Under torch.compile, one graph
     node (`linformer_kit::onednn_linear`, with its backward: in the same form, picked when it
     runs)."""
-    if x.numel() == 0 or x.shape[-1] != weight.shape[-1]:
-        return F.linear(x, weight, bias)  # F.linear's empty result, or its error
+    if x.numel() == 0 or x.shape[-1] != weight.shape[-1] or not _dense_bias(weight, bias):
+        return F.linear(x, weight, bias)  # its empty result, its error, or its broadcast
     if torch.compiler.is_compiling():
         return torch.ops.linformer_kit.onednn_linear(x, weight, bias)
     in_transform = transformed(x, weight, bias)
