@@ -308,6 +308,13 @@ def test_the_functional_core_refuses_inconsistent_projections_and_blocks():
         causal_attention(q, q, q, e16, e8)  # F has rows for 8 positions only
     with pytest.raises(ValueError, match=r"same k: got 3 and 2"):
         causal_attention(q, q, q, e16, e16[:, :2])
+    # a per-head projection of other heads was re-read as 2 heads of another k
+    for heads in (3, 1):
+        per_head = torch.randn(heads, 16, 3, dtype=torch.float64)
+        with pytest.raises(
+            ValueError, match=rf"shape \({heads}, 16, 3\) needs {heads} heads, got 2"
+        ):
+            causal_attention(q, q, q, per_head, block_size=4)
     for block_size in (0, -1):
         with pytest.raises(
             ValueError, match=rf"block_size must be an integer >= 1, got {block_size}"
@@ -378,6 +385,11 @@ def test_misuse_is_refused_with_a_clear_error():
     bidirectional = LinformerModel(tiny(causal=False))
     with pytest.raises(ValueError, match="a generation state needs causal attention"):
         bidirectional(torch.zeros(1, 5, dtype=torch.long), states=[CausalState(), CausalState()])
+    causal = LinformerModel(tiny()).eval()  # a state of 2 rows continued with 3 (torch.cat's error)
+    states = [CausalState(), CausalState()]
+    causal(torch.zeros(2, 5, dtype=torch.long), states=states)
+    with pytest.raises(ValueError, match="the generation state holds a batch of 2, the input 3"):
+        causal(torch.zeros(3, 1, dtype=torch.long), states=states)
 
 
 @pytest.mark.parametrize("checkpointing", ["layer", "attention"])

@@ -226,6 +226,11 @@ class LinformerSelfAttention(nn.Module):
                 self._start(state, k, v)
             return out
         check_seq_len(state.length + seq_len, self.max_seq_len)
+        if state.keys.shape[0] != batch:  # (B, H, T, D), set by the first chunk
+            raise ValueError(
+                f"the generation state holds a batch of {state.keys.shape[0]}, the input {batch}: "
+                "continue a state with the rows it started with"
+            )
         steps = [
             self._step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], dropout_p)
             for t in range(seq_len)

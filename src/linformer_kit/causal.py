@@ -178,7 +178,8 @@ def causal_attention(
 
     Raises:
         ValueError: if N exceeds max_seq_len, the mask has the wrong shape or dtype, the
-            projections give different k, proj_v comes without proj_k, or block_size < 1.
+            projections give different k or a per-head one other heads, proj_v comes
+            without proj_k, or block_size < 1.
     """
     batch, _, seq_len, _ = q.shape
     check_key_padding_mask(key_padding_mask, batch, seq_len)
@@ -187,7 +188,7 @@ def causal_attention(
     if proj_k is not None:
         check_positive("block_size", block_size)
         proj_v = proj_k if proj_v is None else proj_v
-        check_projections(proj_k, proj_v)
+        check_projections(proj_k, proj_v, heads=q.shape[1])
         check_seq_len(seq_len, min(proj_k.shape[-2], proj_v.shape[-2]))
     index = None
     if key_padding_mask is not None:

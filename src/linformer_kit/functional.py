@@ -100,12 +100,25 @@ def gather_positions(x: Tensor, order: Tensor, dim: int = 1) -> Tensor:
     return x.gather(dim, order.view(shape).expand_as(x))
 
 
-def check_projections(proj_k: Tensor, proj_v: Tensor) -> None:
-    """Raises ValueError unless the key and value projections give the same k rows."""
+def check_projections(proj_k: Tensor, proj_v: Tensor, heads: int | None = None) -> None:
+    """Raises ValueError unless the key and value projections give the same k rows (and,
+    given `heads`, a per-head one has as many heads)."""
     if proj_k.shape[-1] != proj_v.shape[-1]:
         raise ValueError(
             f"proj_k and proj_v must project to the same k: got {proj_k.shape[-1]} and "
             f"{proj_v.shape[-1]} (shapes {tuple(proj_k.shape)} and {tuple(proj_v.shape)})"
+        )
+    if heads is not None:
+        check_heads(proj_k, heads)
+        check_heads(proj_v, heads)
+
+
+def check_heads(weight: Tensor, heads: int) -> None:
+    """Raises ValueError if a per-head (H, max_seq_len, K) projection has not `heads` heads."""
+    if weight.dim() == 3 and weight.shape[0] != heads:
+        raise ValueError(
+            f"a per-head projection of shape {tuple(weight.shape)} needs {weight.shape[0]} "
+            f"heads, got {heads}"
         )
 
 
@@ -154,11 +167,7 @@ def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = 
         else:
             out = matmul(projection.expand(batch, -1, -1), rows)
         return out.view(batch, -1, groups, width)  # (B, K, G, C)
-    if weight.shape[0] != groups:
-        raise ValueError(
-            f"a per-head projection of shape {tuple(weight.shape)} needs {weight.shape[0]} "
-            f"heads, got {groups}"
-        )
+    check_heads(weight, groups)
     # (G, B*C, N) @ (G, N, K): one bmm over the groups, the batch folded into the rows.
     # torch.matmul's broadcast (G, K, N) @ (B, G, N, C) copied the weight B times and summed
     # B gradients (fwd+bwd at N 1024, K 256, G 4, C 64, 2 threads: 13.2 against 45.8 ms at
