@@ -72,6 +72,10 @@ def test_function_pairs_drop_the_docstring_and_keep_the_summary():
     assert pairs[1].summary == "Put a book on the shelf."
     assert pairs[2].code.startswith("async def fetch(self):\n    return await")
     assert function_pairs("def broken(:\n", "x.py") == []
+    # a docstring sharing a line with code: the code was cut to '' or lost its tail
+    shared = 'def one(x): """Return one more than x."""; return x + 1\n'
+    shared += 'def two(x):\n    """Return two more than x."""; y = x + 2\n    return y\n'
+    assert function_pairs(shared, "m.py") == []
 
 
 def test_the_split_is_by_file_and_fixed_by_the_seed():
@@ -143,6 +147,12 @@ def test_the_commands_train_evaluate_and_refuse_bad_input(tmp_path, capsys):
     main(["seq2seq", "evaluate", str(run / "last"), "--split", "val", "--threads", "1"])
     table = capsys.readouterr().out
     assert "rouge_l" in table and "exact_match" in table
+    with pytest.raises(SystemExit) as exit_info:  # it was torch's RuntimeError, a traceback
+        main(["seq2seq", "evaluate", str(run / "last"), "--threads", "-1"])
+    assert exit_info.value.code == 2
+    assert "threads must be an integer >= 0 (0 = torch's default), got -1" in (
+        capsys.readouterr().err
+    )
     with pytest.raises(SystemExit) as exit_info:
         main(["seq2seq", "train", "--task", "poems", "--output-dir", str(tmp_path / "x")])
     assert exit_info.value.code == 2

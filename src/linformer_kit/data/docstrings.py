@@ -46,7 +46,10 @@ def function_pairs(text: str, where: str) -> list[CodeDoc]:
     """The (code, summary) pairs of every documented function in one module's source.
 
     Functions whose body is only the docstring (and `pass` / `...`) are left out: there is
-    nothing to describe. A file that does not parse gives none.
+    nothing to describe; so are those whose docstring shares a line with code (`def f(x):
+    'Doc.'; return x`), whose code cannot be cut from it by lines. A file that does not
+    parse gives none. Pairs come in `ast.walk`'s order: breadth-first, a module's functions
+    before its classes' methods.
     """
     try:
         tree = ast.parse(text)
@@ -69,6 +72,8 @@ def function_pairs(text: str, where: str) -> list[CodeDoc]:
         if len(summary.split()) < MIN_SUMMARY_WORDS:
             continue
         doc = node.body[0]
+        if doc.lineno == node.lineno or rest[0].lineno == doc.end_lineno:
+            continue
         kept = lines[node.lineno - 1 : doc.lineno - 1] + lines[doc.end_lineno : node.end_lineno]
         code = textwrap.dedent("\n".join(kept)).strip()
         pairs.append(CodeDoc(f"{where}:{node.lineno}", code, summary))
@@ -76,7 +81,7 @@ def function_pairs(text: str, where: str) -> list[CodeDoc]:
 
 
 def extract_stdlib_pairs(cache_dir: str | Path | None = None) -> list[CodeDoc]:
-    """Every documented function of the standard library, in file and line order; cached as
+    """Every documented function of the standard library, in file order; cached as
     JSONL (keyed by the stdlib files' paths, sizes and times), so later runs skip parsing."""
     key = cache_key("docstrings", fingerprint([STDLIB], "", ""), MIN_SUMMARY_WORDS)
     path = Path(cache_dir or default_cache_dir()) / f"docstrings-{key}.jsonl"

@@ -265,7 +265,12 @@ def check_threads(threads: int) -> None:
 
 def use_threads(threads: int) -> None:
     """Sets torch's intra-op CPU threads; 0 leaves torch's default (one per core). On a
-    shared machine fewer threads per process can be faster: they stop competing for cores."""
+    shared machine fewer threads per process can be faster: they stop competing for cores.
+
+    Raises:
+        ValueError: as `check_threads` (torch's own error was a RuntimeError).
+    """
+    check_threads(threads)
     if threads:
         torch.set_num_threads(threads)
 
