@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from train_helpers import flip_last_byte
 
+import linformer_kit
 from linformer_kit import (
     LinformerForMaskedLM,
     LinformerForSequenceClassification,
@@ -189,6 +190,22 @@ def test_corrupt_config_raises_value_error(mlm_dir, text):
     _, path = mlm_dir
     (path / CONFIG_NAME).write_text(text)
     with pytest.raises(ValueError, match=CONFIG_NAME):
+        LinformerForMaskedLM.from_pretrained(path)
+
+
+def test_a_config_of_a_newer_format_says_to_upgrade(mlm_dir):
+    # format_version was written and never read: a newer file loaded silently, or was
+    # called corrupt
+    _, path = mlm_dir
+    meta = json.loads((path / CONFIG_NAME).read_text())
+    assert meta["linformer_kit_version"] == linformer_kit.__version__
+    meta.update(format_version=2, linformer_kit_version="9.0.0")
+    (path / CONFIG_NAME).write_text(json.dumps(meta))
+    message = (
+        rf"{CONFIG_NAME} was written by a newer linformer-kit \(9.0.0, format_version 2\); "
+        rf"this one \({linformer_kit.__version__}\) reads format_version 1: upgrade"
+    )
+    with pytest.raises(ValueError, match=message):
         LinformerForMaskedLM.from_pretrained(path)
 
 

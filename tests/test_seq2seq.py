@@ -10,7 +10,9 @@ import torch
 from linformer_kit import (
     LinformerConfig,
     LinformerCrossAttention,
+    LinformerForMaskedLM,
     LinformerForSeq2SeqLM,
+    LinformerModel,
     Seq2SeqConfig,
     cross_attention,
 )
@@ -289,6 +291,11 @@ def test_save_and_load_round_trip(tmp_path, share):
     assert torch.equal(
         loaded.generate(src, 5, temperature=0), model.generate(src, 5, temperature=0)
     )
+    # into an encoder's class: 'Seq2SeqConfig' object has no attribute 'vocab_size'
+    for cls in (LinformerModel, LinformerForMaskedLM):
+        with pytest.raises(ValueError, match=r"is a LinformerForSeq2SeqLM \(an encoder-decoder\): "
+                           r"load it with LinformerForSeq2SeqLM.from_pretrained"):  # fmt: skip
+            cls.from_pretrained(tmp_path)
 
 
 def test_generation_refuses_bad_settings_and_empty_sources_before_any_work():

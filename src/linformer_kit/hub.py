@@ -63,6 +63,16 @@ class IntegrityError(ValueError):
         super().__init__(f"{message}; refusing to load it. {advice}" if advice else message)
 
 
+class NewerFormatError(ValueError):
+    """A config.json of a format_version above `FORMAT_VERSION`: a newer library's."""
+
+
+def _library_version() -> str:
+    from . import __version__  # the package, imported by the time anything is saved
+
+    return __version__
+
+
 def umask_mode(mode: int) -> int:
     """`mode` less what the process's umask forbids: the permissions a file or directory
     made with open() or mkdir() gets, which mkstemp / mkdtemp's private ones are set to."""
@@ -239,6 +249,7 @@ def save_pretrained(
     save_id = uuid.uuid4().hex
     meta = {
         "format_version": FORMAT_VERSION,
+        "linformer_kit_version": _library_version(),
         "architecture": architecture,
         "config": model.config.to_dict(),
         "model_kwargs": model_kwargs,
@@ -290,9 +301,21 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
                 file, Path(path) / WEIGHTS_NAME,
             )  # fmt: skip
             meta = json.loads(saved_with[CONFIG_NAME])
+        if isinstance(meta, dict) and meta.get("format_version", 1) > FORMAT_VERSION:
+            raise NewerFormatError(
+                f"{file} was written by a newer linformer-kit ("
+                f"{meta.get('linformer_kit_version', 'unknown version')}, format_version "
+                f"{meta['format_version']}); this one ({_library_version()}) reads "
+                f"format_version {FORMAT_VERSION}: upgrade linformer-kit to load it"
+            )
         config = config_from_dict(meta["config"])
+    except NewerFormatError:
+        raise
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{file} is corrupt or not a linformer-kit config: {err}") from err
+        raise ValueError(
+            f"{file} is corrupt or not a config this linformer-kit ({_library_version()}) "
+            f"reads: {err}"
+        ) from err
     return {
         "architecture": meta.get("architecture"),
         "config": config,
@@ -323,11 +346,17 @@ def read_encoder_config(path: str | os.PathLike, seq2seq_advice: str) -> dict[st
         ValueError: for an encoder-decoder, with `seq2seq_advice` (what to run instead).
     """
     meta = read_config(path)
+    check_encoder(meta, path, seq2seq_advice)
+    return meta
+
+
+def check_encoder(meta: dict[str, Any], path: str | os.PathLike, seq2seq_advice: str) -> None:
+    """Raises a ValueError, with `seq2seq_advice`, if `read_config`'s `meta` is an
+    encoder-decoder's."""
     if not isinstance(meta["config"], LinformerConfig):
         raise ValueError(
             f"{path} is a {meta['architecture']} (an encoder-decoder): {seq2seq_advice}"
         )
-    return meta
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:

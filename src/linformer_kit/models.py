@@ -128,6 +128,8 @@ class LinformerPreTrainedModel(nn.Module):
             raise ValueError(f'dtype must be a floating torch dtype or "auto", got {dtype!r}')
         hub.check_before_load(path, verify)
         meta = hub.read_config(path)
+        if meta["architecture"] != cls.__name__:
+            hub.check_encoder(meta, path, f"load it with {meta['architecture']}.from_pretrained")
         config = meta["config"].replace(**(config_overrides or {}))
         same = meta["architecture"] == cls.__name__ and keep_head
         model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
