@@ -14,7 +14,9 @@ from linformer_kit import (
     LinformerConfig,
     LinformerForCausalLM,
     LinformerForMaskedLM,
+    LinformerForSeq2SeqLM,
     LinformerModel,
+    Seq2SeqConfig,
 )
 from linformer_kit.analysis import attention_map
 from linformer_kit.analysis.inputs import checkpoint_tokenizer
@@ -211,6 +213,25 @@ def test_attention_map_writes_the_format_its_suffix_names_and_refuses_bad_input_
     assert not (tmp_path / "m.png").exists()
 
 
+def test_a_pooled_map_titles_its_rows_and_numbers_them(
+    random_exact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Block pooling gives ceil(n / block) rows, not k: the title said k = 8 above 4 columns,
+    # and the axis ticked -1, -0.5, 0.5 ... between the rows.
+    from linformer_kit.analysis import plots
+
+    checkpoint = tmp_path / "pool"
+    LinformerModel(config(8).replace(projection="pool")).save_pretrained(checkpoint)
+    shutil.copy(random_exact / "tokenizer.json", checkpoint / "tokenizer.json")
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.append(fig))
+    main(["attention-map", str(checkpoint), "--text", TEXT, "--out", str(tmp_path / "m.png")])
+    [ax, _] = figures[0].axes  # the map and its colour bar
+    rows, cols = ax.get_images()[0].get_array().shape
+    assert cols < 8 and ax.get_title().endswith(f"(Linformer, k = 8, {cols} rows at n = {rows})")
+    assert list(ax.get_xticks()) == list(range(cols))
+
+
 def test_the_analysis_tools_name_what_they_cannot_read(random_exact: Path, tmp_path: Path) -> None:
     causal = tmp_path / "causal"
     cfg = config(8).replace(causal=True, block_size=4)
@@ -220,7 +241,13 @@ def test_the_analysis_tools_name_what_they_cannot_read(random_exact: Path, tmp_p
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32}))
     (tmp_path / "file").write_text("")
+    seq2seq = tmp_path / "seq2seq"
+    side = dict(vocab_size=300, dim=16, num_heads=2, depth=1, max_seq_len=16, proj_dim=8)
+    LinformerForSeq2SeqLM(
+        Seq2SeqConfig(encoder=LinformerConfig(**side), decoder=LinformerConfig(**side, causal=True))
+    ).save_pretrained(seq2seq)
     for argv, message in [
+        (["spectrum", str(seq2seq), "--random-tokens"], r"is a LinformerForSeq2SeqLM \(an enc"),
         (["spectrum", str(causal)], r"is a causal Linformer \(layers \[0, 1\]\): its attention"),
         (["attention-map", str(causal), "--text", TEXT], "is a causal Linformer"),
         (["spectrum", str(hf)], "holds a Hugging Face model .*: convert it first"),

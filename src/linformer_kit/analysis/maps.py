@@ -75,6 +75,8 @@ def write_attention_map(
     matrix = attention_map(model, input_ids, layer, head)
     proj_dim = model.config.proj_dims[layer]
     kind = "exact attention" if proj_dim is None else f"Linformer, k = {proj_dim}"
+    if proj_dim is not None and matrix.shape[1] != proj_dim:  # pooled: ceil(n / block) rows
+        kind += f", {matrix.shape[1]} rows at n = {matrix.shape[0]}"
     plot_attention_map(
         matrix.numpy(),
         out,

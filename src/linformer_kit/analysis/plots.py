@@ -11,6 +11,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from ..hub import atomic_write, check_output_path
 
@@ -132,6 +133,10 @@ def plot_attention_map(
         ax.set_yticks(range(rows), query_labels, fontsize=7)
     if key_labels is None:
         ax.set_xlabel(f"projected key row (k = {cols})")
+        # the rows' numbers (the default ticks fell between them: -0.5, 0.5, ...)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if cols <= MAX_TICK_LABELS:
+            ax.set_xticks(range(cols))
     else:
         ax.set_xlabel(f"key token (n = {cols})")
         if cols <= MAX_TICK_LABELS:
