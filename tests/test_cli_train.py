@@ -172,6 +172,7 @@ def test_demo_compares_both_models_per_objective_and_publishes_table_and_plot(tm
     )
     out = capsys.readouterr().out
     assert "Linformer k=16" in out and "Transformer (exact)" in out
+    assert "Linformer k=16, block 16" in out  # the causal one, as the README's table
     assert "masked LM: Linformer / Transformer" in out and "causal LM: Linformer" in out
     result = json.loads((publish / "comparison.json").read_text())
     names = ["mlm/linformer", "mlm/transformer", "clm/linformer", "clm/transformer"]

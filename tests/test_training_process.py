@@ -91,7 +91,7 @@ def test_the_fresh_process_ends_when_its_parent_is_killed(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
-@pytest.mark.parametrize("how", ["kill the parent", "Ctrl-C the group"])
+@pytest.mark.parametrize("how", ["kill the parent", "Ctrl-C the group", "kill the group"])
 def test_an_interrupted_parent_stops_the_fresh_process_and_raises_where_it_stopped(tmp_path, how):
     # Before: `kill` (SIGTERM) on `linformer lra` left its parent waiting for the model's
     # training to run to its end, writing checkpoints; a Ctrl-C ended the parent with a bare
@@ -121,10 +121,13 @@ def test_an_interrupted_parent_stops_the_fresh_process_and_raises_where_it_stopp
         child = int(pid_file.read_text())
         if how == "kill the parent":
             parent.send_signal(signal.SIGTERM)
+        elif how == "kill the group":  # `timeout`, a job scheduler: the fresh process gets
+            os.killpg(parent.pid, signal.SIGTERM)  # it twice (and raised twice: a traceback)
         else:  # the terminal's Ctrl-C: SIGINT to every process of the group
             os.killpg(parent.pid, signal.SIGINT)
         out, err = parent.communicate(timeout=30)
         assert out == f"stopped at step 3 in {tmp_path}\n", err
+        assert "Traceback" not in err, err
         assert not _alive(child)
     finally:
         _kill_both(parent, pid_file)

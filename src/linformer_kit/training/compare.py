@@ -22,14 +22,14 @@ from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig, check_finite_non_negative, check_positive
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
-from ..hub import atomic_write
+from ..hub import atomic_write, check_output_path
 from ..masked_lm import LinformerForMaskedLM
 from ..precision import cpu_features
 from .batches import language_model_loss
 from .loop import TrainResult
 from .pretrain import pretrain
 from .process import in_fresh_process
-from .settings import OBJECTIVES, RunConfig, TrainSettings, save_json
+from .settings import OBJECTIVES, RunConfig, TrainSettings, save_json, use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +149,18 @@ class ComparisonSettings:
 
 def seconds_per_step(settings: ComparisonSettings) -> float:
     """Seconds one optimiser step of every model takes together on this machine, timed on
-    random tokens (the best of two steps after a warm-up step): the probe that sizes the
-    demo. It costs about three steps' time per model (a few seconds at the default sizes)."""
+    random tokens (the best of two steps after a warm-up step) at the runs' `threads`: the
+    probe that sizes the demo. It costs about three steps' time per model (a few seconds at
+    the default sizes)."""
+    threads = torch.get_num_threads()
+    use_threads(settings.threads)  # each run's own (`--threads`): the probe ran at torch's
+    try:
+        return _probe_steps(settings)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe_steps(settings: ComparisonSettings) -> float:
     total = 0.0
     ids = torch.randint(settings.vocab_size, (settings.batch_size, settings.seq_len))
     masked = torch.where(torch.rand(ids.shape) < 0.15, ids, -100)  # as masked-LM batches
@@ -210,6 +220,8 @@ def fit_to_budget(settings: ComparisonSettings, step_s: float) -> ComparisonSett
 
 def _row(name: str, run: RunConfig, result: TrainResult) -> dict[str, Any]:
     label = "Transformer (exact)" if run.model.is_exact else f"Linformer k={run.model.proj_dim}"
+    if run.model.causal and not run.model.is_exact:
+        label += f", block {run.model.block_size}"
     return {
         "objective": OBJECTIVE_NAMES[run.train.objective],
         "model": label,
@@ -266,16 +278,38 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _remove_earlier_demo(output: Path) -> None:
+    """Removes a demo's comparison and runs from `output` (every objective's: a run left
+    from another objective set would sit beside a comparison that does not describe it),
+    saying what first."""
+    earlier = [output / name for name in (RESULT_NAME, PLOT_NAME)]
+    earlier += [output / objective / model for objective in OBJECTIVES for model in MODELS]
+    found = [p for p in earlier if p.exists()]
+    if found:
+        names = ", ".join(str(p.relative_to(output)) for p in found)
+        logger.warning("replacing the earlier demo in %s: %s", output, names)
+    for path in found:
+        path.unlink() if path.is_file() else shutil.rmtree(path)
+
+
 def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     """Prepares the corpus once, pretrains every model one after the other, writes
     comparison.json and comparison.png into `output_dir` (and `publish_dir` when set).
 
-    Existing runs under `output_dir/{mlm,clm}/{linformer,transformer}` are replaced.
+    A demo already in `output_dir` (its comparison and runs
+    `{mlm,clm}/{linformer,transformer}`, whichever objectives it had) is replaced, as a
+    WARNING says before anything is removed.
+
+    Raises:
+        ValueError: if `output_dir` or `publish_dir` is a file (before any work).
 
     Returns:
         The comparison: settings, machine, one row per model, per objective the Linformer /
         Transformer perplexity ratio and speed-up, and every run's records.
     """
+    check_output_path(settings.output_dir, directory=True, flag="--output-dir")
+    if settings.publish_dir:
+        check_output_path(settings.publish_dir, directory=True, flag="--publish-dir")
     before = machine()
     before["threads"] = settings.threads or before["threads"]  # what each run is given
     requested = settings.steps
@@ -288,12 +322,9 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
         logger.info("probe: %.2f s per training step of all models together", step_s)
         settings = fit_to_budget(settings, step_s)
     runs = settings.run_configs()
-    output = Path(settings.output_dir)
-    for name in (RESULT_NAME, PLOT_NAME):  # they would describe the runs replaced below
-        (output / name).unlink(missing_ok=True)
+    _remove_earlier_demo(Path(settings.output_dir))
     rows, records = [], {}
     for name, run in runs.items():
-        shutil.rmtree(run.train.output_dir, ignore_errors=True)
         result = in_fresh_process(pretrain, run)
         rows.append(_row(name, run, result))
         records[name] = result.records
@@ -313,6 +344,7 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
         "pairs": pairs,
         "records": records,
     }
+    output = Path(settings.output_dir)
     save_json(comparison, output / RESULT_NAME)
     plot_comparison(rows, records, output / PLOT_NAME)
     if settings.publish_dir:

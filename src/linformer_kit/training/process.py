@@ -19,6 +19,9 @@ ORPHANED_EXIT_CODE = 70  # the fresh process's exit status when its parent died 
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    # Once: a `kill` of the process group (`timeout`, a job scheduler) sends a SIGTERM here
+    # beside the one the parent forwards, which raised again while the first was handled.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
