@@ -53,6 +53,7 @@ def test_unknown_or_repeated_objectives_are_refused(objectives):
     [
         (dict(block_size=64), r"block_size \(64\) must be below seq_len \(64\)"),
         (dict(budget_min=-1.0), r"budget_min must be a finite number >= 0, got -1.0"),
+        (dict(proj_dim=128), r"proj_dim \(128\) must be at most seq_len \(64\)"),
     ],
 )
 def test_a_causal_pair_that_would_be_exact_twice_and_a_negative_budget_are_refused(

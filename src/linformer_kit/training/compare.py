@@ -87,6 +87,8 @@ class ComparisonSettings:
             )
         for name in ("seq_len", "block_size"):  # the rest is checked where it is used
             check_positive(name, getattr(self, name))
+        if self.proj_dim > self.seq_len:  # (the config's error names its max_seq_len)
+            raise ValueError(f"proj_dim ({self.proj_dim}) must be at most seq_len ({self.seq_len})")
         if "clm" in chosen and self.block_size >= self.seq_len:
             raise ValueError(
                 f"block_size ({self.block_size}) must be below seq_len ({self.seq_len}): a "
