@@ -166,11 +166,17 @@ def test_bad_inputs_raise(change, message):
 
 
 @pytest.mark.parametrize("gemm", ["blas", "onednn"])
-def test_a_compiled_causal_lm_gives_the_same_loss_and_gradients(gemm):
+def test_a_compiled_causal_lm_gives_the_same_loss_and_gradients(gemm, monkeypatch):
     """Two 512-row chunks a call at three batch sizes: recompiles with symbolic shapes, on
     whose slices `out=` arguments once failed; on either GEMM library (oneDNN's: the
-    kernels' ops in the graph, one of them adding into the weight gradient in place)."""
+    kernels' ops in the graph, one of them adding into the weight gradient in place).
+    Compiled, the loss held all rows' logits at once (one chunk): now its chunks too."""
     torch._dynamo.reset()
+    made = []  # the rows of each chunk's logits
+    real_linear = losses.linear
+    monkeypatch.setattr(
+        losses, "linear", lambda h, *a: made.append(h.shape[0]) or real_linear(h, *a)
+    )
     config = LinformerConfig(
         vocab_size=50,
         max_seq_len=16,
@@ -192,6 +198,7 @@ def test_a_compiled_causal_lm_gives_the_same_loss_and_gradients(gemm):
                 results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
         for got, want in zip(results[1], results[0]):
             torch.testing.assert_close(got, want)
+    assert max(made) == 512 and sum(made) == 2 * (640 + 576 + 544)  # eager, then compiled
 
 
 def test_chunk_rows():

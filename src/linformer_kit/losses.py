@@ -44,61 +44,88 @@ def chunk_rows(rows: int, vocab_size: int, device: torch.device) -> int:
     return max(1, min(rows, most))
 
 
+@torch.library.custom_op("linformer_kit::linear_cross_entropy_sums", mutates_args=())
+def _loss_sums(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    ignore_index: int,
+    needs: list[bool],
+    dtype: torch.dtype,
+    rows_per_chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The summed loss of the scored rows, their count and, where `needs` asks, the
+    gradients of that sum (empty where not), chunk by chunk (`rows_per_chunk`, 0: the
+    device's `chunk_rows`). One graph node under torch.compile: the loop over chunks runs
+    inside it, whatever the row count (dynamo would specialise a loop over a symbolic one)."""
+    rows = hidden.shape[0]
+    step = rows_per_chunk or chunk_rows(rows, weight.shape[0], hidden.device)
+    acc = torch.promote_types(dtype, torch.float32)  # the softmax's dtype
+    scored = targets != ignore_index
+    index = targets.masked_fill(~scored, 0).unsqueeze(1)  # (R, 1)
+    keep = scored.to(acc).unsqueeze(1)  # (R, 1): 1 on scored rows, 0 on the others
+    need_hidden, need_weight, need_bias = needs
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    grad_weight = weight.new_zeros(weight.shape if need_weight else (0,), dtype=acc)
+    grad_bias = weight.new_zeros(weight.shape[0] if need_bias else 0, dtype=acc)
+    lse = torch.empty((rows, 1), dtype=acc, device=hidden.device)  # log-sum-exp per row
+    picked = torch.empty_like(lse)  # the target's logit per row
+
+    def chunk(part: slice) -> None:
+        h = hidden[part].to(dtype)
+        logits = linear(h, w, b).to(acc)  # (C, V), fresh: worked on in place
+        picked[part] = logits.gather(1, index[part])
+        top = logits.amax(1, keepdim=True)
+        probs = logits.sub_(top).exp_()  # (C, V) unnormalised
+        sums = probs.sum(1, keepdim=True)
+        lse[part] = top + sums.log()
+        if not any(needs):
+            return
+        probs.mul_(keep[part] / sums)  # softmax on scored rows, zeros on the others
+        probs.scatter_add_(1, index[part], -keep[part])  # d(loss sum) / d(logits)
+        grad_logits = probs.to(dtype)
+        if need_hidden:
+            grad_hidden[part] = matmul(grad_logits, w)
+        if need_weight and dtype == acc:
+            add_matmul_(grad_weight, grad_logits.t(), h)  # no (V, dim) temporary
+        elif need_weight:
+            grad_weight.add_(grad_logits.t() @ h)
+        if need_bias:
+            grad_bias.add_(probs.sum(0))
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, rows, step):
+            chunk(slice(start, start + step))
+    total = torch.where(keep > 0, lse - picked, 0).sum()  # (an unscored inf: not nan)
+    return total, scored.sum(), grad_hidden, grad_weight, grad_bias
+
+
+@_loss_sums.register_fake
+def _(hidden, weight, bias, targets, ignore_index, needs, dtype, rows_per_chunk):  # noqa: ANN001, ANN202
+    acc = torch.promote_types(dtype, torch.float32)
+    return (
+        hidden.new_empty((), dtype=acc),
+        targets.new_empty((), dtype=torch.int64),
+        torch.empty_like(hidden) if needs[0] else hidden.new_empty(0),
+        weight.new_empty(weight.shape if needs[1] else (0,), dtype=acc),
+        weight.new_empty(weight.shape[0] if needs[2] else 0, dtype=acc),
+    )
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Forward: the summed loss of the scored rows and, where `needs` asks, the gradients of
-    that sum (saved); backward: those gradients times grad_output / count."""
+    """Forward: the mean loss of the scored rows, the gradients of their sum made and saved
+    where `needs` asks (`_loss_sums`); backward: those gradients times grad_output / count."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, needs, dtype, step):  # noqa: ANN001, ANN205
-        rows = hidden.shape[0]
-        acc = torch.promote_types(dtype, torch.float32)  # the softmax's dtype
-        scored = targets != ignore_index
-        count = scored.sum()
-        index = targets.masked_fill(~scored, 0).unsqueeze(1)  # (R, 1)
-        keep = scored.to(acc).unsqueeze(1)  # (R, 1): 1 on scored rows, 0 on the others
-        need_hidden, need_weight, need_bias = needs
-        w = weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, needs, dtype, rows_per_chunk):  # noqa: ANN001, ANN205
+        total, count, *grads = _loss_sums(
+            hidden, weight, bias, targets, ignore_index, list(needs), dtype, rows_per_chunk
         )
-        grad_bias = (
-            torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_bias else None
-        )
-        lse = torch.empty((rows, 1), dtype=acc, device=hidden.device)  # log-sum-exp per row
-        picked = torch.empty_like(lse)  # the target's logit per row
-
-        def chunk(part: slice) -> None:
-            h = hidden[part].to(dtype)
-            logits = linear(h, w, b).to(acc)  # (C, V), fresh: worked on in place
-            picked[part] = logits.gather(1, index[part])  # (no out=: compiles)
-            top = logits.amax(1, keepdim=True)
-            probs = logits.sub_(top).exp_()  # (C, V) unnormalised
-            sums = probs.sum(1, keepdim=True)
-            lse[part] = top + sums.log()
-            if not any(needs):
-                return
-            probs.mul_(keep[part] / sums)  # softmax on scored rows, zeros on the others
-            probs.scatter_add_(1, index[part], -keep[part])  # d(loss sum) / d(logits)
-            grad_logits = probs.to(dtype)
-            if need_hidden:
-                grad_hidden[part] = matmul(grad_logits, w)
-            if need_weight and dtype == acc:
-                add_matmul_(grad_weight, grad_logits.t(), h)  # no (V, dim) temporary
-            elif need_weight:
-                grad_weight.add_(grad_logits.t() @ h)
-            if need_bias:
-                grad_bias.add_(probs.sum(0))
-
-        with torch.autocast(hidden.device.type, enabled=False):
-            if step is None:  # compiled: one chunk (`linear_cross_entropy`)
-                chunk(slice(None))
-            else:
-                for start in range(0, rows, step):
-                    chunk(slice(start, start + step))
-        total = torch.where(keep > 0, lse - picked, 0).sum()  # (an unscored inf: not nan)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, count)
+        ctx.save_for_backward(*grads, count)
+        ctx.needs = needs
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total / count  # nan when nothing is scored, as F.cross_entropy
 
@@ -107,7 +134,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
         *grads, count = ctx.saved_tensors
         scale = grad_output / count.clamp(min=1)  # nothing scored: zero gradients
-        scaled = [None if g is None else (g * scale).to(t) for g, t in zip(grads, ctx.dtypes)]
+        scaled = [
+            (g * scale).to(t) if need else None for g, t, need in zip(grads, ctx.dtypes, ctx.needs)
+        ]
         return (*scaled, None, None, None, None, None)
 
 
@@ -138,8 +167,7 @@ def linear_cross_entropy(
         bias: optional (vocab_size,).
         ignore_index: the target value that scores nothing.
         rows_per_chunk: rows of logits made at a time; None: `chunk_rows`' choice for the
-            device and vocabulary. Under torch.compile all rows make one chunk (a loop over
-            a symbolic row count would compile a graph per sequence length).
+            device and vocabulary. Under torch.compile too: the chunks are one graph node.
         name: what an out-of-range error calls the targets (the models: "labels").
 
     Returns:
@@ -173,13 +201,6 @@ def linear_cross_entropy(
     device = hidden.device.type
     check_index_range(targets, vocab_size, name, ignore_index)
     rows = targets.numel()
-    # Compiled, the rows go in one chunk: a Python loop over a symbolic row count makes
-    # dynamo specialise it, one graph per sequence length (rows_per_chunk is ignored there).
-    step = (
-        None
-        if torch.compiler.is_compiling()
-        else rows_per_chunk or chunk_rows(rows, vocab_size, hidden.device)
-    )
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
     if torch.is_autocast_enabled(device) and dtype == torch.float32:
         dtype = torch.get_autocast_dtype(device)
@@ -193,7 +214,7 @@ def linear_cross_entropy(
         ignore_index,
         needs,
         dtype,
-        step,
+        rows_per_chunk or 0,
     )
 
 
