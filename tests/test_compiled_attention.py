@@ -17,9 +17,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import softmax_attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from linformer_kit import kernels, native
 from linformer_kit.dropout import dropout_bits, dropout_seed, rescaling, threshold
+from linformer_kit.kernel_rule import use_kernel
 from linformer_kit.kernels import dot_product_attention
 from linformer_kit.linear_backend import use_linear_backend
 
@@ -400,9 +403,28 @@ def test_threads_that_share_a_matrix_add_its_key_gradients_once(threads, monkeyp
         torch.testing.assert_close(got.double(), wanted.double(), atol=1e-4, rtol=1e-4)
 
 
-def test_double_backward_is_a_clear_error_not_a_wrong_answer():
-    q = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
-    out = dot_product_attention(q, q, q, dropout_p=0.1, kernel="explicit")
-    (grad,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="backward is not differentiable"):
-        grad.sum().backward()
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_double_backward_is_a_clear_error_not_a_wrong_answer(native_kernels):
+    # A gradient penalty through the PyTorch-ops kernel (LINFORMER_KIT_NATIVE=0) got a
+    # dL/dk off by 1.01 (largest true entry 1.40), silently: `once_differentiable` looks at
+    # the incoming gradient only, and a constant one made the gradients graph-free.
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    weight = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    off = contextlib.nullcontext() if native_kernels else native.kernels_off()
+    with off:
+        for dropout_p in (0.0, 0.1):
+            out = dot_product_attention(q, k, v, dropout_p=dropout_p, kernel="explicit")
+            (grad,) = torch.autograd.grad((out * weight).sum(), q, create_graph=True)
+            with pytest.raises(RuntimeError, match="backward is not differentiable .*SDPBackend"):
+                grad.square().sum().backward()
+
+    def penalised(attention):
+        out = attention(q, k, v)
+        (grad,) = torch.autograd.grad((out * weight).sum(), q, create_graph=True)
+        return torch.autograd.grad((out * weight).sum() + grad.square().sum(), (k, v))
+
+    # the way the message names gives the float64 reference's second-order gradients
+    with use_kernel("sdpa"), sdpa_kernel(SDPBackend.MATH):
+        got = penalised(dot_product_attention)
+    for g, w in zip(got, penalised(lambda *t: softmax_attention(*t))):
+        torch.testing.assert_close(g, w)

@@ -35,7 +35,6 @@ import math
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .cut_sdpa import sdpa
 from .dropout import (
@@ -57,6 +56,7 @@ from .kernel_rule import (
     pinned_kernel,
 )
 from .native import rows_in_place, transformed
+from .python_side import SDPA_DOUBLE_BACKWARD, first_order_only
 
 # Blocks of the explicit kernel (`block_rows`): rows of queries per block between 64 (GEMMs
 # stay efficient) and 512, at most 2^22 weights (16 MiB in fp32). Measured on CPU (fp32,
@@ -223,7 +223,7 @@ class _ExplicitAttention(torch.autograd.Function):
         return torch.cat(outs, -2) if len(outs) > 1 else outs[0]  # (..., N, Dv)
 
     @staticmethod
-    @once_differentiable  # the backward is not itself differentiable: say so, not a wrong answer
+    @first_order_only("the explicit attention kernel", SDPA_DOUBLE_BACKWARD)
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, *saved = ctx.saved_tensors
         blocks = _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.causal)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .functional import check_index_range
 from .linear_backend import add_matmul_, linear, matmul
 from .native import transformed
+from .python_side import first_order_only
 
 # Rows per chunk on CPU (`benchmarks/lm_loss/ab.json`, 2 threads, the head and loss alone,
 # forward + backward): at vocabulary 4096, dim 128, 4096 rows, 256-512 rows a chunk took
@@ -130,7 +130,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total / count  # nan when nothing is scored, as F.cross_entropy
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("linear_cross_entropy", "the logits' F.cross_entropy (return_logits=True)")
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
         *grads, count = ctx.saved_tensors
         scale = grad_output / count.clamp(min=1)  # nothing scored: zero gradients

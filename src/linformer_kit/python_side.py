@@ -4,9 +4,45 @@ the error a double backward through the attention or feed-forward kernel raises.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 _registered = {"done": False}
+# What gives higher-order gradients through attention: SDPA's composite (math) backend, as
+# a model's attention pinned to SDPA; its CPU flash kernel has no double backward either.
+SDPA_DOUBLE_BACKWARD = (
+    "kernel_rule.use_kernel('sdpa') inside "
+    "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)"
+)
+
+
+def first_order_only(what: str, hint: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`once_differentiable` for a backward whose gradients are made from saved inputs:
+    under `create_graph=True` (a gradient penalty) they raise when differentiated, naming
+    `what` and `hint`. `once_differentiable` marks them so only where an incoming gradient
+    needs grad; otherwise they carry no graph, and the second-order terms through the
+    saved inputs went missing without a word."""
+
+    def decorate(backward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(backward)
+        def wrapper(ctx: Any, *grads: Any) -> Any:
+            with torch.no_grad():
+                outputs = backward(ctx, *grads)
+            if not torch.is_grad_enabled() or not any(ctx.needs_input_grad):
+                return outputs
+            message = (
+                f"linformer-kit: {what}'s backward is not differentiable (no double "
+                f"backward); for higher-order gradients use {hint}"
+            )
+            error = torch._C._functions.DelayedError(message.encode(), len(outputs))
+            return error(*(None if o is None else o.detach().requires_grad_() for o in outputs))
+
+        return wrapper
+
+    return decorate
 
 
 def register(env_switch: str) -> None:
@@ -95,7 +131,7 @@ def register(env_switch: str) -> None:
     def _matmul_add_shape(out, a, b):  # noqa: ANN001, ANN202, ARG001
         return None
 
-    hints = {"attention": f"kernel='sdpa' or {env_switch}=0", "feedforward": f"{env_switch}=0"}
+    hints = {"attention": SDPA_DOUBLE_BACKWARD, "feedforward": f"{env_switch}=0"}
     for kernel, hint in hints.items():
         # (kernel, hint: defaults bind each pass's values)
         def no_double_backward(ctx, *grads, kernel=kernel, hint=hint):  # noqa: ANN001, ANN002, ANN202, ARG001
