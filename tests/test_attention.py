@@ -5,8 +5,10 @@ from hypothesis import strategies as st
 
 from linformer_kit import (
     LinformerConfig,
+    LinformerEncoder,
     LinformerModel,
     LinformerSelfAttention,
+    attention,
     count_projection_matrices,
     linformer_base,
 )
@@ -55,6 +57,30 @@ def test_padding_invariance_over_sharing_and_kinds(sharing, projection, lengths,
     for row, n in enumerate(lengths):
         alone = model(ids[row : row + 1, :n]).last_hidden_state[0]
         torch.testing.assert_close(padded[row, :n], alone, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("projection", KINDS)
+@pytest.mark.parametrize("module", ["attention", "layer", "encoder"])
+def test_the_modules_take_padding_anywhere(module, projection, monkeypatch):
+    # The modules projected positions as they were: 3 pads in front took rows 0-2 of E and
+    # F (max|diff| 0.16-1.22 against the 6 tokens alone); LinformerModel reorders itself,
+    # and tells the stack so (no second copy per layer).
+    torch.manual_seed(0)
+    cfg = tiny(projection=projection, depth=1 if module == "layer" else 2)
+    encoder = LinformerEncoder(cfg).double().eval()
+    run = {"attention": encoder.layers[0].attn, "layer": encoder.layers[0], "encoder": encoder}
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    noise = torch.randn(2, 9, 16, dtype=torch.float64)
+    for where in ([0, 1, 2], [0, 4, 8], [2, 3, 7]):  # left, spread, inner
+        keep = torch.ones(9, dtype=torch.bool)
+        keep[where] = False
+        padded = noise.clone()
+        padded[:, keep] = x
+        out = run[module](padded, keep.expand(2, 9))[0]
+        torch.testing.assert_close(out[:, keep], run[module](x)[0], atol=1e-10, rtol=0)
+    model = LinformerModel(cfg).eval()
+    monkeypatch.setattr(attention, "real_first", lambda mask: pytest.fail("reordered again"))
+    model(torch.randint(0, 50, (2, 9)), torch.arange(9)[None, :] > torch.tensor([[2], [0]]))
 
 
 @pytest.mark.parametrize("masked", [True, False])

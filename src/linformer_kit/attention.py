@@ -15,6 +15,8 @@ from .functional import (
     check_input,
     check_key_padding_mask,
     check_seq_len,
+    gather_positions,
+    real_first,
 )
 from .linear_backend import apply_linear, linear
 from .projection import ExactProjection, MatrixProjection, SequenceProjection
@@ -129,6 +131,7 @@ class LinformerSelfAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         return_attention: bool = False,
         state: CausalState | None = None,
+        right_padded: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attends every position to the projected keys and values.
 
@@ -139,6 +142,10 @@ class LinformerSelfAttention(nn.Module):
             return_attention: also return the context-mapping matrix P (materialised
                 separately; the output itself comes from `attend`'s kernel).
             state: causal only: the generation state to continue, updated in place.
+            right_padded: every row's real tokens come first (as `LinformerModel` passes
+                them): positions are projected as they are. False gathers the real tokens
+                first (one copy of x), so that row j of E and F projects the j-th real token
+                wherever the padding is.
 
         Returns:
             The output (B, N, dim), and P of shape (B, H, N, M) when asked for, else None
@@ -171,7 +178,12 @@ class LinformerSelfAttention(nn.Module):
             return out, attention_weights(q, k, key_padding_mask, causal=True)  # (B, H, N, N)
         if state is not None:
             raise ValueError("a generation state needs causal attention (causal=True)")
-        k, v, kv_mask = self.keys_values(x, key_padding_mask)
+        kv_x = x
+        if key_padding_mask is not None and self.projected and not right_padded:
+            # left or inner padding took rows of E and F (the queries stay where they are)
+            order = real_first(key_padding_mask)
+            kv_x, key_padding_mask = gather_positions(x, order), key_padding_mask.gather(1, order)
+        k, v, kv_mask = self.keys_values(kv_x, key_padding_mask)
         out = attend(q, k, v, kv_mask, dropout_p)  # (B, H, N, D)
         return self._merge(out), (attention_weights(q, k, kv_mask) if return_attention else None)
 
@@ -179,7 +191,8 @@ class LinformerSelfAttention(nn.Module):
         self, x: Tensor, key_padding_mask: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The projected keys and values of `x` (B, N, dim), each (B, H, M, D), and the mask
-        of the M rows that may be attended to (None when all may)."""
+        of the M rows that may be attended to (None when all may); `key_padding_mask`'s
+        padding on the right (`functional.real_first`)."""
         batch, seq_len, _ = x.shape
         if self.projects_input_first(seq_len):
             k, v, kv_mask = self._project_then_map(x, key_padding_mask)

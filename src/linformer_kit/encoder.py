@@ -172,10 +172,13 @@ class LinformerEncoderLayer(nn.Module):
         key_padding_mask: Tensor | None,
         return_attention: bool,
         state: CausalState | None,
+        right_padded: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        # `state` only when given: drop-in attention modules (the bench's baselines) keep the
-        # (x, key_padding_mask, return_attention) signature.
+        # `state` and `right_padded` only when given: drop-in attention modules (the bench's
+        # baselines) keep the (x, key_padding_mask, return_attention) signature.
         extra = {} if state is None else {"state": state}
+        if right_padded:
+            extra["right_padded"] = True
         if self.checkpoint_attention and self.training and torch.is_grad_enabled():
             return checkpointed(self.attn, x, key_padding_mask, return_attention, **extra)
         return self.attn(x, key_padding_mask, return_attention, **extra)
@@ -186,16 +189,20 @@ class LinformerEncoderLayer(nn.Module):
         key_padding_mask: Tensor | None = None,
         return_attention: bool = False,
         state: CausalState | None = None,
+        right_padded: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """(B, N, dim) -> (B, N, dim), and the attention matrix when asked for; `state`
-        continues causal generation (updated in place)."""
+        continues causal generation (updated in place); `right_padded` as for
+        `LinformerSelfAttention`."""
         if self.norm_first:
             attended, weights = self._attention(
-                self.attn_norm(x), key_padding_mask, return_attention, state
+                self.attn_norm(x), key_padding_mask, return_attention, state, right_padded
             )
             x = x + self.dropout(attended)
             return x + self.dropout(self.ffn(self.ffn_norm(x))), weights
-        attended, weights = self._attention(x, key_padding_mask, return_attention, state)
+        attended, weights = self._attention(
+            x, key_padding_mask, return_attention, state, right_padded
+        )
         x = self.attn_norm(x + self.dropout(attended))
         return self.ffn_norm(x + self.dropout(self.ffn(x))), weights
 
@@ -247,6 +254,7 @@ class LinformerEncoder(nn.Module):
         output_hidden_states: bool = False,
         output_attentions: bool = False,
         states: list[CausalState] | None = None,
+        right_padded: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
         """Runs every layer.
 
@@ -256,6 +264,8 @@ class LinformerEncoder(nn.Module):
             output_hidden_states: also return the input and every layer's output.
             output_attentions: also return every layer's attention matrix (B, H, N, M).
             states: causal generation: one state per layer to continue (updated in place).
+            right_padded: every row's real tokens come first (as `LinformerModel` passes
+                them); False: each layer gathers them first (`LinformerSelfAttention`).
 
         Returns:
             The last hidden state (B, N, dim) (after the final norm for pre-LN); the depth + 1
@@ -268,10 +278,8 @@ class LinformerEncoder(nn.Module):
         )
         for i, layer in enumerate(self.layers):
             state = states[i] if states is not None else None
-            if recompute:
-                x, weights = checkpointed(layer, x, key_padding_mask, output_attentions, state)
-            else:
-                x, weights = layer(x, key_padding_mask, output_attentions, state)
+            args = (x, key_padding_mask, output_attentions, state, right_padded)
+            x, weights = checkpointed(layer, *args) if recompute else layer(*args)
             if hidden is not None:
                 hidden.append(x)
             if attentions is not None:

@@ -231,8 +231,9 @@ class LinformerModel(LinformerPreTrainedModel):
                 token_type_ids = token_type_ids.gather(1, order)
         x = self.embeddings(input_ids, token_type_ids, position_ids)
         last, hidden, attentions = self.encoder(
-            x, key_padding_mask, output_hidden_states, output_attentions, states
-        )
+            x, key_padding_mask, output_hidden_states, output_attentions, states,
+            right_padded=order is not None,
+        )  # fmt: skip
         pooled = self.pooler(last) if self.pooler is not None else None  # the first real token
         if order is not None:
             last, hidden, attentions = self._restore_positions(order, last, hidden, attentions)
