@@ -83,6 +83,48 @@ def test_explicit_equals_sdpa_with_a_general_mask_and_float32(blocks):
     torch.testing.assert_close(explicit, sdpa, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_dot_product_attention_keeps_sdpas_contract_on_every_kernel(dropout_p, mask_path):
+    # The explicit kernels gave NaN at a row with no allowed key (SDPA: 0), and all of its
+    # (batch, head)'s dK and dV NaN; a k / v batch of 1 failed on the PyTorch-ops one; a
+    # float mask ran on SDPA and failed, differently, once dropout took the explicit kernel.
+    q, k, v = (t.requires_grad_() for t in qkv())
+    k1, v1 = k[:1].detach().requires_grad_(), v[:1].detach().requires_grad_()
+    mask = torch.rand(B, 1, N, M, generator=torch.Generator().manual_seed(0)) < 0.6
+    mask[0, 0, 2] = False  # query 2 of batch 0 sees no key
+    results = []
+    for kernel in ("sdpa", "explicit"):
+        torch.manual_seed(0)
+        out = dot_product_attention(q, k1, v1, mask, kernel=kernel)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (q, k1, v1))))
+    for got, want in zip(*results):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want)
+    assert results[1][0][0, :, 2].abs().max() == 0
+    torch.manual_seed(0)
+    with_dropout = dot_product_attention(q, k1, v1, mask, dropout_p=dropout_p, kernel="explicit")
+    assert not with_dropout.isnan().any() and with_dropout[0, :, 2].abs().max() == 0
+    additive = torch.zeros(B, 1, N, M).masked_fill(~mask, float("-inf"))
+    for kernel in ("sdpa", "explicit"):
+        with pytest.raises(ValueError, match="attn_mask must be bool .* got torch.float32"):
+            dot_product_attention(q, k, v, additive, dropout_p=dropout_p, kernel=kernel)
+
+
+def test_the_pytorch_ops_kernel_makes_bf16_scores_in_float32(monkeypatch):
+    # Rounded to bf16 before the softmax, the weights' error grew with the logits: at logits
+    # of std 36 the output was off by 0.10 (relative, max) where SDPA's was 0.002.
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, generator=g) for _ in "qkv")
+    q, k = q * 6.0, k * 6.0  # logits of std 36 at scale 1/8
+    want = softmax_attention(q.double(), k.double(), v.double())
+    errors = {}
+    for kernel in ("sdpa", "explicit"):
+        got = dot_product_attention(*(t.bfloat16() for t in (q, k, v)), kernel=kernel)
+        errors[kernel] = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert errors["explicit"] < 2 * errors["sdpa"] + 1e-3, errors
+
+
 def test_attention_weights_are_what_the_explicit_kernel_applies():
     q, k, v = qkv()
     mask = kv_mask(empty_row=False)
@@ -215,12 +257,13 @@ def test_what_each_path_saves_for_backward(dropout_p, mask_path, blocks):
     # (B x H, N, M) weights, this call being within `_KEEP_WEIGHTS` (beyond, the logsumexp:
     # test_compiled_attention); the dropout mask made again in backward. PyTorch ops: q, k,
     # v, the weights (one tensor per block) and, with dropout, one int16 tensor of bits per
-    # block.
+    # block. Both: last, the rows with no key (B, 1, 1, 1), whose outputs are zeroed.
     q, k, v = (t.requires_grad_() for t in qkv())
     mask = attendable(kv_mask(empty_row=False))[:, None, None, :]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         explicit(q, k, v, mask, dropout_p=dropout_p)
+    assert saved.pop().shape == (B, 1, 1, 1)
     if os.environ.get(native.ENV_SWITCH) != "0":  # the mask, the seed, the stats
         stats = (B * H, N, M) if dropout_p > 0 else (B * H, N)
         assert [tuple(t.shape) for t in saved[3:]] == [(B, H, N, M), (), stats]

@@ -67,14 +67,11 @@ from .python_side import SDPA_DOUBLE_BACKWARD, first_order_only
 # 253 / 226 ms at n = 16384: per-block op overheads outweigh the cache.
 _BLOCK_WEIGHTS = 1 << 22
 _BLOCK_ROWS = (64, 512)
-# Query rows per block of the compiled kernel (`_fused_attention`), one block per task of
-# its parallel loop. Measured (fp32, B = 1, 4 heads, M = 256, head_dim 64, fwd+bwd with
-# dropout 0.1, 2 threads, AVX-512 Xeon, best of 3 interleaved rounds): 64 / 128 / 256 /
-# 512 rows took 4.32 / 4.13 / 4.08 / 4.42 ms at n = 1024, 17.3 / 16.4 / 16.6 / 17.0 ms at
-# 4096 and 69.5 / 63.7 / 62.4 / 68.0 ms at 16384. On a Zen 4 EPYC (1 MiB of L2 a core;
-# medians of 15+ interleaved rounds, the kernel alone) 128 / 256 / 512 rows took 23.2 / 23.1
-# / 23.6 ms at n = 4096 (24.3 / 24.2 / 24.7 with dropout 0.1) and 87.1 / 87.7 / 88.5 ms at
-# 16384: flat, so no per-CPU size.
+# Query rows per block (one task of its parallel loop) of the compiled kernel. Measured
+# (fp32, B 1, 4 heads, M 256, head_dim 64, fwd+bwd, dropout 0.1, 2 threads): 64 / 128 /
+# 256 / 512 rows took 4.32 / 4.13 / 4.08 / 4.42 ms at n 1024, 69.5 / 63.7 / 62.4 / 68.0
+# at 16384 (AVX-512 Xeon); on a Zen 4 EPYC 128 / 256 / 512 rows 23.2 / 23.1 / 23.6 ms at
+# 4096, 87.1 / 87.7 / 88.5 at 16384 (the kernel alone): flat, so no per-CPU size.
 _FUSED_ROWS = 256
 # Weights (B x H x N x M) up to which the compiled kernel, training with dropout, keeps its
 # forward's weights for backward (`keep_weights`, 4 bytes each) instead of making them
@@ -89,10 +86,8 @@ _FUSED_ROWS = 256
 # / 1.07x at n 1024 / 2048 / 4096, the encoder layer 1.02-1.03 / 1.04x at 1024 / 4096, and a
 # 6-layer encoder, whose layers' weights wait in memory for the layers above, 1.04 / 1.08 /
 # 1.07x (`benchmarks/kernels/zen3-avx2/keep-weights/`).
-# Only with dropout: without it the rule takes the explicit kernel only where its GEMMs
-# are oneDNN's (AVX-512 AMD) or in bf16, and there SDPA saves one logsumexp a row, which
-# the encoder layer's memory matches (the README's target 4); with dropout SDPA's math
-# path keeps N x N weights itself.
+# Only with dropout: without, SDPA (which the rule mostly takes then) saves one logsumexp
+# a row, which the encoder layer's memory matches; with dropout its math path keeps N x N.
 _KEEP_WEIGHTS = 1 << 22
 
 
@@ -208,10 +203,14 @@ class _ExplicitAttention(torch.autograd.Function):
         outs, weights, bits = [], [], []
         seed = dropout_seed(q.device) if dropout_p > 0.0 else None
         layout = (q.shape[-2], (k.shape[-2] + 3) // 4)
+        # bf16 / fp16 scores and softmax in float32, as SDPA and the compiled kernel make
+        # them (rounded first, the weights' error grew with the logits: 0.10 at std 36)
+        wide = torch.promote_types(q.dtype, torch.float32)
         for block, keys in _blocks(q.shape[-2], rows, k.shape[-2], causal):
             queries = q[..., block, :]
             mask = _block_mask(attn_mask, causal, block, queries, keys)
-            weights.append(torch.softmax(masked_scores(queries, k[..., :keys, :], mask, scale), -1))
+            scores = masked_scores(queries.to(wide), k[..., :keys, :].to(wide), mask, scale)
+            weights.append(torch.softmax(scores, -1).to(q.dtype))
             kept = weights[-1]  # (..., rows, keys)
             if dropout_p > 0.0:
                 bits.append(dropout_bits(kept, seed, block.start or 0, *layout))
@@ -322,15 +321,15 @@ def dot_product_attention(
     """softmax(Q K^T * scale) V with dropout on the weights, through the kernel
     `choose_kernel` picks (or `kernel`, if given).
 
-    The contract of `F.scaled_dot_product_attention` with a bool mask; for the explicit
-    kernel every row must have at least one allowed key (`functional.attendable` sees to it).
+    The contract of `F.scaled_dot_product_attention` with a bool mask (leading dimensions
+    broadcast; a row with no allowed key gives 0).
     Inside a torch.func transform always SDPA, whatever the rule or a pin says.
     SDPA runs with its queries cut into as many chunks as `choose_splits` says (more than
     one on a GPU in training only; `sdpa(..., splits=1)` is always one call).
 
     Args:
         q: (..., N, D).
-        k, v: (..., M, D) and (..., M, Dv), the same leading dimensions as q.
+        k, v: (..., M, D) and (..., M, Dv), leading dimensions broadcastable with q's.
         attn_mask: optional bool, broadcastable to (..., N, M), True where allowed.
         dropout_p: dropout on the attention weights, in [0, 1).
         scale: softmax scale; default 1 / sqrt(D).
@@ -343,11 +342,15 @@ def dot_product_attention(
         (..., N, Dv).
 
     Raises:
-        ValueError: for an unknown kernel, a mask given with is_causal, dropout_p outside
-            [0, 1), or keys and values of different lengths.
+        ValueError: for an unknown kernel, a mask that is not bool or is given with
+            is_causal, dropout_p outside [0, 1), or keys and values of different lengths.
     """
     if is_causal and attn_mask is not None:
         raise ValueError("is_causal=True builds its own mask; got an attn_mask as well")
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise ValueError(
+            f"attn_mask must be bool (True where attention is allowed), got {attn_mask.dtype}"
+        )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if k.shape[-2] != v.shape[-2]:
@@ -377,6 +380,12 @@ def dot_product_attention(
         )
     if kernel == "explicit":
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])  # as SDPA's
+        q, k, v = (t.expand(*lead, *t.shape[-2:]) for t in (q, k, v))
+        empty = None
+        if attn_mask is not None:  # a row with no allowed key gives 0, as SDPA's (not NaN)
+            empty = ~attn_mask.any(-1, keepdim=True)
+            attn_mask = attn_mask | empty
         # Under autocast as SDPA is: its inputs cast as autocast casts them (float64 and
         # mismatched dtypes are left to raise), the kernel's own ops not cast again.
         device = q.device.type
@@ -387,6 +396,8 @@ def dot_product_attention(
         with off if off is not None else contextlib.nullcontext():
             ops = native_ops(q)
             if ops is not None:
-                return _fused_attention(q, k, v, attn_mask, dropout_p, scale, is_causal, ops)
-            return _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale, is_causal)
+                out = _fused_attention(q, k, v, attn_mask, dropout_p, scale, is_causal, ops)
+            else:
+                out = _ExplicitAttention.apply(q, k, v, attn_mask, dropout_p, scale, is_causal)
+        return out if empty is None else out.masked_fill(empty, 0)
     return sdpa(q, k, v, attn_mask, dropout_p, scale, is_causal, choose_splits(**call))
