@@ -50,17 +50,22 @@ def train_and_save(run, dist, path):
 
 
 @pytest.mark.parametrize(
-    ("sharing", "checkpointing", "compile"),
+    ("sharing", "checkpointing", "compile", "pooler"),
     [
-        ("layerwise", "none", ""),
-        ("headwise", "none", ""),
-        ("layerwise", "layer", ""),
-        ("layerwise", "none", "aot_eager"),  # the DDP wrapper compiled (DDPOptimizer)
+        ("layerwise", "none", "", False),
+        ("headwise", "none", "", False),
+        ("layerwise", "layer", "", False),
+        ("layerwise", "none", "aot_eager", False),  # the DDP wrapper compiled (DDPOptimizer)
+        # a converted BERT's pooler, which no task head uses: trainable, DDP stopped at
+        # step 2 ("parameters that were not used in producing loss")
+        ("kv", "none", "", True),
     ],
 )
-def test_two_gloo_processes_train_to_identical_weights(tmp_path, sharing, checkpointing, compile):
+def test_two_gloo_processes_train_to_identical_weights(
+    tmp_path, sharing, checkpointing, compile, pooler
+):
     run = tiny_run(tmp_path, max_steps=6, eval_every=3, save_every=3, log_every=1, compile=compile)
-    run.model = run.model.replace(sharing=sharing, checkpointing=checkpointing)
+    run.model = run.model.replace(sharing=sharing, checkpointing=checkpointing, pooler=pooler)
     prepare_pretraining_data(run.data, run.model.max_seq_len)  # build the cache once
     mp.spawn(worker, args=(2, free_port(), run, tmp_path), nprocs=2, join=True)
 

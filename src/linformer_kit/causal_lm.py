@@ -67,7 +67,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         if not config.causal:
             raise ValueError("LinformerForCausalLM needs a config with causal=True")
         super().__init__(config)
-        self.linformer = LinformerModel(config)
+        self.linformer = LinformerModel(config, pooled=False)
 
     def forward(
         self,

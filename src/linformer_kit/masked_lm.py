@@ -58,7 +58,7 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
 
     def __init__(self, config: LinformerConfig) -> None:
         super().__init__(config)
-        self.linformer = LinformerModel(config)
+        self.linformer = LinformerModel(config, pooled=False)
         self.head = nn.Sequential(
             nn.Linear(config.dim, config.dim),
             nn.GELU(),

@@ -166,14 +166,21 @@ class LinformerModel(LinformerPreTrainedModel):
 
     Args:
         config: the architecture; `proj_dim=None` gives the exact-attention Transformer.
+        pooled: whether `pooler_output` is made (with `config.pooler`). A task model's
+            backbone passes False: its pooler (a converted BERT's) is kept, to load and save,
+            but frozen and not run; trainable and unused, DistributedDataParallel would wait
+            for its gradients and stop at the second step.
     """
 
-    def __init__(self, config: LinformerConfig) -> None:
+    def __init__(self, config: LinformerConfig, *, pooled: bool = True) -> None:
         super().__init__(config)
         self.embeddings = LinformerEmbeddings(config)
         self.encoder = LinformerEncoder(config)
         self.pooler = LinformerPooler(config.dim) if config.pooler else None
         self.apply(lambda m: init_weights(m, config.init_std))
+        self.pooled = pooled
+        if self.pooler is not None and not pooled:
+            self.pooler.requires_grad_(False)
 
     @property
     def backbone(self) -> LinformerModel:
@@ -234,7 +241,7 @@ class LinformerModel(LinformerPreTrainedModel):
             x, key_padding_mask, output_hidden_states, output_attentions, states,
             right_padded=order is not None,
         )  # fmt: skip
-        pooled = self.pooler(last) if self.pooler is not None else None  # the first real token
+        pooled = self.pooler(last) if self.pooler is not None and self.pooled else None
         if order is not None:
             last, hidden, attentions = self._restore_positions(order, last, hidden, attentions)
         return LinformerOutput(last, hidden, attentions, pooled)
@@ -277,7 +284,7 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
             raise ValueError(f"num_labels must be an integer >= 1, got {num_labels!r}")
         check_choice("pooling", pooling, POOLINGS)
         self.num_labels, self.pooling = num_labels, pooling
-        self.linformer = LinformerModel(config)
+        self.linformer = LinformerModel(config, pooled=False)
         self.head = nn.Sequential(
             Dropout(config.dropout),
             nn.Linear(config.dim, config.dim),
