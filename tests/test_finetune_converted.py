@@ -49,6 +49,24 @@ def test_the_probe_minimises_its_penalised_loss_and_folds_standardisation_back()
     assert all(t.isfinite().all() for t in one[:2])
 
 
+def test_the_probe_s_folds_hold_every_class_whatever_the_file_order():
+    # Folds were i mod 5: a file cycling through 5 classes held each class out whole, so
+    # every penalty's held-out loss was a never-seen class's and the pick arbitrary (0.1
+    # here, where the same rows shuffled chose 0.001).
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.arange(100) % 5
+    centres = torch.randn(5, 384, generator=generator, dtype=torch.float64)
+    features = centres[labels] + torch.randn(100, 384, generator=generator, dtype=torch.float64)
+    shuffled = torch.randperm(100, generator=generator)
+    picked = [fit_linear_probe(features[o], labels[o], 5)[2] for o in (torch.arange(100), shuffled)]
+    assert picked == [1e-3, 1e-3]
+    # A column constant but for float32 rounding: scaled to unit variance, its weight was 1e6.
+    noisy = features.clone()
+    noisy[:, 0] = (7.0 + 1e-7 * torch.randn(100, generator=generator, dtype=torch.float64)).float()
+    weight, bias, _ = fit_linear_probe(noisy, labels, 5)
+    assert weight[:, 0].abs().max() == 0 and bias.abs().max() < 100
+
+
 def test_finetuning_a_converted_model_learns_above_chance_with_default_recipe(
     converted, tmp_path, capsys
 ):

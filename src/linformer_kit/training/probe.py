@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 # L2 penalties the probe chooses from (scikit-learn's C = 1 is 1 / 2N: 0.0025 for 200 examples).
 PENALTIES = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
+FOLDS = 5  # cross-validation folds of the penalty
 
 
 @torch.no_grad()
@@ -73,7 +74,7 @@ def fit_linear_probe(
     num_labels: int,
     *,
     strengths: tuple[float, ...] = PENALTIES,
-    folds: int = 5,
+    folds: int = FOLDS,
     max_iter: int = 200,
 ) -> tuple[Tensor, Tensor, float]:
     """Multinomial logistic regression on standardised features, folded back to the raw ones,
@@ -87,17 +88,25 @@ def fit_linear_probe(
         labels: (N,) class ids in [0, num_labels).
         num_labels: number of classes.
         strengths: penalties tried (objective: mean loss + penalty * |w|^2).
-        folds: cross-validation folds (example i is in fold i mod folds).
+        folds: cross-validation folds, stratified (each class's examples dealt round
+            them in turn); with fewer than 2 x folds examples, no cross-validation: the
+            strongest penalty.
         max_iter: L-BFGS iterations per fit.
 
     Returns:
         weight (num_labels, D), bias (num_labels,) for the raw features, and the penalty.
     """
     features = features.double()
-    # The population std: one example has std 0 (scaled to 0 below), not nan (0 / 0).
-    mean, std = features.mean(0), features.std(0, correction=0).clamp(min=1e-8)
-    z = (features - mean) / std  # (N, D)
-    fold = torch.arange(len(labels)) % folds
+    # The population std: one example has std 0, not nan (0 / 0). A column constant but for
+    # float32 rounding (std ~1e-7 of its mean) is constant: scaled to unit variance, its
+    # weight came back as 1e6.
+    mean, std = features.mean(0), features.std(0, correction=0)
+    std = torch.where(std <= 1e-6 * mean.abs() + 1e-12, torch.inf, std)
+    z = (features - mean) / std  # (N, D); 0 in constant columns
+    # Stratified: a file cycling through 5 classes put each class in one fold of i mod 5,
+    # held out against a fit that never saw it (the penalty then picked at random).
+    fold = torch.empty_like(labels)
+    fold[labels.argsort(stable=True)] = torch.arange(len(labels)) % folds
 
     def heldout_loss(penalty: float) -> float:
         total = 0.0
@@ -136,10 +145,16 @@ def init_head_from_probe(
         output.weight.copy_(weight.to(output.weight))
         output.bias.copy_(bias.to(output.bias))
     accuracy = float(((features.double() @ weight.T + bias).argmax(-1) == labels).double().mean())
+    chosen = (
+        f"by {FOLDS}-fold cross-validation"
+        if len(labels) >= 2 * FOLDS
+        else f"the strongest: fewer than {2 * FOLDS} examples to cross-validate"
+    )
     logger.info(
-        "head started from a linear probe on the frozen backbone (L2 penalty %g by "
-        "cross-validation; training accuracy %.3f)",
+        "head started from a linear probe on the frozen backbone (L2 penalty %g, %s; "
+        "training accuracy %.3f)",
         penalty,
+        chosen,
         accuracy,
     )
     return accuracy
