@@ -141,6 +141,46 @@ def test_a_sweep_stopped_early_keeps_the_lengths_it_finished(tmp_path, monkeypat
     )
 
 
+def test_an_interrupted_write_leaves_the_earlier_files_whole(tmp_path, monkeypatch):
+    # bench.json was written in place, then bench.csv row by row: Ctrl-C in between left a
+    # truncated JSON or a CSV of other rows (5 and 27 of 300 timed interrupts).
+    out = tmp_path / "bench"
+    result = {"rows": [{"variant": "a", "n": 1, "times_ms": [1.0]}]}
+    sweep.write_outputs(result, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def interrupted(self, rows):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.write_outputs({"rows": [{"variant": "b", "n": 2, "times_ms": [2.0]}]}, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_an_interrupt_while_measuring_memory_keeps_the_timings_peaks_and_plots(
+    tmp_path, monkeypatch, caplog
+):
+    # The JSON kept no peak at all, and no plots were drawn (the earlier ones removed).
+    measured = []
+
+    def peak(call):
+        if measured:
+            raise KeyboardInterrupt
+        measured.append(call)
+        return 3 * 2**20
+
+    monkeypatch.setattr(sweep, "peak_memory", peak)
+    settings = tiny_settings(tmp_path, n="32", memory=True)
+    with pytest.raises(KeyboardInterrupt), caplog.at_level("WARNING"):
+        run_bench(settings)
+    out = tmp_path / "bench"
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert [r["peak_mem_mb"] for r in rows if r["peak_mem_mb"] is not None] == [3.0]
+    assert {"bench.csv", "scaling.png", "grid.png"} <= {p.name for p in out.iterdir()}
+    assert "interrupted while measuring peak memory" in caplog.text
+
+
 def test_the_time_budget_counts_both_calls_of_every_round(tmp_path):
     # time_interleaved calls each step twice a round (settling, timed); the estimate counted
     # one, so configurations of up to twice the budget ran.
@@ -180,7 +220,16 @@ def test_a_k_above_n_is_skipped_and_bf16_rows_keep_their_error_in_the_csv(tmp_pa
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        (dict(scope=""), "n, proj_dim and scope need at least one value each"),
+        (dict(scope=""), "n, proj_dim, scope, kernel, attention_dropout need at least one"),
+        # these two dropped our rows, silently
+        (dict(kernel=""), "n, proj_dim, scope, kernel, attention_dropout need at least one"),
+        (dict(attention_dropout=""), "kernel, attention_dropout need at least one value each"),
+        # a value twice: timed once, reported twice, its n's ceiling overwritten
+        (dict(n="32,32"), "n names a value twice: '32,32'"),
+        (dict(sharing="kv, kv"), "sharing names a value twice: 'kv, kv'"),
+        (dict(attention_dropout="0.1,0.10"), "attention_dropout names a value twice"),
+        # (it failed after the probe and the timing bar had started)
+        (dict(dim=30, num_heads=4), "dim (30) must be divisible by num_heads (4)"),
         (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
         (dict(warmup=-1), "warmup must be an integer >= 0, got -1"),
         (dict(num_heads=0), "num_heads must be an integer >= 1, got 0"),

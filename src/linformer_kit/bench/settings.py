@@ -125,10 +125,19 @@ class BenchSettings:
             check_choice("kernel", kernel, ("rule", *KERNELS))
         for setting in split_names(self.compile):
             check_compile(setting, self.device)
-        if not split_ints(self.n) or not split_ints(self.proj_dim) or not split_names(self.scope):
-            raise ValueError("n, proj_dim and scope need at least one value each")
+        lists = ("n", "proj_dim", "scope", "kernel", "attention_dropout")
+        if not all(split_names(getattr(self, name)) for name in lists):
+            raise ValueError(f"{', '.join(lists)} need at least one value each")
+        parsers = {"n": split_ints, "proj_dim": split_ints, "attention_dropout": split_floats}
+        for name in (*lists, "sharing", "exact", "dtype", "compile"):
+            # a value twice was timed once and reported twice, its n's ceiling overwritten
+            values = _parsed(name, getattr(self, name), parsers.get(name, split_names))
+            if len(set(values)) < len(values):
+                raise ValueError(f"{name} names a value twice: {getattr(self, name)!r}")
         for name in ("dim", "num_heads", "batch_size", "repeats"):
             check_positive(name, getattr(self, name))
+        if self.dim % self.num_heads:  # before the probe and the timing, not at the first layer
+            raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         check_non_negative("warmup", self.warmup)
         check_threads(self.threads)
         check_finite_non_negative("min_time_s", self.min_time_s)

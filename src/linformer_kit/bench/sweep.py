@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..hub import atomic_write
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
 from ..training.settings import keep_freed_memory
@@ -273,14 +274,25 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             if seq_len == seq_lens[0]:
                 _remove_earlier_plots(Path(settings.out))
             write_outputs(result(), Path(settings.out))
-    if settings.memory:
-        # Not the compiled variants: on CPU the compile's own memory would count.
-        measured = [(c, r) for c, r in rows if r["status"] == "ok" and not c.variant.compile]
-        for call, row in tqdm(measured, desc="peak memory", unit="config"):
-            row["peak_mem_mb"] = peak_memory(call) / 2**20
+    interrupted = None
+    try:
+        if settings.memory:
+            # Not the compiled variants: on CPU the compile's own memory would count.
+            measured = [(c, r) for c, r in rows if r["status"] == "ok" and not c.variant.compile]
+            for call, row in tqdm(measured, desc="peak memory", unit="config"):
+                row["peak_mem_mb"] = peak_memory(call) / 2**20
+    except KeyboardInterrupt as err:  # the longest phase: keep the timings and peaks so far
+        logger.warning(
+            "interrupted while measuring peak memory: %s keeps every timing and the peaks "
+            "measured so far, with its plots",
+            settings.out,
+        )
+        interrupted = err
     final = result()
     write_outputs(final, Path(settings.out))
     plot_result(final, Path(settings.out), title=_title(settings))
+    if interrupted is not None:
+        raise interrupted
     return final
 
 
@@ -298,13 +310,18 @@ def _remove_earlier_plots(out: Path) -> None:
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> None:
-    """Writes the result as JSON (everything) and CSV (one line per row, no raw times)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / RESULT_NAME).write_text(json.dumps(result, indent=2) + "\n")
+    """Writes the result as CSV (one line per row, no raw times) and JSON (everything),
+    each whole or not at all (an interrupt left a truncated JSON or a CSV of other rows)."""
     rows = result["rows"]
     # Every row's keys, in order of first appearance: bf16 rows add relative_error_vs_float32.
     columns = [c for c in dict.fromkeys(key for row in rows for key in row) if c != "times_ms"]
-    with open(out / TABLE_NAME, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+
+    def write_table(path: Path) -> None:
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+
+    atomic_write(out / TABLE_NAME, write_table)
+    text = json.dumps(result, indent=2) + "\n"
+    atomic_write(out / RESULT_NAME, lambda path: Path(path).write_text(text))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -281,5 +282,17 @@ def peak_memory(call: Call) -> int:
         return _peak_in_this_process(call)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    with ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(_peak_in_this_process, call).result()
+    with ProcessPoolExecutor(1, mp_context=context, initializer=_ignore_interrupts) as pool:
+        future = pool.submit(_peak_in_this_process, call)
+        try:
+            return future.result()
+        except KeyboardInterrupt:  # the measurement is dropped: not waited for
+            for process in pool._processes.values():  # noqa: SLF001 (no public handle)
+                process.terminate()
+            raise
+
+
+def _ignore_interrupts() -> None:
+    """A memory worker's start: the terminal's Ctrl-C, which reaches the whole process
+    group, is the parent's to handle (the worker printed a traceback of its own)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
