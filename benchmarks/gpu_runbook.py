@@ -96,10 +96,13 @@ image has it was not checked). Here, once, in the repo root:
         linformer==0.2.3 linformer-pytorch==0.19.3 pytest pluggy iniconfig packaging
 
 then one device call with `carry: [".whl"]`, `timeout_s: 600`, the GPU-only tests first
-(`tests/test_cuda.py`, 3 s on an H200):
+(`tests/test_cuda.py`, 3 s on an H200; `tests/test_cuda_models.py`, new on 2026-11-29 and
+never run on a GPU: bf16 SDPA cut, the layer under CUDA autocast, a compiled encoder and
+pretraining on the device, which skips without `tokenizers` in the image):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-    PYTHONPATH=src:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py;
+    PYTHONPATH=src:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \\
+        tests/test_cuda_models.py;
     PYTHONPATH=/tmp/site python3 benchmarks/gpu_runbook.py --out $OUT
 
 `--smoke` runs the same steps on CPU at tiny sizes, compiling with the `aot_eager` backend,

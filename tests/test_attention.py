@@ -83,6 +83,19 @@ def test_the_modules_take_padding_anywhere(module, projection, monkeypatch):
     model(torch.randint(0, 50, (2, 9)), torch.arange(9)[None, :] > torch.tensor([[2], [0]]))
 
 
+def test_a_drop_in_attention_module_in_a_model_keeps_its_own_signature():
+    # A module of (x, key_padding_mask, return_attention) got right_padded=True: TypeError.
+    class Plain(torch.nn.Module):
+        def forward(self, x, key_padding_mask=None, return_attention=False):
+            return x * key_padding_mask[..., None], None
+
+    model = LinformerModel(tiny()).eval()
+    for layer in model.encoder.layers:
+        layer.attn = Plain()
+    mask = torch.arange(9)[None, :] > torch.tensor([[2], [0]])
+    assert model(torch.randint(0, 50, (2, 9)), mask).last_hidden_state.shape == (2, 9, 16)
+
+
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("projection", KINDS)
 @pytest.mark.parametrize("sharing", ["headwise", "kv", "layerwise"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from linformer_kit.data import IGNORE_INDEX, load_classification, mask_tokens, train_tokenizer
-from linformer_kit.data.classification import cut_tokens
+from linformer_kit.data.classification import cut_tokens, read_labelled
 
 
 def test_masking_picks_15_percent_and_splits_80_10_10():
@@ -196,6 +196,43 @@ def test_csv_whole_number_labels_map_through_a_model_s_names(tmp_path, tok):
     assert data.labels == [1, 0] and data.label2id == {"0": 0, "1": 1}
     with pytest.raises(ValueError, match=r"eval.csv:2: unknown label '1'; known labels: neg, pos"):
         load_classification(path, tok, max_seq_len=16, label2id={"neg": 0, "pos": 1})
+    path.write_text("text,label\na,02\nb,01\n")  # read as 2 and 1, then looked up as "2"
+    data = load_classification(path, tok, max_seq_len=16, label2id={"01": 0, "02": 1})
+    assert data.labels == [1, 0]
+
+
+def test_threads_reading_long_csv_cells_leave_csvs_limit_as_it_was(tmp_path):
+    # Each thread restored the limit it found, another thread's raised one among them.
+    import csv
+    import sys
+    import threading
+
+    paths = []
+    for i in range(4):
+        paths.append(tmp_path / f"long{i}.csv")
+        rows = [f"{'x' * (140_000 + 1000 * j)},{j % 2}" for j in range(10)]
+        paths[-1].write_text("text,label\n" + "\n".join(rows) + "\n")
+    before = csv.field_size_limit()
+    errors = []
+
+    def read(path):
+        try:
+            for _ in range(5):
+                read_labelled(path)
+        except Exception as err:  # noqa: BLE001 (collected for the assertion)
+            errors.append(err)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes
+    try:
+        threads = [threading.Thread(target=read, args=(p,)) for p in paths]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and csv.field_size_limit() == before
 
 
 @pytest.mark.parametrize(

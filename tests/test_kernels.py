@@ -110,6 +110,21 @@ def test_dot_product_attention_keeps_sdpas_contract_on_every_kernel(dropout_p, m
             dot_product_attention(q, k, v, additive, dropout_p=dropout_p, kernel=kernel)
 
 
+def test_an_expanded_mask_reaches_the_compiled_kernel_as_a_view(monkeypatch):
+    # Looking for rows without a key, the explicit path made `mask | empty`: an 8 KiB mask
+    # expanded to (4, 8, 2048, 2048) became 128 MiB, saved for backward.
+    if native.cpu_ops() is None:
+        pytest.skip("no C++ compiler here: the compiled kernel cannot be built")
+    seen, real = [], kernels._fused_attention
+    monkeypatch.setattr(
+        kernels, "_fused_attention", lambda q, k, v, m, *a: seen.append(m) or real(q, k, v, m, *a)
+    )
+    q, k, v = qkv(torch.float32, n=64, m=48)
+    mask = (torch.arange(48) < 40).expand(B, H, 64, 48)  # (M,) storage, every row attends
+    dot_product_attention(q, k, v, mask, kernel="explicit")
+    assert seen[0].untyped_storage().nbytes() == 48
+
+
 def test_the_pytorch_ops_kernel_makes_bf16_scores_in_float32(monkeypatch):
     # Rounded to bf16 before the softmax, the weights' error grew with the logits: at logits
     # of std 36 the output was off by 0.10 (relative, max) where SDPA's was 0.002.
@@ -257,13 +272,12 @@ def test_what_each_path_saves_for_backward(dropout_p, mask_path, blocks):
     # (B x H, N, M) weights, this call being within `_KEEP_WEIGHTS` (beyond, the logsumexp:
     # test_compiled_attention); the dropout mask made again in backward. PyTorch ops: q, k,
     # v, the weights (one tensor per block) and, with dropout, one int16 tensor of bits per
-    # block. Both: last, the rows with no key (B, 1, 1, 1), whose outputs are zeroed.
+    # block.
     q, k, v = (t.requires_grad_() for t in qkv())
     mask = attendable(kv_mask(empty_row=False))[:, None, None, :]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         explicit(q, k, v, mask, dropout_p=dropout_p)
-    assert saved.pop().shape == (B, 1, 1, 1)
     if os.environ.get(native.ENV_SWITCH) != "0":  # the mask, the seed, the stats
         stats = (B * H, N, M) if dropout_p > 0 else (B * H, N)
         assert [tuple(t.shape) for t in saved[3:]] == [(B, H, N, M), (), stats]

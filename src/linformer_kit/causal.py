@@ -134,6 +134,7 @@ def _block_causal_attention(
         mask[None],  # 4-D: CPU SDPA takes its flash kernel (a 3-D mask: math, 1.5x slower)
         dropout_p,
         scale,
+        every_row_attends=True,  # the diagonal
     )  # (B * H, M, S, D)
     return out.reshape(batch, heads, blocks * block_size, width)[:, :, :seq_len]
 

@@ -174,10 +174,10 @@ class LinformerEncoderLayer(nn.Module):
         state: CausalState | None,
         right_padded: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        # `state` and `right_padded` only when given: drop-in attention modules (the bench's
-        # baselines) keep the (x, key_padding_mask, return_attention) signature.
+        # `state` only when given, `right_padded` only to ours: drop-in attention modules (the
+        # bench's baselines) keep the (x, key_padding_mask, return_attention) signature.
         extra = {} if state is None else {"state": state}
-        if right_padded:
+        if right_padded and isinstance(self.attn, LinformerSelfAttention):
             extra["right_padded"] = True
         if self.checkpoint_attention and self.training and torch.is_grad_enabled():
             return checkpointed(self.attn, x, key_padding_mask, return_attention, **extra)

@@ -257,7 +257,9 @@ def attend(
         (B, H, N, D). A row with no key to attend to gives zeros, never NaN.
     """
     attn_mask = None if kv_mask is None else attendable(kv_mask)[:, None, None, :]  # (B, 1, 1, M)
-    return dot_product_attention(q, k, v, attn_mask, dropout_p, scale, kernel)
+    return dot_product_attention(
+        q, k, v, attn_mask, dropout_p, scale, kernel, every_row_attends=True
+    )
 
 
 def attention_weights(

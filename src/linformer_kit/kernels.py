@@ -58,13 +58,11 @@ from .kernel_rule import (
 from .native import rows_in_place, transformed
 from .python_side import SDPA_DOUBLE_BACKWARD, first_order_only
 
-# Blocks of the explicit kernel (`block_rows`): rows of queries per block between 64 (GEMMs
-# stay efficient) and 512, at most 2^22 weights (16 MiB in fp32). Measured on CPU (fp32,
-# 2 threads, M = 256, head_dim 64, fwd+bwd): 256-512 rows beat one N x M block by 1.2-1.6x
-# from n = 4096 (B = 1, 4 heads) and at B = 8; 1024 rows and more lose part of it. Fewer
-# rows lose too, though a block then fits in L2: with dropout 0.1 (B = 1, 4 heads, AVX2),
-# 64 / 128 / 256 / 512 rows took 20.1 / 16.1 / 14.7 / 14.8 ms at n = 1024 and 396 / 261 /
-# 253 / 226 ms at n = 16384: per-block op overheads outweigh the cache.
+# Blocks of the PyTorch-ops kernel (`block_rows`): 64 (GEMMs stay efficient) to 512 query
+# rows, at most 2^22 weights. Measured (fp32, 2 threads, M 256, head_dim 64, fwd+bwd):
+# 256-512 rows beat one N x M block by 1.2-1.6x from n 4096; with dropout 0.1 (B 1, 4 heads,
+# AVX2) 64 / 128 / 256 / 512 rows took 20.1 / 16.1 / 14.7 / 14.8 ms at n 1024, 396 / 261 /
+# 253 / 226 at 16384: per-block op overheads outweigh the cache.
 _BLOCK_WEIGHTS = 1 << 22
 _BLOCK_ROWS = (64, 512)
 # Query rows per block (one task of its parallel loop) of the compiled kernel. Measured
@@ -185,8 +183,9 @@ class _ExplicitAttention(torch.autograd.Function):
     On CPU each block's weights are made, dropped and consumed while they are hot in
     cache, and a block's temporaries (scores, dropped weights, gradients) reuse the memory
     of the previous block's instead of mapping fresh pages for N x M tensors (`block_rows`);
-    the weights kept for backward are N x M in all. On a GPU, where each
-    block costs kernel launches, and under torch.compile there is one block. With all the
+    the weights kept for backward are N x M in all. On a GPU, where each block costs
+    kernel launches, and under torch.compile (a loop over N / rows blocks would compile a
+    graph for every N) there is one block. With all the
     keys a block sees in one block the softmax needs no running maximum: blocks of rows are
     independent. Under a causal mask a block computes only the keys its queries can see
     (`_blocks`): half the work at N = M. In one block, dK and dV sum over all N rows: they
@@ -195,8 +194,6 @@ class _ExplicitAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, dropout_p, scale, causal):  # noqa: ANN001, ANN205
-        # One block on a GPU (each block costs kernel launches) and under torch.compile
-        # (a loop over N / rows blocks would compile a graph for every N).
         rows = None
         if q.device.type == "cpu" and not torch.compiler.is_compiling():
             rows = block_rows(q.shape[:-2].numel(), k.shape[-2])
@@ -317,6 +314,8 @@ def dot_product_attention(
     scale: float | None = None,
     kernel: str | None = None,
     is_causal: bool = False,
+    *,
+    every_row_attends: bool = False,
 ) -> Tensor:
     """softmax(Q K^T * scale) V with dropout on the weights, through the kernel
     `choose_kernel` picks (or `kernel`, if given).
@@ -337,6 +336,8 @@ def dot_product_attention(
             kernel of an enclosing `use_kernel`).
         is_causal: query i sees keys 0..i only, aligned top-left as SDPA's flag (with
             N > M the last queries see all M keys); attn_mask must be None.
+        every_row_attends: the caller's mask gives every query a key (`functional.attendable`,
+            a causal block's diagonal): the explicit kernels skip looking for rows without.
 
     Returns:
         (..., N, Dv).
@@ -383,9 +384,12 @@ def dot_product_attention(
         lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])  # as SDPA's
         q, k, v = (t.expand(*lead, *t.shape[-2:]) for t in (q, k, v))
         empty = None
-        if attn_mask is not None:  # a row with no allowed key gives 0, as SDPA's (not NaN)
-            empty = ~attn_mask.any(-1, keepdim=True)
-            attn_mask = attn_mask | empty
+        if attn_mask is not None and not every_row_attends:  # such a row: 0, as SDPA's (not NaN)
+            empty = ~attn_mask.any(-1, keepdim=True)  # (..., N or 1, 1)
+            if torch.compiler.is_compiling() or empty.any():
+                attn_mask = attn_mask | empty  # (a copy of an expanded mask: only if needed)
+            else:
+                empty = None
         # Under autocast as SDPA is: its inputs cast as autocast casts them (float64 and
         # mismatched dtypes are left to raise), the kernel's own ops not cast again.
         device = q.device.type

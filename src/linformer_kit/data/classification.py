@@ -140,11 +140,16 @@ def encode_documents(
 
 
 def read_labelled(
-    path: str | Path, *, text_field: str = "text", label_field: str = "label"
+    path: str | Path,
+    *,
+    text_field: str = "text",
+    label_field: str = "label",
+    csv_names: bool = False,
 ) -> tuple[list[str], list[int] | list[str], list[int]]:
     """Reads (texts, labels, line numbers) from a JSONL or CSV file. Labels are all ids
     (integers >= 0) or all names (strings); in a CSV file, whose cells have no type, labels
-    are ids when the first is a whole number.
+    are ids when the first is a whole number, unless `csv_names` (a model that names its
+    classes reads them: "01" stays "01").
 
     Raises:
         ValueError: naming the file and line, for an empty file, bad UTF-8, JSON or CSV, a
@@ -175,7 +180,7 @@ def read_labelled(
         lines.append(number)
     if not labels:
         raise ValueError(f"{path}: no examples")
-    if is_csv(path) and WHOLE_NUMBER.fullmatch(labels[0]):  # CSV has no types
+    if is_csv(path) and not csv_names and WHOLE_NUMBER.fullmatch(labels[0]):  # no types
         for label, number in zip(labels, lines):
             if not WHOLE_NUMBER.fullmatch(label):
                 raise ValueError(
@@ -221,11 +226,8 @@ def _label_ids(
 
     Raises:
         ValueError: naming the file, line and the known labels, for a name the mapping lacks,
-            or for ids given to a model whose labels are names (a CSV's whole numbers are
-            looked up as names there).
+            or for ids given to a model whose labels are names.
     """
-    if label2id and is_csv(path) and not isinstance(labels[0], str):
-        labels = [str(label) for label in labels]  # whole numbers may name classes: "0", "1"
     if not isinstance(labels[0], str):
         if label2id:
             raise ValueError(
@@ -271,7 +273,9 @@ def load_classification(
     """
     if max_seq_len < 3:
         raise ValueError(f"max_seq_len must be >= 3 to hold a token, got {max_seq_len}")
-    texts, labels, lines = read_labelled(path, text_field=text_field, label_field=label_field)
+    texts, labels, lines = read_labelled(
+        path, text_field=text_field, label_field=label_field, csv_names=bool(label2id)
+    )  # a CSV's whole numbers may name a model's classes: "0", "01"
     ids, names = _label_ids(Path(path), labels, lines, label2id)
     tokens, full_lengths = encode_documents(tokenizer, texts, max_seq_len, truncation)
     data = ClassificationData(tokens, ids, lines, str(path), names, full_lengths, truncation)

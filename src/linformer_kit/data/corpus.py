@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import sysconfig
+import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -122,6 +123,9 @@ def jsonl_field(path: Path, number: int, record: dict, field: str) -> object:
     return record[field]
 
 
+_CSV_LIMIT = threading.Lock()  # csv's cell limit is process-wide
+
+
 def csv_rows(path: Path, text: str) -> Iterator[tuple[int, list[str]]]:
     """Yields (the line it starts on, its cells) for each row of `text`, the CSV file `path`
     holds; a blank line is a row of no cells. A cell may be as long as the file (the csv
@@ -134,13 +138,14 @@ def csv_rows(path: Path, text: str) -> Iterator[tuple[int, list[str]]]:
     reader = csv.reader(io.StringIO(text, newline=""))
     while True:
         start = reader.line_num + 1
-        limit = csv.field_size_limit(max(csv.field_size_limit(), len(text)))
-        try:
-            row = next(reader, None)
-        except csv.Error as err:
-            raise ValueError(f"{path}:{start}: not valid CSV ({err})") from err
-        finally:
-            csv.field_size_limit(limit)
+        with _CSV_LIMIT:  # threads reading at once: each restores what it found
+            limit = csv.field_size_limit(max(csv.field_size_limit(), len(text)))
+            try:
+                row = next(reader, None)
+            except csv.Error as err:
+                raise ValueError(f"{path}:{start}: not valid CSV ({err})") from err
+            finally:
+                csv.field_size_limit(limit)
         if row is None:
             return
         yield start, row
