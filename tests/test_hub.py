@@ -431,13 +431,15 @@ def test_a_save_killed_mid_write_leaves_a_folder_the_next_save_removes(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    dead = tmp_path / f".{WEIGHTS_NAME}.{gone.stdout.strip()}.x1y2.tmp"
-    alive = tmp_path / f".{WEIGHTS_NAME}.{os.getppid()}.x3y4.tmp"  # another save, running
-    for folder in (dead, alive):
+    dead = tmp_path / f".{WEIGHTS_NAME}.{hub._writer(int(gone.stdout))}.x1y2.tmp"
+    alive = tmp_path / f".{WEIGHTS_NAME}.{hub._writer(os.getppid())}.x3y4.tmp"  # running
+    # another machine's save (a shared file system), whose process ids are not ours
+    elsewhere = tmp_path / f".{WEIGHTS_NAME}.0badc0de-{gone.stdout.strip()}.x5y6.tmp"
+    for folder in (dead, alive, elsewhere):
         folder.mkdir()
         (folder / ".tmpA1b2C3").write_bytes(b"half of the weights")
     model.save_pretrained(tmp_path)
-    assert not dead.exists() and alive.exists()
+    assert not dead.exists() and alive.exists() and elsewhere.exists()
     state_equal(LinformerForMaskedLM.from_pretrained(tmp_path), model)
 
 

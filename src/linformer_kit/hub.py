@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import uuid
@@ -90,7 +91,7 @@ def atomic_write(path: Path, write: Any) -> None:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(path)
-    prefix = f".{path.name}.{os.getpid()}."
+    prefix = f".{path.name}.{_writer()}."
     folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".tmp"))
     try:
         write(folder / path.name)
@@ -100,14 +101,23 @@ def atomic_write(path: Path, write: Any) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _writer(pid: int | None = None) -> str:
+    """This machine and a process of it, as a temporary folder's name carries them: a hash
+    of the host name (no dots) and the process id."""
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    return f"{host}-{os.getpid() if pid is None else pid}"
+
+
 def _remove_leftovers(path: Path) -> None:
-    """Removes the temporary folders of `atomic_write`s of `path` whose process is gone
-    (killed mid-write: a model's weights in full, each). Not on Windows, whose os.kill ends
-    the process it probes."""
+    """Removes the temporary folders of `atomic_write`s of `path` whose process, on this
+    machine, is gone (killed mid-write: a model's weights in full, each); another machine's
+    (a shared file system) are left. Not on Windows, whose os.kill ends the process it
+    probes."""
     if sys.platform == "win32":
         return
-    for folder in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = folder.name[len(path.name) + 2 :].split(".")[0]
+    host = _writer().split("-")[0]
+    for folder in path.parent.glob(f".{path.name}.{host}-*.tmp"):
+        pid = folder.name[len(path.name) + 2 :].split(".")[0].split("-")[1]
         if not pid.isdigit() or not folder.is_dir():
             continue
         try:
