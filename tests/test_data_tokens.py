@@ -131,6 +131,9 @@ def test_split_is_deterministic_disjoint_and_packs_full_blocks():
 def test_too_small_corpus_is_a_clear_error():
     with pytest.raises(ValueError, match="too few"):
         split_blocks(np.arange(15, dtype=np.uint16), 10, 0.5)
+    # 183 blocks are plenty: the fraction left none to train on (told as too few blocks)
+    with pytest.raises(ValueError, match="val_fraction 0.999 puts 183 of the 183 blocks in val"):
+        split_blocks(np.arange(1830, dtype=np.uint16), 10, 0.999)
 
 
 def test_a_cache_built_while_skipping_bad_files_never_lets_a_strict_run_pass(tmp_path, caplog):

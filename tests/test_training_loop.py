@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from linformer_kit import (
 from linformer_kit.data.tokenizer import train_tokenizer
 from linformer_kit.kernel_rule import pinned_kernel
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, loop, lr_factor, pretrain
-from linformer_kit.training.batches import language_model_loss
+from linformer_kit.training.batches import LMEvaluator, language_model_loss
+from linformer_kit.training.checkpoint import check_resumable, latest_checkpoint
 from linformer_kit.training.distributed import Distributed, resolve_device
 from linformer_kit.training.optim import apply_settings, build_optimizer, build_scheduler
 from linformer_kit.training.pretrain import build_trainer, prepare_data
@@ -149,6 +151,46 @@ def test_resume_refuses_another_architecture_and_takes_new_dropout(tmp_path):
     run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2, resume=True)
     run.model = dataclasses.replace(run.model, dropout=0.0, attention_dropout=0.0)
     assert pretrain(run).steps == 4
+
+
+def test_resume_refuses_another_split_order_or_world_of_processes(tmp_path):
+    # A changed --val-fraction redrew the split (blocks trained on came to be scored), and
+    # --batch-size / --seed moved the data order: accepted without a word.
+    pretrain(tiny_run(tmp_path, max_steps=2, eval_every=2, save_every=2))
+    for section, change, flag in [
+        ("data", dict(val_fraction=0.5), "--val-fraction 0.5 \\(the run's: 0.1\\)"),
+        ("train", dict(batch_size=2, seed=5), "--batch-size 2 .*, --seed 5 \\(the run's: 0\\)"),
+    ]:
+        run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2, resume=True)
+        setattr(run, section, dataclasses.replace(getattr(run, section), **change))
+        with pytest.raises(ValueError, match=f"--resume continues the pretraining of .*{flag}"):
+            pretrain(run)
+    checkpoint = latest_checkpoint(tmp_path / "run")
+    model = LinformerForMaskedLM.from_pretrained(checkpoint.path)
+    with pytest.raises(ValueError, match="was trained by 1 processes: resume it on as many"):
+        check_resumable(checkpoint, model, world_size=2)
+
+
+def test_validation_scores_blocks_spread_over_the_whole_split():
+    # The split keeps corpus order: the first max_batches x batch_size blocks were the
+    # corpus's first files.
+    seen = []
+
+    class Blocks(list):
+        def batch(self, rows):
+            return {"rows": torch.tensor(rows)}
+
+    batches = types.SimpleNamespace(
+        blocks=Blocks(range(100)),
+        label=lambda batch, generator: batch,
+        scored=lambda batch: len(batch["rows"]),
+        loss=lambda model, batch: seen.extend(batch["rows"].tolist()) or torch.tensor(0.0),
+    )
+    LMEvaluator(batches, batch_size=4, max_batches=2)(None, torch.device("cpu"))
+    assert seen == [0, 12, 25, 37, 50, 62, 75, 87]
+    seen.clear()
+    LMEvaluator(batches, batch_size=32)(None, torch.device("cpu"))  # all: each once, in order
+    assert seen == list(range(100))
 
 
 def test_the_cpu_kernels_are_built_before_the_first_timed_step(tmp_path, monkeypatch):

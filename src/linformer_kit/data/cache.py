@@ -198,17 +198,23 @@ def split_blocks(
         (train, validation) blocks.
 
     Raises:
-        ValueError: if the corpus is too small for one block in each split.
+        ValueError: if the corpus is too small for one block in each split, or
+            val_fraction leaves no block to train on.
     """
     check_fraction("val_fraction", val_fraction)
     num_blocks = len(tokens) // block_len
     num_val = max(1, round(num_blocks * val_fraction))
     if max_val_blocks:
         num_val = min(num_val, max_val_blocks)
-    if num_blocks - num_val < 1:
+    if num_blocks < 2:
         raise ValueError(
             f"the corpus has {len(tokens)} tokens: {num_blocks} blocks of {block_len}, too few "
             f"to split into train and validation; add data or lower max_seq_len"
+        )
+    if num_blocks - num_val < 1:  # (it was told as too small a corpus)
+        raise ValueError(
+            f"val_fraction {val_fraction} puts {num_val} of the {num_blocks} blocks in "
+            f"validation, leaving none to train on; lower val_fraction or set max_val_blocks"
         )
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(SPLIT_SEED))
     order = order.numpy()

@@ -141,11 +141,14 @@ class LMEvaluator:
         blocks = self.batches.blocks
         count = math.ceil(len(blocks) / self.batch_size)
         count = min(count, self.max_batches) if self.max_batches else count
+        # The blocks scored, spread evenly over the validation split, which is in corpus
+        # order: its first max_batches x batch_size were the corpus's first files (1.8 % of
+        # a 100M-token corpus at the defaults).
+        picked = min(len(blocks), count * self.batch_size)
+        spread = [row * len(blocks) // picked for row in range(picked)]
         total = scored = 0.0
         for index in tqdm(range(count), desc="validation", leave=False, disable=not self.verbose):
-            rows = list(
-                range(index * self.batch_size, min(len(blocks), (index + 1) * self.batch_size))
-            )
+            rows = spread[index * self.batch_size : (index + 1) * self.batch_size]
             generator = torch.Generator().manual_seed(mix_seed(EVAL_SEED, index))
             batch = self.batches.label(blocks.batch(rows), generator)
             n = self.batches.scored(batch)

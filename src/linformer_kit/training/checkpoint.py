@@ -150,6 +150,24 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def check_resumable(
+    checkpoint: Checkpoint, model: LinformerPreTrainedModel, world_size: int
+) -> None:
+    """Checks that a run of `world_size` processes training `model` can resume from
+    `checkpoint`: as many processes (each one's data rows and RNG state go on), and the
+    model `check_same_model` accepts.
+
+    Raises:
+        ValueError: naming what differs.
+    """
+    if len(checkpoint.state["rng"]) != world_size:
+        raise ValueError(
+            f"{checkpoint.path} was trained by {len(checkpoint.state['rng'])} processes: "
+            f"resume it on as many (this run has {world_size})"
+        )
+    check_same_model(checkpoint.path, model)
+
+
 def check_same_model(checkpoint: Path, model: LinformerPreTrainedModel) -> None:
     """Checks that `model` is the model whose weights `checkpoint` holds: the same class,
     constructor arguments and config, but for RESUME_MAY_CHANGE (weights of the same shapes

@@ -24,8 +24,8 @@ from ..models import LinformerPreTrainedModel
 from ..precision import bf16_autocast
 from .batches import mix_seed
 from .checkpoint import (
+    check_resumable,
     check_run_dir,
-    check_same_model,
     latest_checkpoint,
     save_checkpoint,
 )
@@ -151,7 +151,7 @@ class Trainer:
             logger.info("no checkpoint in %s: starting from scratch", self.run_dir)
             return None
         state = checkpoint.state
-        check_same_model(checkpoint.path, self.model)
+        check_resumable(checkpoint, self.model, self.dist.world_size)
         hub.load_weights(self.model, hub.read_weights(checkpoint.path), str(checkpoint.path))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -4,6 +4,7 @@ processes)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -14,10 +15,10 @@ from ..data.pipeline import DataSettings, PretrainingData, prepare_pretraining_d
 from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
-from .checkpoint import CHECKPOINTS_DIR, check_run_dir
+from .checkpoint import CHECKPOINTS_DIR, check_run_dir, latest_checkpoint
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
-from .settings import RunConfig
+from .settings import RUN_CONFIG_NAME, RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,43 @@ def resumed_data_settings(run: RunConfig) -> DataSettings:
             )
     logger.info("resuming with the run's own tokenizer, %s", own)
     return dataclasses.replace(run.data, tokenizer=str(own))
+
+
+# What a pretraining --resume keeps: the corpus, its split into train and validation, and
+# the order its blocks come in (a changed split scored blocks the run had trained on).
+RESUME_KEEPS = {
+    "data": ("data", "glob", "text_field", "skip_bad_files", "max_documents", "val_fraction",
+             "max_val_blocks"),
+    "train": ("objective", "batch_size", "grad_accum_steps", "seed"),
+}  # fmt: skip
+
+
+def check_same_data(run: RunConfig) -> None:
+    """Checks that a `--resume` goes on with the run's data, split and order
+    (`RESUME_KEEPS`, against the run_config.json of its latest checkpoint); a fresh run, or
+    a run without a checkpoint, passes.
+
+    Raises:
+        ValueError: naming each flag that differs, with the run's value.
+    """
+    checkpoint = latest_checkpoint(run.train.output_dir) if run.train.resume else None
+    if checkpoint is None or not (checkpoint.path / RUN_CONFIG_NAME).is_file():
+        return
+    started = json.loads((checkpoint.path / RUN_CONFIG_NAME).read_text())
+    changed = []
+    for section, names in RESUME_KEEPS.items():
+        now, was = dataclasses.asdict(getattr(run, section)), started.get(section, {})
+        changed += [
+            f"--{name.replace('_', '-')} {now[name]!r} (the run's: {was[name]!r})"
+            for name in names
+            if name in was and now[name] != was[name]
+        ]
+    if changed:
+        raise ValueError(
+            f"--resume continues the pretraining of {checkpoint.path} on its data, split and "
+            f"order; these differ: {', '.join(changed)}. Give the run's values, or start over "
+            f"in another --output-dir"
+        )
 
 
 def prepare_data(run: RunConfig, dist: Distributed) -> PretrainingData:
@@ -97,6 +135,7 @@ def pretrain(run: RunConfig, data: PretrainingData | None = None) -> TrainResult
         The run's records, final validation metrics and throughput.
     """
     check_run_dir(run.train.output_dir, resume=run.train.resume)  # before the data's work
+    check_same_data(run)
     dist = setup_distributed(run.train.device)
     try:
         result = build_trainer(run, data or prepare_data(run, dist), dist).fit()
