@@ -49,14 +49,14 @@ def attention_map(model: LinformerModel, input_ids: Tensor, layer: int, head: in
 def write_attention_map(
     path: str | os.PathLike, text: str, layer: int, head: int, out: str | os.PathLike
 ) -> tuple[int, int]:
-    """Plots one layer's and head's attention map of a checkpoint for `text` into a PNG.
+    """Plots one layer's and head's attention map of a checkpoint for `text` into a figure.
 
     Args:
         path: checkpoint directory (config.json, model.safetensors, tokenizer.json).
         text: the text to encode.
         layer: layer index, 0-based.
         head: head index, 0-based.
-        out: output PNG.
+        out: output figure (its suffix names the format).
 
     Returns:
         The map's shape (n, M).

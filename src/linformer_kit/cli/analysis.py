@@ -69,5 +69,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     maps.add_argument("--text", required=True, help="the text to encode")
     maps.add_argument("--layer", type=int, default=0, help="layer, 0-based (default: 0)")
     maps.add_argument("--head", type=int, default=0, help="head, 0-based (default: 0)")
-    maps.add_argument("--out", required=True, help="output PNG file")
+    maps.add_argument(
+        "--out",
+        required=True,
+        help="output figure: its suffix names the format (.png, .pdf, .svg, ...)",
+    )
     maps.set_defaults(func=run_attention_map)
