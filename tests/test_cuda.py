@@ -80,18 +80,24 @@ def test_a_cut_backward_drops_the_weights_the_uncut_one_drops():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+def padded_layer():
+    """The attention layer (k 256, n 16384) on the GPU, an input (2, 16384, 256) and its
+    mask, the second row padded from 12000."""
+    torch.manual_seed(0)
+    projection = MatrixProjection(max_seq_len=16384, proj_dim=256)
+    layer = LinformerSelfAttention(dim=256, num_heads=4, max_seq_len=16384, proj_k=projection)
+    x = torch.randn(2, 16384, 256, device=GPU)
+    mask = torch.ones(2, 16384, dtype=torch.bool, device=GPU)
+    mask[1, 12000:] = False
+    return layer.to(GPU), x, mask
+
+
 @pytest.mark.parametrize("kernel", [None, "explicit"])
 def test_the_layer_on_a_gpu_gives_its_float64_output_with_padding(kernel):
     # The attention layer (k 256) at n 16384 with padding, on the rule's kernel (SDPA cut)
     # or pinned to the explicit one (its backward cut), fp32 against the same layer in
     # float64; padded positions change nothing.
-    torch.manual_seed(0)
-    projection = MatrixProjection(max_seq_len=16384, proj_dim=256)
-    layer = LinformerSelfAttention(dim=256, num_heads=4, max_seq_len=16384, proj_k=projection)
-    layer = layer.to(GPU)
-    x = torch.randn(2, 16384, 256, device=GPU)
-    mask = torch.ones(2, 16384, dtype=torch.bool, device=GPU)
-    mask[1, 12000:] = False
+    layer, x, mask = padded_layer()
     with use_kernel(kernel):
         out, grad_x = grads(lambda t: layer(t, mask)[0], x)
     wide = layer.double()

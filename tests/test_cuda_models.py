@@ -9,15 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference import grads
-from test_export_compile import encoder_inputs, forward_backward, tiny
+from test_cuda import padded_layer
+from test_export_compile import assert_compiled_matches_eager, tiny
 from train_helpers import tiny_run
 
 from linformer_kit import LinformerEncoder, LinformerForMaskedLM
-from linformer_kit.attention import LinformerSelfAttention
 from linformer_kit.cut_sdpa import sdpa
 from linformer_kit.kernel_rule import choose_splits, use_kernel
 from linformer_kit.kernels import dot_product_attention
-from linformer_kit.projection import MatrixProjection
 from linformer_kit.training import pretrain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -59,13 +58,7 @@ def test_the_layer_under_cuda_autocast_is_within_bf16_rounding_of_float64(kernel
     # The attention layer (k 256, n 16384, padding) under torch.autocast("cuda", bf16) on
     # the rule's kernel or a pinned one: output and input gradient within 2 % (relative
     # norm) of the same layer in float64; the padded positions change nothing.
-    torch.manual_seed(0)
-    projection = MatrixProjection(max_seq_len=16384, proj_dim=256)
-    layer = LinformerSelfAttention(dim=256, num_heads=4, max_seq_len=16384, proj_k=projection)
-    layer = layer.to(GPU)
-    x = torch.randn(2, 16384, 256, device=GPU)
-    mask = torch.ones(2, 16384, dtype=torch.bool, device=GPU)
-    mask[1, 12000:] = False
+    layer, x, mask = padded_layer()
 
     def run(t):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -87,16 +80,7 @@ def test_the_layer_under_cuda_autocast_is_within_bf16_rounding_of_float64(kernel
 
 def test_a_compiled_encoder_on_a_gpu_gives_its_eager_output_and_gradients():
     torch._dynamo.reset()
-    encoder = LinformerEncoder(tiny(depth=2)).to(GPU)
-    x, mask = (t.to(GPU) for t in encoder_inputs())
-    out, x_grad, params = forward_backward(encoder, encoder, x, mask)
-    compiled = torch.compile(encoder)
-    c_out, c_x_grad, c_params = forward_backward(encoder, compiled, x, mask)
-    close = dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(c_out, out, **close)
-    torch.testing.assert_close(c_x_grad, x_grad, **close)
-    for name in params:
-        torch.testing.assert_close(c_params[name], params[name], **close, msg=name)
+    assert_compiled_matches_eager(LinformerEncoder(tiny(depth=2)).to(GPU), "inductor")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

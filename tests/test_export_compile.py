@@ -66,8 +66,10 @@ def forward_backward(encoder, run, x, mask):
 
 
 def assert_compiled_matches_eager(encoder, backend):
-    """`encoder` compiled with `backend` gives its eager output and gradients (1e-4)."""
-    x, mask = encoder_inputs()
+    """`encoder` compiled with `backend` gives its eager output and gradients (1e-4), on
+    the encoder's device."""
+    device = next(encoder.parameters()).device
+    x, mask = (t.to(device) for t in encoder_inputs())
     out, x_grad, grads = forward_backward(encoder, encoder, x, mask)
     compiled = torch.compile(encoder, backend=backend)
     c_out, c_x_grad, c_grads = forward_backward(encoder, compiled, x, mask)
