@@ -435,11 +435,14 @@ def test_a_save_killed_mid_write_leaves_a_folder_the_next_save_removes(tmp_path)
     alive = tmp_path / f".{WEIGHTS_NAME}.{hub._writer(os.getppid())}.x3y4.tmp"  # running
     # another machine's save (a shared file system), whose process ids are not ours
     elsewhere = tmp_path / f".{WEIGHTS_NAME}.0badc0de-{gone.stdout.strip()}.x5y6.tmp"
-    for folder in (dead, alive, elsewhere):
+    # a killed save of a version that did not name the host (this one's)
+    earlier = tmp_path / f".{WEIGHTS_NAME}.{gone.stdout.strip()}.x7y8.tmp"
+    for folder in (dead, alive, elsewhere, earlier):
         folder.mkdir()
         (folder / ".tmpA1b2C3").write_bytes(b"half of the weights")
     model.save_pretrained(tmp_path)
     assert not dead.exists() and alive.exists() and elsewhere.exists()
+    assert not earlier.exists()
     state_equal(LinformerForMaskedLM.from_pretrained(tmp_path), model)
 
 

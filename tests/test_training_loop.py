@@ -14,6 +14,7 @@ from linformer_kit import (
     LinformerConfig,
     LinformerForCausalLM,
     LinformerForMaskedLM,
+    LinformerForSequenceClassification,
     hub,
     native,
 )
@@ -191,6 +192,21 @@ def test_validation_scores_blocks_spread_over_the_whole_split():
     seen.clear()
     LMEvaluator(batches, batch_size=32)(None, torch.device("cpu"))  # all: each once, in order
     assert seen == list(range(100))
+
+
+def test_a_frozen_pooler_keeps_its_place_in_the_optimizer():
+    # Frozen (DDP waited for its gradients), the pooler left the optimizer's groups: a run
+    # that had trained it could not resume ("a parameter group that doesn't match").
+    config = LinformerConfig(
+        vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8, pooler=True
+    )
+    for model in (LinformerForMaskedLM(config), LinformerForSequenceClassification(config)):
+        assert not model.linformer.pooler.dense.weight.requires_grad
+        optimizer = build_optimizer(model, TrainSettings())
+        kept = [p for group in optimizer.param_groups for p in group["params"]]
+        every = [p for p in model.parameters()]  # what the optimizer held when all trained
+        wanted = [p for p in every if p.dim() >= 2] + [p for p in every if p.dim() < 2]
+        assert list(map(id, kept)) == list(map(id, wanted))  # the same order: states load
 
 
 def test_the_cpu_kernels_are_built_before_the_first_timed_step(tmp_path, monkeypatch):

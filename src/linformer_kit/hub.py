@@ -116,9 +116,11 @@ def _remove_leftovers(path: Path) -> None:
     if sys.platform == "win32":
         return
     host = _writer().split("-")[0]
-    for folder in path.parent.glob(f".{path.name}.{host}-*.tmp"):
-        pid = folder.name[len(path.name) + 2 :].split(".")[0].split("-")[1]
-        if not pid.isdigit() or not folder.is_dir():
+    for folder in path.parent.glob(f".{path.name}.*.tmp"):
+        writer = folder.name[len(path.name) + 2 :].split(".")[0]
+        # HOST-PID; a bare PID: a save of a version before the host was named (this host's)
+        folder_host, _, pid = writer.rpartition("-")
+        if folder_host not in ("", host) or not pid.isdigit() or not folder.is_dir():
             continue
         try:
             os.kill(int(pid), 0)

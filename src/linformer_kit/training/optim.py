@@ -13,8 +13,14 @@ from .settings import TrainSettings
 
 def build_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.AdamW:
     """AdamW over every trainable parameter once (shared projections included once);
-    one-dimensional tensors (biases, LayerNorm weights) get no weight decay."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    one-dimensional tensors (biases, LayerNorm weights) get no weight decay.
+
+    A task model's pooler, frozen and not run (`LinformerModel(pooled=False)`), stays in its
+    group without a gradient (AdamW skips it): runs that trained it until 2026-11-29 saved
+    optimizer states that count it, and resume."""
+    params = [
+        p for name, p in model.named_parameters() if p.requires_grad or ".pooler." in f".{name}"
+    ]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
