@@ -15,6 +15,7 @@ from linformer_kit import (
     LinformerForCausalLM,
     LinformerForMaskedLM,
     LinformerForSequenceClassification,
+    LinformerModel,
     hub,
     native,
 )
@@ -207,6 +208,12 @@ def test_a_frozen_pooler_keeps_its_place_in_the_optimizer():
         every = [p for p in model.parameters()]  # what the optimizer held when all trained
         wanted = [p for p in every if p.dim() >= 2] + [p for p in every if p.dim() < 2]
         assert list(map(id, kept)) == list(map(id, wanted))  # the same order: states load
+    backbone = LinformerModel(config)  # a pooler the user froze (distill's projections only)
+    backbone.pooler.requires_grad_(False)
+    groups = build_optimizer(backbone, TrainSettings()).param_groups
+    assert not {id(p) for p in backbone.pooler.parameters()} & {
+        id(p) for g in groups for p in g["params"]
+    }
 
 
 def test_the_cpu_kernels_are_built_before_the_first_timed_step(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from ..models import LinformerModel
 from .settings import TrainSettings
 
 
@@ -18,9 +19,13 @@ def build_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Ad
     A task model's pooler, frozen and not run (`LinformerModel(pooled=False)`), stays in its
     group without a gradient (AdamW skips it): runs that trained it until 2026-11-29 saved
     optimizer states that count it, and resume."""
-    params = [
-        p for name, p in model.named_parameters() if p.requires_grad or ".pooler." in f".{name}"
-    ]
+    unrun = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, LinformerModel) and m.pooler is not None and not m.pooled
+        for p in m.pooler.parameters()
+    }
+    params = [p for p in model.parameters() if p.requires_grad or id(p) in unrun]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
