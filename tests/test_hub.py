@@ -431,18 +431,24 @@ def test_a_save_killed_mid_write_leaves_a_folder_the_next_save_removes(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    dead = tmp_path / f".{WEIGHTS_NAME}.{hub._writer(int(gone.stdout))}.x1y2.tmp"
-    alive = tmp_path / f".{WEIGHTS_NAME}.{hub._writer(os.getppid())}.x3y4.tmp"  # running
+    dead = tmp_path / f".{WEIGHTS_NAME}.{hub._writer(int(gone.stdout))}.x1y2abcd.tmp"
+    alive = tmp_path / f".{WEIGHTS_NAME}.{hub._writer(os.getppid())}.x3y4abcd.tmp"  # running
     # another machine's save (a shared file system), whose process ids are not ours
-    elsewhere = tmp_path / f".{WEIGHTS_NAME}.0badc0de-{gone.stdout.strip()}.x5y6.tmp"
+    elsewhere = tmp_path / f".{WEIGHTS_NAME}.0badc0de-{gone.stdout.strip()}.x5y6abcd.tmp"
     # a killed save of a version that did not name the host (this one's)
-    earlier = tmp_path / f".{WEIGHTS_NAME}.{gone.stdout.strip()}.x7y8.tmp"
-    for folder in (dead, alive, elsewhere, earlier):
+    earlier = tmp_path / f".{WEIGHTS_NAME}.{gone.stdout.strip()}.x7y8abcd.tmp"
+    # not atomic_write's of this file: a user's dot-folder, a live save of a sibling file
+    # named model.safetensors.<digits>
+    others = [
+        tmp_path / f".{WEIGHTS_NAME}.{gone.stdout.strip()}.tmp",
+        tmp_path / f".{WEIGHTS_NAME}.4194000.{hub._writer(int(gone.stdout))}.ab12cd34.tmp",
+    ]
+    for folder in (dead, alive, elsewhere, earlier, *others):
         folder.mkdir()
         (folder / ".tmpA1b2C3").write_bytes(b"half of the weights")
     model.save_pretrained(tmp_path)
     assert not dead.exists() and alive.exists() and elsewhere.exists()
-    assert not earlier.exists()
+    assert not earlier.exists() and all(folder.exists() for folder in others)
     state_equal(LinformerForMaskedLM.from_pretrained(tmp_path), model)
 
 

@@ -25,7 +25,12 @@ from linformer_kit.training import RunConfig, Trainer, TrainSettings, loop, lr_f
 from linformer_kit.training.batches import LMEvaluator, language_model_loss
 from linformer_kit.training.checkpoint import check_resumable, latest_checkpoint
 from linformer_kit.training.distributed import Distributed, resolve_device
-from linformer_kit.training.optim import apply_settings, build_optimizer, build_scheduler
+from linformer_kit.training.optim import (
+    apply_settings,
+    build_optimizer,
+    build_scheduler,
+    load_optimizer_state,
+)
 from linformer_kit.training.pretrain import build_trainer, prepare_data
 from linformer_kit.training.seq2seq import Seq2SeqBatches
 
@@ -171,6 +176,34 @@ def test_resume_refuses_another_split_order_or_world_of_processes(tmp_path):
     model = LinformerForMaskedLM.from_pretrained(checkpoint.path)
     with pytest.raises(ValueError, match="was trained by 1 processes: resume it on as many"):
         check_resumable(checkpoint, model, world_size=2)
+    # the same corpus spelt otherwise (a tuple, a trailing slash) is the same data
+    run = tiny_run(tmp_path, max_steps=3, eval_every=3, save_every=3, resume=True)
+    run.data = dataclasses.replace(run.data, data=(run.data.data[0] + "/",))
+    assert pretrain(run).steps == 3
+
+
+def test_an_optimizer_state_without_the_unrun_pooler_loads():
+    # Runs that froze a task model's pooler by hand (or saved between 22ca9c4 and e9b6f91)
+    # kept it out of their optimizer's groups; build_optimizer keeps it in.
+    config = LinformerConfig(
+        vocab_size=50, max_seq_len=16, dim=16, depth=1, num_heads=2, proj_dim=8, pooler=True
+    )
+    model = LinformerForSequenceClassification(config)
+    trained = [p for p in model.parameters() if p.requires_grad]  # the pooler left out
+    earlier = torch.optim.AdamW(
+        [
+            {"params": [p for p in trained if p.dim() >= 2]},
+            {"params": [p for p in trained if p.dim() < 2]},
+        ]
+    )
+    model(torch.randint(0, 50, (2, 16)), labels=torch.tensor([0, 1])).loss.backward()
+    earlier.step()
+    optimizer = build_optimizer(model, TrainSettings())
+    load_optimizer_state(optimizer, earlier.state_dict(), model)
+    assert [len(g["params"]) for g in optimizer.param_groups] == [
+        len(g["params"]) for g in earlier.param_groups
+    ]
+    assert set(optimizer.state) == set(earlier.state)
 
 
 def test_validation_scores_blocks_spread_over_the_whole_split():

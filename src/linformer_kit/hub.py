@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -116,12 +117,14 @@ def _remove_leftovers(path: Path) -> None:
     if sys.platform == "win32":
         return
     host = _writer().split("-")[0]
+    # what mkdtemp made for `path`: HOST-PID, or a bare PID (a version before the host was
+    # named: this host's), then its 8 random characters
+    made = re.compile(rf"\.{re.escape(path.name)}\.(?:([0-9a-f]{{8}})-)?(\d+)\.[a-z0-9_]{{8}}\.tmp")
     for folder in path.parent.glob(f".{path.name}.*.tmp"):
-        writer = folder.name[len(path.name) + 2 :].split(".")[0]
-        # HOST-PID; a bare PID: a save of a version before the host was named (this host's)
-        folder_host, _, pid = writer.rpartition("-")
-        if folder_host not in ("", host) or not pid.isdigit() or not folder.is_dir():
+        match = made.fullmatch(folder.name)
+        if match is None or match[1] not in (None, host) or not folder.is_dir():
             continue
+        pid = match[2]
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:

@@ -31,7 +31,7 @@ from .checkpoint import (
 )
 from .distributed import Distributed, peak_memory_mb
 from .metrics_log import MetricsLog
-from .optim import apply_settings, build_optimizer, build_scheduler
+from .optim import apply_settings, build_optimizer, build_scheduler, load_optimizer_state
 from .settings import (
     RUN_CONFIG_NAME,
     TrainSettings,
@@ -153,7 +153,7 @@ class Trainer:
         state = checkpoint.state
         check_resumable(checkpoint, self.model, self.dist.world_size)
         hub.load_weights(self.model, hub.read_weights(checkpoint.path), str(checkpoint.path))
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"], self.model)
         self.scheduler.load_state_dict(state["scheduler"])
         apply_settings(self.optimizer, self.scheduler, self.settings)
         self.step, self.tokens = state["step"], state["tokens"]

@@ -4,6 +4,7 @@ linear / cosine decay schedule."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,18 +20,39 @@ def build_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Ad
     A task model's pooler, frozen and not run (`LinformerModel(pooled=False)`), stays in its
     group without a gradient (AdamW skips it): runs that trained it until 2026-11-29 saved
     optimizer states that count it, and resume."""
-    unrun = {
-        id(p)
-        for m in model.modules()
-        if isinstance(m, LinformerModel) and m.pooler is not None and not m.pooled
-        for p in m.pooler.parameters()
-    }
+    unrun = _unrun_pooler(model)
     params = [p for p in model.parameters() if p.requires_grad or id(p) in unrun]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, settings.beta2), eps=1e-6)
+
+
+def _unrun_pooler(model: nn.Module) -> set[int]:
+    """The ids of the parameters of the poolers `model`'s backbones keep but do not run."""
+    return {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, LinformerModel) and m.pooler is not None and not m.pooled
+        for p in m.pooler.parameters()
+    }
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: dict[str, Any], model: nn.Module
+) -> None:
+    """Loads a checkpoint's optimizer state, whose groups may leave out the pooler a task
+    model keeps without running it (runs that froze it, by hand or, for an hour on
+    2026-11-29, by default): then it leaves the groups of `optimizer` too."""
+    saved = [len(group["params"]) for group in state["param_groups"]]
+    if saved != [len(group["params"]) for group in optimizer.param_groups]:
+        unrun = _unrun_pooler(model)
+        kept = [[p for p in g["params"] if id(p) not in unrun] for g in optimizer.param_groups]
+        if [len(params) for params in kept] == saved:
+            for group, params in zip(optimizer.param_groups, kept):
+                group["params"] = params
+    optimizer.load_state_dict(state)
 
 
 def apply_settings(

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..causal_lm import LinformerForCausalLM
+from ..data.corpus import HF_PREFIX, STDLIB
 from ..data.pipeline import DataSettings, PretrainingData, prepare_pretraining_data
 from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
@@ -70,11 +73,13 @@ def check_same_data(run: RunConfig) -> None:
     started = json.loads((checkpoint.path / RUN_CONFIG_NAME).read_text())
     changed = []
     for section, names in RESUME_KEEPS.items():
-        now, was = dataclasses.asdict(getattr(run, section)), started.get(section, {})
+        # as run_config.json holds it (a tuple is a list there)
+        now = json.loads(json.dumps(dataclasses.asdict(getattr(run, section))))
+        was = started.get(section, {})
         changed += [
             f"--{name.replace('_', '-')} {now[name]!r} (the run's: {was[name]!r})"
             for name in names
-            if name in was and now[name] != was[name]
+            if name in was and _comparable(name, now[name]) != _comparable(name, was[name])
         ]
     if changed:
         raise ValueError(
@@ -82,6 +87,14 @@ def check_same_data(run: RunConfig) -> None:
             f"order; these differ: {', '.join(changed)}. Give the run's values, or start over "
             f"in another --output-dir"
         )
+
+
+def _comparable(name: str, value: Any) -> Any:
+    """A setting as the data sees it: --data's files by their real paths from here
+    (`corpus`, `./corpus/` and its absolute path are one corpus), the rest as given."""
+    if name != "data":
+        return value
+    return [v if v == STDLIB or v.startswith(HF_PREFIX) else os.path.realpath(v) for v in value]
 
 
 def prepare_data(run: RunConfig, dist: Distributed) -> PretrainingData:
