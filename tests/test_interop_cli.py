@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from linformer_kit import LinformerModel, hub, linformer_tiny
+from linformer_kit.cli import convert as cli_convert
 from linformer_kit.cli import main
 from linformer_kit.interop import convert_hf_model
 from linformer_kit.interop.report import (
@@ -69,6 +70,24 @@ def test_report_rows_on_a_small_sample(tmp_path, capsys):
     assert json.loads(json.dumps(result))["seq_len"] == 512
     if result["teacher"]["forward_peak_mib"] is not None:  # Linux
         assert row["memory_ratio"] > 0  # (at batch 1 it reads 0.92-0.99: no place to compare)
+
+
+def test_report_refuses_what_it_would_ignore_before_any_work(tmp_path, monkeypatch):
+    # --max-seq-len / --projection / --proj-dim ... gave the n 512 linear table silently, a
+    # folder as --report-out failed after every conversion, and bad settings after the
+    # teacher had run, naming no flag.
+    monkeypatch.setattr(cli_convert, "conversion_report", lambda *a, **k: pytest.fail("ran"))
+    out = ["--report-out", str(tmp_path / "r.json")]
+    for flags, message in [
+        (["--max-seq-len", "1024", "--projection", "adaptive"], "--max-seq-len, --projection wo"),
+        (["--proj-dim", "32", "--exact"], "--exact, --proj-dim would be ignored"),
+        (["--report-out", str(tmp_path)], f"--report-out {tmp_path} is a directory; name a file"),
+        (["--heldout-texts", "0", *out], "heldout_texts must be an integer >= 1, got 0"),
+        (["--proj-dims", "64,abc", *out], "proj_dims must be integers >= 1, got '64,abc'"),
+        (["--inits", "xavier,bogus", *out], "inits must be one of .*; got 'bogus'"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["convert", "--report", *flags])
 
 
 def test_missing_source_directories_end_with_a_message_not_a_traceback(tmp_path):

@@ -54,6 +54,18 @@ def test_bad_settings_are_usage_errors(capsys):
     assert "variant 'k@1' is not exact@N or kK@N" in capsys.readouterr().err
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
         TaskBenchSettings(train="a", val="b", test="c", batch_size=0)
+    # before the baseline ran and the first variant was converted, and naming the flag
+    with pytest.raises(ValueError, match="threads must be an integer >= 0"):
+        TaskBenchSettings(train="a", val="b", test="c", threads=-1)
+    with pytest.raises(FileNotFoundError, match="--train 'a': no such file"):
+        run_task_bench(TaskBenchSettings(train="a", val="b", test="c"))
+    for spec, message in [
+        ("k128@64", "variant 'k128@64': K must be in \\[1, N\\]"),
+        ("k0@64", "variant 'k0@64': K must be in"),
+        ("exact@64,exact@64", "variants names one twice"),  # trained once, reported twice
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_variants(spec)
 
 
 def test_markdown_table_has_a_row_per_model_and_dashes_for_missing_figures():
@@ -186,7 +198,10 @@ def test_an_after_row_is_run_again_with_its_exact_run_and_kept_rows_survive_a_cr
         return {"variant": variant, "model": model, "wall_s": 9.0} | figures
 
     out = tmp_path / "report"
-    settings = TaskBenchSettings(train="a", val="b", test="c", out=str(out), work_dir="w")
+    for name in "abc":
+        (tmp_path / name).write_text("")  # (read by the faked steps only)
+    files = {flag: str(tmp_path / name) for flag, name in zip(("train", "val", "test"), "abc")}
+    settings = TaskBenchSettings(**files, out=str(out), work_dir="w")
     spec = "exact@64,k8@64:adaptive:after,k4@64,k2@64"
     settings = dataclasses.replace(settings, variants=spec)
     monkeypatch.setattr(task_bench, "tfidf_baseline", lambda train, test: row("tfidf", "tfidf"))

@@ -67,13 +67,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def check_report_path(path: str) -> None:
+def check_report_path(path: str, flag: str = "--out") -> None:
     """Raises ValueError if a report could not be written at `path` (a directory there, or a
-    file where a folder of its path should be): checked before the work, not after it."""
+    file where a folder of its path should be), naming `flag`: checked before the work."""
     out = Path(path)
     if out.is_dir():
-        raise ValueError(f"--out {path} is a directory; name a file, e.g. {out / 'report.json'}")
-    check_output_path(out, directory=False)
+        raise ValueError(f"{flag} {path} is a directory; name a file, e.g. {out / 'report.json'}")
+    check_output_path(out, directory=False, flag=flag)
 
 
 def write_report(result: dict[str, Any], path: str) -> Path:

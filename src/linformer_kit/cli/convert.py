@@ -14,6 +14,7 @@ from ..interop.report import ConversionReport, conversion_report, minilm_path
 from .common import (
     add_dataclass_arguments,
     add_student_arguments,
+    check_report_path,
     dataclass_from_args,
     format_table,
     write_report,
@@ -43,6 +44,19 @@ def _convert(args: argparse.Namespace, source: Path) -> None:
 
 
 def _report(args: argparse.Namespace, source: Path) -> None:
+    # The report converts at the teacher's length with each --proj-dims and --inits: these
+    # were ignored without a word (an n 512 linear table for --max-seq-len 1024 --projection
+    # adaptive)
+    shaping = ("out", "exact", "max_seq_len", "proj_dim", "projection", "init")
+    if given := [
+        "--" + n.replace("_", "-") for n in shaping if getattr(args, n) not in (None, False)
+    ]:
+        raise ValueError(
+            f"--report measures the teacher's length with --proj-dims and --inits: "
+            f"{', '.join(given)} would be ignored (leave out; distill --report takes "
+            f"--max-seq-len and --projection)"
+        )
+    check_report_path(args.report_out, flag="--report-out")  # before the work
     result = conversion_report(
         source,
         dataclass_from_args(ConversionReport, args),

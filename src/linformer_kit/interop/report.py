@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from ..config import LinformerConfig, check_choice
+from ..config import LinformerConfig, check_choice, check_positive
 from ..data.classification import encode_documents, pad_sequences
 from ..data.tokenizer import load_tokenizer
 from ..embeddings import masked_mean
@@ -223,6 +223,16 @@ class ConversionReport:
     memory_runs: int = field(
         default=3, metadata={"help": "fresh processes per peak-memory figure (median)"}
     )
+
+    def __post_init__(self) -> None:
+        # before the teacher runs: these failed after it, naming no flag
+        for name in ("heldout_texts", "batch_size", "repeats", "memory_runs"):
+            check_positive(name, getattr(self, name))
+        for k in self.proj_dims.split(","):
+            if not k.strip().isdigit() or int(k) < 1:
+                raise ValueError(f"proj_dims must be integers >= 1, got {self.proj_dims!r}")
+        for init in self.inits.split(","):
+            check_choice("inits", init.strip(), INITS)
 
 
 def model_tokenizer(path: str | os.PathLike, needed_for: str) -> Path:

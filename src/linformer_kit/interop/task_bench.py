@@ -125,6 +125,7 @@ class TaskBenchSettings:
         names = ("epochs", "batch_size", "grad_accum_steps", "after_epochs", "calibration_texts")
         for name in names:
             check_positive(name, getattr(self, name))
+        check_non_negative("threads", self.threads)
         check_lr("lr", self.lr, zero="0 = finetune's")
         check_lr("after_lr", self.after_lr)
         check_choice("projections", self.projections, PROJECTION_MODES)
@@ -137,8 +138,9 @@ def parse_variants(spec: str) -> list[Variant]:
     Linformer variant without `:KIND` is `linear` (calibrated init).
 
     Raises:
-        ValueError: naming the first malformed variant or unknown projection kind, or an
-            :after variant listed before its exact@N.
+        ValueError: naming the first malformed variant, unknown projection kind or K
+            outside [1, N], a variant named twice, or an :after variant listed before its
+            exact@N.
     """
     variants: list[Variant] = []
     for name in (part.strip() for part in spec.split(",")):
@@ -154,8 +156,13 @@ def parse_variants(spec: str) -> list[Variant]:
         projection = kinds[0] if kinds else "linear"
         check_choice("projection", projection, PROJECTIONS)
         proj_dim = int(match.group(2)) if match.group(2) else None
-        variants.append(Variant(name, proj_dim, int(match.group(3)), projection, after))
+        max_seq_len = int(match.group(3))
+        if max_seq_len < 1 or proj_dim is not None and not 1 <= proj_dim <= max_seq_len:
+            raise ValueError(f"variant {name!r}: K must be in [1, N] and N >= 1")
+        variants.append(Variant(name, proj_dim, max_seq_len, projection, after))
     names = [v.name for v in variants]
+    if len(set(names)) < len(names):  # trained once, reported twice
+        raise ValueError(f"variants names one twice: {spec!r}")
     for i, v in enumerate(variants):
         if v.after and v.exact in names[i + 1 :]:
             raise ValueError(f"{v.name} converts the fine-tuned {v.exact}: list {v.exact} first")
@@ -341,7 +348,14 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
 
     Returns:
         The report: settings, machine, one row per variant plus the baseline.
+
+    Raises:
+        FileNotFoundError: naming the flag of a data file that is not there (before the
+            baseline and the first conversion, not after them).
     """
+    for name in ("train", "val", "test"):
+        if not Path(getattr(s, name)).is_file():
+            raise FileNotFoundError(f"--{name} {getattr(s, name)!r}: no such file")
     variants = parse_variants(s.variants)
     earlier = earlier_rows(dataclasses.asdict(s))
     runs = {v.name for v in variants if v.name not in earlier}
