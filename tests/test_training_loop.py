@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import sys
 import types
 
 import pytest
@@ -25,6 +26,7 @@ from linformer_kit.training import RunConfig, Trainer, TrainSettings, loop, lr_f
 from linformer_kit.training.batches import LMEvaluator, language_model_loss
 from linformer_kit.training.checkpoint import check_resumable, latest_checkpoint
 from linformer_kit.training.distributed import Distributed, resolve_device
+from linformer_kit.training.metrics_log import MetricsLog
 from linformer_kit.training.optim import (
     apply_settings,
     build_optimizer,
@@ -318,6 +320,17 @@ def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_the_resume(tmp_path, c
     pretrain(run)
     assert f"{log}:" in caplog.text and "is not a whole record: skipped" in caplog.text
     assert [step for step, _ in train_losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resumed_run_purges_tensorboard_events_past_its_checkpoint(tmp_path, monkeypatch):
+    # The events past the checkpoint stayed in TensorBoard beside the re-run steps' own.
+    made = []
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = lambda log_dir, purge_step=None: made.append(purge_step) or None
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    MetricsLog(tmp_path, enabled=True, keep_until=None)
+    MetricsLog(tmp_path, enabled=True, keep_until=4)
+    assert made == [None, 5]
 
 
 def test_a_resumed_run_keeps_its_tokenizer_when_the_corpus_changed(tmp_path, caplog):

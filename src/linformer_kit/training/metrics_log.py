@@ -44,15 +44,17 @@ class MetricsLog:
             run_dir.mkdir(parents=True, exist_ok=True)
             text = "".join(json.dumps(r) + "\n" for r in self.records)
             hub.atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
-        self.writer = self._tensorboard(run_dir) if enabled else None
+        self.writer = self._tensorboard(run_dir, keep_until) if enabled else None
 
     @staticmethod
-    def _tensorboard(run_dir: Path) -> Any:
+    def _tensorboard(run_dir: Path, keep_until: int | None) -> Any:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             return None
-        return SummaryWriter(str(run_dir / "tensorboard"))
+        # resuming: the events past the checkpoint are dropped there too (else shown twice)
+        purge = None if keep_until is None else keep_until + 1
+        return SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
 
     def write(self, record: dict[str, Any]) -> None:
         """Keeps a record; rank 0 also appends it to the log."""
