@@ -15,8 +15,7 @@ from .functional import (
     check_input,
     check_key_padding_mask,
     check_seq_len,
-    gather_positions,
-    real_first,
+    real_tokens_first,
 )
 from .linear_backend import apply_linear, linear
 from .projection import ExactProjection, MatrixProjection, SequenceProjection
@@ -181,8 +180,7 @@ class LinformerSelfAttention(nn.Module):
         kv_x = x
         if key_padding_mask is not None and self.projected and not right_padded:
             # left or inner padding took rows of E and F (the queries stay where they are)
-            order = real_first(key_padding_mask)
-            kv_x, key_padding_mask = gather_positions(x, order), key_padding_mask.gather(1, order)
+            kv_x, key_padding_mask = real_tokens_first(key_padding_mask, x)
         k, v, kv_mask = self.keys_values(kv_x, key_padding_mask)
         out = attend(q, k, v, kv_mask, dropout_p)  # (B, H, N, D)
         return self._merge(out), (attention_weights(q, k, kv_mask) if return_attention else None)

@@ -21,9 +21,8 @@ from .functional import (
     check_key_padding_mask,
     check_seq_len,
     exact_attention,
-    gather_positions,
     linformer_attention,
-    real_first,
+    real_tokens_first,
 )
 from .linear_backend import apply_linear
 from .projection import SequenceProjection
@@ -130,9 +129,7 @@ class LinformerCrossAttention(LinformerSelfAttention):
         check_seq_len(seq_len, self.max_seq_len)
         check_key_padding_mask(memory_padding_mask, batch, seq_len)
         if memory_padding_mask is not None:  # E's row j projects the j-th real position
-            order = real_first(memory_padding_mask)
-            memory = gather_positions(memory, order)
-            memory_padding_mask = memory_padding_mask.gather(1, order)
+            memory, memory_padding_mask = real_tokens_first(memory_padding_mask, memory)
         return MemoryCache(*self.keys_values(memory, memory_padding_mask))
 
     def forward(

@@ -100,6 +100,17 @@ def gather_positions(x: Tensor, order: Tensor, dim: int = 1) -> Tensor:
     return x.gather(dim, order.view(shape).expand_as(x))
 
 
+def real_tokens_first(
+    key_padding_mask: Tensor, *tensors: Tensor, dim: int = 1
+) -> tuple[Tensor, ...]:
+    """`tensors` (batch first, positions along `dim`) and then the mask, each row's real
+    tokens gathered first, in order (`real_first`): any padding becomes right padding, so
+    row j of a projection's E and F projects the j-th real token."""
+    order = real_first(key_padding_mask)
+    gathered = (gather_positions(t, order, dim) for t in tensors)
+    return (*gathered, key_padding_mask.gather(1, order))
+
+
 def check_projections(proj_k: Tensor, proj_v: Tensor, heads: int | None = None) -> None:
     """Raises ValueError unless the key and value projections give the same k rows (and,
     given `heads`, a per-head one has as many heads)."""
@@ -329,9 +340,7 @@ def linformer_attention(
     check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2])
     check_projections(proj_k, proj_v)
     if key_padding_mask is not None:  # E's row j projects the j-th real token (left padding)
-        order = real_first(key_padding_mask)
-        k, v = gather_positions(k, order, dim=2), gather_positions(v, order, dim=2)
-        key_padding_mask = key_padding_mask.gather(1, order)
+        k, v, key_padding_mask = real_tokens_first(key_padding_mask, k, v, dim=2)
     k = project_linear(k.transpose(1, 2), proj_k, key_padding_mask).transpose(1, 2)
     v = project_linear(v.transpose(1, 2), proj_v, key_padding_mask).transpose(1, 2)
     return attend(q, k, v, None, dropout_p, scale)  # (B, H, N, D)
