@@ -19,6 +19,14 @@ SDPA_DOUBLE_BACKWARD = (
 )
 
 
+def no_double_backward(what: str, hint: str) -> str:
+    """The error of a double backward through `what`, naming what gives one (`hint`)."""
+    return (
+        f"linformer-kit: {what}'s backward is not differentiable (no double backward); for "
+        f"higher-order gradients use {hint}"
+    )
+
+
 def first_order_only(what: str, hint: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """`once_differentiable` for a backward whose gradients are made from saved inputs:
     under `create_graph=True` (a gradient penalty) they raise when differentiated, naming
@@ -33,11 +41,8 @@ def first_order_only(what: str, hint: str) -> Callable[[Callable[..., Any]], Cal
                 outputs = backward(ctx, *grads)
             if not torch.is_grad_enabled() or not any(ctx.needs_input_grad):
                 return outputs
-            message = (
-                f"linformer-kit: {what}'s backward is not differentiable (no double "
-                f"backward); for higher-order gradients use {hint}"
-            )
-            error = torch._C._functions.DelayedError(message.encode(), len(outputs))
+            message = no_double_backward(what, hint).encode()
+            error = torch._C._functions.DelayedError(message, len(outputs))
             return error(*(None if o is None else o.detach().requires_grad_() for o in outputs))
 
         return wrapper
@@ -134,14 +139,11 @@ def register(env_switch: str) -> None:
     hints = {"attention": SDPA_DOUBLE_BACKWARD, "feedforward": f"{env_switch}=0"}
     for kernel, hint in hints.items():
         # (kernel, hint: defaults bind each pass's values)
-        def no_double_backward(ctx, *grads, kernel=kernel, hint=hint):  # noqa: ANN001, ANN002, ANN202, ARG001
-            raise RuntimeError(
-                f"linformer-kit: the compiled {kernel} kernel's backward is not differentiable "
-                f"(no double backward); for higher-order gradients use {hint}"
-            )
+        def refuse(ctx, *grads, kernel=kernel, hint=hint):  # noqa: ANN001, ANN002, ANN202, ARG001
+            raise RuntimeError(no_double_backward(f"the compiled {kernel} kernel", hint))
 
         torch.library.register_autograd(
             f"linformer_kit::{kernel}_backward",
-            no_double_backward,
+            refuse,
             setup_context=lambda ctx, inputs, output: None,  # noqa: ARG005
         )
