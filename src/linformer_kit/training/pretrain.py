@@ -18,7 +18,7 @@ from ..data.pipeline import DataSettings, PretrainingData, prepare_pretraining_d
 from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
-from .checkpoint import CHECKPOINTS_DIR, check_run_dir, latest_checkpoint
+from .checkpoint import CHECKPOINTS_DIR, check_run_dir
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .settings import RUN_CONFIG_NAME, RunConfig
@@ -61,16 +61,20 @@ RESUME_KEEPS = {
 
 def check_same_data(run: RunConfig) -> None:
     """Checks that a `--resume` goes on with the run's data, split and order
-    (`RESUME_KEEPS`, against the run_config.json of its latest checkpoint); a fresh run, or
-    a run without a checkpoint, passes.
+    (`RESUME_KEEPS`, against the run_config.json of its `last` checkpoint: read, not
+    verified, which the trainer's resume does once); a fresh run, or a run without a
+    checkpoint, passes.
 
     Raises:
         ValueError: naming each flag that differs, with the run's value.
     """
-    checkpoint = latest_checkpoint(run.train.output_dir) if run.train.resume else None
-    if checkpoint is None or not (checkpoint.path / RUN_CONFIG_NAME).is_file():
+    last = Path(run.train.output_dir) / "last"
+    if not run.train.resume or not (last / RUN_CONFIG_NAME).is_file():
         return
-    started = json.loads((checkpoint.path / RUN_CONFIG_NAME).read_text())
+    try:
+        started = json.loads((last / RUN_CONFIG_NAME).read_text())
+    except json.JSONDecodeError:
+        return  # a damaged checkpoint: the resume names it, or falls back to an intact one
     changed = []
     for section, names in RESUME_KEEPS.items():
         # as run_config.json holds it (a tuple is a list there)
@@ -83,7 +87,7 @@ def check_same_data(run: RunConfig) -> None:
         ]
     if changed:
         raise ValueError(
-            f"--resume continues the pretraining of {checkpoint.path} on its data, split and "
+            f"--resume continues the pretraining of {last.resolve()} on its data, split and "
             f"order; these differ: {', '.join(changed)}. Give the run's values, or start over "
             f"in another --output-dir"
         )
