@@ -151,15 +151,18 @@ def csv_rows(path: Path, text: str) -> Iterator[tuple[int, list[str]]]:
         yield start, row
 
 
-def iter_csv(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+def iter_csv(
+    path: Path, columns: tuple[str, ...], text: str | None = None
+) -> Iterator[tuple[int, dict]]:
     """Yields (the line it starts on, {column: cell}) for each non-blank row of a CSV file
-    whose header row names `columns` (and maybe others).
+    whose header row names `columns` (and maybe others); `text`, the file's, where the
+    caller has read it.
 
     Raises:
         ValueError: naming the file and line, for a missing or repeated column of
             `columns`, a row of the wrong width or malformed CSV (and as `read_text`).
     """
-    rows = csv_rows(path, read_text(path))
+    rows = csv_rows(path, read_text(path) if text is None else text)
     _, header = next(rows, (1, []))
     for column in columns:
         if column not in header:

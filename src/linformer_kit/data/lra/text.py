@@ -52,11 +52,11 @@ def _folder(path: Path) -> tuple[list[bytes], list[str]]:
     return texts, labels
 
 
-def _headed_csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
+def _headed_csv(path: Path, text: str, where: str) -> tuple[list[bytes], list[str]]:
     column, _, value = where.partition("=")
     columns = ("text", "label", column) if where else ("text", "label")
     texts, labels, seen = [], [], set()
-    for _, record in iter_csv(path, columns):
+    for _, record in iter_csv(path, columns, text):
         if where:
             seen.add(record[column])
             if record[column] != value:
@@ -70,10 +70,11 @@ def _headed_csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
 
 
 def _csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
-    rows = csv_rows(path, read_text(path))  # bytes are never altered silently
+    text = read_text(path)  # bytes are never altered silently
+    rows = csv_rows(path, text)
     first = next(rows, (1, []))
     if {"text", "label"} <= set(first[1]):
-        return _headed_csv(path, where)
+        return _headed_csv(path, text, where)
     if where:
         raise ValueError(
             f"{path}: selecting rows by {where!r} needs a header row naming the columns "
