@@ -68,6 +68,12 @@ def _logistic_regression(
     return weight.detach(), bias.detach()
 
 
+def cross_validates(examples: int, folds: int = FOLDS) -> bool:
+    """Whether `fit_linear_probe` picks its penalty by cross-validation: 2 examples a fold;
+    fewer take the strongest penalty."""
+    return examples >= 2 * folds
+
+
 def fit_linear_probe(
     features: Tensor,
     labels: Tensor,
@@ -120,7 +126,9 @@ def fit_linear_probe(
             )
         return total
 
-    penalty = min(strengths, key=heldout_loss) if len(labels) >= 2 * folds else strengths[-1]
+    penalty = strengths[-1]  # the strongest, where too few examples to cross-validate
+    if cross_validates(len(labels), folds):
+        penalty = min(strengths, key=heldout_loss)
     weight, bias = _logistic_regression(z, labels, num_labels, penalty, max_iter)
     return weight / std, bias - (weight / std) @ mean, penalty
 
@@ -147,7 +155,7 @@ def init_head_from_probe(
     accuracy = float(((features.double() @ weight.T + bias).argmax(-1) == labels).double().mean())
     chosen = (
         f"by {FOLDS}-fold cross-validation"
-        if len(labels) >= 2 * FOLDS
+        if cross_validates(len(labels))
         else f"the strongest: fewer than {2 * FOLDS} examples to cross-validate"
     )
     logger.info(
