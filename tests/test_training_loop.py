@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import logging
 import sys
 import types
 
@@ -24,7 +25,7 @@ from linformer_kit.data.tokenizer import train_tokenizer
 from linformer_kit.kernel_rule import pinned_kernel
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, loop, lr_factor, pretrain
 from linformer_kit.training.batches import LMEvaluator, language_model_loss
-from linformer_kit.training.checkpoint import check_resumable, latest_checkpoint
+from linformer_kit.training.checkpoint import check_resumable, latest_checkpoint, restore_rng
 from linformer_kit.training.distributed import Distributed, resolve_device
 from linformer_kit.training.metrics_log import MetricsLog
 from linformer_kit.training.optim import (
@@ -182,6 +183,24 @@ def test_resume_refuses_another_split_order_or_world_of_processes(tmp_path):
     run = tiny_run(tmp_path, max_steps=3, eval_every=3, save_every=3, resume=True)
     run.data = dataclasses.replace(run.data, data=(run.data.data[0] + "/",))
     assert pretrain(run).steps == 3
+
+
+def test_a_run_saved_on_the_cpu_resumes_on_a_gpu(monkeypatch, caplog):
+    # A CPU run saves no GPU generator (cuda_rng []): resuming it on a GPU indexed the empty
+    # list (IndexError) before the first step. Stand-ins for the GPU's generator.
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d: restored.append((s, d)))
+    cpu_state, cuda_state = torch.get_rng_state(), torch.tensor([1, 2], dtype=torch.uint8)
+    torch.manual_seed(123)
+    with caplog.at_level(logging.WARNING):
+        restore_rng({"rng": [cpu_state], "cuda_rng": []}, 0, torch.device("cuda", 0))
+    assert torch.equal(torch.get_rng_state(), cpu_state) and restored == []
+    assert "saved by a run on the CPU" in caplog.text
+    state = {"rng": [cpu_state, cpu_state], "cuda_rng": [None, cuda_state]}
+    restore_rng(state, 1, torch.device("cuda", 1))
+    assert restored == [(cuda_state, torch.device("cuda", 1))]
+    restore_rng(state, 1, torch.device("cpu"))  # a GPU run resumed on the CPU
+    assert len(restored) == 1
 
 
 def test_an_optimizer_state_without_the_unrun_pooler_loads():

@@ -168,6 +168,22 @@ def check_resumable(
     check_same_model(checkpoint.path, model)
 
 
+def restore_rng(state: dict[str, Any], rank: int, device: torch.device) -> None:
+    """Puts back process `rank`'s random number generators as `state` (a checkpoint's) saved
+    them: the CPU's, and the GPU's when `device` is one and the run saved it (a run saved on
+    the CPU has none: the GPU's then goes on from this process's seed, with a warning)."""
+    torch.set_rng_state(state["rng"][rank])
+    if device.type != "cuda":
+        return
+    if not state["cuda_rng"]:
+        logger.warning(
+            "the checkpoint was saved by a run on the CPU: the GPU's random numbers (dropout) "
+            "go on from this run's seed, not from where that run stopped"
+        )
+        return
+    torch.cuda.set_rng_state(state["cuda_rng"][rank], device)
+
+
 def check_same_model(checkpoint: Path, model: LinformerPreTrainedModel) -> None:
     """Checks that `model` is the model whose weights `checkpoint` holds: the same class,
     constructor arguments and config, but for RESUME_MAY_CHANGE (weights of the same shapes

@@ -27,6 +27,7 @@ from .checkpoint import (
     check_resumable,
     check_run_dir,
     latest_checkpoint,
+    restore_rng,
     save_checkpoint,
 )
 from .distributed import Distributed, peak_memory_mb
@@ -159,9 +160,7 @@ class Trainer:
         self.step, self.tokens = state["step"], state["tokens"]
         self.train_s, self.best = state["train_s"], state["best"]
         self.earlier_peak_mb = state.get("peak_mem_mb", 0.0)  # not in older checkpoints
-        torch.set_rng_state(state["rng"][self.dist.rank])
-        if self.dist.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"][self.dist.rank], self.dist.device)
+        restore_rng(state, self.dist.rank, self.dist.device)
         logger.info("resumed from %s at step %d", checkpoint.path, self.step)
         return self.step
 
