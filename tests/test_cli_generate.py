@@ -64,6 +64,12 @@ def test_generate_by_default_adds_as_many_tokens_as_the_model_has_room_for(check
     assert capsys.readouterr().out == tokenizer.tokenizer.decode(want) + "\n"
     with pytest.raises(SystemExit, match=r"prompt \(\d+\) \+ max_new_tokens \(64\) = \d+ exceeds"):
         main(["generate", str(path), "--prompt", "def add", "--max-new-tokens", "64"])
+    # a prompt that fills max_seq_len was refused naming the default 64 the user never gave
+    full = "def add(a, b):\n    return a + b\n" * 40
+    width = len(tokenizer.encode_batch([full])[0])
+    assert width > 64  # longer than the model takes, or as long
+    with pytest.raises(SystemExit, match=rf"longest --prompt has {width} tokens, which leaves no"):
+        main(["generate", str(path), "--prompt", full])
 
 
 def test_generate_ends_the_text_at_the_separator_pretraining_put_after_each_document(

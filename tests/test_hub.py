@@ -94,6 +94,22 @@ def test_round_trip_gives_identical_outputs(tmp_path, changes):
 
 
 @pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (LinformerForMaskedLM, {}),
+        (LinformerForMaskedLM, dict(keep_head=False)),
+        (LinformerModel, {}),
+    ],
+)
+def test_from_pretrained_returns_the_model_in_eval_mode(mlm_dir, cls, kwargs):
+    # As `transformers` does: a loaded model generated with dropout on (greedy decoding
+    # changed from call to call) unless the caller knew to call eval().
+    _, path = mlm_dir
+    model = cls.from_pretrained(path, config_overrides=dict(dropout=0.1), **kwargs)
+    assert not any(module.training for module in model.modules())
+
+
+@pytest.mark.parametrize(
     "sharing, stored", [("none", 4), ("headwise", 4), ("kv", 2), ("layerwise", 1)]
 )
 def test_shared_projections_are_stored_once(tmp_path, sharing, stored):

@@ -317,6 +317,9 @@ def test_generation_refuses_bad_settings_and_empty_sources_before_any_work():
         model.generate(src, 3, mask)
     with pytest.raises(ValueError, match=r"one per row \(2\); got 3 items"):
         model.generate(src, 3, generator=[torch.Generator()] * 3)
+    # a 1-D source with one generator blamed the generator, its length taken for rows
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch >= 1, seq_len\), got sh"):
+        model.generate(src[0], 3, generator=[torch.Generator()])
 
 
 def test_sampling_with_a_generator_per_row_gives_each_source_its_own_draws():

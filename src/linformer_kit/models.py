@@ -100,7 +100,8 @@ class LinformerPreTrainedModel(nn.Module):
         dtype: torch.dtype | str | None = None,
         **model_kwargs: Any,
     ) -> ModelT:
-        """Loads a model saved by `save_pretrained` (or a training checkpoint).
+        """Loads a model saved by `save_pretrained` (or a training checkpoint), in eval mode
+        (dropout off) as `transformers` returns it: call `train()` before training it.
 
         Loading a different architecture, or `keep_head=False`, keeps the backbone only (e.g. a
         classifier from a masked-LM checkpoint, or one of 5 classes from one of 2); the new
@@ -147,7 +148,7 @@ class LinformerPreTrainedModel(nn.Module):
                     f"{err}\n{changed} differ from the saved {meta['model_kwargs']}: pass "
                     f"keep_head=False to load the backbone with a new head"
                 ) from None
-            return model
+            return model.eval()
         if meta["architecture"] != LinformerModel.__name__:
             prefix = cls.base_model_prefix + "."
             tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -158,7 +159,7 @@ class LinformerPreTrainedModel(nn.Module):
                 meta["architecture"],
                 cls.__name__,
             )
-        return model
+        return model.eval()
 
 
 class LinformerModel(LinformerPreTrainedModel):

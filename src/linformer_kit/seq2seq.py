@@ -361,8 +361,9 @@ class LinformerForSeq2SeqLM(LinformerPreTrainedModel):
             )
         check_finite_non_negative("temperature", temperature)
         check_top_k(top_k)
+        check_token_ids(input_ids)  # before its rows are counted
         check_generators(generator, input_ids.shape[0])
-        if key_padding_mask is not None and input_ids.dim() == 2:  # else `encode` names it
+        if key_padding_mask is not None:
             check_key_padding_mask(key_padding_mask, *input_ids.shape)
             check_rows_hold_a_token(key_padding_mask, "source")
         memory = self.encode(input_ids, key_padding_mask)

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 def load_backbone(path: str | os.PathLike) -> LinformerModel:
     """The LinformerModel of a checkpoint directory (the backbone of a masked-LM or
     classifier checkpoint), in eval mode."""
-    return LinformerModel.from_pretrained(path).eval()
+    return LinformerModel.from_pretrained(path)
 
 
 def check_one_matrix(config: LinformerConfig, layers: list[int], path: str | os.PathLike) -> None:

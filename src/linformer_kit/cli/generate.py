@@ -40,16 +40,19 @@ def run(args: argparse.Namespace) -> None:
     # prompt in the rows the model returns); the model generates each as if alone
     width = max(map(len, prompts))
     max_new_tokens = args.max_new_tokens
-    if max_new_tokens is None:  # up to DEFAULT_NEW_TOKENS, as many as the model has room for
-        room = model.config.decoder.max_seq_len - 1 if seq2seq else model.config.max_seq_len - width
-        max_new_tokens = min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS
+    if max_new_tokens is None and not seq2seq:  # up to DEFAULT_NEW_TOKENS, as many as fit
+        room = model.config.max_seq_len - width
+        if room < 1:
+            raise ValueError(
+                f"the longest --prompt has {width} tokens, which leaves no room for a new one: "
+                f"the model's max_seq_len is {model.config.max_seq_len}"
+            )
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
+    elif max_new_tokens is None:  # the target's length, start token included
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, model.config.decoder.max_seq_len - 1)
     mask = torch.tensor([[False] * (width - len(ids)) + [True] * len(ids) for ids in prompts])
     input_ids = torch.tensor([[tokenizer.pad_id] * (width - len(ids)) + ids for ids in prompts])
-    rows = (
-        model.eval()
-        .generate(input_ids, max_new_tokens, key_padding_mask=mask, **generation)
-        .tolist()
-    )
+    rows = model.generate(input_ids, max_new_tokens, key_padding_mask=mask, **generation).tolist()
     # seq2seq prints the target alone (after the start token), a causal LM the prompt and its
     # continuation; either up to the end token, which decoding would drop without a trace.
     eos = model.config.eos_token_id if seq2seq else tokenizer.sep_id

@@ -157,7 +157,7 @@ def convert_checkpoint(
             f"positions, so it converts at {config.max_seq_len}; a longer model comes from a "
             f"Hugging Face directory (convert --from HF_DIR --max-seq-len N)"
         )
-    exact = cls.from_pretrained(source).eval()
+    exact = cls.from_pretrained(source)
     target = config.replace(proj_dim=proj_dim, sharing=sharing, projection=projection)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

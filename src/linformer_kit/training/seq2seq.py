@@ -295,7 +295,7 @@ def evaluate_seq2seq(
     if max_examples:
         pairs = pairs.subset(list(range(min(max_examples, len(pairs)))))
     target = resolve_device(device)
-    model = LinformerForSeq2SeqLM.from_pretrained(path).to(target).eval()
+    model = LinformerForSeq2SeqLM.from_pretrained(path).to(target)
     evaluator = Seq2SeqEvaluator(
         pairs, batch_size, tokenizer=data.tokenizer, generate=True, verbose=True
     )

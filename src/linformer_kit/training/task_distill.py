@@ -65,7 +65,7 @@ def teacher_logits(
             f"(a directory written by `linformer finetune`, e.g. runs/x/best)"
         )
     config = meta["config"]
-    model = LinformerForSequenceClassification.from_pretrained(teacher).to(device).eval()
+    model = LinformerForSequenceClassification.from_pretrained(teacher).to(device)
     if model.num_labels != num_labels or (config.label2id or None) != (
         student_data.label2id or None
     ):
