@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
-from train_helpers import tiny_run
+from train_helpers import pretrain_cli, tiny_run, write_classification
 
 from linformer_kit import hub
+from linformer_kit.cli import main
 from linformer_kit.data import prepare_pretraining_data
 from linformer_kit.masked_lm import LinformerForMaskedLM
 from linformer_kit.training.distributed import setup_distributed, teardown_distributed
@@ -24,7 +25,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker(rank, world_size, port, run, out):
+def join_group(rank, world_size, port):
+    """The environment torchrun gives process `rank` of `world_size`, one thread."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -33,6 +35,10 @@ def worker(rank, world_size, port, run, out):
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+
+
+def worker(rank, world_size, port, run, out):
+    join_group(rank, world_size, port)
     dist = setup_distributed("cpu")
     try:
         train_and_save(run, dist, out / f"rank{rank}.pt")
@@ -87,6 +93,37 @@ def test_two_gloo_processes_train_to_identical_weights(
     assert steps == list(range(1, 7))  # written once, by rank 0
     state = torch.load(tmp_path / "run/last/trainer_state.pt", weights_only=True)
     assert len(state["rng"]) == 2  # both ranks' RNG states, for an exact resume
+
+
+def cli_worker(rank, world_size, port, argv):
+    join_group(rank, world_size, port)
+    main(argv)
+
+
+def test_two_processes_fine_tune_as_one_with_two_micro_batches(tmp_path, monkeypatch):
+    # Batches of texts of different lengths: the logged tokens were rank 0's padded count
+    # times the number of processes (464 against 488 after two steps in the review).
+    model = ["--max-seq-len", "64", "--dim", "32", "--depth", "1", "--num-heads", "2"]
+    no_dropout = ["--dropout", "0", "--attention-dropout", "0"]  # one process's draws or two's
+    init = pretrain_cli(tmp_path, "--max-steps", "1", *model, *no_dropout, files=2)
+    monkeypatch.setenv("LINFORMER_CACHE", str(tmp_path / "cache"))
+    argv = ["finetune", "--init", str(init / "last"), "--max-steps", "3", "--batch-size", "2",
+            "--log-every", "1", "--eval-every", "3", "--warmup-steps", "1", "--threads", "1",
+            "--data", str(write_classification(tmp_path / "train.jsonl", 12, seed=0)),
+            "--eval", str(write_classification(tmp_path / "valid.jsonl", 5, seed=1))]  # fmt: skip
+    main([*argv, "--grad-accum-steps", "2", "--output-dir", str(tmp_path / "one")])
+    mp.spawn(cli_worker, args=(2, free_port(), [*argv, "--output-dir", str(tmp_path / "two")]),
+             nprocs=2, join=True)  # fmt: skip
+
+    def logged(run):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["split"], r.get("tokens")) for r in map(json.loads, lines)]
+
+    assert logged("two") == logged("one")
+    assert len({r[2] for r in logged("one")}) == 4  # steps of differing lengths, val: None
+    one, two = (hub.read_weights(tmp_path / run / "last") for run in ("one", "two"))
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_teardown_frees_an_unreferenced_ddp_wrapper_before_the_group_goes(tmp_path):

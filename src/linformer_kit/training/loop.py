@@ -254,7 +254,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.dist.mean(weighted) if total else math.nan
-        return loss, tokens * self.dist.world_size, lr
+        return loss, round(self.dist.mean(float(tokens)) * self.dist.world_size), lr
 
     def _check_finite(self, loss: float) -> None:
         """Stops a run whose weights are no longer numbers after this step's update, before
