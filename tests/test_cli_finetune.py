@@ -99,6 +99,18 @@ def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
     assert "these differ: --max-seq-len 32 (the run's: 64)" in err
     finetune(pretrained, data, out, "--max-steps", "6", "--resume", "--max-seq-len", "64")
     assert records(out, "train") == [1, 2, 3, 4, 5, 6]
+    # Another batch size, seed or training file went on without a word (the order indexed
+    # anew from the step: examples seen again, others skipped; a changed split scored apart)
+    other = data[0].with_name("other.jsonl")
+    other.write_bytes(data[0].read_bytes())
+    flags = ["--batch-size", "4", "--seed", "9", "--data", str(other)]
+    err = user_error(capsys, lambda: finetune(pretrained, data, out, "--max-steps", "8",
+                                              "--resume", *flags))  # fmt: skip
+    assert (
+        f"--resume continues the fine-tuning of {out}/checkpoints/step-00000006 on its texts, "
+        f"read and ordered as it started; these differ: --data '{other}' (the run's: "
+        f"'{data[0]}'), --batch-size 4 (the run's: 8), --seed 9 (the run's: 0)"
+    ) in err
 
 
 def test_a_sequence_length_beyond_the_models_is_an_error_naming_both(

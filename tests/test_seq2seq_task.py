@@ -1,6 +1,7 @@
 """Seq2seq tasks and commands: ROUGE-L against hand-computed values, docstring extraction and its
 split, exact resume of a seq2seq run, and `linformer seq2seq` / `linformer generate`."""
 
+import dataclasses
 import json
 import textwrap
 
@@ -132,6 +133,15 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, m
     weights = [hub.read_weights(tmp_path / run / "last") for run in ("straight", "resumed")]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    # Another --data-seed (a new split: validation scored other pairs) or --batch-size
+    # went on without a word
+    run = tiny_run(tmp_path / "resumed", 9, resume=True)
+    run.data = dataclasses.replace(run.data, data_seed=7)
+    run.train = dataclasses.replace(run.train, batch_size=2)
+    with pytest.raises(ValueError, match=r"continues the training of .*step-00000006 on its "
+                       r"pairs and order; these differ: --data-seed 7 \(the run's: 0\), "
+                       r"--batch-size 2 \(the run's: 4\)"):  # fmt: skip
+        train_seq2seq(run)
 
 
 def test_the_commands_train_evaluate_and_refuse_bad_input(tmp_path, capsys):

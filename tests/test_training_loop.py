@@ -368,6 +368,15 @@ def test_a_resumed_run_keeps_its_tokenizer_when_the_corpus_changed(tmp_path, cap
     run.data.tokenizer, run.train.max_steps = str(other), 8
     with pytest.raises(ValueError, match=r"--tokenizer .*other.json is not the tokenizer of"):
         pretrain(run)
+    # The newest checkpoint's tokenizer was read unverified: a damaged one failed the resume
+    # (truncated) or tokenised the data before the trainer skipped that checkpoint (altered)
+    run.data.tokenizer = ""
+    newest = checkpoints / "step-00000006" / "tokenizer.json"
+    newest.write_text(newest.read_text()[:50])
+    caplog.clear()
+    pretrain(run)
+    assert f"resuming with the run's own tokenizer, {checkpoints}/step-00000004/" in caplog.text
+    assert "skipping a corrupt checkpoint" in caplog.text
 
 
 def _trainer(tmp_path, **train):

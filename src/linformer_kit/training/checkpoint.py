@@ -17,11 +17,13 @@ not match it is corrupt: resume skips both.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +184,44 @@ def restore_rng(state: dict[str, Any], rank: int, device: torch.device) -> None:
         )
         return
     torch.cuda.set_rng_state(state["cuda_rng"][rank], device)
+
+
+def check_resume_keeps(
+    checkpoint: Checkpoint | None,
+    run: Any,
+    keeps: dict[str, tuple[str, ...]],
+    continues: str,
+    comparable: Callable[[str, Any], Any] = lambda name, value: value,
+) -> None:
+    """Checks that a `--resume` goes on with the settings `keeps` names (section: fields) as
+    `checkpoint`'s run_config.json recorded them: `run` is this run's config (its sections
+    dataclasses), `comparable` the form a setting is compared in. A run without a
+    checkpoint passes.
+
+    Raises:
+        ValueError: "--resume continues `continues`", then each flag that differs with
+            the run's value (both as compared).
+    """
+    if checkpoint is None or not (checkpoint.path / RUN_CONFIG_NAME).is_file():
+        return
+    started = json.loads((checkpoint.path / RUN_CONFIG_NAME).read_text())
+    # as run_config.json holds them (a tuple is a list there)
+    now = json.loads(json.dumps({name: asdict(getattr(run, name)) for name in keeps}))
+    changed = [
+        f"--{name.replace('_', '-')} {value!r} (the run's: {before!r})"
+        for section, names in keeps.items()
+        for name in names
+        if name in started.get(section, {})
+        for value, before in [
+            (comparable(name, now[section][name]), comparable(name, started[section][name]))
+        ]
+        if value != before
+    ]
+    if changed:
+        raise ValueError(
+            f"--resume continues {continues}; these differ: {', '.join(changed)}. Give the "
+            f"run's values, or start over in another --output-dir"
+        )
 
 
 def check_same_model(checkpoint: Path, model: LinformerPreTrainedModel) -> None:

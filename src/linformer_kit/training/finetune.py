@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,11 +26,11 @@ from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
-from .checkpoint import Checkpoint, check_run_dir, latest_checkpoint
+from .checkpoint import Checkpoint, check_resume_keeps, check_run_dir, latest_checkpoint
 from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
-from .settings import RUN_CONFIG_NAME, TrainSettings, save_json
+from .settings import TrainSettings, save_json
 from .task_distill import DistillationObjective, teacher_logits
 
 logger = logging.getLogger(__name__)
@@ -179,34 +179,32 @@ def _sequence_length(settings: FinetuneSettings, model_len: int) -> int:
     return settings.max_seq_len or model_len
 
 
+# What a fine-tuning --resume keeps: the texts as read (files, fields, length cut; the
+# truncation rule is the model's config, `check_same_model`'s) and the order they come in.
+RESUME_KEEPS = {
+    "finetune": ("data", "eval", "text_field", "label_field", "max_seq_len"),
+    "train": ("batch_size", "grad_accum_steps", "seed"),
+}
+
+
 def _check_same_inputs(
-    checkpoint: Checkpoint | None, settings: FinetuneSettings, max_len: int, model_len: int
+    checkpoint: Checkpoint | None, run: FinetuneRunConfig, model_len: int
 ) -> None:
-    """Checks that a resumed fine-tuning reads its texts as it started (the run_config.json
-    of its last checkpoint): the same length cut and fields (the truncation rule is the
-    model's config, `check_same_model`'s). A run without a checkpoint (None) passes.
+    """Checks that a resumed fine-tuning goes on as it started (`RESUME_KEEPS`, against
+    `checkpoint`'s run_config.json); a run without a checkpoint (None) passes.
 
     Raises:
         ValueError: naming each flag that differs, with the run's value.
     """
-    if checkpoint is None or not (checkpoint.path / RUN_CONFIG_NAME).is_file():
-        return
-    started = json.loads((checkpoint.path / RUN_CONFIG_NAME).read_text())["finetune"]
-    was = {name: started[name] for name in ("text_field", "label_field")}
-    was["max_seq_len"] = started["max_seq_len"] or model_len
-    now = {"text_field": settings.text_field, "label_field": settings.label_field}
-    now["max_seq_len"] = max_len
-    changed = ", ".join(
-        f"--{name.replace('_', '-')} {now[name]!r} (the run's: {was[name]!r})"
-        for name in now
-        if now[name] != was[name]
-    )
-    if changed:
-        raise ValueError(
-            f"--resume continues the fine-tuning of {checkpoint.path} on texts read as it "
-            f"started; these differ: {changed}. Give the run's values, or start over in "
-            f"another --output-dir"
-        )
+
+    def comparable(name: str, value: Any) -> Any:
+        if name == "max_seq_len":
+            return value or model_len
+        return os.path.realpath(value) if name in ("data", "eval") else value
+
+    path = checkpoint and checkpoint.path
+    continues = f"the fine-tuning of {path} on its texts, read and ordered as it started"
+    check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues, comparable)
 
 
 def _sized(
@@ -325,7 +323,8 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     # a folder with checkpoints is resumed (its head loaded) or refused by the Trainer
     last = latest_checkpoint(Path(train.output_dir))
     if train.resume:
-        _check_same_inputs(last, settings, max_len, config.max_seq_len)
+        run = FinetuneRunConfig(model=config, train=train, finetune=settings)
+        _check_same_inputs(last, run, config.max_seq_len)
     fields = {"text_field": settings.text_field, "label_field": settings.label_field}
     fields["truncation"] = settings.truncation or config.truncation or DEFAULT_TRUNCATION
     head_labels = _head_labels(meta, settings.num_labels)

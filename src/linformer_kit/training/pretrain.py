@@ -4,10 +4,8 @@ processes)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,26 +16,25 @@ from ..data.pipeline import DataSettings, PretrainingData, prepare_pretraining_d
 from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
-from .checkpoint import CHECKPOINTS_DIR, check_run_dir
+from .checkpoint import Checkpoint, check_resume_keeps, check_run_dir, latest_checkpoint
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
-from .settings import RUN_CONFIG_NAME, RunConfig
+from .settings import RunConfig
 
 logger = logging.getLogger(__name__)
 
 
-def resumed_data_settings(run: RunConfig) -> DataSettings:
-    """The data settings to prepare a run's data with: on `--resume` of a run with
-    checkpoints, with the run's own tokenizer, since a BPE trained anew (on a corpus changed
-    since, say) would give ids the checkpoint's embeddings never learned.
+def resumed_data_settings(run: RunConfig, checkpoint: Checkpoint | None) -> DataSettings:
+    """The data settings to prepare a run's data with: on `--resume` from `checkpoint` (the
+    newest intact one, `latest_checkpoint`), with its tokenizer, since a BPE trained anew (on
+    a corpus changed since, say) would give ids the checkpoint's embeddings never learned.
 
     Raises:
         ValueError: if `--tokenizer` names another tokenizer than the run's.
     """
-    saved = sorted((Path(run.train.output_dir) / CHECKPOINTS_DIR).glob(f"step-*/{TOKENIZER_NAME}"))
-    if not run.train.resume or not saved:
+    if checkpoint is None:
         return run.data
-    own = saved[-1]
+    own = checkpoint.path / TOKENIZER_NAME
     if run.data.tokenizer:
         given = load_tokenizer(run.data.tokenizer).tokenizer.to_str()
         if given != load_tokenizer(own).tokenizer.to_str():
@@ -59,38 +56,16 @@ RESUME_KEEPS = {
 }  # fmt: skip
 
 
-def check_same_data(run: RunConfig) -> None:
-    """Checks that a `--resume` goes on with the run's data, split and order
-    (`RESUME_KEEPS`, against the run_config.json of its `last` checkpoint: read, not
-    verified, which the trainer's resume does once); a fresh run, or a run without a
-    checkpoint, passes.
+def check_same_data(run: RunConfig, checkpoint: Checkpoint | None) -> None:
+    """Checks that a `--resume` from `checkpoint` goes on with the run's data, split and
+    order (`RESUME_KEEPS`); a fresh run (None) passes.
 
     Raises:
         ValueError: naming each flag that differs, with the run's value.
     """
-    last = Path(run.train.output_dir) / "last"
-    if not run.train.resume or not (last / RUN_CONFIG_NAME).is_file():
-        return
-    try:
-        started = json.loads((last / RUN_CONFIG_NAME).read_text())
-    except json.JSONDecodeError:
-        return  # a damaged checkpoint: the resume names it, or falls back to an intact one
-    changed = []
-    for section, names in RESUME_KEEPS.items():
-        # as run_config.json holds it (a tuple is a list there)
-        now = json.loads(json.dumps(dataclasses.asdict(getattr(run, section))))
-        was = started.get(section, {})
-        changed += [
-            f"--{name.replace('_', '-')} {now[name]!r} (the run's: {was[name]!r})"
-            for name in names
-            if name in was and _comparable(name, now[name]) != _comparable(name, was[name])
-        ]
-    if changed:
-        raise ValueError(
-            f"--resume continues the pretraining of {last.resolve()} on its data, split and "
-            f"order; these differ: {', '.join(changed)}. Give the run's values, or start over "
-            f"in another --output-dir"
-        )
+    path = checkpoint and checkpoint.path
+    continues = f"the pretraining of {path} on its data, split and order"
+    check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues, _comparable)
 
 
 def _comparable(name: str, value: Any) -> Any:
@@ -101,9 +76,12 @@ def _comparable(name: str, value: Any) -> Any:
     return [v if v == STDLIB or v.startswith(HF_PREFIX) else os.path.realpath(v) for v in value]
 
 
-def prepare_data(run: RunConfig, dist: Distributed) -> PretrainingData:
-    """Tokenizer and token cache: rank 0 builds them first, the other ranks then reuse them."""
-    settings = resumed_data_settings(run)
+def prepare_data(
+    run: RunConfig, dist: Distributed, checkpoint: Checkpoint | None = None
+) -> PretrainingData:
+    """Tokenizer and token cache (with the tokenizer of `checkpoint`, which a `--resume`
+    goes on from): rank 0 builds them first, the other ranks then reuse them."""
+    settings = resumed_data_settings(run, checkpoint)
     data = prepare_pretraining_data(settings, run.model.max_seq_len) if dist.is_main else None
     dist.barrier()
     return data or prepare_pretraining_data(settings, run.model.max_seq_len)
@@ -152,10 +130,11 @@ def pretrain(run: RunConfig, data: PretrainingData | None = None) -> TrainResult
         The run's records, final validation metrics and throughput.
     """
     check_run_dir(run.train.output_dir, resume=run.train.resume)  # before the data's work
-    check_same_data(run)
+    checkpoint = latest_checkpoint(run.train.output_dir) if run.train.resume else None
+    check_same_data(run, checkpoint)
     dist = setup_distributed(run.train.device)
     try:
-        result = build_trainer(run, data or prepare_data(run, dist), dist).fit()
+        result = build_trainer(run, data or prepare_data(run, dist, checkpoint), dist).fit()
         dist.barrier()  # gloo can abort a process whose peer already closed the group
         return result
     finally:

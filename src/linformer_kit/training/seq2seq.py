@@ -23,7 +23,7 @@ from ..data.tokenizer import TextTokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
 from ..seq2seq_config import Seq2SeqConfig
 from .batches import RowSchedule, language_model_loss
-from .checkpoint import check_run_dir
+from .checkpoint import check_resume_keeps, check_run_dir, latest_checkpoint
 from .distributed import resolve_device, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .rouge import rouge_l, words
@@ -214,6 +214,14 @@ class Seq2SeqEvaluator:
         return metrics
 
 
+# What a seq2seq --resume keeps: the task's pairs and split (the data section but for where
+# it is cached) and the order they come in.
+RESUME_KEEPS = {
+    "data": tuple(f.name for f in dataclasses.fields(Seq2SeqDataSettings) if f.name != "cache_dir"),
+    "train": ("batch_size", "grad_accum_steps", "seed"),
+}
+
+
 def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> TrainResult:
     """Trains an encoder-decoder per `run` (under torchrun: one process of a DDP job).
 
@@ -225,6 +233,10 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
         The run's records, final validation metrics (loss, token accuracy) and throughput.
     """
     check_run_dir(run.train.output_dir, resume=run.train.resume)  # before the data loads
+    if run.train.resume:
+        checkpoint = latest_checkpoint(run.train.output_dir)
+        continues = f"the training of {checkpoint and checkpoint.path} on its pairs and order"
+        check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues)
     data = data or load_seq2seq_data(run.data)
     config = run.model.config(data, run.data)
     settings = run.train
