@@ -60,8 +60,13 @@ def test_bad_settings_are_usage_errors(capsys):
     with pytest.raises(FileNotFoundError, match="--train 'a': no such file"):
         run_task_bench(TaskBenchSettings(train="a", val="b", test="c"))
     for spec, message in [
-        ("k128@64", "variant 'k128@64': K must be in \\[1, N\\]"),
-        ("k0@64", "variant 'k0@64': K must be in"),
+        ("k128@64", "variant 'k128@64' .*: proj_dim must be an integer in \\[1, max_seq_len=64\\]"),
+        ("k0@64", "variant 'k0@64' .*, got 0"),
+        # named after the baseline and every variant before it had run
+        (
+            "exact@64,k20@64:pool",
+            "variant 'k20@64:pool' .*proj_dim \\(20\\) must divide max_seq_len",
+        ),
         ("exact@64,exact@64", "variants names one twice"),  # trained once, reported twice
     ]:
         with pytest.raises(ValueError, match=message):

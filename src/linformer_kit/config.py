@@ -50,8 +50,9 @@ def check_finite_positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
-def check_proj_dim(proj_dim: Any, max_seq_len: int) -> None:
-    """Raises ValueError unless `proj_dim` (k) is an integer in [1, max_seq_len]."""
+def check_proj_dim(proj_dim: Any, max_seq_len: int, projection: str = "linear") -> None:
+    """Raises ValueError unless `proj_dim` (k) is an integer in [1, max_seq_len], dividing
+    max_seq_len for the `conv` and `pool` projections."""
     if (
         not isinstance(proj_dim, int)
         or isinstance(proj_dim, bool)
@@ -59,6 +60,11 @@ def check_proj_dim(proj_dim: Any, max_seq_len: int) -> None:
     ):
         raise ValueError(
             f"proj_dim must be an integer in [1, max_seq_len={max_seq_len}], got {proj_dim!r}"
+        )
+    if projection in ("conv", "pool") and max_seq_len % proj_dim:
+        raise ValueError(
+            f"projection={projection!r} uses kernel = stride = max_seq_len / proj_dim, so "
+            f"proj_dim ({proj_dim}) must divide max_seq_len ({max_seq_len})"
         )
 
 
@@ -224,12 +230,7 @@ class LinformerConfig:
                     f"int or sharing in none, headwise, kv"
                 )
         for k in self.proj_dims:
-            check_proj_dim(k, self.max_seq_len)
-            if self.projection in ("conv", "pool") and self.max_seq_len % k:
-                raise ValueError(
-                    f"projection={self.projection!r} uses kernel = stride = max_seq_len / "
-                    f"proj_dim, so proj_dim ({k}) must divide max_seq_len ({self.max_seq_len})"
-                )
+            check_proj_dim(k, self.max_seq_len, self.projection)
 
     def _check_causal(self) -> None:
         if not isinstance(self.causal, bool):

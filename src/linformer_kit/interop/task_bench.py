@@ -23,7 +23,14 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import hub
-from ..config import PROJECTIONS, TRUNCATIONS, check_choice, check_non_negative, check_positive
+from ..config import (
+    PROJECTIONS,
+    TRUNCATIONS,
+    check_choice,
+    check_non_negative,
+    check_positive,
+    check_proj_dim,
+)
 from ..data.classification import load_classification, read_labelled
 from ..data.tokenizer import load_tokenizer
 from ..training.compare import machine
@@ -138,9 +145,9 @@ def parse_variants(spec: str) -> list[Variant]:
     Linformer variant without `:KIND` is `linear` (calibrated init).
 
     Raises:
-        ValueError: naming the first malformed variant, unknown projection kind or K
-            outside [1, N], a variant named twice, or an :after variant listed before its
-            exact@N.
+        ValueError: naming the first malformed variant, unknown projection kind, K
+            outside [1, N] or (conv, pool) not dividing N, a variant named twice, or an
+            :after variant listed before its exact@N.
     """
     variants: list[Variant] = []
     for name in (part.strip() for part in spec.split(",")):
@@ -157,8 +164,15 @@ def parse_variants(spec: str) -> list[Variant]:
         check_choice("projection", projection, PROJECTIONS)
         proj_dim = int(match.group(2)) if match.group(2) else None
         max_seq_len = int(match.group(3))
-        if max_seq_len < 1 or proj_dim is not None and not 1 <= proj_dim <= max_seq_len:
-            raise ValueError(f"variant {name!r}: K must be in [1, N] and N >= 1")
+        if max_seq_len < 1:
+            raise ValueError(f"variant {name!r}: N must be >= 1")
+        if proj_dim is not None:
+            try:
+                check_proj_dim(proj_dim, max_seq_len, projection)
+            except ValueError as err:
+                raise ValueError(
+                    f"variant {name!r} (K = proj_dim, N = max_seq_len): {err}"
+                ) from None
         variants.append(Variant(name, proj_dim, max_seq_len, projection, after))
     names = [v.name for v in variants]
     if len(set(names)) < len(names):  # trained once, reported twice
