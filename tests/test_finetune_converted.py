@@ -208,3 +208,12 @@ def test_evaluate_reads_inputs_at_the_length_the_classifier_was_fine_tuned_at(
     assert f"{valid}: 2 of 4 documents (50%) cut to 32 tokens" in caplog.text
     assert scored[str(valid)]["val_loss"] == pytest.approx(last["val_loss"], rel=1e-5)
     assert scored[str(valid)]["accuracy"] == last["accuracy"]
+
+
+def test_evaluate_refuses_a_backbone_without_a_head(converted, tmp_path):
+    # A converted model (a LinformerModel) was scored for a masked-LM perplexity through a
+    # head drawn at random (3.5e4, worse than uniform), with no warning.
+    text = tmp_path / "text.txt"
+    text.write_text("A sentence about cats and dogs.\n" * 20)
+    with pytest.raises(ValueError, match=r"is a LinformerModel, a backbone with no language-m"):
+        evaluate_checkpoint(converted, EvaluateSettings(data=[str(text)], threads=1))

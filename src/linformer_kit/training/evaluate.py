@@ -183,6 +183,13 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
             metrics[spec] = evaluator(model.to(target).eval(), target)
         return metrics
     causal = meta["architecture"] == LinformerForCausalLM.__name__
+    if not causal and meta["architecture"] != LinformerForMaskedLM.__name__:
+        raise ValueError(
+            f"{path} is a {meta['architecture']}, a backbone with no language-model or "
+            f"classification head (as `convert` writes it): a perplexity would score a head "
+            f"drawn at random. Fine-tune it first: linformer finetune --init {path} --data "
+            f"... --eval ..."
+        )
     for spec in data:
         if _labelled(spec, settings.label_field):
             logger.warning(
