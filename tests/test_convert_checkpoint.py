@@ -108,6 +108,26 @@ def test_finetuning_a_classifier_keeps_its_head_instead_of_a_new_probe(dirs, tmp
     assert "linear probe" not in caplog.text
 
 
+def test_a_kept_head_keeps_its_pooling(dirs, tmp_path, capsys):
+    # finetune's --pooling default (mean) replaced a kept cls-pooled head's: its weights were
+    # then fed features they never learned from.
+    init = tmp_path / "cls"
+    LinformerForSequenceClassification.from_pretrained(
+        dirs / "exact", num_labels=3, pooling="cls"
+    ).save_pretrained(init)
+    shutil.copy(dirs / "exact" / "tokenizer.json", init)
+    train = write_classification(tmp_path / "train.jsonl", 16, seed=0)
+    argv = ["finetune", "--init", str(init), "--data", str(train), "--eval", str(train)]
+    argv += ["--num-labels", "3", "--max-steps", "1", "--batch-size", "4", "--threads", "1"]
+    main([*argv, "--output-dir", str(tmp_path / "ft")])
+    assert read_config(tmp_path / "ft" / "last")["model_kwargs"]["pooling"] == "cls"
+    with pytest.raises(SystemExit):
+        main([*argv, "--pooling", "mean", "--output-dir", str(tmp_path / "other")])
+    assert f"--pooling mean: the head kept from {init} was trained on cls-pooled" in (
+        capsys.readouterr().err
+    )
+
+
 def test_finetuning_a_classifier_on_other_classes_keeps_its_backbone_with_a_new_head(
     dirs, tmp_path, caplog
 ):

@@ -74,10 +74,11 @@ class FinetuneSettings:
     )
     num_labels: int = field(default=0, metadata={"help": "classes (0 = max label + 1)"})
     pooling: str = field(
-        default="mean",
+        default="",
         metadata={
             "help": "mean (over real tokens; a masked-LM or sentence-embedding backbone never "
-            "trained its first token for classification) or cls"
+            "trained its first token for classification) or cls (default: a kept head's "
+            "own, else mean)"
         },
     )
     head_init: str = field(
@@ -281,6 +282,18 @@ def _keeps_head(meta: dict[str, Any], num_labels: int, names_match: bool) -> boo
     return saved == num_labels
 
 
+def _pooling(meta: dict[str, Any], settings: FinetuneSettings, keep_head: bool) -> str:
+    """The head's pooling: a kept head's own (its weights learned from those features; a
+    `--pooling` other than that is refused), else `--pooling` or mean."""
+    own = meta["model_kwargs"].get("pooling", "mean") if keep_head else None
+    if own and settings.pooling not in ("", own):
+        raise ValueError(
+            f"--pooling {settings.pooling}: the head kept from {settings.init} was trained on "
+            f"{own}-pooled features; drop --pooling"
+        )
+    return own or settings.pooling or "mean"
+
+
 def freeze_projections(model: torch.nn.Module) -> int:
     """Stops the gradient of every sequence projection's parameters (the optimizer then
     leaves them out).
@@ -362,7 +375,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         model = LinformerForSequenceClassification.from_pretrained(
             settings.init,
             num_labels=num_labels,
-            pooling=settings.pooling,
+            pooling=_pooling(meta, settings, keep_head),
             config_overrides=train_data.label_config() | {"truncation": fields["truncation"]},
             keep_head=keep_head,
         ).to(dist.device)
