@@ -20,6 +20,7 @@ from linformer_kit.interop.convert import convert_to_dir
 from linformer_kit.interop.task_bench import (
     TaskBenchSettings,
     Variant,
+    _best_validation,
     parse_variants,
     run_task_bench,
 )
@@ -111,6 +112,21 @@ def test_a_tiny_run_writes_json_table_and_plot(tmp_path, capsys):
     assert torch.equal(converted["head.4.weight"], read_weights(exact)["head.4.weight"])
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| exact, n=64 |" in out.with_suffix(".md").read_text()
+    # val_acc is the tested checkpoint's (`best`, the lowest val_loss): it was the last
+    # validation's, beside the best one's test accuracy
+    for row in report["rows"][1:]:
+        lines = (tmp_path / "work" / row["variant"] / "run" / "metrics.jsonl").read_text()
+        scored = [r for r in map(json.loads, lines.splitlines()) if r["split"] == "val"]
+        assert row["val_acc"] == min(scored, key=lambda r: r["val_loss"])["accuracy"]
+
+
+def test_val_acc_is_the_tested_checkpoints():
+    # bench-task reported the last validation's accuracy beside the test accuracy of `best`
+    # (the first lowest val_loss, as the Trainer keeps it)
+    records = [{"split": "val", "val_loss": loss, "accuracy": acc}
+               for loss, acc in ((0.73, 0.5), (0.58, 0.67), (0.64, 0.58), (0.58, 0.1))]  # fmt: skip
+    assert _best_validation([{"split": "train"}, *records]) == records[1]
+    assert _best_validation([{"split": "train"}]) == {}
 
 
 def test_rows_of_an_earlier_run_with_the_same_settings_are_kept(tmp_path, monkeypatch):

@@ -140,6 +140,13 @@ class TaskBenchSettings:
         check_non_negative("distill_steps", self.distill_steps)
 
 
+def _best_validation(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The validation record of the run's `best` checkpoint (the first lowest val_loss, as
+    the Trainer keeps it), the one the test scores; {} when nothing was validated."""
+    scored = [r for r in records if r["split"] == "val"]
+    return min(scored, key=lambda r: r["val_loss"]) if scored else {}
+
+
 def parse_variants(spec: str) -> list[Variant]:
     """`exact@512,k256@2048,k128@2048:adaptive,k512@2048:adaptive:after` -> Variants; a
     Linformer variant without `:KIND` is `linear` (calibrated init).
@@ -259,7 +266,7 @@ def _finetune_and_test(
     return {
         "test_acc": test["accuracy"],
         "test_f1": test["f1"],
-        "val_acc": result.final.get("accuracy"),
+        "val_acc": _best_validation(result.records).get("accuracy"),
         "steps": result.steps,
         "s_per_step": result.sec_per_step,
         "peak_mem_mb": peak,
