@@ -16,6 +16,7 @@ from linformer_kit.causal_lm import LinformerForCausalLM
 from linformer_kit.cli import main
 from linformer_kit.hub import read_config, read_weights
 from linformer_kit.models import LinformerForSequenceClassification
+from linformer_kit.training.evaluate import classifier_length
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +127,22 @@ def test_a_kept_head_keeps_its_pooling(dirs, tmp_path, capsys):
     assert f"--pooling mean: the head kept from {init} was trained on cls-pooled" in (
         capsys.readouterr().err
     )
+
+
+def test_a_converted_classifier_reads_texts_at_its_fine_tuning_length(dirs, tmp_path):
+    # convert dropped run_config.json: `evaluate` of the converted classifier read texts at
+    # the model's 64 tokens, its source (fine-tuned at 32) at 32
+    train = write_classification(tmp_path / "train.jsonl", 16, seed=0)
+    argv = ["finetune", "--init", str(dirs / "classifier"), "--data", str(train), "--eval"]
+    argv += [str(train), "--num-labels", "3", "--max-steps", "1", "--batch-size", "4"]
+    main([*argv, "--max-seq-len", "32", "--threads", "1", "--output-dir", str(tmp_path / "ft")])
+    out = tmp_path / "converted"
+    main(
+        ["convert", "--from", str(tmp_path / "ft" / "best"), "--proj-dim", "16", "--out", str(out)]
+    )
+    assert classifier_length(out, read_config(out)["config"]) == 32
+    main(["convert", "--from", str(dirs / "classifier"), "--proj-dim", "16", "--out", str(out)])
+    assert classifier_length(out, read_config(out)["config"]) == N  # the replaced one's gone
 
 
 def test_finetuning_a_classifier_on_other_classes_keeps_its_backbone_with_a_new_head(

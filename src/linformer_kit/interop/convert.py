@@ -17,6 +17,7 @@ from .. import hub
 from ..config import check_positive
 from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel
+from ..training.settings import RUN_CONFIG_NAME
 from .bert import convert_hf_model
 from .projection_init import DEFAULT_INIT, init_projections
 from .report import TOKENIZER_NAME, calibration_ids
@@ -101,11 +102,14 @@ def convert_to_dir(
     if (Path(out) / hub.CONFIG_NAME).is_file():
         logger.warning("replacing the model in %s", out)
     model.save_pretrained(out)
-    if (source / TOKENIZER_NAME).is_file():
-        shutil.copy(source / TOKENIZER_NAME, Path(out) / TOKENIZER_NAME)
-    elif (Path(out) / TOKENIZER_NAME).is_file():  # the replaced model's: not this one's
-        (Path(out) / TOKENIZER_NAME).unlink()
-        logger.warning("removed the replaced model's %s from %s", TOKENIZER_NAME, out)
+    # its tokenizer, and the run config of a training checkpoint (what `evaluate` reads texts
+    # as: a classifier fine-tuned on texts cut shorter than its model is scored on those)
+    for name in (TOKENIZER_NAME, RUN_CONFIG_NAME):
+        if (source / name).is_file():
+            shutil.copy(source / name, Path(out) / name)
+        elif (Path(out) / name).is_file():  # the replaced model's: not this one's
+            (Path(out) / name).unlink()
+            logger.warning("removed the replaced model's %s from %s", name, out)
     return model.backbone
 
 
