@@ -336,6 +336,20 @@ def test_text_takes_its_classes_from_test_and_leaves_an_unlabelled_train_folder_
     assert len(task.train) + len(task.val) == 24 and "['unsup']" in caplog.text
 
 
+def test_a_num_eval_cut_of_a_test_folder_keeps_every_class(tmp_path):
+    # test/ was read class by class: --num-eval kept the first class's documents alone
+    from linformer_kit.training.lra import load_task
+    from linformer_kit.training.lra_settings import LRASettings
+
+    _write_reviews(tmp_path / "imdb" / "train")
+    _write_reviews(tmp_path / "imdb" / "test", per_class=10)
+    settings = LRASettings(data=str(tmp_path / "imdb"), num_eval=6, cache_dir=str(tmp_path))
+    task = load_task("text", settings)
+    assert len(task.test) == 6 and sorted(set(np.asarray(task.test.labels).tolist())) == [0, 1]
+    whole = load_text(tmp_path / "imdb", cache_dir=tmp_path)  # every document, in some order
+    assert sorted(np.asarray(whole.test.labels).tolist()) == [0] * 10 + [1] * 10
+
+
 def test_text_csv_mistakes_are_named(tmp_path):
     cache = tmp_path / "cache"
     headed = tmp_path / "headed.csv"  # a header that is not text,label read as a document

@@ -34,7 +34,7 @@ MAX_LENGTH = 4000  # LRA's 4K bytes
 VOCAB_SIZE = 257  # 256 byte values + padding
 PAD_ID = 0
 VAL_SHARE = TEST_SHARE = 0.1
-VERSION = 2  # part of the cache key: raise it whenever the same files give another task
+VERSION = 3  # part of the cache key: raise it whenever the same files give another task
 
 
 def _folder(path: Path) -> tuple[list[bytes], list[str]]:
@@ -188,7 +188,8 @@ def load_text(
                 texts, names = [texts[i] for i in kept], [names[i] for i in kept]
         classes = sorted(set(names))
         ids = [classes.index(name) for name in names]
-        order = np.random.default_rng(seed).permutation(len(texts))
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(len(texts))
         num_val = max(1, round(VAL_SHARE * len(texts)))
         num_test = 0 if has_test else max(1, round(TEST_SHARE * len(texts)))
         parts = {
@@ -206,8 +207,12 @@ def load_text(
             unknown = sorted(set(test_names) - set(classes))
             if unknown:
                 raise ValueError(f"{path / 'test'} has classes {unknown} that train/ lacks")
-            test_ids = [classes.index(name) for name in test_names]
-            splits["test"] = _encode(test_texts, test_ids, max_length, f"{path / 'test'}")
+            # shuffled as the other splits are: read class by class, a --num-eval cut kept
+            # the first class's documents alone
+            rows = rng.permutation(len(test_texts))
+            test_ids = [classes.index(test_names[i]) for i in rows]
+            test = [test_texts[i] for i in rows]
+            splits["test"] = _encode(test, test_ids, max_length, f"{path / 'test'}")
         if not len(splits["train"]):
             raise ValueError(f"{path}: too few documents ({len(texts)}) to split")
         return LRATask(
