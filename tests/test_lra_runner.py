@@ -106,6 +106,16 @@ def test_unknown_task_names_the_known_ones():
         LRASettings().recipe("retrieval")
 
 
+def test_a_torchrun_job_of_several_processes_is_refused(tmp_path, monkeypatch):
+    # Each rank trained on rows another rank took a step later, and every rank wrote the
+    # report (rank 1 removed the run folder rank 0 had just made).
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="process 1 of a job of 2: run it without torchrun"):
+        run_lra("listops", LRASettings(output_dir=str(tmp_path)))
+    assert not any(tmp_path.iterdir())
+
+
 def test_both_models_learn_short_listops_above_the_majority_class(tmp_path):
     # One operator over 2-10 digits: the operator alone tells much of the answer (MAX leans
     # to 9, MIN to 0), which a small model learns in a hundred steps.

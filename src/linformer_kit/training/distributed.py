@@ -87,12 +87,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def job_size() -> int:
+    """The number of processes of the torchrun job this one is in (1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup_distributed(device: str = "auto") -> Distributed:
     """Joins the torchrun job described by the environment (or runs alone without one).
 
     Under torchrun every process takes GPU LOCAL_RANK when on CUDA.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = job_size()
     target = resolve_device(device)
     if world_size == 1:
         return Distributed(0, 1, target)

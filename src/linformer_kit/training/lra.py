@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -21,7 +22,7 @@ from ..embeddings import init_weights
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .compare import machine
-from .distributed import setup_distributed, teardown_distributed
+from .distributed import job_size, setup_distributed, teardown_distributed
 from .loop import Trainer
 from .lra_report import model_label, plot_lra, write_summary
 from .lra_settings import LRASettings, Recipe, check_task, check_task_flags
@@ -298,9 +299,14 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
         baselines (fractions), one row per model (accuracies in %) with its records.
 
     Raises:
-        ValueError: for an unknown task or bad settings, or settings a resumed run did not
-            start with.
+        ValueError: for an unknown task or bad settings, settings a resumed run did not
+            start with, or a torchrun job of several processes.
     """
+    if job_size() > 1:  # each rank trained on the others' rows and wrote the same files
+        raise ValueError(
+            f"lra trains in one process, one model after the other; this is process "
+            f"{os.environ.get('RANK', '?')} of a job of {job_size()}: run it without torchrun"
+        )
     check_task_flags(check_task(task), settings)
     run_dir = Path(settings.output_dir) / task
     for name in settings.model_names:  # a bad setting is named before data or runs are touched
