@@ -2,6 +2,7 @@
 
 import json
 import random
+import shutil
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
@@ -285,15 +286,12 @@ def test_models_trains_only_those_named(tmp_path):
     assert LRASettings(models=" transformer , linformer").model_names == MODELS[::-1]
 
 
-def test_a_fresh_run_of_one_model_leaves_the_others_resume_to_its_own_settings(tmp_path, caplog):
+def test_a_fresh_run_of_one_model_leaves_the_others_resume_to_its_own_settings(tmp_path):
     # Before, it overwrote the task's one settings.json: `--resume --models transformer` then
     # went on from the exact model's 6-step checkpoint under the 8-step settings silently.
     run_lra("listops", tiny_listops(tmp_path, **RESUMABLE))
-    with caplog.at_level("WARNING"):
-        run_lra("listops", tiny_listops(tmp_path, models="linformer", **{**RESUMABLE, "steps": 8}))
-    replaced = tmp_path / "runs/listops/linformer"
-    warning = f"replacing the earlier linformer run in {replaced} (--resume continues it)"
-    assert [m for m in caplog.messages if m.startswith("replacing")] == [warning]
+    shutil.rmtree(tmp_path / "runs/listops/linformer")  # a fresh run of one model
+    run_lra("listops", tiny_listops(tmp_path, models="linformer", **{**RESUMABLE, "steps": 8}))
     again = tiny_listops(tmp_path, models="transformer", resume=True, **{**RESUMABLE, "steps": 8})
     message = r"continues the run in .*/listops/transformer .*these differ: steps 8 \(the run's: 6"
     with pytest.raises(ValueError, match=message):
@@ -369,6 +367,18 @@ def test_resume_continues_a_stopped_run_to_what_an_unstopped_run_gives(tmp_path,
         run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True, **other))
     run_lra("listops", tiny_listops(tmp_path / "stopped", resume=True, threads=1, **RESUMABLE))
     assert not calls
-    # Without resume a run starts over: the stopped run's checkpoints are replaced.
+    # Without resume the run's checkpoints are refused before any work (they were removed
+    # with a warning: a rerun of the default --output-dir lost a 5000-step run); a folder
+    # of settings alone (a run stopped before its first checkpoint) starts over.
+    with pytest.raises(ValueError, match=r"listops/linformer already holds checkpoints: pass --r"):
+        run_lra("listops", tiny_listops(tmp_path / "stopped", **other))
+    assert not calls
+    for name in ("linformer", "transformer"):
+        shutil.rmtree(tmp_path / "stopped/runs/listops" / name / "checkpoints")
     run_lra("listops", tiny_listops(tmp_path / "stopped", **other))
     assert len(calls) == 8 + 8
+    # a file as --output-dir or --cache-dir is named before the data is generated
+    (tmp_path / "file.txt").write_text("")
+    for flag, field in (("--output-dir", "output_dir"), ("--cache-dir", "cache_dir")):
+        with pytest.raises(ValueError, match=rf"^{flag} .*file.txt is a file; name a directory"):
+            run_lra("listops", tiny_listops(tmp_path, **{field: str(tmp_path / "file.txt")}))

@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from .. import hub
 from ..config import LinformerConfig
 from ..data.lra import LRASplit, LRATask, load_listops, load_pathfinder, load_text
 from ..embeddings import init_weights
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
+from .checkpoint import check_run_dir
 from .compare import machine
 from .distributed import job_size, setup_distributed, teardown_distributed
 from .loop import Trainer
@@ -286,9 +288,9 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     """Prepares the task's data once, trains the models (both unless `settings.models` says
     otherwise) one after the other and writes `<output_dir>/<task>.json` and `<task>.png`
     (this call's models), then `summary.md` over every task reported in `output_dir`. Earlier
-    runs of the task are replaced, or with `settings.resume` continued from their last
+    runs of the task are refused, or with `settings.resume` continued from their last
     checkpoints (a model's time per step is then that of this call's steps, or the whole
-    run's mean when none was left).
+    run's mean when none was left); one that saved no checkpoint is replaced.
 
     Args:
         task: listops, text or pathfinder.
@@ -299,8 +301,9 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
         baselines (fractions), one row per model (accuracies in %) with its records.
 
     Raises:
-        ValueError: for an unknown task or bad settings, settings a resumed run did not
-            start with, or a torchrun job of several processes.
+        ValueError: for an unknown task or bad settings, an earlier run's checkpoints
+            without `settings.resume`, settings a resumed run did not start with, or a
+            torchrun job of several processes.
     """
     if job_size() > 1:  # each rank trained on the others' rows and wrote the same files
         raise ValueError(
@@ -308,19 +311,21 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
             f"{os.environ.get('RANK', '?')} of a job of {job_size()}: run it without torchrun"
         )
     check_task_flags(check_task(task), settings)
+    hub.check_output_path(settings.output_dir, directory=True, flag="--output-dir")
+    if settings.cache_dir:
+        hub.check_output_path(settings.cache_dir, directory=True, flag="--cache-dir")
     run_dir = Path(settings.output_dir) / task
     for name in settings.model_names:  # a bad setting is named before data or runs are touched
         train_settings(task, settings, name)
-    for name in settings.model_names if settings.resume else ():
-        check_resumable(run_dir / name, settings)
+        # an earlier run's checkpoints are the user's: continued (--resume) or refused
+        check_run_dir(run_dir / name, resume=settings.resume)
+        if settings.resume:
+            check_resumable(run_dir / name, settings)
     data = load_task(task, settings)  # generated here once; the runs read the cache
     for name in settings.model_names:
         if settings.resume:
             check_same_data(run_dir / name, data.params)
-        elif (run_dir / name).exists():
-            logger.warning(
-                "replacing the earlier %s run in %s (--resume continues it)", name, run_dir / name
-            )
+        else:  # a run stopped before its first checkpoint: its settings and logs alone
             shutil.rmtree(run_dir / name, ignore_errors=True)
     for name in settings.model_names:
         (run_dir / name).mkdir(parents=True, exist_ok=True)
