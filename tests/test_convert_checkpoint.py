@@ -143,6 +143,15 @@ def test_a_converted_classifier_reads_texts_at_its_fine_tuning_length(dirs, tmp_
     assert classifier_length(out, read_config(out)["config"]) == 32
     main(["convert", "--from", str(dirs / "classifier"), "--proj-dim", "16", "--out", str(out)])
     assert classifier_length(out, read_config(out)["config"]) == N  # the replaced one's gone
+    # --out at a run's checkpoint (`best` links into it) replaced its weights, config and
+    # tokenizer with a warning, beside its optimizer state
+    best = tmp_path / "ft" / "best"
+    weights = (best / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit):
+        main(
+            ["convert", "--from", str(dirs / "classifier"), "--proj-dim", "16", "--out", str(best)]
+        )
+    assert (best / "model.safetensors").read_bytes() == weights
 
 
 def test_finetuning_a_classifier_on_other_classes_keeps_its_backbone_with_a_new_head(

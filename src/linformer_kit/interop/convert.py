@@ -17,6 +17,7 @@ from .. import hub
 from ..config import check_positive
 from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel
+from ..training.checkpoint import STATE_NAME
 from ..training.settings import RUN_CONFIG_NAME
 from .bert import convert_hf_model
 from .projection_init import DEFAULT_INIT, init_projections
@@ -65,8 +66,8 @@ def convert_to_dir(
 
     Raises:
         FileNotFoundError / ValueError: as `convert_hf_model` or `convert_checkpoint`; a
-            ValueError before any work for `out` the source folder itself, a max_seq_len or
-            (data-driven inits) calibration_texts below 1.
+            ValueError before any work for `out` the source folder itself or a training
+            checkpoint, a max_seq_len or (data-driven inits) calibration_texts below 1.
     """
     source = Path(source)
     if Path(out).resolve() == source.resolve():
@@ -75,6 +76,11 @@ def convert_to_dir(
             f"reads; name another folder"
         )
     hub.check_output_path(out, directory=True)
+    if (Path(out) / STATE_NAME).is_file():  # `best` is a link into the run's checkpoints
+        raise ValueError(
+            f"--out {out} is a training checkpoint (it holds {STATE_NAME}): the conversion "
+            f"would replace the run's weights; name another folder"
+        )
     if max_seq_len is not None:
         check_positive("max_seq_len", max_seq_len)
     data_driven = proj_dim is not None and projection == "linear"
