@@ -3,11 +3,13 @@ on bad files, directories without matches, CSV and string labels (tiny generated
 
 import json
 import logging
+import re
 
 import pytest
 from train_helpers import write_classification, write_corpus
 
 from linformer_kit.cli import main
+from linformer_kit.data.corpus import list_files
 
 MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "2", "--num-heads", "2"]
 TINY = ["--vocab-size", "300", "--proj-dim", "16", "--batch-size", "4", "--warmup-steps", "1"]
@@ -65,6 +67,14 @@ def test_a_directory_without_matches_points_at_glob(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", files=1)
     with pytest.raises(SystemExit, match=r"matches --glob '\*\*/\*.md' \(it holds 1 .txt\)"):
         pretrain(tmp_path, "--data", str(corpus), "--glob", "**/*.md")
+    # an absolute pattern gave a traceback (NotImplementedError), an empty one an unnamed
+    # "Unacceptable pattern", pretrain's before any work and evaluate's on listing the files
+    for glob in ("/etc/*", ""):
+        message = rf"--glob must be a non-empty pattern relative to .*, got '{re.escape(glob)}'"
+        with pytest.raises(SystemExit, match=message):
+            pretrain(tmp_path, "--data", str(corpus), "--glob", glob)
+    with pytest.raises(ValueError, match="--glob must be a non-empty pattern"):
+        list_files(str(corpus), "/x/*.txt")
 
 
 def test_finetune_from_a_missing_folder_says_it_does_not_exist(tmp_path):

@@ -218,6 +218,16 @@ def _no_match(path: Path, glob: str) -> str:
     )
 
 
+def check_glob(glob: str) -> None:
+    """Raises ValueError unless `glob` is a pattern relative to a directory (`Path.glob`'s
+    rule; an absolute or empty one failed there with a traceback or an unnamed error)."""
+    if not glob or Path(glob).is_absolute():
+        raise ValueError(
+            f"--glob must be a non-empty pattern relative to the data directory (e.g. "
+            f"'**/*.txt'), got {glob!r}"
+        )
+
+
 def list_files(spec: str, glob: str) -> list[Path]:
     """The files a data argument names: itself, or a directory's files matching `glob`
     (sorted, so the corpus order never depends on the file system).
@@ -225,6 +235,7 @@ def list_files(spec: str, glob: str) -> list[Path]:
     Raises:
         FileNotFoundError: if the path does not exist or a directory has no matching file
             (the message names the glob, the suffixes the directory holds and --glob).
+        ValueError: for a directory and a glob `check_glob` refuses.
     """
     if spec == STDLIB:
         root = stdlib_root()
@@ -242,6 +253,7 @@ def list_files(spec: str, glob: str) -> list[Path]:
         raise FileNotFoundError(f"data path {path} is neither a file nor a directory")
     if not path.is_dir():
         raise FileNotFoundError(f"data path {path} does not exist")
+    check_glob(glob)
     files = sorted(p for p in path.glob(glob) if p.is_file())
     if not files:
         raise FileNotFoundError(_no_match(path, glob))

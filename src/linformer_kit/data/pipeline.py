@@ -19,7 +19,7 @@ from .cache import (
     open_token_cache,
     split_blocks,
 )
-from .corpus import STDLIB, Document, fingerprint, iter_documents
+from .corpus import STDLIB, Document, check_glob, fingerprint, iter_documents
 from .tokenizer import TOKENIZER_NAME, TextTokenizer, load_tokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class DataSettings:
         for name in ("max_documents", "tokenizer_documents", "max_val_blocks"):
             check_non_negative(name, getattr(self, name), "0 = no limit")
         check_fraction("val_fraction", self.val_fraction)  # before any tokenizing
+        check_glob(self.glob)
         if self.cache_dir:
             check_output_path(self.cache_dir, directory=True, flag="--cache-dir")
 
