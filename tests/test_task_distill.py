@@ -2,6 +2,7 @@
 the teacher's logits reaching each micro-batch's rows, a student that learns the teacher's
 predictions when the labels carry nothing, and clear errors for a wrong teacher."""
 
+import importlib
 import json
 import random
 
@@ -119,7 +120,7 @@ def test_a_student_with_only_the_teacher_term_learns_the_teacher_and_ignores_the
 
 
 def test_a_teacher_that_is_not_a_classifier_or_knows_other_classes_is_refused(
-    setup, tmp_path, capsys
+    setup, tmp_path, capsys, monkeypatch
 ):
     root, train, valid = setup
     three = tmp_path / "three.jsonl"
@@ -142,3 +143,19 @@ def test_a_teacher_that_is_not_a_classifier_or_knows_other_classes_is_refused(
         FinetuneSettings(init="x", data="y", eval="z", teacher="t", distill_weight=1.5)
     with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0.0"):
         FinetuneSettings(init="x", data="y", eval="z", teacher="t", temperature=0.0)
+    # without --teacher they were ignored without a word; --pooling was named after the data
+    # was read, a missing or wrong teacher after the data too
+    with pytest.raises(ValueError, match="^--distill-weight and --temperature apply with --te"):
+        FinetuneSettings(init="x", data="y", eval="z", distill_weight=0.9, temperature=5.0)
+    with pytest.raises(ValueError, match=r"pooling must be one of cls, mean; got .max."):
+        FinetuneSettings(init="x", data="y", eval="z", pooling="max")
+    finetune_module = importlib.import_module("linformer_kit.training.finetune")
+    read = []
+    monkeypatch.setattr(finetune_module, "load_tokenizer", lambda *a, **k: read.append(a))
+    with pytest.raises(ValueError, match="not a fine-tuned classifier"):
+        finetune_module.finetune(
+            FinetuneSettings(init=str(root / "converted"), data=str(train), eval=str(valid),
+                             teacher=str(root / "converted")),
+            finetune_module.finetune_train_settings(output_dir=str(tmp_path / "y")),
+        )  # fmt: skip
+    assert read == []

@@ -23,7 +23,7 @@ from ..config import (
 )
 from ..data.classification import ClassificationData, load_classification
 from ..data.tokenizer import TextTokenizer, load_tokenizer
-from ..models import LinformerForSequenceClassification
+from ..models import POOLINGS, LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import Checkpoint, check_resume_keeps, check_run_dir, latest_checkpoint
@@ -31,7 +31,7 @@ from .distributed import setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
 from .settings import TrainSettings, save_json
-from .task_distill import DistillationObjective, teacher_logits
+from .task_distill import DistillationObjective, check_teacher, teacher_logits
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +138,16 @@ class FinetuneSettings:
         check_choice("projections", self.projections, PROJECTION_MODES)
         if self.truncation:
             check_choice("truncation", self.truncation, TRUNCATIONS)
+        if self.pooling:
+            check_choice("pooling", self.pooling, POOLINGS)
         if not 0.0 <= self.distill_weight <= 1.0:
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight!r}")
         check_finite_positive("temperature", self.temperature)
+        given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(self)
+                 if f.name in ("distill_weight", "temperature")
+                 and getattr(self, f.name) != f.default]  # fmt: skip
+        if given and not self.teacher:  # they were ignored without a word
+            raise ValueError(f"{' and '.join(given)} apply with --teacher only")
 
 
 @dataclass(kw_only=True)
@@ -327,6 +334,8 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         if not getattr(settings, name):
             raise ValueError(f"finetune needs --{name}")
     check_run_dir(train.output_dir, resume=train.resume)  # before the model and data load
+    if settings.teacher:
+        check_teacher(settings.teacher)
     meta = hub.read_encoder_config(
         settings.init, "fine-tune a masked or causal LM (or a classifier) for classification"
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,22 @@ from .batches import in_order
 from .evaluate import load_for_classifier
 
 logger = logging.getLogger(__name__)
+
+
+def check_teacher(teacher: str | Path) -> dict[str, Any]:
+    """`teacher`'s saved config (`hub.read_config`), if it is a fine-tuned classifier.
+
+    Raises:
+        FileNotFoundError: for a folder without a saved model (`hub.read_config`'s).
+        ValueError: naming --teacher, for another kind of model.
+    """
+    meta = hub.read_config(teacher)
+    if meta["architecture"] != LinformerForSequenceClassification.__name__:
+        raise ValueError(
+            f"--teacher {teacher} is a {meta['architecture']}, not a fine-tuned classifier "
+            f"(a directory written by `linformer finetune`, e.g. runs/x/best)"
+        )
+    return meta
 
 
 @torch.no_grad()
@@ -58,13 +75,7 @@ def teacher_logits(
     Raises:
         ValueError: if `teacher` is not a classifier, or its classes differ from the data's.
     """
-    meta = hub.read_config(teacher)
-    if meta["architecture"] != LinformerForSequenceClassification.__name__:
-        raise ValueError(
-            f"--teacher {teacher} is a {meta['architecture']}, not a fine-tuned classifier "
-            f"(a directory written by `linformer finetune`, e.g. runs/x/best)"
-        )
-    config = meta["config"]
+    config = check_teacher(teacher)["config"]
     model = LinformerForSequenceClassification.from_pretrained(teacher).to(device)
     if model.num_labels != num_labels or (config.label2id or None) != (
         student_data.label2id or None
