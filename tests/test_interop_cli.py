@@ -88,6 +88,15 @@ def test_report_refuses_what_it_would_ignore_before_any_work(tmp_path, monkeypat
     ]:
         with pytest.raises(SystemExit, match=message):
             main(["convert", "--report", *flags])
+    # and the reverse: a conversion ignored --report's settings (--proj-dims 8, a typo for
+    # --proj-dim 8, converted at k 128 without a word)
+    monkeypatch.setattr(cli_convert, "convert_to_dir", lambda *a, **k: pytest.fail("ran"))
+    for flags, message in [
+        (["--proj-dims", "8"], "--proj-dims set what --report measures; a conversion would ig"),
+        (["--repeats", "2", *out], "--repeats, --report-out set what --report measures"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["convert", "--out", str(tmp_path / "m"), *flags])
 
 
 def test_missing_source_directories_end_with_a_message_not_a_traceback(tmp_path):

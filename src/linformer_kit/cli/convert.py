@@ -6,6 +6,7 @@ before-distillation table (embedding cosine, speed, memory) as JSON."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from ..interop import DEFAULT_INIT, INITS
@@ -21,10 +22,22 @@ from .common import (
 )
 from .overrides import exit_on_user_error
 
+REPORT_OUT = "benchmarks/convert/minilm_l6.json"
+
 
 def _convert(args: argparse.Namespace, source: Path) -> None:
     if args.out is None:
         raise ValueError("--out DIR is required (or pass --report)")
+    report_only = [  # ignored without a word (--proj-dims 8 for --proj-dim 8 converted k 128)
+        f"--{f.name.replace('_', '-')}"
+        for f in dataclasses.fields(ConversionReport)
+        if getattr(args, f.name) != f.default
+    ] + (["--report-out"] if args.report_out != REPORT_OUT else [])
+    if report_only:
+        raise ValueError(
+            f"{', '.join(report_only)} set what --report measures; a conversion would ignore "
+            f"them (leave out, or pass --report; --proj-dim sets the conversion's k)"
+        )
     shape = {name: getattr(args, name) for name in (*DEFAULT_SHAPE, "init")}
     given = [name for name, value in shape.items() if value is not None]
     if args.exact and given:  # ignored before, and recorded in the config
@@ -118,7 +131,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--report-out",
-        default="benchmarks/convert/minilm_l6.json",
+        default=REPORT_OUT,
         help="where --report writes its JSON (default: %(default)s)",
     )
     add_dataclass_arguments(parser.add_argument_group("--report settings"), ConversionReport)
