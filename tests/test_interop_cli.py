@@ -8,6 +8,7 @@ import torch
 
 from linformer_kit import LinformerModel, hub, linformer_tiny
 from linformer_kit.cli import convert as cli_convert
+from linformer_kit.cli import distill as cli_distill
 from linformer_kit.cli import main
 from linformer_kit.interop import convert_hf_model
 from linformer_kit.interop.report import (
@@ -97,6 +98,15 @@ def test_report_refuses_what_it_would_ignore_before_any_work(tmp_path, monkeypat
     ]:
         with pytest.raises(SystemExit, match=message):
             main(["convert", "--out", str(tmp_path / "m"), *flags])
+    # distill --report named a folder as --report-out, and --proj-dims abc unnamed ("invalid
+    # literal for int()"), after every distillation
+    monkeypatch.setattr(cli_distill, "distillation_report", lambda *a, **k: pytest.fail("ran"))
+    for flags, message in [
+        (["--report-out", str(tmp_path)], f"--report-out {tmp_path} is a directory; name a file"),
+        (["--proj-dims", "abc", *out], "proj_dims must be integers >= 1, got 'abc'"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["distill", "--report", *flags])
 
 
 def test_missing_source_directories_end_with_a_message_not_a_traceback(tmp_path):

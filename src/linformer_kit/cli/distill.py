@@ -12,10 +12,11 @@ from ..interop.convert import DEFAULT_SHAPE
 from ..interop.distill import DistillSettings
 from ..interop.distill_report import distillation_report, plot_curves
 from ..interop.distill_run import DistillData, distill_checkpoint, distillation_files
-from ..interop.report import minilm_path
+from ..interop.report import minilm_path, parse_proj_dims
 from .common import (
     add_dataclass_arguments,
     add_student_arguments,
+    check_report_path,
     dataclass_from_args,
     format_table,
     write_report,
@@ -54,10 +55,12 @@ def _texts(specs: list[str] | None, args: argparse.Namespace) -> list[str] | Non
 
 
 def _report(args: argparse.Namespace, teacher: Path) -> None:
+    proj_dims = parse_proj_dims(args.proj_dims)  # these two failed after every distillation
+    check_report_path(args.report_out, flag="--report-out")
     data = dataclass_from_args(DistillData, args)
     result = distillation_report(
         teacher,
-        [int(k) for k in args.proj_dims.split(",")],
+        proj_dims,
         dataclass_from_args(DistillSettings, args),
         data,
         files=distillation_files(args.data, data.glob),

@@ -211,6 +211,17 @@ def forward_peak_mib(config: LinformerConfig, batch_size: int, runs: int = 3) ->
     return statistics.median(peaks)
 
 
+def parse_proj_dims(text: str) -> list[int]:
+    """`--proj-dims` ("64,128,256") as integers.
+
+    Raises:
+        ValueError: naming the flag, unless every value is an integer >= 1.
+    """
+    if not all(k.strip().isdigit() and int(k) >= 1 for k in text.split(",")):
+        raise ValueError(f"proj_dims must be integers >= 1, got {text!r}")
+    return [int(k) for k in text.split(",")]
+
+
 @dataclass(kw_only=True)
 class ConversionReport:
     """Settings of `conversion_report` (also the `linformer convert --report` flags)."""
@@ -228,9 +239,7 @@ class ConversionReport:
         # before the teacher runs: these failed after it, naming no flag
         for name in ("heldout_texts", "batch_size", "repeats", "memory_runs"):
             check_positive(name, getattr(self, name))
-        for k in self.proj_dims.split(","):
-            if not k.strip().isdigit() or int(k) < 1:
-                raise ValueError(f"proj_dims must be integers >= 1, got {self.proj_dims!r}")
+        parse_proj_dims(self.proj_dims)
         for init in self.inits.split(","):
             check_choice("inits", init.strip(), INITS)
 
@@ -305,7 +314,7 @@ def conversion_report(
     teacher_mib = forward_peak_mib(teacher.config, settings.batch_size, settings.memory_runs)
     rows = []
     pairs = [
-        (int(k), init) for k in settings.proj_dims.split(",") for init in settings.inits.split(",")
+        (k, init) for k in parse_proj_dims(settings.proj_dims) for init in settings.inits.split(",")
     ]
     for k, init in tqdm(pairs, desc="conversions"):
         model = convert_hf_model(
