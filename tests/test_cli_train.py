@@ -244,6 +244,12 @@ def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
         ([*evaluate, "--out", str(tmp_path)], f"--out {tmp_path} is a directory; name a file"),
         ([*evaluate, "--out", f"{note}/m.json"], f"{note} is a file, not a directory"),
         (["bench", "--n", "64", "--out", str(note)], f"--out {note} is a file; name a directory"),
+        # the metrics were written over the data file, or into the checkpoint
+        (
+            ["evaluate", str(pretrained / "best"), "--data", str(note), "--out", str(note)],
+            f"--out {note} is an input (--data, or in the checkpoint)",
+        ),
+        ([*evaluate, "--out", str(pretrained / "best" / "m.json")], "is an input (--data, or"),
     ]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
@@ -18,6 +19,11 @@ def run(args: argparse.Namespace) -> None:
     settings = EvaluateSettings(**collect_overrides(args).get("evaluate", {}))
     if args.out:
         check_report_path(args.out)
+        out = Path(args.out).resolve()
+        if out in [Path(spec).resolve() for spec in settings.data] or (
+            Path(args.checkpoint).resolve() in out.parents
+        ):  # the metrics were written over the data file without a word
+            raise ValueError(f"--out {args.out} is an input (--data, or in the checkpoint)")
     metrics = evaluate_checkpoint(args.checkpoint, settings)
     print(format_table([{"data": name, **values} for name, values in metrics.items()]))
     if args.out:
