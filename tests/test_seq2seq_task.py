@@ -3,6 +3,7 @@ split, exact resume of a seq2seq run, and `linformer seq2seq` / `linformer gener
 
 import dataclasses
 import json
+import re
 import textwrap
 
 import pytest
@@ -234,6 +235,16 @@ def test_synthetic_data_settings_check_the_lengths():
         Seq2SeqDataSettings(task="copy", max_len=40, max_source_len=64, max_target_len=32)
     with pytest.raises(ValueError, match=r"num_train must be an integer >= 1, got 0"):
         Seq2SeqDataSettings(task="copy", num_train=0)
+    # the other kind of task's flags were ignored without a word; --vocab-size 0 was named
+    # after the stdlib was parsed (~15 s)
+    for task, flags, named in [
+        ("copy", dict(vocab_size=0, val_fraction=0.6), "--vocab-size, --val-fraction set the "
+         "data of the docstrings task only; --task copy would ignore them"),
+        ("docstrings", dict(num_train=5), "--num-train set the data of the synthetic tasks"),
+        ("docstrings", dict(vocab_size=0), "vocab_size must be >= 261 for byte-level BPE, got 0"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(named)):
+            Seq2SeqDataSettings(task=task, **flags)
     data = load_seq2seq_data(Seq2SeqDataSettings(task="reverse", num_train=10, num_eval=4))
     assert data.vocab_size == 16 + 3 and data.tokenizer is None
     assert all(t == s[::-1] for s, t in zip(data.train.sources, data.train.targets))

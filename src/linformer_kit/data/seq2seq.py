@@ -4,7 +4,7 @@ docstring task, behind one loader."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -14,7 +14,13 @@ from ..config import check_choice, check_positive
 from .cache import cache_key, default_cache_dir
 from .corpus import STDLIB, fingerprint
 from .docstrings import check_split_fractions, extract_stdlib_pairs, split_by_file
-from .tokenizer import TOKENIZER_NAME, TextTokenizer, load_tokenizer, train_tokenizer
+from .tokenizer import (
+    TOKENIZER_NAME,
+    TextTokenizer,
+    check_vocab_size,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 SYNTHETIC_TASKS = ("copy", "reverse")
 TASKS = ("docstrings", *SYNTHETIC_TASKS)
@@ -126,6 +132,11 @@ def synthetic_pairs(
     )
 
 
+# The flags of one kind of task (`Seq2SeqDataSettings`' help says which): refused with another.
+DOCSTRINGS_ONLY = ("vocab_size", "val_fraction", "test_fraction")
+SYNTHETIC_ONLY = ("num_train", "num_eval", "min_len", "max_len", "num_symbols")
+
+
 @dataclass(kw_only=True)
 class Seq2SeqDataSettings:
     """Which (source, target) task to train on, and how long its sides may be."""
@@ -170,6 +181,16 @@ class Seq2SeqDataSettings:
             check_positive(name, getattr(self, name))
         if self.task == "docstrings":  # before the stdlib is parsed
             check_split_fractions(self.val_fraction, self.test_fraction)
+            check_vocab_size(self.vocab_size)
+        other = SYNTHETIC_ONLY if self.task == "docstrings" else DOCSTRINGS_ONLY
+        given = [f"--{f.name.replace('_', '-')}" for f in fields(self)
+                 if f.name in other and getattr(self, f.name) != f.default]  # fmt: skip
+        if given:  # they were ignored without a word
+            kind = "synthetic tasks" if self.task == "docstrings" else "docstrings task"
+            raise ValueError(
+                f"{', '.join(given)} set the data of the {kind} only; --task {self.task} "
+                f"would ignore them"
+            )
 
 
 @dataclass

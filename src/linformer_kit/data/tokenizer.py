@@ -119,6 +119,14 @@ def load_tokenizer(path: str | Path, *, model_vocab_size: int | None = None) -> 
     return loaded
 
 
+def check_vocab_size(vocab_size: int) -> None:
+    """Raises ValueError unless a byte-level BPE can have `vocab_size` tokens: at least the
+    256 bytes and the special tokens."""
+    minimum = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be >= {minimum} for byte-level BPE, got {vocab_size}")
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> TextTokenizer:
     """Trains a byte-level BPE tokenizer (GPT-2 / RoBERTa style) on `texts`.
 
@@ -130,9 +138,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> TextTokenizer:
     Raises:
         ValueError: if vocab_size is too small.
     """
-    minimum = 256 + len(SPECIAL_TOKENS)
-    if vocab_size < minimum:
-        raise ValueError(f"vocab_size must be >= {minimum} for byte-level BPE, got {vocab_size}")
+    check_vocab_size(vocab_size)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
