@@ -158,6 +158,9 @@ def test_the_commands_train_evaluate_and_refuse_bad_input(tmp_path, capsys):
     main(["seq2seq", "evaluate", str(run / "last"), "--split", "val", "--threads", "1"])
     table = capsys.readouterr().out
     assert "rouge_l" in table and "exact_match" in table
+    # generate said "no tokenizer at ...", not why a copy-task model has none
+    with pytest.raises(SystemExit, match="a model of a synthetic task .* reads symbol ids, not"):
+        main(["generate", str(run / "last"), "--prompt", "abc"])
     with pytest.raises(SystemExit) as exit_info:  # it was torch's RuntimeError, a traceback
         main(["seq2seq", "evaluate", str(run / "last"), "--threads", "-1"])
     assert exit_info.value.code == 2

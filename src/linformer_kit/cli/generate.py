@@ -4,12 +4,13 @@ causal-LM checkpoint, or decode a target for each (the source) with a seq2seq ch
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
 from .. import hub
 from ..causal_lm import LinformerForCausalLM
-from ..data.tokenizer import load_tokenizer
+from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
 from .overrides import exit_on_user_error
 
@@ -18,10 +19,22 @@ DEFAULT_NEW_TOKENS = 64
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
-    seq2seq = hub.read_config(args.checkpoint)["architecture"] == LinformerForSeq2SeqLM.__name__
+    architecture = hub.read_config(args.checkpoint)["architecture"]
+    seq2seq = architecture == LinformerForSeq2SeqLM.__name__
+    if not seq2seq and architecture != LinformerForCausalLM.__name__:
+        raise ValueError(
+            f"{args.checkpoint} is a {architecture}: generate continues text with a causal LM "
+            f"(`linformer pretrain --objective clm`) or decodes with a seq2seq model "
+            f"(`linformer seq2seq train`)"
+        )
     model = (LinformerForSeq2SeqLM if seq2seq else LinformerForCausalLM).from_pretrained(
         args.checkpoint
     )
+    if seq2seq and not (Path(args.checkpoint) / TOKENIZER_NAME).is_file():
+        raise ValueError(
+            f"{args.checkpoint} has no {TOKENIZER_NAME}: a model of a synthetic task (copy, "
+            f"reverse) reads symbol ids, not text; `linformer seq2seq evaluate` scores it"
+        )
     vocab_size = model.config.encoder.vocab_size if seq2seq else model.config.vocab_size
     tokenizer = load_tokenizer(args.checkpoint, model_vocab_size=vocab_size)
     prompts = tokenizer.encode_batch(args.prompt)
