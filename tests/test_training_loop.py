@@ -163,7 +163,7 @@ def test_resume_refuses_another_architecture_and_takes_new_dropout(tmp_path):
     assert pretrain(run).steps == 4
 
 
-def test_resume_refuses_another_split_order_or_world_of_processes(tmp_path):
+def test_resume_refuses_another_split_order_or_world_of_processes(tmp_path, caplog):
     # A changed --val-fraction redrew the split (blocks trained on came to be scored), and
     # --batch-size / --seed moved the data order: accepted without a word.
     pretrain(tiny_run(tmp_path, max_steps=2, eval_every=2, save_every=2))
@@ -179,6 +179,11 @@ def test_resume_refuses_another_split_order_or_world_of_processes(tmp_path):
     model = LinformerForMaskedLM.from_pretrained(checkpoint.path)
     with pytest.raises(ValueError, match="was trained by 1 processes: resume it on as many"):
         check_resumable(checkpoint, model, world_size=2)
+    # a --max-steps the run has passed ended with status 0 and no word
+    run = tiny_run(tmp_path, max_steps=1, eval_every=1, save_every=1, resume=True)
+    with caplog.at_level(logging.WARNING):
+        assert pretrain(run).steps == 2
+    assert "the run is at step 2, max_steps 1: nothing to train" in caplog.text
     # the same corpus spelt otherwise (a tuple, a trailing slash) is the same data
     run = tiny_run(tmp_path, max_steps=3, eval_every=3, save_every=3, resume=True)
     run.data = dataclasses.replace(run.data, data=(run.data.data[0] + "/",))

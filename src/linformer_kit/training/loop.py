@@ -339,6 +339,10 @@ class Trainer:
         if resumed is None:
             check_run_dir(self.run_dir, resume=False)
             torch.manual_seed(mix_seed(s.seed, self.dist.rank))  # dropout differs per rank
+        if resumed is not None and resumed >= s.max_steps:  # it said nothing of it
+            logger.warning(
+                "the run is at step %d, max_steps %d: nothing to train", resumed, s.max_steps
+            )
         if s.warmup_steps > s.max_steps:
             logger.warning(
                 "warmup_steps (%d) > max_steps (%d): the run ends during warm-up, with the "
