@@ -20,6 +20,17 @@ def test_bad_flag_value_is_rejected(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--steps", "many"])
     assert "invalid int value" in capsys.readouterr().err
+    # a flag taking a number, 'none' or a list said "invalid convert value: '8,abc'"
+    for value, expected in [
+        ("8,abc", "an integer, 'none' or a comma-separated list of them (A,B,...); got '8,abc'"),
+        ("", "(A,B,...); got ''"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["pretrain", "--proj-dim", value])
+        assert expected in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--ffn-dim", "abc"])
+    assert "--ffn-dim: expected an integer or 'none'; got 'abc'" in capsys.readouterr().err
 
 
 def test_a_user_error_ends_with_its_message_and_exit_status_2(tmp_path, capsys):

@@ -41,12 +41,20 @@ def _parser(hint: Any) -> tuple[Callable[[str], Any], str | None]:
         scalar = next((p for p in options if p in (int, float, str)), str)
         has_list = any(typing.get_origin(p) is list for p in options)
 
+        word = {int: "an integer", float: "a number"}.get(scalar, "text")
+        forms = [word, *(["'none'"] if type(None) in parts else [])]
+        forms += ["a comma-separated list of them (A,B,...)"] * has_list
+        expected = f"{', '.join(forms[:-1])} or {forms[-1]}" if len(forms) > 1 else forms[0]
+
         def convert(text: str) -> Any:
             if text.lower() == "none" and type(None) in parts:
                 return None
-            if has_list and "," in text:
-                return [scalar(t) for t in text.split(",")]
-            return scalar(text)
+            try:
+                if has_list and "," in text:
+                    return [scalar(t) for t in text.split(",")]
+                return scalar(text)
+            except ValueError:  # argparse said "invalid convert value", not what is valid
+                raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}") from None
 
         return convert, None
     raise TypeError(f"no command-line parser for {hint!r}")
