@@ -50,9 +50,10 @@ class Recipe:
 
 # LRA's configs (github.com/google-research/long-range-arena, lra_benchmarks/*/configs). Their
 # ListOps and text runs use lr 0.05 under "constant * linear_warmup * rsqrt_decay", whose peak
-# is 0.05 / sqrt(warmup): that peak is the AdamW learning rate here. Pooling as theirs: the first
-# position for ListOps and text ("CLS"; ListOps' first token is the outermost operator), the
-# mean for Pathfinder. Published accuracies: their Table 1 (Linformer vs Transformer).
+# is 0.05 / sqrt(warmup): that peak is the AdamW learning rate here. Pooling at their position:
+# the first for ListOps and text (theirs a learned "CLS" vector prepended there, ours the first
+# token itself: ListOps' outermost operator, a text's first byte), the mean for Pathfinder.
+# Published accuracies: their Table 1 (Linformer vs Transformer).
 RECIPES = {
     "listops": Recipe(
         dim=512, num_heads=8, depth=6, ffn_dim=2048, batch_size=32, steps=5000,
