@@ -250,6 +250,8 @@ def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
             f"--out {note} is an input (--data, or in the checkpoint)",
         ),
         ([*evaluate, "--out", str(pretrained / "best" / "m.json")], "is an input (--data, or"),
+        # '' wrote into the working directory
+        (["bench", "--n", "64", "--out", ""], "--out is empty (''); name a directory"),
     ]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:

@@ -237,6 +237,9 @@ def check_output_path(path: str | os.PathLike, *, directory: bool, flag: str = "
     """Raises ValueError if output could not be written at `path` (a file where a folder is
     wanted or the reverse, or a file where a folder of its path should be), naming `flag`:
     checked before the work, not after it."""
+    kind = "directory" if directory else "file"
+    if not os.fspath(path):  # Path("") is the working directory: written into it
+        raise ValueError(f"{flag} is empty (''); name a {kind}")
     out = Path(path)
     if directory and out.exists() and not out.is_dir():
         raise ValueError(f"{flag} {out} is a file; name a directory")
