@@ -239,6 +239,7 @@ def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
         ([*pretrain, "--output-dir", str(note / "run")], f"{note} is a file, not a directory"),
         ([*pretrain, *run, "--cache-dir", str(note)], f"--cache-dir {note} is a file; name a"),
         ([*pretrain, *run, "--config", str(tmp_path / "nope")], f"--config {tmp_path / 'nope'}"),
+        ([*pretrain, *run, "--config", ""], "--config is empty (''); name a run_config.json"),
         ([*pretrain, *run, "--data", ""], "a data path is empty ('')"),  # was: the working dir
         ([*pretrain, *run, "--data", "/dev/null"], "/dev/null is neither a file nor a directory"),
         ([*evaluate, "--out", str(tmp_path)], f"--out {tmp_path} is a directory; name a file"),

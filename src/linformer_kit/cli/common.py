@@ -85,8 +85,13 @@ def write_report(result: dict[str, Any], path: str) -> Path:
     return out
 
 
-def config_path(path: str) -> str:
-    """`--config PATH`, named as that flag when it does not exist."""
+def config_path(path: str | None) -> str | None:
+    """`--config PATH` (None when not given), named as that flag when it is empty or does not
+    exist."""
+    if path is None:
+        return None
+    if not path:  # taken for no --config without a word
+        raise ValueError("--config is empty (''); name a run_config.json or a run directory")
     if not Path(path).exists():
         raise FileNotFoundError(f"--config {path} does not exist")
     return path

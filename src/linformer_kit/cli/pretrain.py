@@ -26,7 +26,8 @@ FROM_OBJECTIVE = ("causal",)  # set by --objective, so the two cannot disagree
 
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     """Defaults, then `--config FILE` (a run_config.json or a run directory), then flags."""
-    base = RunConfig.load(config_path(args.config)).to_dict() if args.config else {}
+    config = config_path(args.config)
+    base = RunConfig.load(config).to_dict() if config else {}
     overrides = collect_overrides(args)
     merged: dict[str, Any] = {}
     for section, values in overrides.items():

@@ -32,7 +32,8 @@ NOT_SEQ2SEQ = ("objective", "mlm_probability")  # pretraining's, meaningless her
 
 def build_run_config(args: argparse.Namespace) -> Seq2SeqRunConfig:
     """Defaults, then `--config FILE` (a run_config.json or a run directory), then flags."""
-    base = Seq2SeqRunConfig.load(config_path(args.config)).to_dict() if args.config else {}
+    config = config_path(args.config)
+    base = Seq2SeqRunConfig.load(config).to_dict() if config else {}
     given = collect_overrides(args)
     return Seq2SeqRunConfig.from_dict(
         {**base, **{section: {**base.get(section, {}), **v} for section, v in given.items()}}
