@@ -72,7 +72,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--config",
-        default="",
+        default=None,
         help="a run_config.json (or run directory) to start from (default: none)",
     )
     add_override_arguments(parser, DataSettings, "data")

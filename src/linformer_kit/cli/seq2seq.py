@@ -80,7 +80,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     train = actions.add_parser("train", help="train (or --resume) an encoder-decoder")
     train.add_argument(
         "--config",
-        default="",
+        default=None,
         help="a run_config.json (or run directory) to start from (default: none)",
     )
     add_override_arguments(train, Seq2SeqDataSettings, "data")
