@@ -147,11 +147,12 @@ def test_a_converted_classifier_reads_texts_at_its_fine_tuning_length(dirs, tmp_
     # tokenizer with a warning, beside its optimizer state
     best = tmp_path / "ft" / "best"
     weights = (best / "model.safetensors").read_bytes()
-    with pytest.raises(SystemExit):
-        main(
-            ["convert", "--from", str(dirs / "classifier"), "--proj-dim", "16", "--out", str(best)]
-        )
+    # and at the run's folder, whose run_config.json it removed as a replaced model's
+    for folder in (best, tmp_path / "ft"):
+        with pytest.raises(SystemExit, match="is a training run or checkpoint"):
+            main(["convert", "--from", str(dirs / "classifier"), "--out", str(folder)])
     assert (best / "model.safetensors").read_bytes() == weights
+    assert (tmp_path / "ft" / "run_config.json").is_file()
 
 
 def test_finetuning_a_classifier_on_other_classes_keeps_its_backbone_with_a_new_head(

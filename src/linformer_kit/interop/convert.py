@@ -17,7 +17,7 @@ from .. import hub
 from ..config import check_positive
 from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel
-from ..training.checkpoint import STATE_NAME
+from ..training.checkpoint import CHECKPOINTS_DIR, STATE_NAME
 from ..training.settings import RUN_CONFIG_NAME
 from .bert import convert_hf_model
 from .projection_init import DEFAULT_INIT, init_projections
@@ -76,10 +76,11 @@ def convert_to_dir(
             f"reads; name another folder"
         )
     hub.check_output_path(out, directory=True)
-    if (Path(out) / STATE_NAME).is_file():  # `best` is a link into the run's checkpoints
+    # `best` is a link into the run's checkpoints; a run's folder holds its run_config.json
+    if (Path(out) / STATE_NAME).is_file() or (Path(out) / CHECKPOINTS_DIR).is_dir():
         raise ValueError(
-            f"--out {out} is a training checkpoint (it holds {STATE_NAME}): the conversion "
-            f"would replace the run's weights; name another folder"
+            f"--out {out} is a training run or checkpoint: the conversion would replace its "
+            f"files; name another folder"
         )
     if max_seq_len is not None:
         check_positive("max_seq_len", max_seq_len)
@@ -105,7 +106,8 @@ def convert_to_dir(
     else:
         ids = calibration_ids(source, calibration_texts, max_seq_len) if data_driven else None
         model = convert_hf_model(source, calibration_ids=ids, **options)
-    if (Path(out) / hub.CONFIG_NAME).is_file():
+    replacing = (Path(out) / hub.CONFIG_NAME).is_file()
+    if replacing:
         logger.warning("replacing the model in %s", out)
     model.save_pretrained(out)
     # its tokenizer, and the run config of a training checkpoint (what `evaluate` reads texts
@@ -113,7 +115,7 @@ def convert_to_dir(
     for name in (TOKENIZER_NAME, RUN_CONFIG_NAME):
         if (source / name).is_file():
             shutil.copy(source / name, Path(out) / name)
-        elif (Path(out) / name).is_file():  # the replaced model's: not this one's
+        elif replacing and (Path(out) / name).is_file():  # the replaced model's
             (Path(out) / name).unlink()
             logger.warning("removed the replaced model's %s from %s", name, out)
     return model.backbone
