@@ -35,9 +35,11 @@ def build_run_config(args: argparse.Namespace) -> Seq2SeqRunConfig:
     config = config_path(args.config)
     base = Seq2SeqRunConfig.load(config).to_dict() if config else {}
     given = collect_overrides(args)
-    return Seq2SeqRunConfig.from_dict(
+    run = Seq2SeqRunConfig.from_dict(
         {**base, **{section: {**base.get(section, {}), **v} for section, v in given.items()}}
     )
+    run.data.check_flags(given.get("data", {}))
+    return run
 
 
 @exit_on_user_error

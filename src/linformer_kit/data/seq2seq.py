@@ -4,6 +4,7 @@ docstring task, behind one loader."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -182,15 +183,23 @@ class Seq2SeqDataSettings:
         if self.task == "docstrings":  # before the stdlib is parsed
             check_split_fractions(self.val_fraction, self.test_fraction)
             check_vocab_size(self.vocab_size)
-        other = SYNTHETIC_ONLY if self.task == "docstrings" else DOCSTRINGS_ONLY
-        given = [f"--{f.name.replace('_', '-')}" for f in fields(self)
-                 if f.name in other and getattr(self, f.name) != f.default]  # fmt: skip
-        if given:  # they were ignored without a word
+
+    def check_flags(self, given: Iterable[str]) -> None:
+        """Raises ValueError naming the fields among `given` (flags on the command line) that
+        the task does not read: they were ignored without a word. Not checked on a saved
+        run's settings, which an earlier version saved with them."""
+        other = [f"--{name.replace('_', '-')}" for name in given if name not in self.read()]
+        if other:
             kind = "synthetic tasks" if self.task == "docstrings" else "docstrings task"
             raise ValueError(
-                f"{', '.join(given)} set the data of the {kind} only; --task {self.task} "
+                f"{', '.join(other)} set the data of the {kind} only; --task {self.task} "
                 f"would ignore them"
             )
+
+    def read(self) -> tuple[str, ...]:
+        """The fields the task's data comes from (the other kind of task's left out)."""
+        other = SYNTHETIC_ONLY if self.task == "docstrings" else DOCSTRINGS_ONLY
+        return tuple(f.name for f in fields(self) if f.name not in other)
 
 
 @dataclass

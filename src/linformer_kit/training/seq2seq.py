@@ -214,12 +214,9 @@ class Seq2SeqEvaluator:
         return metrics
 
 
-# What a seq2seq --resume keeps: the task's pairs and split (the data section but for where
-# it is cached) and the order they come in.
-RESUME_KEEPS = {
-    "data": tuple(f.name for f in dataclasses.fields(Seq2SeqDataSettings) if f.name != "cache_dir"),
-    "train": ("batch_size", "grad_accum_steps", "seed"),
-}
+# What a seq2seq --resume keeps, beside the fields the task's pairs and split come from (but
+# where they are cached): the order they come in.
+RESUME_KEEPS = {"train": ("batch_size", "grad_accum_steps", "seed")}
 
 
 def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> TrainResult:
@@ -236,7 +233,8 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
     if run.train.resume:
         checkpoint = latest_checkpoint(run.train.output_dir)
         continues = f"the training of {checkpoint and checkpoint.path} on its pairs and order"
-        check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues)
+        pairs = tuple(name for name in run.data.read() if name != "cache_dir")
+        check_resume_keeps(checkpoint, run, {"data": pairs, **RESUME_KEEPS}, continues)
     data = data or load_seq2seq_data(run.data)
     config = run.model.config(data, run.data)
     settings = run.train
