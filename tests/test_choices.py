@@ -17,7 +17,7 @@ from linformer_kit.interop.task_bench import TaskBenchSettings
 from linformer_kit.models import LinformerForSequenceClassification, LinformerModel
 from linformer_kit.projection import build_projection
 from linformer_kit.training.compare import ComparisonSettings
-from linformer_kit.training.finetune import FinetuneSettings
+from linformer_kit.training.finetune_settings import FinetuneSettings
 from linformer_kit.training.lra_settings import LRASettings
 from linformer_kit.training.seq2seq import evaluate_seq2seq
 from linformer_kit.training.settings import TrainSettings

@@ -9,7 +9,8 @@ from train_helpers import interrupted_after, pretrain_cli, write_classification
 
 from linformer_kit import LinformerConfig, LinformerForSeq2SeqLM, Seq2SeqConfig
 from linformer_kit.cli import main
-from linformer_kit.training.finetune import FinetuneSettings, _sized, finetune_train_settings
+from linformer_kit.training.finetune import _sized
+from linformer_kit.training.finetune_settings import FinetuneSettings, finetune_train_settings
 
 MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "1", "--num-heads", "2"]
 TRAIN = ["--batch-size", "4", "--warmup-steps", "1", "--lr", "3e-3", "--log-every", "1"]

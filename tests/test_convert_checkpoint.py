@@ -3,6 +3,7 @@ every weight and the head kept, the projections those of a conversion from the H
 source, exact where adaptive pooling keeps every token; clear errors otherwise; and
 `finetune --init` of such a classifier keeps its head."""
 
+import importlib
 import logging
 import shutil
 
@@ -127,6 +128,13 @@ def test_a_kept_head_keeps_its_pooling(dirs, tmp_path, capsys):
     assert f"--pooling mean: the head kept from {init} was trained on cls-pooled" in (
         capsys.readouterr().err
     )
+    # a run an earlier version started so (the kept cls head pooled by mean) resumes as it was
+    finetune = importlib.import_module("linformer_kit.training.finetune")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(finetune, "_pooling", lambda *args: "mean")
+        main([*argv, "--output-dir", str(tmp_path / "earlier")])
+    main([*argv, "--output-dir", str(tmp_path / "earlier"), "--resume", "--max-steps", "2"])
+    assert read_config(tmp_path / "earlier" / "last")["model_kwargs"]["pooling"] == "mean"
 
 
 def test_a_converted_classifier_reads_texts_at_its_fine_tuning_length(dirs, tmp_path):

@@ -17,7 +17,7 @@ from linformer_kit.data.classification import load_classification
 from linformer_kit.data.tokenizer import load_tokenizer
 from linformer_kit.hub import read_weights
 from linformer_kit.training.batches import ClassificationBatches, RowSchedule
-from linformer_kit.training.finetune import FinetuneSettings
+from linformer_kit.training.finetune_settings import FinetuneSettings, finetune_train_settings
 from linformer_kit.training.task_distill import distillation_loss
 
 FLAGS = ["--batch-size", "8", "--threads", "1"]
@@ -156,6 +156,6 @@ def test_a_teacher_that_is_not_a_classifier_or_knows_other_classes_is_refused(
         finetune_module.finetune(
             FinetuneSettings(init=str(root / "converted"), data=str(train), eval=str(valid),
                              teacher=str(root / "converted")),
-            finetune_module.finetune_train_settings(output_dir=str(tmp_path / "y")),
+            finetune_train_settings(output_dir=str(tmp_path / "y")),
         )  # fmt: skip
     assert read == []

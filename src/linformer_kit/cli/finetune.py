@@ -9,7 +9,12 @@ import os
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..training.finetune import TRAIN_DEFAULTS, FinetuneSettings, finetune, finetune_train_settings
+from ..training.finetune import finetune
+from ..training.finetune_settings import (
+    TRAIN_DEFAULTS,
+    FinetuneSettings,
+    finetune_train_settings,
+)
 from ..training.settings import TrainSettings
 from .common import format_table, print_checkpoints, run_summary
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error

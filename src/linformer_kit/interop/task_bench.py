@@ -35,11 +35,11 @@ from ..data.classification import load_classification, read_labelled
 from ..data.tokenizer import load_tokenizer
 from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
-from ..training.finetune import (
+from ..training.finetune import finetune
+from ..training.finetune_settings import (
     DEFAULT_TRUNCATION,
     PROJECTION_MODES,
     FinetuneSettings,
-    finetune,
     finetune_train_settings,
 )
 from ..training.process import in_fresh_process

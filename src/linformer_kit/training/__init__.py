@@ -5,7 +5,8 @@ from .batches import LMBatches, LMEvaluator, RowSchedule, classification_metrics
 from .checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .evaluate import EvaluateSettings, evaluate_checkpoint
-from .finetune import FinetuneSettings, finetune
+from .finetune import finetune
+from .finetune_settings import FinetuneSettings
 from .loop import Trainer, TrainResult
 from .optim import build_optimizer, build_scheduler, lr_factor
 from .pretrain import build_trainer, pretrain

@@ -6,174 +6,26 @@ import dataclasses
 import logging
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import hub
-from ..config import (
-    TRUNCATIONS,
-    LinformerConfig,
-    check_choice,
-    check_finite_positive,
-    check_non_negative,
-    check_positive,
-)
 from ..data.classification import ClassificationData, load_classification
 from ..data.tokenizer import TextTokenizer, load_tokenizer
-from ..models import POOLINGS, LinformerForSequenceClassification
+from ..models import LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import Checkpoint, check_resume_keeps, check_run_dir, latest_checkpoint
 from .distributed import setup_distributed, teardown_distributed
+from .finetune_settings import DEFAULT_TRUNCATION, FinetuneRunConfig, FinetuneSettings
 from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
-from .settings import TrainSettings, save_json
+from .settings import TrainSettings
 from .task_distill import DistillationObjective, check_teacher, teacher_logits
 
 logger = logging.getLogger(__name__)
-
-HEAD_INITS = ("probe", "random")
-# Measured on Pang & Lee (500 reviews, exact MiniLM at 512): head+tail 0.836, head 0.720
-# test accuracy (README); Sun et al. 2019 found it best on long reviews too.
-DEFAULT_TRUNCATION = "head+tail"
-PROJECTION_MODES = ("train", "freeze")
-# Fine-tuning's own recipe where it differs from pretraining's: a pretrained backbone takes
-# BERT's fine-tuning learning rate (Devlin et al.: 2e-5 to 5e-5), not a from-scratch one;
-# max_steps is sized from the epochs.
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "output_dir": "runs/finetune",
-    "lr": 5e-5,
-    "warmup_steps": 10,
-    "batch_size": 16,
-    "max_steps": 1,
-}
-
-
-@dataclass(kw_only=True)
-class FinetuneSettings:
-    """What to fine-tune on and for how long; the optimisation recipe is a TrainSettings."""
-
-    init: str = field(
-        default="", metadata={"help": "pretrained checkpoint directory", "required": True}
-    )
-    data: str = field(
-        default="", metadata={"help": "training JSONL or CSV (text + label)", "required": True}
-    )
-    eval: str = field(
-        default="", metadata={"help": "validation JSONL or CSV (text + label)", "required": True}
-    )
-    epochs: int = field(default=3, metadata={"help": "passes over the training set"})
-    max_steps: int = field(
-        default=0, metadata={"help": "optimiser steps; overrides --epochs (0 = use --epochs)"}
-    )
-    eval_every: int = field(
-        default=0, metadata={"help": "validate and checkpoint every N steps (0 = every epoch)"}
-    )
-    num_labels: int = field(default=0, metadata={"help": "classes (0 = max label + 1)"})
-    pooling: str = field(
-        default="",
-        metadata={
-            "help": "mean (over real tokens; a masked-LM or sentence-embedding backbone never "
-            "trained its first token for classification) or cls (default: a kept head's "
-            "own, else mean)"
-        },
-    )
-    head_init: str = field(
-        default="probe",
-        metadata={
-            "help": "how a new head starts: probe (the output layer fitted on the frozen "
-            "backbone's features first, LP-FT) or random; a classifier --init with as many "
-            "classes keeps its own head"
-        },
-    )
-    projections: str = field(
-        default="freeze",
-        metadata={
-            "help": "freeze or train the pretrained sequence projections (E, F); frozen "
-            "measured 1.6-2 points better on Pang & Lee, with faster steps (README)"
-        },
-    )
-    text_field: str = field(
-        default="text", metadata={"help": "JSONL field or CSV column of the text"}
-    )
-    label_field: str = field(
-        default="label", metadata={"help": "JSONL field or CSV column of the label"}
-    )
-    max_seq_len: int = field(
-        default=0, metadata={"help": "truncate texts to N tokens (0 = the model's max_seq_len)"}
-    )
-    truncation: str = field(
-        default="",
-        metadata={
-            "help": "what a longer text keeps: head, tail or head+tail (a quarter from the "
-            "start, the rest from the end); saved with the model for evaluate (default: the "
-            f"model's if it was fine-tuned with one, else {DEFAULT_TRUNCATION})"
-        },
-    )
-    teacher: str = field(
-        default="",
-        metadata={
-            "help": "a fine-tuned classifier (e.g. the exact model at full length) whose "
-            "predictions on --data the model also learns (knowledge distillation)"
-        },
-    )
-    distill_weight: float = field(
-        default=0.5,
-        metadata={"help": "with --teacher: share of the teacher's term in the loss, in [0, 1]"},
-    )
-    temperature: float = field(
-        default=2.0, metadata={"help": "with --teacher: softmax temperature of both, > 0"}
-    )
-
-    def __post_init__(self) -> None:
-        check_positive("epochs", self.epochs)
-        for name in ("max_steps", "eval_every", "num_labels", "max_seq_len"):
-            check_non_negative(name, getattr(self, name))
-        if self.num_labels == 1:
-            raise ValueError("num_labels must be at least 2 (or 0: max label + 1), got 1")
-        check_choice("head_init", self.head_init, HEAD_INITS)
-        check_choice("projections", self.projections, PROJECTION_MODES)
-        if self.truncation:
-            check_choice("truncation", self.truncation, TRUNCATIONS)
-        if self.pooling:
-            check_choice("pooling", self.pooling, POOLINGS)
-        if not 0.0 <= self.distill_weight <= 1.0:
-            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight!r}")
-        check_finite_positive("temperature", self.temperature)
-        given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(self)
-                 if f.name in ("distill_weight", "temperature")
-                 and getattr(self, f.name) != f.default]  # fmt: skip
-        if given and not self.teacher:  # they were ignored without a word
-            raise ValueError(f"{' and '.join(given)} apply with --teacher only")
-
-
-@dataclass(kw_only=True)
-class FinetuneRunConfig:
-    """A fine-tuning run's backbone, recipe (as sized) and data; saved as run_config.json."""
-
-    model: LinformerConfig
-    train: TrainSettings
-    finetune: FinetuneSettings
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form."""
-        return {
-            "model": self.model.to_dict(),
-            "train": dataclasses.asdict(self.train),
-            "finetune": dataclasses.asdict(self.finetune),
-        }
-
-    def save(self, path: Path) -> None:
-        """Writes the JSON form to `path`."""
-        save_json(self.to_dict(), path)
-
-
-def finetune_train_settings(**overrides: Any) -> TrainSettings:
-    """Fine-tuning's TrainSettings: TRAIN_DEFAULTS, then `overrides`."""
-    return TrainSettings(**{**TRAIN_DEFAULTS, **overrides})
 
 
 def _sequence_length(settings: FinetuneSettings, model_len: int) -> int:
@@ -289,9 +141,14 @@ def _keeps_head(meta: dict[str, Any], num_labels: int, names_match: bool) -> boo
     return saved == num_labels
 
 
-def _pooling(meta: dict[str, Any], settings: FinetuneSettings, keep_head: bool) -> str:
-    """The head's pooling: a kept head's own (its weights learned from those features; a
-    `--pooling` other than that is refused), else `--pooling` or mean."""
+def _pooling(
+    meta: dict[str, Any], settings: FinetuneSettings, keep_head: bool, resumed: Checkpoint | None
+) -> str:
+    """The head's pooling: a resumed run's (`check_same_model` names another), a kept head's
+    own (its weights learned from those features; a `--pooling` other than that is
+    refused), else `--pooling` or mean."""
+    if resumed is not None:  # an earlier version kept a head with mean pooling: goes on so
+        return settings.pooling or hub.read_config(resumed.path)["model_kwargs"]["pooling"]
     own = meta["model_kwargs"].get("pooling", "mean") if keep_head else None
     if own and settings.pooling not in ("", own):
         raise ValueError(
@@ -384,7 +241,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         model = LinformerForSequenceClassification.from_pretrained(
             settings.init,
             num_labels=num_labels,
-            pooling=_pooling(meta, settings, keep_head),
+            pooling=_pooling(meta, settings, keep_head, last if train.resume else None),
             config_overrides=train_data.label_config() | {"truncation": fields["truncation"]},
             keep_head=keep_head,
         ).to(dist.device)
