@@ -107,6 +107,14 @@ def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
     flags = ["--batch-size", "4", "--seed", "9", "--data", str(other)]
     err = user_error(capsys, lambda: finetune(pretrained, data, out, "--max-steps", "8",
                                               "--resume", *flags))  # fmt: skip
+    # the same file named from another working directory goes on (its relative path was
+    # resolved against the new one and refused)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(data[0].parent)
+        relative = (data[0].name, data[1].name)
+        finetune(pretrained, relative, out, "--max-steps", "7", "--resume")
+    finetune(pretrained, data, out, "--max-steps", "8", "--resume")
+    assert records(out, "train") == list(range(1, 9))
     assert (
         f"--resume continues the fine-tuning of {out}/checkpoints/step-00000006 on its texts, "
         f"read and ordered as it started; these differ: --data '{other}' (the run's: "

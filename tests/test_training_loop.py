@@ -25,7 +25,12 @@ from linformer_kit.data.tokenizer import train_tokenizer
 from linformer_kit.kernel_rule import pinned_kernel
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, loop, lr_factor, pretrain
 from linformer_kit.training.batches import LMEvaluator, language_model_loss
-from linformer_kit.training.checkpoint import check_resumable, latest_checkpoint, restore_rng
+from linformer_kit.training.checkpoint import (
+    UNKNOWN,
+    check_resumable,
+    latest_checkpoint,
+    restore_rng,
+)
 from linformer_kit.training.distributed import Distributed, resolve_device
 from linformer_kit.training.metrics_log import MetricsLog
 from linformer_kit.training.optim import (
@@ -34,7 +39,7 @@ from linformer_kit.training.optim import (
     build_scheduler,
     load_optimizer_state,
 )
-from linformer_kit.training.pretrain import build_trainer, prepare_data
+from linformer_kit.training.pretrain import _comparable, build_trainer, prepare_data
 from linformer_kit.training.seq2seq import Seq2SeqBatches
 
 
@@ -184,6 +189,8 @@ def test_resume_refuses_another_split_order_or_world_of_processes(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         assert pretrain(run).steps == 2
     assert "the run is at step 2, max_steps 1: nothing to train" in caplog.text
+    # a corpus path relative to where the run started is not compared from elsewhere
+    assert _comparable("data", ["stdlib", "no/such/corpus"]) is UNKNOWN
     # the same corpus spelt otherwise (a tuple, a trailing slash) is the same data
     run = tiny_run(tmp_path, max_steps=3, eval_every=3, save_every=3, resume=True)
     run.data = dataclasses.replace(run.data, data=(run.data.data[0] + "/",))

@@ -186,6 +186,11 @@ def restore_rng(state: dict[str, Any], rank: int, device: torch.device) -> None:
     torch.cuda.set_rng_state(state["cuda_rng"][rank], device)
 
 
+# What `check_resume_keeps`' `comparable` returns for a setting it cannot compare from here
+# (a relative path recorded by a run started in another working directory).
+UNKNOWN = object()
+
+
 def check_resume_keeps(
     checkpoint: Checkpoint | None,
     run: Any,
@@ -195,8 +200,8 @@ def check_resume_keeps(
 ) -> None:
     """Checks that a `--resume` goes on with the settings `keeps` names (section: fields) as
     `checkpoint`'s run_config.json recorded them: `run` is this run's config (its sections
-    dataclasses), `comparable` the form a setting is compared in. A run without a
-    checkpoint passes.
+    dataclasses), `comparable` the form a setting is compared in (`UNKNOWN` where it cannot
+    be told from here: not compared). A run without a checkpoint passes.
 
     Raises:
         ValueError: "--resume continues `continues`", then each flag that differs with
@@ -215,7 +220,7 @@ def check_resume_keeps(
         for value, before in [
             (comparable(name, now[section][name]), comparable(name, started[section][name]))
         ]
-        if value != before
+        if value != before and UNKNOWN not in (value, before)
     ]
     if changed:
         raise ValueError(

@@ -17,7 +17,13 @@ from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
-from .checkpoint import Checkpoint, check_resume_keeps, check_run_dir, latest_checkpoint
+from .checkpoint import (
+    UNKNOWN,
+    Checkpoint,
+    check_resume_keeps,
+    check_run_dir,
+    latest_checkpoint,
+)
 from .distributed import setup_distributed, teardown_distributed
 from .finetune_settings import DEFAULT_TRUNCATION, FinetuneRunConfig, FinetuneSettings
 from .loop import Trainer, TrainResult
@@ -60,7 +66,9 @@ def _check_same_inputs(
     def comparable(name: str, value: Any) -> Any:
         if name == "max_seq_len":
             return value or model_len
-        return os.path.realpath(value) if name in ("data", "eval") else value
+        if name not in ("data", "eval"):
+            return value
+        return os.path.realpath(value) if os.path.exists(value) else UNKNOWN
 
     path = checkpoint and checkpoint.path
     continues = f"the fine-tuning of {path} on its texts, read and ordered as it started"

@@ -16,7 +16,13 @@ from ..data.pipeline import DataSettings, PretrainingData, prepare_pretraining_d
 from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
-from .checkpoint import Checkpoint, check_resume_keeps, check_run_dir, latest_checkpoint
+from .checkpoint import (
+    UNKNOWN,
+    Checkpoint,
+    check_resume_keeps,
+    check_run_dir,
+    latest_checkpoint,
+)
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .settings import RunConfig
@@ -70,10 +76,14 @@ def check_same_data(run: RunConfig, checkpoint: Checkpoint | None) -> None:
 
 def _comparable(name: str, value: Any) -> Any:
     """A setting as the data sees it: --data's files by their real paths from here
-    (`corpus`, `./corpus/` and its absolute path are one corpus), the rest as given."""
+    (`corpus`, `./corpus/` and its absolute path are one corpus; UNKNOWN where one does not
+    exist from here, a path relative to where the run started), the rest as given."""
     if name != "data":
         return value
-    return [v if v == STDLIB or v.startswith(HF_PREFIX) else os.path.realpath(v) for v in value]
+    files = [v for v in value if v != STDLIB and not v.startswith(HF_PREFIX)]
+    if not all(map(os.path.exists, files)):  # relative to another working directory
+        return UNKNOWN
+    return [v if v not in files else os.path.realpath(v) for v in value]
 
 
 def prepare_data(
