@@ -348,6 +348,11 @@ def test_a_num_eval_cut_of_a_test_folder_keeps_every_class(tmp_path):
     assert len(task.test) == 6 and sorted(set(np.asarray(task.test.labels).tolist())) == [0, 1]
     whole = load_text(tmp_path / "imdb", cache_dir=tmp_path)  # every document, in some order
     assert sorted(np.asarray(whole.test.labels).tolist()) == [0] * 10 + [1] * 10
+    # another cache key for that layout only: runs on a CSV or one folder (data as before)
+    # resume; a run on train/ + test/ is told its data changed
+    assert whole.params["test"] == "shuffled"
+    flat = load_text(tmp_path / "imdb" / "train", cache_dir=tmp_path)
+    assert "test" not in flat.params and flat.params["version"] == 2
 
 
 def test_text_csv_mistakes_are_named(tmp_path):

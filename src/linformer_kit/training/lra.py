@@ -270,8 +270,9 @@ def check_same_data(run_dir: Path, params: dict[str, Any]) -> None:
     if changed := _differences(started, now, sorted(started.keys() | now.keys())):
         raise ValueError(
             f"--resume continues the run in {run_dir} on the data it started with; these "
-            f"differ: {changed} (text: a file under --data was added, removed or rewritten). "
-            f"Restore the data, or start over without --resume"
+            f"differ: {changed} (text: a file under --data was added, removed or rewritten, "
+            f"or this version reads it otherwise). Restore the data, or start over in another "
+            f"--output-dir (or remove {run_dir})"
         )
 
 
