@@ -312,7 +312,7 @@ def test_the_functional_core_refuses_inconsistent_projections_and_blocks():
     for heads in (3, 1):
         per_head = torch.randn(heads, 16, 3, dtype=torch.float64)
         with pytest.raises(
-            ValueError, match=rf"shape \({heads}, 16, 3\) needs {heads} heads, got 2"
+            ValueError, match=rf"shape \({heads}, 16, 3\) has {heads} heads; the inputs have 2"
         ):
             causal_attention(q, q, q, per_head, block_size=4)
     for block_size in (0, -1):

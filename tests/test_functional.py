@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import projected_attention, softmax_attention
 
-from linformer_kit import causal_attention, cross_attention
+from linformer_kit import LinformerSelfAttention, causal_attention, cross_attention
 from linformer_kit.functional import (
     exact_attention,
     linformer_attention,
@@ -12,6 +12,7 @@ from linformer_kit.functional import (
     project_linear,
 )
 from linformer_kit.kernels import dot_product_attention
+from linformer_kit.projection import build_projection
 
 B, H, D = 2, 3, 4
 
@@ -219,8 +220,33 @@ def test_per_head_projection_gradient_comes_in_the_weights_layout(autocast):
 
 def test_per_head_projection_needs_matching_heads():
     x = torch.randn(B, 5, H, D)
-    with pytest.raises(ValueError, match="needs 2 heads, got 3"):
+    with pytest.raises(ValueError, match="has 2 heads; the inputs have 3"):
         project_linear(x, torch.randn(2, 8, 4))
+
+
+def test_linformer_attention_names_malformed_inputs_and_takes_an_empty_batch():
+    q = torch.randn(1, 3, 10, 4)
+    e = torch.randn(16, 5)
+    # keys and values of different lengths were projected by different rows: no error
+    with pytest.raises(ValueError, match=r"keys and values must be as many.* \(1, 3, 7, 4\)"):
+        linformer_attention(q, q, q[:, :, :7], e, e)
+    # the projection's heads were named on its slice to n, as if it needed them
+    with pytest.raises(ValueError, match=r"shape \(4, 16, 5\) has 4 heads; the inputs have 3"):
+        linformer_attention(q, q, q, torch.randn(4, 16, 5), torch.randn(4, 16, 5))
+    # 3-D inputs: "not enough values to unpack"; a 1-D projection: IndexError
+    with pytest.raises(ValueError, match=r"must be \(batch, heads, seq_len, head_dim\), got"):
+        linformer_attention(q[0], q[0], q[0], e, e)
+    with pytest.raises(ValueError, match=r"proj_k must be \(max_seq_len, K\) or"):
+        linformer_attention(q, q, q, e[:, 0], e)
+    with pytest.raises(ValueError, match=r"must be \(batch, heads, seq_len, head_dim\), got"):
+        exact_attention(q[0], q[0], q[0], torch.ones(1, 10, dtype=torch.bool))
+    # an empty batch failed in a reshape ("the unspecified dimension size -1 ... ambiguous")
+    empty = torch.randn(0, 3, 10, 4)
+    assert linformer_attention(empty, empty, empty, e, e).shape == (0, 3, 10, 4)
+    kv = build_projection(projection="linear", max_seq_len=16, proj_dim=5)
+    module = LinformerSelfAttention(dim=8, num_heads=2, max_seq_len=16, proj_k=kv, proj_v=kv)
+    for n in (10, 16):  # the keys and values projected after their maps, and before
+        assert module(torch.randn(0, n, 8))[0].shape == (0, n, 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -310,4 +310,4 @@ class LinformerSelfAttention(nn.Module):
         out = linear(projected, layer.weight)
         if layer.bias is not None:
             out = out + projected_ones * layer.bias
-        return out.view(out.shape[0], -1, self.num_heads, self.head_dim)
+        return out.view(*out.shape[:2], self.num_heads, self.head_dim)  # batch may be 0

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import check_positive
-from .functional import check_key_padding_mask, check_projections, check_seq_len, real_first
+from .functional import (
+    check_key_padding_mask,
+    check_projections,
+    check_qkv,
+    check_seq_len,
+    real_first,
+)
 from .kernels import dot_product_attention
 
 
@@ -178,10 +184,12 @@ def causal_attention(
         (B, H, N, D).
 
     Raises:
-        ValueError: if N exceeds max_seq_len, the mask has the wrong shape or dtype, the
-            projections give different k or a per-head one other heads, proj_v comes
-            without proj_k, or block_size < 1.
+        ValueError: for inputs not (B, H, N, D) or keys and values of other shapes, if N
+            exceeds max_seq_len, the mask has the wrong shape or dtype, the projections give
+            different k or a per-head one other heads, proj_v comes without proj_k, or
+            block_size < 1.
     """
+    check_qkv(q, k, v)
     batch, _, seq_len, _ = q.shape
     check_key_padding_mask(key_padding_mask, batch, seq_len)
     if proj_k is None and proj_v is not None:

@@ -111,9 +111,31 @@ def real_tokens_first(
     return (*gathered, key_padding_mask.gather(1, order))
 
 
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Raises ValueError unless q, k and v are (B, H, N, D), with keys and values of one
+    batch, heads and length (a value per key)."""
+    if not q.dim() == k.dim() == v.dim() == 4:
+        raise ValueError(
+            f"q, k and v must be (batch, heads, seq_len, head_dim), got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"keys and values must be as many, of one batch and heads: got k of shape "
+            f"{tuple(k.shape)} and v of shape {tuple(v.shape)}"
+        )
+
+
 def check_projections(proj_k: Tensor, proj_v: Tensor, heads: int | None = None) -> None:
-    """Raises ValueError unless the key and value projections give the same k rows (and,
-    given `heads`, a per-head one has as many heads)."""
+    """Raises ValueError unless the key and value projections are (max_seq_len, K) or
+    (H, max_seq_len, K) and give the same k rows (and, given `heads`, a per-head one has as
+    many heads)."""
+    for name, weight in (("proj_k", proj_k), ("proj_v", proj_v)):
+        if weight.dim() not in (2, 3):
+            raise ValueError(
+                f"{name} must be (max_seq_len, K) or (heads, max_seq_len, K), got shape "
+                f"{tuple(weight.shape)}"
+            )
     if proj_k.shape[-1] != proj_v.shape[-1]:
         raise ValueError(
             f"proj_k and proj_v must project to the same k: got {proj_k.shape[-1]} and "
@@ -128,8 +150,8 @@ def check_heads(weight: Tensor, heads: int) -> None:
     """Raises ValueError if a per-head (H, max_seq_len, K) projection has not `heads` heads."""
     if weight.dim() == 3 and weight.shape[0] != heads:
         raise ValueError(
-            f"a per-head projection of shape {tuple(weight.shape)} needs {weight.shape[0]} "
-            f"heads, got {heads}"
+            f"a per-head projection of shape {tuple(weight.shape)} has {weight.shape[0]} "
+            f"heads; the inputs have {heads}"
         )
 
 
@@ -171,13 +193,13 @@ def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = 
         # folds it through transposed copies of x and of the gradient (fwd+bwd at N 1024,
         # K 256, G*C 256, B 8, 2 threads: 10.8 against 14.7 ms); one row as one mm on a view
         # (the expand's backward would add a copy: 1.5 against 2.1 ms).
-        rows = x.reshape(batch, seq_len, -1)
+        rows = x.reshape(batch, seq_len, groups * width)  # sizes given: batch may be 0
         projection = weight.transpose(0, 1)  # (K, N)
         if batch == 1:
             out = matmul(projection, rows.squeeze(0)).unsqueeze(0)
         else:
             out = matmul(projection.expand(batch, -1, -1), rows)
-        return out.view(batch, -1, groups, width)  # (B, K, G, C)
+        return out.view(batch, weight.shape[-1], groups, width)  # (B, K, G, C)
     check_heads(weight, groups)
     # (G, B*C, N) @ (G, N, K): one bmm over the groups, the batch folded into the rows.
     # torch.matmul's broadcast (G, K, N) @ (B, G, N, C) copied the weight B times and summed
@@ -334,11 +356,13 @@ def linformer_attention(
         (B, H, N, D).
 
     Raises:
-        ValueError: if N exceeds max_seq_len, the mask has the wrong shape or dtype, or the
-            projections give different k.
+        ValueError: for inputs not (B, H, N, D) or keys and values of other shapes, if N
+            exceeds max_seq_len, the mask has the wrong shape or dtype, or the projections
+            give different k or a per-head one other heads.
     """
+    check_qkv(q, k, v)
     check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2])
-    check_projections(proj_k, proj_v)
+    check_projections(proj_k, proj_v, heads=q.shape[1])
     if key_padding_mask is not None:  # E's row j projects the j-th real token (left padding)
         k, v, key_padding_mask = real_tokens_first(key_padding_mask, k, v, dim=2)
     k = project_linear(k.transpose(1, 2), proj_k, key_padding_mask).transpose(1, 2)
@@ -364,7 +388,12 @@ def exact_attention(
 
     Returns:
         (B, H, N, D).
+
+    Raises:
+        ValueError: for inputs not (B, H, N, D), keys and values of other shapes, or a mask
+            of the wrong shape or dtype.
     """
+    check_qkv(q, k, v)
     check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2])
     k = zero_padding(k.transpose(1, 2), key_padding_mask).transpose(1, 2)
     v = zero_padding(v.transpose(1, 2), key_padding_mask).transpose(1, 2)
