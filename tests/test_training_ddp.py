@@ -16,7 +16,7 @@ from linformer_kit.cli import main
 from linformer_kit.data import prepare_pretraining_data
 from linformer_kit.masked_lm import LinformerForMaskedLM
 from linformer_kit.training.distributed import setup_distributed, teardown_distributed
-from linformer_kit.training.pretrain import build_trainer, prepare_data
+from linformer_kit.training.pretrain import build_trainer, prepare_data, pretrain
 
 
 def free_port() -> int:
@@ -93,6 +93,29 @@ def test_two_gloo_processes_train_to_identical_weights(
     assert steps == list(range(1, 7))  # written once, by rank 0
     state = torch.load(tmp_path / "run/last/trainer_state.pt", weights_only=True)
     assert len(state["rng"]) == 2  # both ranks' RNG states, for an exact resume
+
+
+def test_two_processes_pretrain_a_masked_lm_as_one_with_two_micro_batches(tmp_path):
+    # Masks were seeded by micro-batch and rank: two processes masked other tokens than one
+    # process with two micro-batches (weights 5.6e-3 apart after 4 steps in the review).
+    def run(name, **train):
+        run = tiny_run(tmp_path, max_steps=3, eval_every=3, save_every=3, **train)
+        run.train.output_dir = str(tmp_path / name)
+        run.model = run.model.replace(dropout=0.0, attention_dropout=0.0)
+        return run
+
+    prepare_pretraining_data(run("one").data, 64)
+    pretrain(run("one", grad_accum_steps=2))
+    mp.spawn(worker, args=(2, free_port(), run("two"), tmp_path), nprocs=2, join=True)
+    one, two = hub.read_weights(tmp_path / "one" / "last"), torch.load(tmp_path / "rank0.pt")
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+    losses = [
+        [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").open()
+         if '"train"' in line]
+        for name in ("one", "two")
+    ]  # fmt: skip
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
 def cli_worker(rank, world_size, port, argv):

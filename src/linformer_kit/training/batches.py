@@ -93,9 +93,21 @@ class LMBatches:
 
     def micro_batch(self, step: int, micro: int, rank: int) -> dict[str, Tensor]:
         """input_ids and labels (B, N) of one micro-batch."""
-        ids = self.blocks.batch(self.schedule.rows(step, micro, rank))  # (B, N)
-        generator = torch.Generator().manual_seed(mix_seed(self.schedule.seed, step, micro, rank))
-        return self.label(ids, generator)
+        rows = self.schedule.rows(step, micro, rank)
+        return self.label_rows(rows, [mix_seed(self.schedule.seed, step, row) for row in rows])
+
+    def label_rows(self, rows: list[int], seeds: list[int]) -> dict[str, Tensor]:
+        """input_ids and labels (B, N) of blocks `rows`, each masked by its own seed: a
+        block's masks do not depend on the batch or the process that holds it (seeded by
+        micro-batch and rank, N processes masked other tokens than one process with N
+        micro-batches; validation's scored tokens moved with --batch-size)."""
+        if self.causal:
+            return self.label(self.blocks.batch(rows), torch.Generator())
+        parts = [
+            self.label(self.blocks.batch([row]), torch.Generator().manual_seed(seed))
+            for row, seed in zip(rows, seeds, strict=True)
+        ]
+        return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
     def label(self, ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
         """input_ids and labels of blocks `ids` (B, N): causal labels are the inputs (the
@@ -149,8 +161,7 @@ class LMEvaluator:
         total = scored = 0.0
         for index in tqdm(range(count), desc="validation", leave=False, disable=not self.verbose):
             rows = spread[index * self.batch_size : (index + 1) * self.batch_size]
-            generator = torch.Generator().manual_seed(mix_seed(EVAL_SEED, index))
-            batch = self.batches.label(blocks.batch(rows), generator)
+            batch = self.batches.label_rows(rows, [mix_seed(EVAL_SEED, row) for row in rows])
             n = self.batches.scored(batch)
             loss = self.batches.loss(model, {k: v.to(device) for k, v in batch.items()})
             total += float(loss) * n
