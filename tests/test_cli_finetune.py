@@ -233,6 +233,11 @@ def test_evaluate_masks_at_the_runs_rate_and_refuses_documents_without_text(
     assert metrics(run / "last") == metrics(run / "last", "--mlm-probability", "0.4")
     assert metrics(run / "last") != metrics(run / "last", "--mlm-probability", "0.15")
     assert metrics(pretrained) == metrics(pretrained, "--mlm-probability", "0.15")  # its rate
+    # several files: one row each, as the README says (one pooled "a+b" row before)
+    out = tmp_path / "two.json"
+    main(["evaluate", str(pretrained), "--data", text, str(data[0]), "--out", str(out)])
+    both = json.loads(out.read_text())["metrics"]
+    assert list(both) == [text, str(data[0])] and both[text] == metrics(pretrained)
     err = user_error(capsys, lambda: metrics(pretrained, "--mlm-probability", "1"))
     assert err == "linformer evaluate: error: mlm_probability must be in (0, 1), got 1.0\n"
     classifier = tmp_path / "ft"

@@ -203,12 +203,13 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
                 path,
             )
     model = (LinformerForCausalLM if causal else LinformerForMaskedLM).from_pretrained(path)
-    blocks = _text_blocks(data, tokenizer, config.max_seq_len, settings)
-    schedule = RowSchedule(len(blocks), batch_size, 1, 1, 0)
     rate = settings.mlm_probability or _run_setting(path, "train", "mlm_probability") or 0.15
     if not causal:  # the run's rate, so the perplexity compares with its own val_ppl
         logger.info("masking %.0f%% of the tokens", 100 * rate)
-    evaluator = LMEvaluator(
-        LMBatches(blocks, tokenizer, schedule, rate, causal=causal), batch_size, verbose=True
-    )
-    return {"+".join(data): evaluator(model.to(target).eval(), target)}
+    metrics = {}
+    for spec in data:  # each on its own, as a classifier's (one pooled row before)
+        blocks = _text_blocks([spec], tokenizer, config.max_seq_len, settings)
+        schedule = RowSchedule(len(blocks), batch_size, 1, 1, 0)
+        batches = LMBatches(blocks, tokenizer, schedule, rate, causal=causal)
+        metrics[spec] = LMEvaluator(batches, batch_size, verbose=True)(model.to(target), target)
+    return metrics
