@@ -226,7 +226,7 @@ class Trainer:
 
         Returns:
             The step's loss (over every rank: the mean over its scored targets, or over
-            its micro-batches where they are not counted), its tokens (every rank's) and
+            its micro-batches where they are not counted), its real tokens (every rank's) and
             the learning rate it ran at.
         """
         accum = self.settings.grad_accum_steps
@@ -246,7 +246,8 @@ class Trainer:
                 # backward still runs, for DDP's reduction on the last micro-batch
                 (loss.nan_to_num() * 0.0 if weight == 0 else loss * weight).backward()
             weighted += 0.0 if weight == 0 else loss.item() * weight
-            tokens += batch["input_ids"].numel()
+            real = batch.get("key_padding_mask")  # padding is no token read (64 % more)
+            tokens += batch["input_ids"].numel() if real is None else int(real.sum())
         if self.settings.clip_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.clip_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]  # this step's, before the schedule moves on
