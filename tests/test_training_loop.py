@@ -26,7 +26,6 @@ from linformer_kit.kernel_rule import pinned_kernel
 from linformer_kit.training import RunConfig, Trainer, TrainSettings, loop, lr_factor, pretrain
 from linformer_kit.training.batches import LMEvaluator, language_model_loss
 from linformer_kit.training.checkpoint import (
-    UNKNOWN,
     check_resumable,
     latest_checkpoint,
     restore_rng,
@@ -39,7 +38,7 @@ from linformer_kit.training.optim import (
     build_scheduler,
     load_optimizer_state,
 )
-from linformer_kit.training.pretrain import _comparable, build_trainer, prepare_data
+from linformer_kit.training.pretrain import _same_setting, build_trainer, prepare_data
 from linformer_kit.training.seq2seq import Seq2SeqBatches
 
 
@@ -189,8 +188,13 @@ def test_resume_refuses_another_split_order_or_world_of_processes(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         assert pretrain(run).steps == 2
     assert "the run is at step 2, max_steps 1: nothing to train" in caplog.text
-    # a corpus path relative to where the run started is not compared from elsewhere
-    assert _comparable("data", ["stdlib", "no/such/corpus"]) is UNKNOWN
+    # a corpus path relative to where the run started cannot be compared from elsewhere (a
+    # warning), but the stdlib for it (a --data forgotten) or another count is refused
+    corpus = run.data.data[0]
+    assert _same_setting("data", [corpus], ["no/such/corpus"]) is None
+    assert _same_setting("data", ["stdlib"], ["no/such/corpus"]) is False
+    assert _same_setting("data", [corpus, corpus], ["no/such/corpus"]) is False
+    assert _same_setting("data", ["stdlib", corpus + "/"], ["stdlib", corpus]) is True
     # the same corpus spelt otherwise (a tuple, a trailing slash) is the same data
     run = tiny_run(tmp_path, max_steps=3, eval_every=3, save_every=3, resume=True)
     run.data = dataclasses.replace(run.data, data=(run.data.data[0] + "/",))

@@ -186,47 +186,55 @@ def restore_rng(state: dict[str, Any], rank: int, device: torch.device) -> None:
     torch.cuda.set_rng_state(state["cuda_rng"][rank], device)
 
 
-# What `check_resume_keeps`' `comparable` returns for a setting it cannot compare from here
-# (a relative path recorded by a run started in another working directory).
-UNKNOWN = object()
-
-
 def check_resume_keeps(
     checkpoint: Checkpoint | None,
     run: Any,
     keeps: dict[str, tuple[str, ...]],
     continues: str,
-    comparable: Callable[[str, Any], Any] = lambda name, value: value,
+    same: Callable[[str, Any, Any], bool | None] = lambda name, now, was: now == was,
 ) -> None:
     """Checks that a `--resume` goes on with the settings `keeps` names (section: fields) as
     `checkpoint`'s run_config.json recorded them: `run` is this run's config (its sections
-    dataclasses), `comparable` the form a setting is compared in (`UNKNOWN` where it cannot
-    be told from here: not compared). A run without a checkpoint passes.
+    dataclasses), `same(name, now, was)` whether two values are one setting (None where it
+    cannot be told from here, a path relative to where the run started: a warning). A run
+    without a checkpoint passes.
 
     Raises:
         ValueError: "--resume continues `continues`", then each flag that differs with
-            the run's value (both as compared).
+            the run's value.
     """
     if checkpoint is None or not (checkpoint.path / RUN_CONFIG_NAME).is_file():
         return
     started = json.loads((checkpoint.path / RUN_CONFIG_NAME).read_text())
     # as run_config.json holds them (a tuple is a list there)
     now = json.loads(json.dumps({name: asdict(getattr(run, name)) for name in keeps}))
-    changed = [
-        f"--{name.replace('_', '-')} {value!r} (the run's: {before!r})"
-        for section, names in keeps.items()
-        for name in names
-        if name in started.get(section, {})
-        for value, before in [
-            (comparable(name, now[section][name]), comparable(name, started[section][name]))
-        ]
-        if value != before and UNKNOWN not in (value, before)
-    ]
+    changed = []
+    for section, names in keeps.items():
+        for name in (n for n in names if n in started.get(section, {})):
+            value, before = now[section][name], started[section][name]
+            flag = f"--{name.replace('_', '-')} {value!r} (the run's: {before!r})"
+            verdict = same(name, value, before)
+            if verdict is None:
+                logger.warning(
+                    "%s: the run's path is relative to where it started, so it cannot be "
+                    "compared from here; going on as if the same data",
+                    flag,
+                )
+            elif not verdict:
+                changed.append(flag)
     if changed:
         raise ValueError(
             f"--resume continues {continues}; these differ: {', '.join(changed)}. Give the "
             f"run's values, or start over in another --output-dir"
         )
+
+
+def same_file(now: str, was: str) -> bool | None:
+    """Whether two spellings of a path name one file or folder from here (None when the run's,
+    `was`, does not exist from here: relative to the directory the run started in)."""
+    if not os.path.exists(was):
+        return None
+    return os.path.realpath(now) == os.path.realpath(was)
 
 
 def check_same_model(checkpoint: Path, model: LinformerPreTrainedModel) -> None:

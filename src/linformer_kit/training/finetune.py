@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,11 @@ from ..models import LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import (
-    UNKNOWN,
     Checkpoint,
     check_resume_keeps,
     check_run_dir,
     latest_checkpoint,
+    same_file,
 )
 from .distributed import setup_distributed, teardown_distributed
 from .finetune_settings import DEFAULT_TRUNCATION, FinetuneRunConfig, FinetuneSettings
@@ -63,16 +62,14 @@ def _check_same_inputs(
         ValueError: naming each flag that differs, with the run's value.
     """
 
-    def comparable(name: str, value: Any) -> Any:
-        if name == "max_seq_len":
-            return value or model_len
-        if name not in ("data", "eval"):
-            return value
-        return os.path.realpath(value) if os.path.exists(value) else UNKNOWN
+    def same(name: str, now: Any, was: Any) -> bool | None:
+        if name == "max_seq_len":  # 0: the model's
+            return (now or model_len) == (was or model_len)
+        return same_file(now, was) if name in ("data", "eval") else now == was
 
     path = checkpoint and checkpoint.path
     continues = f"the fine-tuning of {path} on its texts, read and ordered as it started"
-    check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues, comparable)
+    check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues, same)
 
 
 def _sized(

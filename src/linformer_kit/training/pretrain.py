@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import torch
@@ -17,11 +16,11 @@ from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
 from .checkpoint import (
-    UNKNOWN,
     Checkpoint,
     check_resume_keeps,
     check_run_dir,
     latest_checkpoint,
+    same_file,
 )
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
@@ -71,19 +70,21 @@ def check_same_data(run: RunConfig, checkpoint: Checkpoint | None) -> None:
     """
     path = checkpoint and checkpoint.path
     continues = f"the pretraining of {path} on its data, split and order"
-    check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues, _comparable)
+    check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues, _same_setting)
 
 
-def _comparable(name: str, value: Any) -> Any:
-    """A setting as the data sees it: --data's files by their real paths from here
-    (`corpus`, `./corpus/` and its absolute path are one corpus; UNKNOWN where one does not
-    exist from here, a path relative to where the run started), the rest as given."""
+def _same_setting(name: str, now: Any, was: Any) -> bool | None:
+    """Whether a setting is the run's: --data's entries one by one (`stdlib` and `hf:` ones
+    as written, files by their real paths, `same_file`), the rest as given."""
     if name != "data":
-        return value
-    files = [v for v in value if v != STDLIB and not v.startswith(HF_PREFIX)]
-    if not all(map(os.path.exists, files)):  # relative to another working directory
-        return UNKNOWN
-    return [v if v not in files else os.path.realpath(v) for v in value]
+        return now == was
+    if len(now) != len(was):
+        return False
+    named = lambda spec: spec == STDLIB or spec.startswith(HF_PREFIX)  # noqa: E731
+    verdicts = [
+        a == b if named(a) or named(b) else same_file(a, b) for a, b in zip(now, was, strict=True)
+    ]
+    return False if False in verdicts else None if None in verdicts else True
 
 
 def prepare_data(
