@@ -243,10 +243,13 @@ def test_linformer_attention_names_malformed_inputs_and_takes_an_empty_batch():
     # an empty batch failed in a reshape ("the unspecified dimension size -1 ... ambiguous")
     empty = torch.randn(0, 3, 10, 4)
     assert linformer_attention(empty, empty, empty, e, e).shape == (0, 3, 10, 4)
-    kv = build_projection(projection="linear", max_seq_len=16, proj_dim=5)
-    module = LinformerSelfAttention(dim=8, num_heads=2, max_seq_len=16, proj_k=kv, proj_v=kv)
-    for n in (10, 16):  # the keys and values projected after their maps, and before
-        assert module(torch.randn(0, n, 8))[0].shape == (0, n, 8)
+    per_head = torch.randn(3, 16, 5)
+    assert linformer_attention(empty, empty, empty, per_head, per_head).shape == (0, 3, 10, 4)
+    for heads in (None, 2):  # shared, per head
+        kv = build_projection(projection="linear", max_seq_len=16, proj_dim=5, num_heads=heads)
+        module = LinformerSelfAttention(dim=8, num_heads=2, max_seq_len=16, proj_k=kv, proj_v=kv)
+        for n in (10, 16):  # the keys and values projected after their maps, and before
+            assert module(torch.randn(0, n, 8))[0].shape == (0, n, 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

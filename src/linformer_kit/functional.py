@@ -210,7 +210,7 @@ def project_linear(x: Tensor, weight: Tensor, key_padding_mask: Tensor | None = 
     # call); here E is the second operand and its gradient X dY lands in E's layout.
     rows = x.permute(2, 1, 0, 3).reshape(groups, seq_len, batch * width)
     out = matmul(rows.transpose(-1, -2), weight)  # (G, B*C, K)
-    return out.view(groups, batch, width, -1).permute(1, 3, 0, 2)  # (B, K, G, C)
+    return out.view(groups, batch, width, weight.shape[-1]).permute(1, 3, 0, 2)  # (B, K, G, C)
 
 
 def project_blocks(
