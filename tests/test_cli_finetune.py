@@ -9,6 +9,7 @@ from train_helpers import interrupted_after, pretrain_cli, write_classification
 
 from linformer_kit import LinformerConfig, LinformerForSeq2SeqLM, Seq2SeqConfig
 from linformer_kit.cli import main
+from linformer_kit.training.batches import LMEvaluator
 from linformer_kit.training.finetune import _sized
 from linformer_kit.training.finetune_settings import FinetuneSettings, finetune_train_settings
 
@@ -238,6 +239,14 @@ def test_evaluate_masks_at_the_runs_rate_and_refuses_documents_without_text(
     main(["evaluate", str(pretrained), "--data", text, str(data[0]), "--out", str(out)])
     both = json.loads(out.read_text())["metrics"]
     assert list(both) == [text, str(data[0])] and both[text] == metrics(pretrained)
+    # a file of less than a block was named after the files before it had been scored
+    short = tmp_path / "short.txt"
+    short.write_text("a cat.")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LMEvaluator, "__call__", lambda *a: pytest.fail("scored first"))
+        err = user_error(capsys, lambda: main(["evaluate", str(pretrained), "--data", text,
+                                               str(short)]))  # fmt: skip
+    assert "fewer than one block of 64 (each --data is scored on its own" in err
     err = user_error(capsys, lambda: metrics(pretrained, "--mlm-probability", "1"))
     assert err == "linformer evaluate: error: mlm_probability must be in (0, 1), got 1.0\n"
     classifier = tmp_path / "ft"

@@ -74,7 +74,9 @@ def _text_blocks(
     count = len(stream) // block_len
     if count == 0:
         raise ValueError(
-            f"{', '.join(specs)}: {len(stream)} tokens, fewer than one block of {block_len}"
+            f"{', '.join(specs)}: {len(stream)} tokens, fewer than one block of {block_len} "
+            f"(each --data is scored on its own: put short files in one folder to score them "
+            f"together)"
         )
     return PackedBlocks(np.asarray(stream), block_len, np.arange(count))
 
@@ -206,9 +208,11 @@ def evaluate_checkpoint(path: str | Path, settings: EvaluateSettings) -> dict[st
     rate = settings.mlm_probability or _run_setting(path, "train", "mlm_probability") or 0.15
     if not causal:  # the run's rate, so the perplexity compares with its own val_ppl
         logger.info("masking %.0f%% of the tokens", 100 * rate)
+    # each on its own, as a classifier's (one pooled row before); all read first, so a file
+    # of less than a block is named before the others are scored
+    texts = {spec: _text_blocks([spec], tokenizer, config.max_seq_len, settings) for spec in data}
     metrics = {}
-    for spec in data:  # each on its own, as a classifier's (one pooled row before)
-        blocks = _text_blocks([spec], tokenizer, config.max_seq_len, settings)
+    for spec, blocks in texts.items():
         schedule = RowSchedule(len(blocks), batch_size, 1, 1, 0)
         batches = LMBatches(blocks, tokenizer, schedule, rate, causal=causal)
         metrics[spec] = LMEvaluator(batches, batch_size, verbose=True)(model.to(target), target)
