@@ -261,6 +261,19 @@ def test_validation_scores_blocks_spread_over_the_whole_split():
     assert seen == list(range(100))
 
 
+def test_a_block_read_twice_in_a_step_is_masked_twice(tmp_path):
+    # Seeded by (step, row), a corpus of fewer blocks than a step's rows gave each copy of a
+    # block the same mask: the copies added nothing.
+    trainer = _trainer(tmp_path, batch_size=512)
+    batches = trainer.batches
+    rows = batches.schedule.rows(0, 0, 0)
+    assert len(set(rows)) < len(rows)  # the corpus has fewer blocks than the batch
+    inputs = batches.micro_batch(0, 0, 0)["input_ids"]
+    first: dict[int, int] = {}
+    repeats = [(first[row], i) for i, row in enumerate(rows) if first.setdefault(row, i) != i]
+    assert repeats and all(not torch.equal(inputs[a], inputs[b]) for a, b in repeats)
+
+
 def test_masked_validation_scores_the_same_tokens_at_any_batch_size(tmp_path):
     # Masks were seeded by batch: the scored tokens, and the perplexity (797-807 in a review
     # of one checkpoint), moved with --batch-size.

@@ -58,12 +58,17 @@ class RowSchedule:
         """The schedule of a training run over `size` rows on `world_size` processes."""
         return cls(size, train.batch_size, train.grad_accum_steps, world_size, train.seed)
 
-    def rows(self, step: int, micro: int, rank: int) -> list[int]:
-        """Dataset rows of one micro-batch."""
+    def positions(self, step: int, micro: int, rank: int) -> range:
+        """Places in the data stream of one micro-batch's rows: the same for N processes as
+        for one process's N micro-batches."""
         per_step = self.batch_size * self.grad_accum_steps * self.world_size
         first = step * per_step + (micro * self.world_size + rank) * self.batch_size
-        positions = (divmod(first + j, self.size) for j in range(self.batch_size))
-        return [epoch_order(self.size, self.seed, epoch)[offset] for epoch, offset in positions]
+        return range(first, first + self.batch_size)
+
+    def rows(self, step: int, micro: int, rank: int) -> list[int]:
+        """Dataset rows of one micro-batch."""
+        places = (divmod(place, self.size) for place in self.positions(step, micro, rank))
+        return [epoch_order(self.size, self.seed, epoch)[offset] for epoch, offset in places]
 
     def position(self, step: int) -> dict[str, int]:
         """Where the data stream stands before `step`: epoch and offset in it."""
@@ -93,8 +98,11 @@ class LMBatches:
 
     def micro_batch(self, step: int, micro: int, rank: int) -> dict[str, Tensor]:
         """input_ids and labels (B, N) of one micro-batch."""
-        rows = self.schedule.rows(step, micro, rank)
-        return self.label_rows(rows, [mix_seed(self.schedule.seed, step, row) for row in rows])
+        # seeded by place: a block read twice in a step (a corpus of fewer blocks than a
+        # step's rows) is masked twice, not copied
+        places = self.schedule.positions(step, micro, rank)
+        seeds = [mix_seed(self.schedule.seed, place) for place in places]
+        return self.label_rows(self.schedule.rows(step, micro, rank), seeds)
 
     def label_rows(self, rows: list[int], seeds: list[int]) -> dict[str, Tensor]:
         """input_ids and labels (B, N) of blocks `rows`, each masked by its own seed: a
