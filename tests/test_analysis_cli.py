@@ -19,9 +19,10 @@ from linformer_kit import (
     Seq2SeqConfig,
 )
 from linformer_kit.analysis import attention_map
-from linformer_kit.analysis.inputs import checkpoint_tokenizer
+from linformer_kit.analysis.inputs import checkpoint_tokenizer, token_windows
 from linformer_kit.cli import main
 from linformer_kit.data import train_tokenizer
+from linformer_kit.data.tokenizer import load_tokenizer
 
 TEXT = "the cat sees the dog and the dog sees a bird every day."
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -116,6 +117,19 @@ def test_spectrum_pads_a_short_text(random_exact: Path, tmp_path: Path) -> None:
     report = check_report(out, depth=2, heads=2, curve_len=32)
     assert report["num_sequences"] == 1 and report["mean_real_tokens"] < 32
     assert report["index"] == report["recommendation"]["proj_dim"]  # the default
+
+
+def test_a_tail_under_half_a_window_is_left_out(random_exact: Path, tmp_path: Path) -> None:
+    # A lone trailing separator became a 1 x 1 window averaged in with a full one's weight:
+    # the measured k for 95 % fell from 38 to 31 in a review.
+    text = tmp_path / "one.txt"
+    text.write_text(TEXT)
+    tokenizer = load_tokenizer(random_exact)
+    length = len(tokenizer.encode_batch([TEXT])[0])  # the separator makes length + 1
+    ids, mask = token_windows(tokenizer, str(text), count=4, seq_len=length)
+    assert ids.shape == (1, length) and bool(mask.all())
+    ids, mask = token_windows(tokenizer, str(text), count=4, seq_len=length // 2 + 1)
+    assert ids.shape[0] == 2  # a tail of at least half a window stays
 
 
 def test_spectrum_of_trained_linformer_with_random_tokens(

@@ -65,7 +65,7 @@ def token_windows(
 
     Documents are read in order and joined with the separator token, as pretraining packs
     them. When the data runs out before `count` full windows, the leftover tail becomes one
-    last window, right-padded and masked.
+    last window, right-padded and masked, if it is the only one or at least half a window.
 
     Args:
         tokenizer: the checkpoint's tokenizer.
@@ -91,9 +91,14 @@ def token_windows(
         if len(windows) == count:
             break
     lengths = [seq_len] * len(windows)
-    if len(windows) < count and stream:
+    # a tail under half a window beside full ones is left out: averaged in with the weight of
+    # a full window, a lone separator (a 1 x 1 map, all its mass in one value) halved the
+    # measured k
+    if len(windows) < count and stream and (not windows or 2 * len(stream) >= seq_len):
         lengths.append(len(stream))
         windows.append(stream + [tokenizer.pad_id] * (seq_len - len(stream)))
+    elif len(windows) < count and stream:
+        logger.info("left out the data's last %d tokens (under half a window)", len(stream))
     if not windows:
         raise ValueError(f"{data}: no tokens to analyse")
     if len(windows) < count:
