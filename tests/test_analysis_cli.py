@@ -143,8 +143,12 @@ def test_spectrum_of_trained_linformer_with_random_tokens(
     report = check_report(out, 2, 2, 8, masses=("0.9", "0.95", "0.99", "0.995"))
     assert report["attention"] == "linformer (proj_dim=8)"
     # each mass its own column: 0.995 was printed as "k@100%" and 0.99's column dropped
-    heading = next(line for line in capsys.readouterr().out.splitlines() if "layer" in line)
+    printed = capsys.readouterr().out
+    heading = next(line for line in printed.splitlines() if "layer" in line)
     assert heading.split()[1:5] == ["k@90%", "k@95%", "k@99%", "k@99.5%"]
+    # the n x k matrix was called P, and its recommendation (at most k) not bounded
+    assert "of P̄ = softmax(Q(EK)ᵀ/√d), so at most the model's k = 8" in printed
+    assert "P̄ = softmax(Q(EK)ᵀ/√d), n × k, in a Linformer layer" in report["definition"]
     with pytest.raises(SystemExit, match="--random-tokens"):
         main(["spectrum", str(trained_linformer), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match=r"masses must be fractions in \(0, 1\]"):

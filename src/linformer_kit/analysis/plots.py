@@ -75,7 +75,8 @@ def plot_spectrum(report: dict, path: str | Path, title: str) -> None:
     left.set_xscale("log")  # the mass sits in the first few values; a linear axis hides them
     left.set_xlabel("singular value index (log scale)")
     left.set_ylabel("normalised cumulative singular value")
-    left.set_title(f"spectrum of P, mean over heads (n = {n})")
+    matrix = "P" if all(layer["proj_dim"] is None for layer in layers) else "P̄ (n × k)"
+    left.set_title(f"spectrum of {matrix}, mean over heads (n = {n})")
     left.set_ylim(0, 1.02)
     left.set_xlim(1, max(2, *(len(layer["mean_curve"]) for layer in layers)))
     left.grid(alpha=0.3)

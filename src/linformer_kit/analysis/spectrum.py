@@ -215,7 +215,10 @@ def summarize(spectra: Spectra, masses: Sequence[float], index: int | None = Non
         "num_sequences": spectra.num_sequences,
         "mean_real_tokens": spectra.real_tokens,
         "definition": "curve[i] = (s_1 + ... + s_(i+1)) / sum(s): normalised cumulative "
-        "singular values of P, averaged over sequences (real tokens only)",
+        "singular values of each head's attention matrix, averaged over sequences (real "
+        "tokens only): P = softmax(QKᵀ/√d), n × n, in an exact layer; P̄ = "
+        "softmax(Q(EK)ᵀ/√d), n × k, in a Linformer layer (whose k then bounds the curve and "
+        "the recommendation)",
         "masses": list(masses),
         "index": index,
         "layers": layers,

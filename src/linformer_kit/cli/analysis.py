@@ -32,9 +32,16 @@ def run_spectrum(args: argparse.Namespace) -> None:
     print(format_table(rows))
     best = report["recommendation"]
     ratio = best["cost_ratio"]
+    bound = [layer["proj_dim"] for layer in report["layers"] if layer["proj_dim"] is not None]
     print(
         f"recommended k = {best['proj_dim']}: keeps {best['mass']:.0%} of the spectral mass in "
         f"every layer ({best['proj_dim_every_head']} for every single head)"
+        + (  # a Linformer's P̄ is n x k: its spectrum cannot ask for more than its own k
+            f"; of P̄ = softmax(Q(EK)ᵀ/√d), so at most the model's k = {max(bound)} (an exact "
+            f"checkpoint's spectrum says which k a model needs)"
+            if bound
+            else ""
+        )
     )
     print(
         f"theoretical cost vs exact attention at n = {ratio['n']} (the texts' mean real "
