@@ -3,13 +3,16 @@
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from train_helpers import interrupted_after, pretrain_cli, write_classification
 
 from linformer_kit import LinformerConfig, LinformerForSeq2SeqLM, Seq2SeqConfig
 from linformer_kit.cli import main
+from linformer_kit.data.tokenizer import load_tokenizer
 from linformer_kit.training.batches import LMEvaluator
+from linformer_kit.training.evaluate import EvaluateSettings, _text_blocks
 from linformer_kit.training.finetune import _sized
 from linformer_kit.training.finetune_settings import FinetuneSettings, finetune_train_settings
 
@@ -98,7 +101,7 @@ def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
             pretrained, data, out, "--max-steps", "6", "--resume", "--max-seq-len", "32"
         ),  # fmt: skip
     )
-    assert "these differ: --max-seq-len 32 (the run's: 0)" in err
+    assert "these differ: --max-seq-len 32 (the run's: 0 = the model's 64)" in err
     finetune(pretrained, data, out, "--max-steps", "6", "--resume", "--max-seq-len", "64")
     assert records(out, "train") == [1, 2, 3, 4, 5, 6]
     # Another batch size, seed or training file went on without a word (the order indexed
@@ -247,6 +250,11 @@ def test_evaluate_masks_at_the_runs_rate_and_refuses_documents_without_text(
         err = user_error(capsys, lambda: main(["evaluate", str(pretrained), "--data", text,
                                                str(short)]))  # fmt: skip
     assert "fewer than one block of 64 (each --data is scored on its own" in err
+    # every file's tokens are held until the last is scored: as narrow as the cache's (int64:
+    # 4x the memory of the one file held before)
+    settings = EvaluateSettings(data=[text])
+    blocks = _text_blocks([text], load_tokenizer(pretrained), 64, settings)
+    assert blocks.tokens.dtype == np.uint16
     err = user_error(capsys, lambda: metrics(pretrained, "--mlm-probability", "1"))
     assert err == "linformer evaluate: error: mlm_probability must be in (0, 1), got 1.0\n"
     classifier = tmp_path / "ft"

@@ -57,7 +57,8 @@ def _publish(tmp: Path, directory: Path) -> None:
         logger.info("another process built the token cache %s first; using it", directory)
 
 
-def _token_dtype(vocab_size: int) -> np.dtype:
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id of a `vocab_size` vocabulary."""
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
 
@@ -93,7 +94,7 @@ def build_token_cache(
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
-    dtype = _token_dtype(tokenizer.vocab_size)
+    dtype = token_dtype(tokenizer.vocab_size)
     count = num_documents = 0
     try:
         with open(tmp / TOKENS_NAME, "wb") as out:

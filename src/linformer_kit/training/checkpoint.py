@@ -192,12 +192,13 @@ def check_resume_keeps(
     keeps: dict[str, tuple[str, ...]],
     continues: str,
     same: Callable[[str, Any, Any], bool | None] = lambda name, now, was: now == was,
+    shown: Callable[[str, Any], str] = lambda name, value: repr(value),
 ) -> None:
     """Checks that a `--resume` goes on with the settings `keeps` names (section: fields) as
     `checkpoint`'s run_config.json recorded them: `run` is this run's config (its sections
     dataclasses), `same(name, now, was)` whether two values are one setting (None where it
-    cannot be told from here, a path relative to where the run started: a warning). A run
-    without a checkpoint passes.
+    cannot be told from here, a path that does not exist from here: a warning), `shown` how
+    a value is named. A run without a checkpoint passes.
 
     Raises:
         ValueError: "--resume continues `continues`", then each flag that differs with
@@ -212,12 +213,14 @@ def check_resume_keeps(
     for section, names in keeps.items():
         for name in (n for n in names if n in started.get(section, {})):
             value, before = now[section][name], started[section][name]
-            flag = f"--{name.replace('_', '-')} {value!r} (the run's: {before!r})"
+            flag = f"--{name.replace('_', '-')} {shown(name, value)} (the run's: "
+            flag += f"{shown(name, before)})"
             verdict = same(name, value, before)
             if verdict is None:
                 logger.warning(
-                    "%s: the run's path is relative to where it started, so it cannot be "
-                    "compared from here; going on as if the same data",
+                    "%s: the run's path does not exist from here (moved, removed, or relative "
+                    "to where the run started), so it cannot be compared; going on as if the "
+                    "same data",
                     flag,
                 )
             elif not verdict:

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from .. import hub
 from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig, check_fraction
-from ..data.cache import PackedBlocks
+from ..data.cache import PackedBlocks, token_dtype
 from ..data.classification import ClassificationData, load_classification
 from ..data.corpus import is_csv, is_jsonl, iter_csv, iter_documents, iter_jsonl
 from ..data.tokenizer import TextTokenizer, load_tokenizer
@@ -78,7 +78,9 @@ def _text_blocks(
             f"(each --data is scored on its own: put short files in one folder to score them "
             f"together)"
         )
-    return PackedBlocks(np.asarray(stream), block_len, np.arange(count))
+    # as the token cache keeps them: every file's are held until the last is scored
+    tokens = np.asarray(stream, dtype=token_dtype(tokenizer.vocab_size))
+    return PackedBlocks(tokens, block_len, np.arange(count))
 
 
 def _labelled(spec: str, label_field: str) -> bool:

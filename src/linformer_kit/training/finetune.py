@@ -67,9 +67,13 @@ def _check_same_inputs(
             return (now or model_len) == (was or model_len)
         return same_file(now, was) if name in ("data", "eval") else now == was
 
+    def shown(name: str, value: Any) -> str:
+        default = name == "max_seq_len" and not value
+        return f"0 = the model's {model_len}" if default else repr(value)
+
     path = checkpoint and checkpoint.path
     continues = f"the fine-tuning of {path} on its texts, read and ordered as it started"
-    check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues, same)
+    check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues, same, shown)
 
 
 def _sized(
