@@ -25,6 +25,9 @@ from .settings import TrainSettings
 logger = logging.getLogger(__name__)
 
 EVAL_SEED = 1234  # validation masking is fixed, so every evaluation scores the same tokens
+# set apart from the other seeds drawn from the run's (an epoch's order, a rank's dropout),
+# which a bare place in the stream would equal
+MASKING = 0x6D61736B
 
 
 def mix_seed(*parts: int) -> int:
@@ -101,7 +104,7 @@ class LMBatches:
         # seeded by place: a block read twice in a step (a corpus of fewer blocks than a
         # step's rows) is masked twice, not copied
         places = self.schedule.positions(step, micro, rank)
-        seeds = [mix_seed(self.schedule.seed, place) for place in places]
+        seeds = [mix_seed(self.schedule.seed, MASKING, place) for place in places]
         return self.label_rows(self.schedule.rows(step, micro, rank), seeds)
 
     def label_rows(self, rows: list[int], seeds: list[int]) -> dict[str, Tensor]:
