@@ -9,6 +9,7 @@ import dataclasses
 import json
 import re
 import statistics
+from pathlib import Path
 
 import matplotlib.colors
 import pytest
@@ -382,11 +383,21 @@ def test_ours_on_each_kernel_times_the_same_layer_through_that_kernel(tmp_path, 
         tiny_settings(tmp_path, kernel="rule,flash")
 
 
+def kept(figures, figure, file):
+    """A stand-in for Figure.savefig: keeps the figure, writes an empty file."""
+    figures.append(figure)
+    Path(file).touch()
+
+
 def test_the_plots_keep_a_variant_s_colour_across_dtypes(tmp_path, monkeypatch):
     # More than ten lines (tab10's colours) used to wrap around: two variants shared a
     # colour. Now a variant and k keep one colour, a dtype one line style, in both plots.
     figures = []
-    monkeypatch.setattr(plots.Figure, "savefig", lambda figure, *a, **k: figures.append(figure))
+    monkeypatch.setattr(
+        plots.Figure,
+        "savefig",
+        lambda figure, file, **k: figures.append(figure) or Path(file).touch(),
+    )
     variants = [f"linformer v{i}" for i in range(6)] + ["lucidrains"]
     rows, summary = [], {"attention": {}}
     for dtype in ("float32", "bfloat16"):
@@ -418,7 +429,11 @@ def test_the_plots_keep_a_variant_s_colour_across_dtypes(tmp_path, monkeypatch):
 
 def test_the_peer_plot_bars_the_round_by_round_quartiles(tmp_path, monkeypatch):
     figures = []
-    monkeypatch.setattr(plots.Figure, "savefig", lambda figure, *a, **k: figures.append(figure))
+    monkeypatch.setattr(
+        plots.Figure,
+        "savefig",
+        lambda figure, file, **k: figures.append(figure) or Path(file).touch(),
+    )
     by_n = {  # as bench.json reads back: n as text; n 128 without quartiles (too few rounds)
         "64": {"speedup_vs_faster_peer": 1.5, "speedup_vs_faster_peer_quartiles": [1.4, 1.6]},
         "128": {"speedup_vs_faster_peer": 2.0},

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -486,3 +487,20 @@ def test_from_pretrained_keeps_a_float64_model_float64_when_asked(tmp_path):
     for bad in ("float64", torch.int64):
         with pytest.raises(ValueError, match='dtype must be a floating torch dtype or "auto"'):
             LinformerModel.from_pretrained(tmp_path, dtype=bad)
+
+
+def test_an_interrupted_figure_save_leaves_the_earlier_figure(tmp_path):
+    # bench's and lra's plots were written in place: a Ctrl-C inside the PNG writer left a
+    # 124-byte file that no viewer opens, in place of the last run's figure.
+    path = tmp_path / "plot.png"
+    path.write_bytes(b"the earlier figure")
+
+    class Interrupted:
+        def savefig(self, file, format, dpi):
+            Path(file).write_bytes(b"\x89PNG half")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        hub.save_figure(Interrupted(), path)
+    assert path.read_bytes() == b"the earlier figure"
+    assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]

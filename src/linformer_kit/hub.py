@@ -102,6 +102,14 @@ def atomic_write(path: Path, write: Any) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def save_figure(
+    fig: Any, path: str | os.PathLike, *, dpi: int = 120, image_format: str = "png"
+) -> None:
+    """Writes a matplotlib figure with `atomic_write`: an interrupted save leaves the old
+    file, not a truncated image."""
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format=image_format, dpi=dpi))
+
+
 def _writer(pid: int | None = None) -> str:
     """This machine and a process of it, as a temporary folder's name carries them: a hash
     of the host name (no dots) and the process id."""

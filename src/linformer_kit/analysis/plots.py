@@ -13,7 +13,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..hub import atomic_write, check_output_path
+from .. import hub
+from ..hub import check_output_path
 
 MAX_TICK_LABELS = 64  # beyond this many tokens an axis shows positions, not token text
 MAX_ANNOTATED_CELLS = 256  # the heatmap prints its values when it has at most this many cells
@@ -40,8 +41,7 @@ def figure_format(path: str | Path) -> str:
 
 def save_figure(fig: Figure, path: str | Path) -> None:
     """Writes a figure atomically, in the format its suffix names (`figure_format`)."""
-    image_format = figure_format(path)
-    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format=image_format, dpi=120))
+    hub.save_figure(fig, path, image_format=figure_format(path))
 
 
 def plot_spectrum(report: dict, path: str | Path, title: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from matplotlib import colormaps
 from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
+from ..hub import save_figure
 from .summary import PeerPoint, peer_ratios
 
 # One line style per dtype of a sweep, in the order asked for; a variant keeps its colour.
@@ -75,7 +76,7 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
             _log2_n_axis(axis)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
@@ -117,7 +118,7 @@ def plot_peers(summary: dict[str, Any], path: Path, *, title: str) -> bool:
         _log2_n_axis(axis)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return True
 
 
@@ -170,7 +171,7 @@ def plot_grid(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
             axis.set_xlabel("n", fontsize=8)
     fig.suptitle(f"{scope}, {dtype} ({title})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_result(result: dict[str, Any], out: Path, *, title: str) -> None:

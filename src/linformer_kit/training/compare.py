@@ -22,7 +22,7 @@ from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig, check_finite_non_negative, check_positive
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
-from ..hub import atomic_write, check_output_path
+from ..hub import atomic_write, check_output_path, save_figure
 from ..masked_lm import LinformerForMaskedLM
 from ..precision import cpu_features
 from .batches import language_model_loss
@@ -263,7 +263,7 @@ def plot_comparison(
             axis.legend()
     fig.suptitle("Pretraining: Linformer vs exact attention, same data, steps and seed")
     fig.tight_layout()
-    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    save_figure(fig, path)
 
 
 def machine() -> dict[str, Any]:

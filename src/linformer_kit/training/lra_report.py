@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.lra import TASKS
+from ..hub import atomic_write, save_figure
 from .settings import markdown_table
 
 COLUMNS = {
@@ -85,7 +86,7 @@ def write_summary(output_dir: str | Path) -> Path:
     for report in reports:
         lines.append(f"- {report['task']}: {_recipe(report)}; {_where(report)}")
     path = output / "summary.md"
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     return path
 
 
@@ -160,4 +161,4 @@ def plot_lra(report: dict[str, Any], path: Path) -> None:
     bars.legend()
     fig.suptitle(f"Long Range Arena: {report['task']} (scale {report['settings']['scale']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)  # an interrupt left a truncated PNG in place of the last one
