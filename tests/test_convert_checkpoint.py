@@ -16,6 +16,7 @@ from linformer_kit import LinformerConfig
 from linformer_kit.causal_lm import LinformerForCausalLM
 from linformer_kit.cli import main
 from linformer_kit.hub import read_config, read_weights
+from linformer_kit.interop.convert import convert_to_dir
 from linformer_kit.models import LinformerForSequenceClassification
 from linformer_kit.training.evaluate import classifier_length
 
@@ -161,6 +162,25 @@ def test_a_converted_classifier_reads_texts_at_its_fine_tuning_length(dirs, tmp_
             main(["convert", "--from", str(dirs / "classifier"), "--out", str(folder)])
     assert (best / "model.safetensors").read_bytes() == weights
     assert (tmp_path / "ft" / "run_config.json").is_file()
+
+
+def test_an_interrupted_conversion_never_leaves_one_models_weights_by_anothers_tokenizer(
+    dirs, tmp_path, monkeypatch
+):
+    # The weights were replaced first and the replaced model's tokenizer.json and
+    # run_config.json after: a Ctrl-C between left model B beside model A's tokenizer,
+    # which evaluate read without a word.
+    out = tmp_path / "converted"
+    main(["convert", "--from", str(dirs / "classifier"), "--proj-dim", "16", "--out", str(out)])
+    (out / "run_config.json").write_text("{}")  # as a converted training checkpoint has
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LinformerForSequenceClassification, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_dir(dirs / "classifier", out, proj_dim=8)
+    assert not (out / "tokenizer.json").exists() and not (out / "run_config.json").exists()
 
 
 def test_finetuning_a_classifier_on_other_classes_keeps_its_backbone_with_a_new_head(

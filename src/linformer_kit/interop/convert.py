@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -106,18 +107,19 @@ def convert_to_dir(
     else:
         ids = calibration_ids(source, calibration_texts, max_seq_len) if data_driven else None
         model = convert_hf_model(source, calibration_ids=ids, **options)
-    replacing = (Path(out) / hub.CONFIG_NAME).is_file()
-    if replacing:
+    # with its tokenizer, and the run config of a training checkpoint (what `evaluate` reads
+    # texts as: a classifier fine-tuned on texts cut shorter than its model is scored on those)
+    extras = (TOKENIZER_NAME, RUN_CONFIG_NAME)
+    if (Path(out) / hub.CONFIG_NAME).is_file():
         logger.warning("replacing the model in %s", out)
+        for name in extras:  # the replaced model's go first: an interrupt never leaves a mix
+            if (Path(out) / name).is_file():
+                (Path(out) / name).unlink()
+                if not (source / name).is_file():
+                    logger.warning("removed the replaced model's %s from %s", name, out)
     model.save_pretrained(out)
-    # its tokenizer, and the run config of a training checkpoint (what `evaluate` reads texts
-    # as: a classifier fine-tuned on texts cut shorter than its model is scored on those)
-    for name in (TOKENIZER_NAME, RUN_CONFIG_NAME):
-        if (source / name).is_file():
-            shutil.copy(source / name, Path(out) / name)
-        elif replacing and (Path(out) / name).is_file():  # the replaced model's
-            (Path(out) / name).unlink()
-            logger.warning("removed the replaced model's %s from %s", name, out)
+    for name in (n for n in extras if (source / n).is_file()):
+        hub.atomic_write(Path(out) / name, partial(shutil.copy2, source / name))
     return model.backbone
 
 
