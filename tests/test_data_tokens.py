@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,7 @@ import torch
 from tokenizers import Tokenizer
 from train_helpers import write_corpus
 
+from linformer_kit import hub
 from linformer_kit.data import (
     DataSettings,
     load_tokenizer,
@@ -180,6 +183,23 @@ def test_a_corpus_of_empty_documents_is_refused_not_scored_as_nan(tmp_path):
     with pytest.raises(ValueError, match=r"^the corpus holds no text \(its 5 documents are"):
         build_token_cache(documents, tok, tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_killed_cache_build_is_cleaned_up_by_the_next_and_the_cache_is_shared(tmp_path):
+    # A SIGKILLed build left its hidden temporary folder (a whole cache) for good: they piled
+    # up. And the published folder kept mkdtemp's 0700: unreadable to other users.
+    tok = train_tokenizer(["the cat eats red apples"] * 20, 300)
+    directory = tmp_path / "tokens"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    host = hub._writer().split("-")[0]
+    leftover = tmp_path / f".tokens.{host}-{dead}.abcd1234.tmp"
+    leftover.mkdir()
+    (leftover / "tokens.bin").write_bytes(b"\0" * 1024)
+    build_token_cache([Document("a", "the cat eats red apples")], tok, directory)
+    assert not leftover.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["tokens"]
+    assert directory.stat().st_mode & 0o777 == hub.umask_mode(0o777)
 
 
 def test_a_token_cache_another_process_published_first_is_used(tmp_path, caplog):

@@ -83,6 +83,17 @@ def umask_mode(mode: int) -> int:
     return mode & ~umask
 
 
+def private_folder(path: Path) -> Path:
+    """A new private temporary folder beside `path`, to build it (or its file) in and rename
+    into place; named for this machine and process, so that the next call for `path` removes
+    the folders of killed processes (`_remove_leftovers`): each held a full-size file for
+    good, and they piled up."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path)
+    prefix = f".{path.name}.{_writer()}."
+    return Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".tmp"))
+
+
 def atomic_write(path: Path, write: Any) -> None:
     """Calls `write(tmp_path)` then renames tmp_path to `path`, so readers see old or new.
 
@@ -90,10 +101,7 @@ def atomic_write(path: Path, write: Any) -> None:
     (safetensors makes one) lands too; the folder is removed after, and one that a killed
     process left is removed by the next write of `path`.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(path)
-    prefix = f".{path.name}.{_writer()}."
-    folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".tmp"))
+    folder = private_folder(path)
     try:
         write(folder / path.name)
         os.chmod(folder / path.name, umask_mode(0o666))  # not a private temporary's 0o600

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import check_fraction
+from ..hub import private_folder, umask_mode
 from .corpus import Document
 from .tokenizer import TextTokenizer
 
@@ -92,8 +92,7 @@ def build_token_cache(
         meta = json.loads((directory / META_NAME).read_text())
         logger.info("reusing the token cache %s%s", directory, _skipped_note(meta))
         return directory
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    tmp = private_folder(directory)  # a killed build's is removed by the next
     dtype = token_dtype(tokenizer.vocab_size)
     count = num_documents = 0
     try:
@@ -125,6 +124,7 @@ def build_token_cache(
             )
             raise ValueError(f"the corpus holds {what}{_skipped_note(meta)}")
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+        os.chmod(tmp, umask_mode(0o777))  # mkdtemp made it private (0o700): a shared cache
         _publish(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

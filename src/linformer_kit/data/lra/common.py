@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import numbers
-import os
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...hub import atomic_write
 from ..cache import cache_key, default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -125,18 +124,12 @@ def _save(task: LRATask, path: Path) -> None:
         "params": task.params,
         "sources": {name: getattr(task, name).source for name in SPLITS},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:  # written aside and renamed: an interrupted build never leaves a partial cache
-        with os.fdopen(handle, "wb") as out:
-            # Compressed: Pathfinder's images are mostly background (51 -> 4.2 MB for 50K
-            # one-grey-level images; 42K of the older, shaded ones: 0.9 s to write, 0.17 s to
-            # read), small enough to carry to another machine.
-            np.savez_compressed(out, meta=np.asarray(json.dumps(meta)), **arrays)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    # written aside and renamed: an interrupted build never leaves a partial cache.
+    # Compressed: Pathfinder's images are mostly background (51 -> 4.2 MB for 50K
+    # one-grey-level images; 42K of the older, shaded ones: 0.9 s to write, 0.17 s to
+    # read), small enough to carry to another machine.
+    packed = {"meta": np.asarray(json.dumps(meta)), **arrays}
+    atomic_write(path, lambda tmp: np.savez_compressed(tmp, **packed))
 
 
 def _load(path: Path) -> LRATask:
