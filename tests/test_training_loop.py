@@ -201,6 +201,30 @@ def test_resume_refuses_another_split_order_or_world_of_processes(tmp_path, capl
     assert pretrain(run).steps == 3
 
 
+def test_a_full_disk_during_a_save_is_named_with_the_way_on(tmp_path, monkeypatch):
+    # torch.save on a full disk said "unexpected pos 210560 vs 210448" in a traceback that
+    # named neither the disk nor the last intact checkpoint.
+    from linformer_kit.cli.overrides import USER_ERRORS
+    from linformer_kit.training import checkpoint as checkpoint_module
+
+    pretrain(tiny_run(tmp_path, max_steps=2, eval_every=2, save_every=2))
+    run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2, resume=True)
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2 vs 1")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", full)
+    free = types.SimpleNamespace(free=2**20)
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: free)
+    with pytest.raises(USER_ERRORS, match=r"no room to write checkpoint step-00000004 in .*1 MiB"):
+        pretrain(run)
+    assert latest_checkpoint(tmp_path / "run").path.name == "step-00000002"  # intact
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+    free.free = 2**30  # room left: another failure is not taken for a full disk
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        pretrain(run)
+
+
 def test_a_run_saved_on_the_cpu_resumes_on_a_gpu(monkeypatch, caplog):
     # A CPU run saves no GPU generator (cuda_rng []): resuming it on a GPU indexed the empty
     # list (IndexError) before the first step. Stand-ins for the GPU's generator.

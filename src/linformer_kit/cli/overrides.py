@@ -17,6 +17,8 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
+from ..training.checkpoint import CheckpointWriteError
+
 USAGE_ERROR = 2  # argparse's exit status for bad command-line input
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 
@@ -112,6 +114,7 @@ USER_ERRORS = (
     FileExistsError,
     NotADirectoryError,
     IsADirectoryError,
+    CheckpointWriteError,  # a full disk: one line naming the way on, not a traceback
 )
 
 

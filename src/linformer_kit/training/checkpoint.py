@@ -17,6 +17,7 @@ not match it is corrupt: resume skips both.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from .settings import RUN_CONFIG_NAME, RunConfig
 logger = logging.getLogger(__name__)
 
 STATE_NAME = "trainer_state.pt"
+FULL_DISK_BYTES = 64 * 2**20  # a failed save with less free than this is taken for a full disk
 CHECKPOINTS_DIR = "checkpoints"
 # config fields a resumed run may change: regularisation, memory and the initial weights
 # (which the checkpoint's replace); any other field is the architecture the weights belong to
@@ -101,6 +103,9 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+    except Exception as err:
+        _check_disk(err, final)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _point(Path(run_dir) / "last", final)
@@ -108,6 +113,24 @@ def save_checkpoint(
         _point(Path(run_dir) / "best", final)
     _prune(Path(run_dir), keep_last)
     return final
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint the disk had no room for; the checkpoints before it are intact."""
+
+
+def _check_disk(err: Exception, final: Path) -> None:
+    """Raises CheckpointWriteError for a save that failed on a full disk (torch.save says
+    "unexpected pos", safetensors "No space left on device": a traceback either way, that
+    named neither the disk nor the way on); other errors go on as they are."""
+    free = shutil.disk_usage(final.parent).free
+    full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err)
+    if full or free < FULL_DISK_BYTES:
+        raise CheckpointWriteError(
+            f"no room to write checkpoint {final.name} in {final.parent} ({free / 2**20:.0f} "
+            f"MiB free; {type(err).__name__}: {err}); the checkpoints before it are intact: "
+            f"free some space, then continue with --resume"
+        ) from err
 
 
 def _prune(run_dir: Path, keep_last: int) -> None:
