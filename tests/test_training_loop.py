@@ -223,6 +223,14 @@ def test_a_full_disk_during_a_save_is_named_with_the_way_on(tmp_path, monkeypatc
     free.free = 2**30  # room left: another failure is not taken for a full disk
     with pytest.raises(RuntimeError, match="unexpected pos"):
         pretrain(run)
+    free.free = 2**20  # nor, on a nearly full disk, an error that is no write's (a bug)
+
+    def unpicklable(*args, **kwargs):
+        raise AttributeError("Can't pickle local object")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", unpicklable)
+    with pytest.raises(AttributeError):
+        pretrain(run)
 
 
 def test_a_run_saved_on_the_cpu_resumes_on_a_gpu(monkeypatch, caplog):

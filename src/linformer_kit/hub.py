@@ -120,8 +120,14 @@ def save_figure(
 
 def _writer(pid: int | None = None) -> str:
     """This machine and a process of it, as a temporary folder's name carries them: a hash
-    of the host name (no dots) and the process id."""
-    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    of the host name and process-id namespace (no dots) and the process id."""
+    # with the process-id namespace: containers that share a host name (and a cache volume)
+    # number their processes apart, and one took another's live build for a dead one's
+    try:
+        space = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:  # no /proc: not Linux
+        space = ""
+    host = hashlib.sha256((socket.gethostname() + space).encode()).hexdigest()[:8]
     return f"{host}-{os.getpid() if pid is None else pid}"
 
 

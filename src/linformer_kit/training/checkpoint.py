@@ -38,7 +38,7 @@ from .settings import RUN_CONFIG_NAME, RunConfig
 logger = logging.getLogger(__name__)
 
 STATE_NAME = "trainer_state.pt"
-FULL_DISK_BYTES = 64 * 2**20  # a failed save with less free than this is taken for a full disk
+FULL_DISK_BYTES = 64 * 2**20  # torch.save's "unexpected pos" with less free: a full disk
 CHECKPOINTS_DIR = "checkpoints"
 # config fields a resumed run may change: regularisation, memory and the initial weights
 # (which the checkpoint's replace); any other field is the architecture the weights belong to
@@ -123,9 +123,15 @@ def _check_disk(err: Exception, final: Path) -> None:
     """Raises CheckpointWriteError for a save that failed on a full disk (torch.save says
     "unexpected pos", safetensors "No space left on device": a traceback either way, that
     named neither the disk nor the way on); other errors go on as they are."""
-    free = shutil.disk_usage(final.parent).free
-    full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err)
-    if full or free < FULL_DISK_BYTES:
+    try:
+        free = shutil.disk_usage(final.parent).free
+    except OSError:
+        return
+    written = "unexpected pos" in str(err) and free < FULL_DISK_BYTES  # torch.save's, no errno
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(
+        err
+    )
+    if full or written:
         raise CheckpointWriteError(
             f"no room to write checkpoint {final.name} in {final.parent} ({free / 2**20:.0f} "
             f"MiB free; {type(err).__name__}: {err}); the checkpoints before it are intact: "
