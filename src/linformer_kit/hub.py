@@ -83,13 +83,14 @@ def umask_mode(mode: int) -> int:
     return mode & ~umask
 
 
-def private_folder(path: Path) -> Path:
+def private_folder(path: Path, *, bare_pids: bool = False) -> Path:
     """A new private temporary folder beside `path`, to build it (or its file) in and rename
     into place; named for this machine and process, so that the next call for `path` removes
-    the folders of killed processes (`_remove_leftovers`): each held a full-size file for
-    good, and they piled up."""
+    the folders of killed processes (`_remove_leftovers`; `bare_pids`: also those named by a
+    process id alone, as `atomic_write`'s first versions named them): each held a full-size
+    file for good, and they piled up."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(path)
+    _remove_leftovers(path, bare_pids)
     prefix = f".{path.name}.{_writer()}."
     return Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".tmp"))
 
@@ -101,7 +102,7 @@ def atomic_write(path: Path, write: Any) -> None:
     (safetensors makes one) lands too; the folder is removed after, and one that a killed
     process left is removed by the next write of `path`.
     """
-    folder = private_folder(path)
+    folder = private_folder(path, bare_pids=True)
     try:
         write(folder / path.name)
         os.chmod(folder / path.name, umask_mode(0o666))  # not a private temporary's 0o600
@@ -131,7 +132,7 @@ def _writer(pid: int | None = None) -> str:
     return f"{host}-{os.getpid() if pid is None else pid}"
 
 
-def _remove_leftovers(path: Path) -> None:
+def _remove_leftovers(path: Path, bare_pids: bool) -> None:
     """Removes the temporary folders of `atomic_write`s of `path` whose process, on this
     machine, is gone (killed mid-write: a model's weights in full, each); another machine's
     (a shared file system) are left. Not on Windows, whose os.kill ends the process it
@@ -139,9 +140,10 @@ def _remove_leftovers(path: Path) -> None:
     if sys.platform == "win32":
         return
     host = _writer().split("-")[0]
-    # what mkdtemp made for `path`: HOST-PID, or a bare PID (a version before the host was
-    # named: this host's), then its 8 random characters
-    made = re.compile(rf"\.{re.escape(path.name)}\.(?:([0-9a-f]{{8}})-)?(\d+)\.[a-z0-9_]{{8}}\.tmp")
+    # what mkdtemp made for `path`: HOST-PID, or with `bare_pids` a bare PID (a version before
+    # the host was named: this host's), then its 8 random characters
+    host_part = r"(?:([0-9a-f]{8})-)" + ("?" if bare_pids else "")
+    made = re.compile(rf"\.{re.escape(path.name)}\.{host_part}(\d+)\.[a-z0-9_]{{8}}\.tmp")
     for folder in path.parent.glob(f".{path.name}.*.tmp"):
         match = made.fullmatch(folder.name)
         if match is None or match[1] not in (None, host) or not folder.is_dir():
