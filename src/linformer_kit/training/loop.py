@@ -232,7 +232,13 @@ class Trainer:
         accum = self.settings.grad_accum_steps
         batches = [self.batches.micro_batch(self.step, m, self.dist.rank) for m in range(accum)]
         weights, total = self._loss_weights(batches)
-        weighted, tokens = 0.0, 0
+        weighted = 0.0
+        # the real tokens (padding is no token read: 64 % more), counted on the host batches:
+        # on a GPU a count of the moved mask waited for the device each micro-batch
+        tokens = sum(
+            int(b["key_padding_mask"].sum()) if "key_padding_mask" in b else b["input_ids"].numel()
+            for b in batches
+        )
         for micro, (batch, weight) in enumerate(zip(batches, weights)):
             batch = {k: v.to(self.dist.device) for k, v in batch.items()}
             last = micro == accum - 1
@@ -246,8 +252,6 @@ class Trainer:
                 # backward still runs, for DDP's reduction on the last micro-batch
                 (loss.nan_to_num() * 0.0 if weight == 0 else loss * weight).backward()
             weighted += 0.0 if weight == 0 else loss.item() * weight
-            real = batch.get("key_padding_mask")  # padding is no token read (64 % more)
-            tokens += batch["input_ids"].numel() if real is None else int(real.sum())
         if self.settings.clip_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.clip_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]  # this step's, before the schedule moves on
