@@ -215,6 +215,11 @@ def restore_rng(state: dict[str, Any], rank: int, device: torch.device) -> None:
     torch.cuda.set_rng_state(state["cuda_rng"][rank], device)
 
 
+# The TrainSettings a run's data order comes from (`RowSchedule.for_run`), which every
+# --resume keeps.
+DATA_ORDER = ("batch_size", "grad_accum_steps", "seed")
+
+
 def check_resume_keeps(
     checkpoint: Checkpoint | None,
     run: Any,

@@ -17,6 +17,7 @@ from ..models import LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import (
+    DATA_ORDER,
     Checkpoint,
     check_resume_keeps,
     check_run_dir,
@@ -48,7 +49,7 @@ def _sequence_length(settings: FinetuneSettings, model_len: int) -> int:
 # truncation rule is the model's config, `check_same_model`'s) and the order they come in.
 RESUME_KEEPS = {
     "finetune": ("data", "eval", "text_field", "label_field", "max_seq_len"),
-    "train": ("batch_size", "grad_accum_steps", "seed"),
+    "train": DATA_ORDER,
 }
 
 

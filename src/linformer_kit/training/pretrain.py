@@ -16,6 +16,7 @@ from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
 from .checkpoint import (
+    DATA_ORDER,
     Checkpoint,
     check_resume_keeps,
     check_run_dir,
@@ -57,7 +58,7 @@ def resumed_data_settings(run: RunConfig, checkpoint: Checkpoint | None) -> Data
 RESUME_KEEPS = {
     "data": ("data", "glob", "text_field", "skip_bad_files", "max_documents", "val_fraction",
              "max_val_blocks"),
-    "train": ("objective", "batch_size", "grad_accum_steps", "seed"),
+    "train": ("objective", *DATA_ORDER),
 }  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from ..data.tokenizer import TextTokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
 from ..seq2seq_config import Seq2SeqConfig
 from .batches import RowSchedule, language_model_loss
-from .checkpoint import check_resume_keeps, check_run_dir, latest_checkpoint
+from .checkpoint import DATA_ORDER, check_resume_keeps, check_run_dir, latest_checkpoint
 from .distributed import resolve_device, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
 from .rouge import rouge_l, words
@@ -216,7 +216,7 @@ class Seq2SeqEvaluator:
 
 # What a seq2seq --resume keeps, beside the fields the task's pairs and split come from (but
 # where they are cached): the order they come in.
-RESUME_KEEPS = {"train": ("batch_size", "grad_accum_steps", "seed")}
+RESUME_KEEPS = {"train": DATA_ORDER}
 
 
 def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> TrainResult:
