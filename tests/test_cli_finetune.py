@@ -6,7 +6,12 @@ import re
 import numpy as np
 import pytest
 import torch
-from train_helpers import interrupted_after, pretrain_cli, write_classification
+from train_helpers import (
+    count_checkpoint_checks,
+    interrupted_after,
+    pretrain_cli,
+    write_classification,
+)
 
 from linformer_kit import LinformerConfig, LinformerForSeq2SeqLM, Seq2SeqConfig
 from linformer_kit.cli import main
@@ -82,7 +87,7 @@ def test_max_steps_overrides_epochs_and_eval_every_sets_validation(
 
 
 def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
-    pretrained, data, tmp_path, capsys
+    pretrained, data, tmp_path, capsys, monkeypatch
 ):
     out = tmp_path / "ft"
     finetune(pretrained, data, out, "--max-steps", "2")
@@ -91,8 +96,10 @@ def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
         f"linformer finetune: error: {out} already holds checkpoints: pass --resume to "
         "continue that run, or choose another --output-dir\n"
     )
+    checks, last = count_checkpoint_checks(monkeypatch), (out / "last").resolve()
     finetune(pretrained, data, out, "--max-steps", "4", "--resume")
     assert records(out, "train") == [1, 2, 3, 4]
+    assert checks[last] == 1  # the trainer verified it again: twice
     # Texts cut at another length went on training without a word (validation then scored
     # other inputs than before); the model's own length (0 = the model's) is the run's.
     err = user_error(

@@ -8,7 +8,12 @@ import signal
 from types import SimpleNamespace
 
 import pytest
-from train_helpers import interrupted_after, write_classification, write_corpus
+from train_helpers import (
+    count_checkpoint_checks,
+    interrupted_after,
+    write_classification,
+    write_corpus,
+)
 
 from linformer_kit import LinformerForCausalLM, cli
 from linformer_kit.cli import build_parser, main
@@ -38,14 +43,17 @@ def pretrained(tmp_path, capsys):
     return run
 
 
-def test_pretrain_writes_checkpoints_and_resumes_from_its_config(pretrained, capsys):
+def test_pretrain_writes_checkpoints_and_resumes_from_its_config(pretrained, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "val_ppl" in out and "checkpoints:" in out
     assert (pretrained / "last").is_dir() and (pretrained / "best").is_dir()
     saved = json.loads((pretrained / "run_config.json").read_text())
     assert saved["model"]["proj_dim"] == 16 and saved["model"]["vocab_size"] == 300
 
+    checks, last = count_checkpoint_checks(monkeypatch), (pretrained / "last").resolve()
     main(["pretrain", "--config", str(pretrained), "--max-steps", "12", "--resume"])
+    # the checkpoint resumed from is read once (the trainer verified it again: twice)
+    assert checks == {last: 1}
     records = [json.loads(line) for line in (pretrained / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 13))
 

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from train_helpers import count_checkpoint_checks
 
 from linformer_kit import LinformerForSeq2SeqLM, hub
 from linformer_kit.cli import main
@@ -129,7 +130,9 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, m
     assert sum(call.get("return_logits") is False for call in calls) == 6
     assert any("return_logits" not in call for call in calls)
     train_seq2seq(tiny_run(tmp_path / "resumed", 3))
+    checks, last = count_checkpoint_checks(monkeypatch), (tmp_path / "resumed/last").resolve()
     result = train_seq2seq(tiny_run(tmp_path / "resumed", 6, resume=True))
+    assert checks == {last: 1}  # the trainer verified it again: twice
     assert result.steps == 6 and 0 <= result.final["token_accuracy"] <= 1
     weights = [hub.read_weights(tmp_path / run / "last") for run in ("straight", "resumed")]
     assert weights[0].keys() == weights[1].keys()

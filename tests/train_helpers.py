@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -125,3 +126,19 @@ def write_pid_and_train(path: str, seconds: float) -> None:
         write_pid_and_sleep(path, seconds)
     except KeyboardInterrupt:
         raise TrainingInterrupted(3, Path(path).parent) from None
+
+
+def count_checkpoint_checks(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    """Counts, by path, the checkpoints read through `load_checkpoint`'s integrity check
+    (each a pass over every byte of the checkpoint)."""
+    from linformer_kit import hub
+
+    checks: collections.Counter = collections.Counter()
+    verify = hub.verify_manifest
+
+    def counted(path: str | os.PathLike, **kwargs: object) -> bool:
+        checks[Path(path).resolve()] += 1
+        return verify(path, **kwargs)
+
+    monkeypatch.setattr(hub, "verify_manifest", counted)
+    return checks

@@ -286,6 +286,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             run_config=FinetuneRunConfig(model=config, train=train, finetune=settings),
             tokenizer=tokenizer,
             loss_fn=objective,
+            checkpoint=last,
         ).fit()  # the trainer (and its DDP wrapper) gone before the group is destroyed
         dist.barrier()  # gloo can abort a process whose peer already closed the group
         return result

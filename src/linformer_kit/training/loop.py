@@ -24,6 +24,7 @@ from ..models import LinformerPreTrainedModel
 from ..precision import bf16_autocast
 from .batches import mix_seed
 from .checkpoint import (
+    Checkpoint,
     check_resumable,
     check_run_dir,
     latest_checkpoint,
@@ -116,6 +117,9 @@ class Trainer:
         tokenizer: saved into every checkpoint.
         loss_fn: the training loss of (model, micro-batch); default the model's own
             (`model(**batch).loss`).
+        checkpoint: with `settings.resume`, the checkpoint to go on from as the caller
+            verified it (`latest_checkpoint` of the run, to check the resume before the data
+            loads), so that it is not verified twice; None: the newest intact one, found here.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class Trainer:
         run_config: SavedConfig | None = None,
         tokenizer: TextTokenizer | None = None,
         loss_fn: Callable[[torch.nn.Module, dict[str, Tensor]], Tensor] | None = None,
+        checkpoint: Checkpoint | None = None,
     ) -> None:
         if settings.compile:
             check_compile(settings.compile, dist.device.type, processes=dist.world_size)
@@ -136,6 +141,7 @@ class Trainer:
         self.loss_fn = loss_fn or _model_loss
         self.batches, self.evaluator, self.settings, self.dist = batches, evaluator, settings, dist
         self.run_config, self.tokenizer = run_config, tokenizer
+        self.checkpoint = checkpoint
         self.run_dir = Path(settings.output_dir)
         self.optimizer = build_optimizer(model, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)
@@ -147,7 +153,7 @@ class Trainer:
         )
 
     def _resume(self) -> int | None:
-        checkpoint = latest_checkpoint(self.run_dir)
+        checkpoint = self.checkpoint or latest_checkpoint(self.run_dir)
         if checkpoint is None:
             logger.info("no checkpoint in %s: starting from scratch", self.run_dir)
             return None

@@ -99,10 +99,15 @@ def prepare_data(
     return data or prepare_pretraining_data(settings, run.model.max_seq_len)
 
 
-def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> Trainer:
+def build_trainer(
+    run: RunConfig,
+    data: PretrainingData,
+    dist: Distributed,
+    checkpoint: Checkpoint | None = None,
+) -> Trainer:
     """The masked or causal LM, per the objective (vocab_size and pad_token_id from the
     tokenizer; seeded so every rank starts from the same weights), its batches, evaluator and
-    trainer."""
+    trainer (which a --resume continues from `checkpoint`, verified, or else the newest)."""
     causal = run.train.objective == "clm"
     model_config = run.model.replace(
         vocab_size=data.tokenizer.vocab_size, pad_token_id=data.tokenizer.pad_id, causal=causal
@@ -127,6 +132,7 @@ def build_trainer(run: RunConfig, data: PretrainingData, dist: Distributed) -> T
         run_config=run,
         tokenizer=data.tokenizer,
         loss_fn=batches.loss,
+        checkpoint=checkpoint,
     )
 
 
@@ -146,7 +152,8 @@ def pretrain(run: RunConfig, data: PretrainingData | None = None) -> TrainResult
     check_same_data(run, checkpoint)
     dist = setup_distributed(run.train.device)
     try:
-        result = build_trainer(run, data or prepare_data(run, dist, checkpoint), dist).fit()
+        data = data or prepare_data(run, dist, checkpoint)
+        result = build_trainer(run, data, dist, checkpoint).fit()
         dist.barrier()  # gloo can abort a process whose peer already closed the group
         return result
     finally:

@@ -230,8 +230,8 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
         The run's records, final validation metrics (loss, token accuracy) and throughput.
     """
     check_run_dir(run.train.output_dir, resume=run.train.resume)  # before the data loads
+    checkpoint = latest_checkpoint(run.train.output_dir) if run.train.resume else None
     if run.train.resume:
-        checkpoint = latest_checkpoint(run.train.output_dir)
         continues = f"the training of {checkpoint and checkpoint.path} on its pairs and order"
         pairs = tuple(name for name in run.data.read() if name != "cache_dir")
         check_resume_keeps(checkpoint, run, {"data": pairs, **RESUME_KEEPS}, continues)
@@ -256,6 +256,7 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
             run_config=run,
             tokenizer=data.tokenizer,
             loss_fn=batches.loss,
+            checkpoint=checkpoint,
         ).fit()
         dist.barrier()
         return result
