@@ -40,6 +40,15 @@ def test_clm_pretraining_learns_and_its_checkpoint_generates_and_evaluates(tmp_p
     ppl = float(table[1].split()[-1])
     assert table[0].split()[-2:] == ["val_loss", "val_ppl"] and 1 < ppl < 300
 
+    # a classifier pooling its first token, which has attended to itself only, is refused
+    # before the data is read (the data files here do not exist)
+    with pytest.raises(SystemExit):
+        main(["finetune", "--init", str(run / "best"), "--pooling", "cls", "--data",
+              str(tmp_path / "none.jsonl"), "--eval", str(tmp_path / "none.jsonl"),
+              "--output-dir", str(tmp_path / "ft")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert "linformer finetune: error: pooling 'cls' takes the first real token" in err
+
 
 def test_an_unknown_objective_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -196,20 +196,42 @@ def test_decoder_is_tied_to_token_embeddings():
     assert tokens.grad[-1].abs().sum() > 0  # gradient from the decoder alone
 
 
-@pytest.mark.parametrize("pooling", ["cls", "mean"])
-def test_classifier_ignores_padding(pooling):
-    model = LinformerForSequenceClassification(tiny(), num_labels=3, pooling=pooling)
+@pytest.mark.parametrize(
+    "pooling, causal",
+    [("cls", False), ("mean", False), ("last", False), ("last", True), ("mean", True)],
+)
+def test_classifier_ignores_padding(pooling, causal):
+    config = tiny(causal=True, block_size=4) if causal else tiny()
+    model = LinformerForSequenceClassification(config, num_labels=3, pooling=pooling)
     model = model.double().eval()
     ids, mask = inputs()
     padded = model(ids, mask).logits
     for row, n in enumerate(mask.sum(1).tolist()):
         alone = model(ids[row : row + 1, :n]).logits[0]
         torch.testing.assert_close(padded[row], alone, rtol=0, atol=1e-10)
-    if pooling == "mean":  # without the mask the padding is averaged in
+    if pooling != "cls":  # without the mask the padding is averaged in, or is the last
         assert not torch.allclose(model(ids).logits[2], padded[2])
     # Left padding: the first real token is pooled (it was the padding's output before).
     left = model(ids.flip(1), mask.flip(1)).logits
     torch.testing.assert_close(left[2], model(ids[2:, :5].flip(1)).logits[0], rtol=0, atol=1e-10)
+    # Every real token counts (a causal model's first token has seen itself only)
+    changed = ids.clone()
+    changed[2, 1:5] = ids[2, 1:5] + 1
+    assert not torch.allclose(model(changed, mask).logits[2], padded[2])
+
+
+def test_a_causal_model_pools_its_last_token_and_refuses_the_first():
+    config = tiny(causal=True, block_size=4)
+    assert LinformerForSequenceClassification(config).pooling == "last"
+    assert LinformerForSequenceClassification(tiny()).pooling == "cls"
+    with pytest.raises(ValueError, match="pooling 'cls' takes the first real token, which a "
+                       "causal model lets attend to itself only: use 'last'"):  # fmt: skip
+        LinformerForSequenceClassification(config, pooling="cls")
+    # BERT's pooler reads the first position: a pad under left padding, and a token that
+    # has seen only itself
+    with pytest.raises(ValueError, match=r"pooler=True \(BERT's pooler, on the first token\) "
+                       "with causal=True"):  # fmt: skip
+        tiny(causal=True, block_size=4, pooler=True)
 
 
 def scatter_rows(ids, lengths, where):

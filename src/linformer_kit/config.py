@@ -235,6 +235,12 @@ class LinformerConfig:
     def _check_causal(self) -> None:
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        if self.causal and self.pooler:
+            raise ValueError(
+                "pooler=True (BERT's pooler, on the first token) with causal=True: a causal "
+                "model's first token attends to itself only; set pooler=False (a classifier "
+                "pools the last real token)"
+            )
         check_positive("block_size", self.block_size)
         if self.causal and self.proj_dim is not None and self.block_size >= self.max_seq_len:
             warnings.warn(

@@ -36,7 +36,19 @@ from .losses import at_least_float32
 logger = logging.getLogger(__name__)
 
 ModelT = TypeVar("ModelT", bound="LinformerPreTrainedModel")
-POOLINGS = ("cls", "mean")
+POOLINGS = ("cls", "mean", "last")
+
+
+def check_pooling(pooling: str, causal: bool) -> None:
+    """Raises ValueError for a pooling outside POOLINGS, or `cls` on a causal model, whose
+    first token has attended to itself only (its features do not depend on the text)."""
+    check_choice("pooling", pooling, POOLINGS)
+    if causal and pooling == "cls":
+        raise ValueError(
+            "pooling 'cls' takes the first real token, which a causal model lets attend to "
+            "itself only: use 'last' (the last real token, which has seen the whole text) or "
+            "'mean'"
+        )
 
 
 @dataclass
@@ -276,14 +288,20 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
     Args:
         config: the architecture.
         num_labels: number of classes (1 for regression).
-        pooling: `cls` (the first real token) or `mean` (over real tokens only).
+        pooling: `cls` (the first real token; an encoder's default), `last` (the last real
+            token; a causal model's default, as `transformers`' GPT-2 classifier) or `mean`
+            (over real tokens only).
     """
 
-    def __init__(self, config: LinformerConfig, num_labels: int = 2, pooling: str = "cls") -> None:
+    def __init__(
+        self, config: LinformerConfig, num_labels: int = 2, pooling: str | None = None
+    ) -> None:
         super().__init__(config)
         if not isinstance(num_labels, int) or num_labels < 1:
             raise ValueError(f"num_labels must be an integer >= 1, got {num_labels!r}")
-        check_choice("pooling", pooling, POOLINGS)
+        if pooling is None:
+            pooling = "last" if config.causal else "cls"
+        check_pooling(pooling, config.causal)
         self.num_labels, self.pooling = num_labels, pooling
         self.linformer = LinformerModel(config, pooled=False)
         self.head = nn.Sequential(
@@ -299,13 +317,19 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         return {"num_labels": self.num_labels, "pooling": self.pooling}
 
     def pool(self, hidden: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-        """(B, N, dim) -> (B, dim): the first real token, or the mean over real tokens."""
+        """(B, N, dim) -> (B, dim): the first or last real token, or the mean over real
+        tokens."""
         if self.pooling == "mean":
             return masked_mean(hidden, key_padding_mask)
+        last = self.pooling == "last"
         if key_padding_mask is None:
-            return hidden[:, 0]
-        first = key_padding_mask.to(torch.uint8).argmax(1)  # 0 under right padding
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
+            return hidden[:, -1 if last else 0]
+        real = key_padding_mask.to(torch.uint8)
+        if last:  # N - 1 under left padding
+            index = real.shape[1] - 1 - real.flip(1).argmax(1)
+        else:  # 0 under right padding
+            index = real.argmax(1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), index]
 
     def forward(
         self,

@@ -65,7 +65,11 @@ class Seq2SeqConfig:
             )
         for name in ("decoder_start_token_id", "eos_token_id"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value < self.decoder.vocab_size:
+            if (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 0 <= value < self.decoder.vocab_size
+            ):
                 raise ValueError(
                     f"{name} must be in [0, decoder.vocab_size={self.decoder.vocab_size}), "
                     f"got {value!r}"

@@ -13,7 +13,7 @@ import torch
 from .. import hub
 from ..data.classification import ClassificationData, load_classification
 from ..data.tokenizer import TextTokenizer, load_tokenizer
-from ..models import LinformerForSequenceClassification
+from ..models import LinformerForSequenceClassification, check_pooling
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import (
@@ -207,6 +207,8 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         settings.init, "fine-tune a masked or causal LM (or a classifier) for classification"
     )
     config = meta["config"]
+    if settings.pooling:  # before the data loads
+        check_pooling(settings.pooling, config.causal)
     tokenizer = load_tokenizer(settings.init, model_vocab_size=config.vocab_size)
     max_len = _sequence_length(settings, config.max_seq_len)
     # a folder with checkpoints is resumed (its head loaded) or refused by the Trainer

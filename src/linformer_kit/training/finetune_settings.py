@@ -61,8 +61,9 @@ class FinetuneSettings:
         default="",
         metadata={
             "help": "mean (over real tokens; a masked-LM or sentence-embedding backbone never "
-            "trained its first token for classification) or cls (default: a kept head's "
-            "own, else mean)"
+            "trained its first token for classification), cls (the first real token; not on "
+            "a causal LM) or last (the last real token) (default: a kept head's own, else "
+            "mean)"
         },
     )
     head_init: str = field(
