@@ -23,7 +23,15 @@ from linformer_kit import (
 )
 from linformer_kit.data.tokenizer import train_tokenizer
 from linformer_kit.kernel_rule import pinned_kernel
-from linformer_kit.training import RunConfig, Trainer, TrainSettings, loop, lr_factor, pretrain
+from linformer_kit.training import (
+    RunConfig,
+    Trainer,
+    TrainSettings,
+    checkpoint,
+    loop,
+    lr_factor,
+    pretrain,
+)
 from linformer_kit.training.batches import LMEvaluator, language_model_loss
 from linformer_kit.training.checkpoint import (
     check_resumable,
@@ -112,6 +120,38 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     b = torch.load(tmp_path / "b/run/last/trainer_state.pt", weights_only=True)
     assert a["step"] == b["step"] == 12 and a["data_position"] == b["data_position"]
     assert torch.equal(a["rng"][0], b["rng"][0])
+
+
+def test_a_run_stopped_between_a_best_checkpoint_and_its_link_resumes_with_it_best(
+    tmp_path, monkeypatch
+):
+    run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2, keep_last=1)
+    point, stopped = checkpoint._point, []
+
+    def stopped_before_best_moves_to_step_4(link, target):
+        if link.name == "best" and target.name == "step-00000004":
+            stopped.append(target)  # a Ctrl-C after the checkpoint and `last`
+            raise KeyboardInterrupt
+        point(link, target)
+
+    monkeypatch.setattr(checkpoint, "_point", stopped_before_best_moves_to_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(run)
+    assert stopped, "step 4 was no better than step 2: the run did not reach the stop"
+    monkeypatch.setattr(checkpoint, "_point", point)
+    assert (tmp_path / "run/best").resolve().name == "step-00000002"
+    run.train.resume = True
+    pretrain(run)  # at max_steps: nothing to train
+    # `best` stayed on step 2, a worse model (and step 4, the best, was pruned at the next
+    # save unless a later step beat it)
+    assert (tmp_path / "run/best").resolve().name == "step-00000004"
+    run.train.max_steps = 6
+    pretrain(run)
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").open()]
+    losses = {r["step"]: r["val_loss"] for r in records if r["split"] == "val"}
+    best = min(losses, key=losses.get)
+    assert (tmp_path / "run/best").resolve().name == f"step-{best:08d}"
+    assert (tmp_path / "run/last").resolve().name == "step-00000006"
 
 
 @pytest.mark.parametrize(

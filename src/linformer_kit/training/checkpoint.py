@@ -61,6 +61,26 @@ def _point(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """The checkpoint directory of `step` in a run."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step-{step:08d}"
+
+
+def restore_links(run_dir: str | Path, resumed: Path, best_step: int | None) -> None:
+    """Points `last` at the checkpoint a run resumes from and `best` at the one of
+    `best_step` (as the run's state recorded it): a run stopped inside a save, after the
+    checkpoint was written and before the links moved, left them on earlier checkpoints,
+    `best` on a worse model whose keeping then let a prune remove the best."""
+    _point(Path(run_dir) / "last", resumed)
+    if best_step is None:  # saved by an earlier version
+        return
+    best = step_dir(run_dir, best_step)
+    if best.is_dir():
+        _point(Path(run_dir) / "best", best)
+    else:
+        logger.warning("the run's best checkpoint, %s, is gone: `best` is left as it is", best)
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -87,9 +107,9 @@ def save_checkpoint(
     Returns:
         The checkpoint directory.
     """
-    root = Path(run_dir) / CHECKPOINTS_DIR
+    final = step_dir(run_dir, step)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
     try:
         model.save_pretrained(tmp)

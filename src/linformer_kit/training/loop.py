@@ -28,6 +28,7 @@ from .checkpoint import (
     check_resumable,
     check_run_dir,
     latest_checkpoint,
+    restore_links,
     restore_rng,
     save_checkpoint,
 )
@@ -146,7 +147,7 @@ class Trainer:
         self.optimizer = build_optimizer(model, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)
         self.step, self.tokens, self.train_s = 0, 0, 0.0
-        self.best = math.inf
+        self.best, self.best_step = math.inf, None
         self.earlier_peak_mb = 0.0  # of the processes that trained this run before a resume
         self.autocast = bf16_autocast(
             dist.device, enabled=settings.precision == "bf16", alternative="--precision fp32"
@@ -165,6 +166,9 @@ class Trainer:
         apply_settings(self.optimizer, self.scheduler, self.settings)
         self.step, self.tokens = state["step"], state["tokens"]
         self.train_s, self.best = state["train_s"], state["best"]
+        self.best_step = state.get("best_step")  # not in older checkpoints
+        if self.dist.is_main:
+            restore_links(self.run_dir, checkpoint.path, self.best_step)
         self.earlier_peak_mb = state.get("peak_mem_mb", 0.0)  # not in older checkpoints
         restore_rng(state, self.dist.rank, self.dist.device)
         logger.info("resumed from %s at step %d", checkpoint.path, self.step)
@@ -180,6 +184,7 @@ class Trainer:
             "tokens": self.tokens,
             "train_s": self.train_s,
             "best": self.best,
+            "best_step": self.best_step,
             "peak_mem_mb": self._peak_mem_mb(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -189,6 +194,8 @@ class Trainer:
         }
 
     def _save(self, best: bool) -> None:
+        if best:
+            self.best_step = self.step
         state = self._state()  # every rank joins the RNG gather; rank 0 writes
         if self.dist.is_main:
             save_checkpoint(
