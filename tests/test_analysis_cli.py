@@ -119,6 +119,26 @@ def test_spectrum_pads_a_short_text(random_exact: Path, tmp_path: Path) -> None:
     assert report["index"] == report["recommendation"]["proj_dim"]  # the default
 
 
+def test_an_interrupted_spectrum_leaves_the_last_runs_json_and_figure_together(
+    random_exact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text(TEXT + "\n")
+    out = tmp_path / "spectrum"
+    command = ["spectrum", str(random_exact), "--data", str(short), "--out", str(out)]
+    main(command)
+    before = {name: (out / name).read_bytes() for name in ("spectrum.json", "spectrum.png")}
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # a Ctrl-C while the figure is drawn
+
+    monkeypatch.setattr("linformer_kit.analysis.report.plot_spectrum", interrupted)
+    with pytest.raises(SystemExit, match="130"):
+        main([*command, "--num-samples", "2", "--seq-len", "16"])
+    # the new JSON was written first, beside the last run's figure
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
 def test_a_tail_under_half_a_window_is_left_out(random_exact: Path, tmp_path: Path) -> None:
     # A lone trailing separator became a 1 x 1 window averaged in with a full one's weight:
     # the measured k for 95 % fell from 38 to 31 in a review.

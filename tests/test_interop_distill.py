@@ -3,6 +3,8 @@ is asked to, saves a loadable student, and refuses bad inputs clearly. Runs on a
 BERT-shaped Hugging Face directory (hf_helpers.py, with MiniLM's tokenizer)."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +110,20 @@ def test_cli_distill_converts_distils_saves_and_reloads(tiny, tmp_path, capsys):
     second = LinformerModel.from_pretrained(out)  # distilled further, in place
     assert _projections(first).keys() == _projections(second).keys()
     assert any(not torch.equal(t, _projections(second)[n]) for n, t in _projections(first).items())
+    # A Ctrl-C while the tokenizer was copied over the student's left half a file, which
+    # every later load of the student failed to parse
+    tokenizer = (out / "tokenizer.json").read_bytes()
+
+    def cut_short(source, target, **kwargs):
+        Path(target).write_bytes(Path(source).read_bytes()[:100])
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shutil, "copy", cut_short)
+        patch.setattr(shutil, "copy2", cut_short)
+        with pytest.raises(SystemExit, match="130"):  # Ctrl-C's status
+            main([*command, "--max-steps", "1"])
+    assert (out / "tokenizer.json").read_bytes() == tokenizer
 
 
 def _projections(model):

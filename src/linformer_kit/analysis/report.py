@@ -124,6 +124,8 @@ def spectrum_report(path: str | os.PathLike, settings: SpectrumSettings) -> dict
         "settings": asdict(settings),
     }
     out = Path(settings.out)
-    atomic_write(out / RESULT_NAME, lambda tmp: Path(tmp).write_text(json.dumps(report) + "\n"))
+    # the figure first (the slow write): an interrupt leaves the last run's pair, not a new
+    # JSON beside the last run's figure
     plot_spectrum(report, out / PLOT_NAME, title=f"{os.fspath(path)} ({report['attention']})")
+    atomic_write(out / RESULT_NAME, lambda tmp: Path(tmp).write_text(json.dumps(report) + "\n"))
     return report

@@ -8,10 +8,12 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from .. import hub
 from ..config import check_positive
 from ..data.corpus import list_files
 from ..models import LinformerModel
@@ -168,5 +170,5 @@ def distill_checkpoint(
     heldout = HeldOut.from_teacher(teacher, *scored)
     history = distill(student, teacher, ids, settings, key_padding_mask=mask, heldout=heldout)
     student.cpu().save_pretrained(student_dir)
-    shutil.copy(tokenizer, student_dir / TOKENIZER_NAME)
+    hub.atomic_write(student_dir / TOKENIZER_NAME, partial(shutil.copy2, tokenizer))
     return history
