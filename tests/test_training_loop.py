@@ -4,9 +4,11 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -21,6 +23,7 @@ from linformer_kit import (
     hub,
     native,
 )
+from linformer_kit.data.cache import PackedBlocks
 from linformer_kit.data.tokenizer import train_tokenizer
 from linformer_kit.kernel_rule import pinned_kernel
 from linformer_kit.training import (
@@ -32,7 +35,7 @@ from linformer_kit.training import (
     lr_factor,
     pretrain,
 )
-from linformer_kit.training.batches import LMEvaluator, language_model_loss
+from linformer_kit.training.batches import LMBatches, LMEvaluator, RowSchedule, language_model_loss
 from linformer_kit.training.checkpoint import (
     check_resumable,
     latest_checkpoint,
@@ -354,6 +357,27 @@ def test_masked_validation_scores_the_same_tokens_at_any_batch_size(tmp_path):
     scores = [LMEvaluator(batches, size)(model, torch.device("cpu")) for size in (1, 3, 8)]
     assert scores[1]["val_loss"] == pytest.approx(scores[0]["val_loss"], rel=1e-6)
     assert scores[2]["val_loss"] == pytest.approx(scores[0]["val_loss"], rel=1e-6)
+
+
+def test_a_validation_batch_with_no_masked_token_leaves_the_loss_a_number():
+    # A last batch of separators alone (a run of empty records) has nothing to mask: its nan
+    # loss, times 0 tokens, made the whole val_loss nan.
+    tokenizer = train_tokenizer(["some text here"] * 10, 300)
+    words = np.random.default_rng(0).integers(5, tokenizer.vocab_size, 16)
+    tokens = np.concatenate([words, np.full(8, tokenizer.sep_id)]).astype(np.uint16)
+    config = LinformerConfig(vocab_size=tokenizer.vocab_size, max_seq_len=8, dim=16, depth=1,
+                             num_heads=2, proj_dim=4)  # fmt: skip
+    model = LinformerForMaskedLM(config).eval()
+
+    def scored(blocks):
+        batches = LMBatches(PackedBlocks(tokens, 8, np.arange(blocks)), tokenizer,
+                            RowSchedule(blocks, 2, 1, 1, 0))  # fmt: skip
+        return LMEvaluator(batches, batch_size=2)(model, torch.device("cpu"))["val_loss"]
+
+    assert scored(3) == scored(2) and math.isfinite(scored(2))
+    # nothing scored at all is not a loss of 0
+    tokens = np.full(24, tokenizer.sep_id, dtype=np.uint16)
+    assert math.isnan(scored(3))
 
 
 def test_a_frozen_pooler_keeps_its_place_in_the_optimizer():

@@ -174,10 +174,12 @@ class LMEvaluator:
             rows = spread[index * self.batch_size : (index + 1) * self.batch_size]
             batch = self.batches.label_rows(rows, [mix_seed(EVAL_SEED, row) for row in rows])
             n = self.batches.scored(batch)
+            if not n:  # no token to score (a batch of separators): its loss is nan
+                continue
             loss = self.batches.loss(model, {k: v.to(device) for k, v in batch.items()})
             total += float(loss) * n
             scored += n
-        loss = total / max(scored, 1)
+        loss = total / scored if scored else math.nan
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 
