@@ -351,6 +351,18 @@ def test_any_leading_dimensions_as_sdpa(lead):
     torch.testing.assert_close(out, dot_product_attention(q, k, v, kernel="sdpa"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_no_key_gives_a_row_of_zeros_as_sdpa(dtype, p):
+    # 1 / (a sum of no weights) scaled the output GEMM's zeros to nan
+    q = torch.randn(1, 2, 4, 8, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, 2, 0, 8, dtype=dtype, requires_grad=True) for _ in "kv")
+    out = dot_product_attention(q, k, v, dropout_p=p, kernel="explicit")
+    assert torch.equal(out, torch.zeros_like(out))
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(grad, torch.zeros_like(q))
+
+
 @pytest.mark.parametrize("wanted", ["q", "k", "v", "qk", "kv", "qv"])
 def test_backward_computes_only_the_gradients_asked_for(wanted):
     g = torch.Generator().manual_seed(2)
@@ -422,6 +434,16 @@ def test_double_backward_is_a_clear_error_not_a_wrong_answer(native_kernels):
         out = attention(q, k, v)
         (grad,) = torch.autograd.grad((out * weight).sum(), q, create_graph=True)
         return torch.autograd.grad((out * weight).sum() + grad.square().sum(), (k, v))
+
+    # A penalty that reaches a weight through the query alone got a wrong answer from the
+    # PyTorch-ops kernel (the error node hung from the incoming gradients only)
+    x = torch.randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    with contextlib.nullcontext() if native_kernels else native.kernels_off():
+        out = dot_product_attention(x @ w, x, x, kernel="explicit")
+        (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="backward is not differentiable"):
+            torch.autograd.grad(grad.square().sum(), w)
 
     # the way the message names gives the float64 reference's second-order gradients
     with use_kernel("sdpa"), sdpa_kernel(SDPBackend.MATH):

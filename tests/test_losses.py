@@ -95,6 +95,18 @@ def test_gradcheck():
     )
 
 
+def test_a_second_order_gradient_is_a_clear_error_not_a_wrong_answer():
+    # a penalty reaching a weight through the hidden states alone (x @ w0) got second-order
+    # gradients missing the loss's own terms, without a word
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w0 = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    loss = linear_cross_entropy(x @ w0, weight, torch.randint(0, 7, (6,)), rows_per_chunk=2)
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy's backward is not diff"):
+        torch.autograd.grad(grad.square().sum(), w0)
+
+
 def test_under_bf16_autocast_it_rounds_as_the_full_logits_do():
     """Under autocast the GEMMs run in bf16 and the softmax in float32, as F.linear and
     F.cross_entropy on upcast logits do: far nearer that path than float32's, and float32

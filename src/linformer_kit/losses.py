@@ -125,6 +125,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hidden, weight, bias, targets, ignore_index, list(needs), dtype, rows_per_chunk
         )
         ctx.save_for_backward(*grads, count)
+        ctx.inputs = (hidden, weight, bias)  # for first_order_only's error
         ctx.needs = needs
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total / count  # nan when nothing is scored, as F.cross_entropy

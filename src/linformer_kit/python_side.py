@@ -32,7 +32,10 @@ def first_order_only(what: str, hint: str) -> Callable[[Callable[..., Any]], Cal
     under `create_graph=True` (a gradient penalty) they raise when differentiated, naming
     `what` and `hint`. `once_differentiable` marks them so only where an incoming gradient
     needs grad; otherwise they carry no graph, and the second-order terms through the
-    saved inputs went missing without a word."""
+    saved inputs went missing without a word. The saved inputs that need grad (and those
+    a forward that saves gradients keeps in `ctx.inputs`) feed the error too: a penalty
+    reaching a weight through them alone (`x @ W` as the query) dropped those terms as
+    silently."""
 
     def decorate(backward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(backward)
@@ -42,8 +45,11 @@ def first_order_only(what: str, hint: str) -> Callable[[Callable[..., Any]], Cal
             if not torch.is_grad_enabled() or not any(ctx.needs_input_grad):
                 return outputs
             message = no_double_backward(what, hint).encode()
-            error = torch._C._functions.DelayedError(message, len(outputs))
-            return error(*(None if o is None else o.detach().requires_grad_() for o in outputs))
+            inputs = (*ctx.saved_tensors, *getattr(ctx, "inputs", ()))
+            saved = [t for t in inputs if t is not None and t.requires_grad]
+            error = torch._C._functions.DelayedError(message, len(outputs) + len(saved))
+            graphed = (None if o is None else o.detach().requires_grad_() for o in outputs)
+            return error(*graphed, *saved)[: len(outputs)]
 
         return wrapper
 

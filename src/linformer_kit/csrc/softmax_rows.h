@@ -114,7 +114,7 @@ template <typename T>
 T softmax_row(T* s, int64_t valid, T* inverse) {
   const T top = row_max(s, valid);
   const T sum = exp_sum(s, valid, top);
-  *inverse = T(1) / sum;
+  *inverse = sum > T(0) ? T(1) / sum : T(0);  // no key (M = 0): a row of 0, as SDPA's
   return top + std::log(sum);
 }
 
