@@ -1,6 +1,7 @@
 """Corpora: files, directories, JSONL, the stdlib; malformed inputs name file and line."""
 
 import json
+import logging
 
 import pytest
 
@@ -16,6 +17,24 @@ def test_directory_glob_is_recursive_and_sorted(tmp_path):
     docs = list(iter_documents([str(tmp_path)], glob="**/*.txt"))
     assert [d.text for d in docs] == ["first", "second"]
     assert docs[0].source.endswith("a.txt")
+
+
+def test_a_linked_folder_the_glob_does_not_enter_is_named(tmp_path, caplog):
+    # `**` does not enter links to folders: their files were left out without a word
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "w.txt").write_text("linked")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "local.txt").write_text("local")
+    (corpus / "wiki").symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING):
+        docs = list(iter_documents([str(corpus)], glob="**/*.txt"))
+        list(iter_documents([str(corpus)], glob="**/*.txt"))
+    assert [d.text for d in docs] == ["local"]
+    assert caplog.text.count("link(s) to folders under") == 1
+    assert f"1 link(s) to folders under {corpus} left out: --glob **/*.txt does not " in caplog.text
+    assert [d.text for d in iter_documents([str(corpus / "wiki")])] == ["linked"]
 
 
 def test_jsonl_documents_come_from_the_text_field(tmp_path):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,7 +107,16 @@ def test_changed_corpus_gets_a_new_cache(tmp_path):
     settings = DataSettings(data=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "c"))
     first = prepare_pretraining_data(settings, 32).cache
     (corpus / "doc0.txt").write_text("a different text entirely, about fish\n" * 50)
-    assert prepare_pretraining_data(settings, 32).cache != first
+    second = prepare_pretraining_data(settings, 32).cache
+    assert second != first
+    # rewritten at its size and modification time (`cp -p`, `touch -r`, a coarse clock):
+    # the cache of the old text was read
+    doc = corpus / "doc0.txt"
+    stat, text = doc.stat(), doc.read_text()
+    doc.write_text(text.replace("fish", "crab"))
+    os.utime(doc, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert doc.stat().st_size == stat.st_size and doc.stat().st_mtime_ns == stat.st_mtime_ns
+    assert prepare_pretraining_data(settings, 32).cache != second
 
 
 def test_truncated_token_cache_is_rejected(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import functools
 import io
 import json
 import logging
@@ -255,9 +256,28 @@ def list_files(spec: str, glob: str) -> list[Path]:
         raise FileNotFoundError(f"data path {path} does not exist")
     check_glob(glob)
     files = sorted(p for p in path.glob(glob) if p.is_file())
+    if "**" in glob:
+        _warn_of_folder_links(path.resolve(), glob)
     if not files:
         raise FileNotFoundError(_no_match(path, glob))
     return files
+
+
+@functools.cache  # once a process: the corpus is listed for each cache key and each read
+def _warn_of_folder_links(path: Path, glob: str) -> None:
+    """Warns of the links to folders under `path`, which `**` in a glob does not enter (a
+    linked folder's files were left out without a word)."""
+    linked = sorted(p for p in path.rglob("*") if p.is_symlink() and p.is_dir())
+    if linked:
+        shown = ", ".join(str(p) for p in linked[:5]) + (", ..." if len(linked) > 5 else "")
+        logger.warning(
+            "%d link(s) to folders under %s left out: --glob %s does not enter them (%s); "
+            "pass each as a --data of its own to read it",
+            len(linked),
+            path,
+            glob,
+            shown,
+        )
 
 
 def _file_documents(path: Path, text_field: str) -> Iterator[Document]:
@@ -317,7 +337,9 @@ def iter_documents(
 
 
 def fingerprint(specs: Sequence[str], glob: str, text_field: str) -> list[list]:
-    """What identifies a corpus without reading it: each file's path, size and mtime."""
+    """What identifies a corpus without reading it: each file's path, size, modification
+    time and status-change time (ctime, which no tool sets back: a file rewritten at its
+    old size and modification time, as `cp -p` or `touch -r` leave it, changes it)."""
     rows: list[list] = [[glob, text_field]]
     for spec in specs:
         if spec.startswith(HF_PREFIX):
@@ -325,5 +347,5 @@ def fingerprint(specs: Sequence[str], glob: str, text_field: str) -> list[list]:
             continue
         for path in list_files(spec, glob):
             stat = path.stat()
-            rows.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+            rows.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns])
     return rows

@@ -52,16 +52,23 @@ def _folder(path: Path) -> tuple[list[bytes], list[str]]:
     return texts, labels
 
 
+def _label(cell: str, path: Path, number: int) -> str:
+    """A row's class name; an empty cell is an error (it was taken for a class named '')."""
+    if not cell.strip():
+        raise ValueError(f"{path}:{number}: the label cell is empty")
+    return cell.strip()
+
+
 def _headed_csv(path: Path, text: str, where: str) -> tuple[list[bytes], list[str]]:
     column, _, value = where.partition("=")
     columns = ("text", "label", column) if where else ("text", "label")
     texts, labels, seen = [], [], set()
-    for _, record in iter_csv(path, columns, text):
+    for number, record in iter_csv(path, columns, text):
         if where:
             seen.add(record[column])
             if record[column] != value:
                 continue
-        labels.append(record["label"].strip())
+        labels.append(_label(record["label"], path, number))
         texts.append(record["text"].encode())
     if where and not texts:
         shown = ", ".join(sorted(seen)[:10])
@@ -86,7 +93,7 @@ def _csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
             continue
         if len(row) < 2:
             raise ValueError(f"{path}:{number}: expected label,text; got {len(row)} cell")
-        labels.append(row[0].strip())
+        labels.append(_label(row[0], path, number))
         texts.append(",".join(row[1:]).encode())
     if labels and labels.count(labels[0]) == 1 and len(labels) > 2:
         raise ValueError(
