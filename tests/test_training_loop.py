@@ -483,13 +483,22 @@ def test_a_resumed_run_purges_tensorboard_events_past_its_checkpoint(tmp_path, m
     assert made == [None, 5]
 
 
-def test_a_resumed_run_keeps_its_tokenizer_when_the_corpus_changed(tmp_path, caplog):
+def test_a_resumed_run_keeps_its_tokenizer_and_corpus(tmp_path, caplog):
     caplog.set_level("INFO", logger="linformer_kit")
     run = tiny_run(tmp_path, max_steps=4)
     pretrain(run)
-    (tmp_path / "corpus" / "new.txt").write_text("zebra quantum xylophone\n" * 200)
+    # A file added to the corpus redrew the split and order without a word: validation
+    # scored blocks the run had trained on (35 of 80 in a review)
+    new = tmp_path / "corpus" / "new.txt"
+    new.write_text("zebra quantum xylophone\n" * 200)
     run.train.resume, run.train.max_steps = True, 6
-    pretrain(run)  # a BPE trained on the changed corpus would map other ids
+    with pytest.raises(ValueError, match=r"--resume continues the training of .*step-00000004 "
+                       r"on the data it trained on \(num_tokens \d+, sha256 [0-9a-f]{16}\); "
+                       r"this run's is other \(num_tokens \d+"):  # fmt: skip
+        pretrain(run)
+    new.unlink()
+    (tmp_path / "corpus" / "doc0.txt").touch()  # the same text: a new cache, the same data
+    pretrain(run)  # a BPE trained anew would map other ids
     checkpoints = tmp_path / "run" / "checkpoints"
     tokenizers = {p.parent.name: p.read_text() for p in checkpoints.glob("*/tokenizer.json")}
     assert tokenizers["step-00000006"] == tokenizers["step-00000004"]

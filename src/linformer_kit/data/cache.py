@@ -95,6 +95,7 @@ def build_token_cache(
     tmp = private_folder(directory)  # a killed build's is removed by the next
     dtype = token_dtype(tokenizer.vocab_size)
     count = num_documents = 0
+    digest = hashlib.sha256()
     try:
         with open(tmp / TOKENS_NAME, "wb") as out:
             batch: list[str] = []
@@ -104,7 +105,9 @@ def build_token_cache(
                     batch.append(document.text)
                 if batch and (document is None or len(batch) == chunk):
                     for ids in tokenizer.encode_batch(batch):
-                        out.write(np.asarray([*ids, tokenizer.sep_id], dtype=dtype).tobytes())
+                        data = np.asarray([*ids, tokenizer.sep_id], dtype=dtype).tobytes()
+                        out.write(data)
+                        digest.update(data)
                         count += len(ids)
                     num_documents += len(batch)
                     progress.update(len(batch))
@@ -115,6 +118,7 @@ def build_token_cache(
             "num_tokens": count + num_documents,  # a separator after each document
             "num_documents": num_documents,
             "skipped_files": len(skipped or {}),
+            "sha256": digest.hexdigest(),  # of tokens.bin: what a resume checks
         }
         if count == 0:  # separators alone: nothing to learn, a loss of 0 / 0
             what = (
@@ -155,6 +159,19 @@ def open_token_cache(directory: Path) -> np.memmap:
     if file.stat().st_size != meta["num_tokens"] * dtype.itemsize:
         raise ValueError(f"token cache {file} is truncated; delete {directory} to rebuild it")
     return np.memmap(file, dtype=dtype, mode="r")
+
+
+def token_digest(directory: Path) -> dict[str, int | str]:
+    """The identity of a cached token stream: its length and SHA-256 (the metadata's, else,
+    in a cache an earlier version built, read from the file)."""
+    meta = json.loads((directory / META_NAME).read_text())
+    if "sha256" not in meta:
+        digest = hashlib.sha256()
+        with open(directory / TOKENS_NAME, "rb") as file:
+            while chunk := file.read(1 << 24):
+                digest.update(chunk)
+        meta["sha256"] = digest.hexdigest()
+    return {"num_tokens": meta["num_tokens"], "sha256": meta["sha256"]}
 
 
 @dataclass

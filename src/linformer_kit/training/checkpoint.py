@@ -286,6 +286,27 @@ def check_resume_keeps(
         )
 
 
+def check_same_source(checkpoint: Checkpoint, source: dict[str, Any] | None) -> None:
+    """Checks that a resume trains on the data `checkpoint`'s run trained on, as the trainer
+    state's `data_source` names it (pretraining: the token stream's length and SHA-256); a
+    checkpoint or a run that names none passes.
+
+    Raises:
+        ValueError: naming both.
+    """
+    was = checkpoint.state.get("data_source")
+    if was is None or source is None or was == source:
+        return
+    shown = lambda s: ", ".join(f"{k} {str(v)[:16]}" for k, v in s.items())  # noqa: E731
+    raise ValueError(
+        f"--resume continues the training of {checkpoint.path} on the data it trained on "
+        f"({shown(was)}); this run's is other ({shown(source)}): a file was added, removed "
+        f"or changed, so the train / validation split and the order would be drawn anew and "
+        f"validation would score what the run trained on. Restore the data, or start a "
+        f"fresh run in another --output-dir"
+    )
+
+
 def same_file(now: str, was: str) -> bool | None:
     """Whether two spellings of a path name one file or folder from here (None when the run's,
     `was`, does not exist from here: relative to the directory the run started in)."""

@@ -27,6 +27,7 @@ from .checkpoint import (
     Checkpoint,
     check_resumable,
     check_run_dir,
+    check_same_source,
     latest_checkpoint,
     restore_links,
     restore_rng,
@@ -121,6 +122,8 @@ class Trainer:
         checkpoint: with `settings.resume`, the checkpoint to go on from as the caller
             verified it (`latest_checkpoint` of the run, to check the resume before the data
             loads), so that it is not verified twice; None: the newest intact one, found here.
+        data_source: what the training data is (pretraining: the token stream's length and
+            SHA-256), saved in every checkpoint; a resume on other data is refused.
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class Trainer:
         tokenizer: TextTokenizer | None = None,
         loss_fn: Callable[[torch.nn.Module, dict[str, Tensor]], Tensor] | None = None,
         checkpoint: Checkpoint | None = None,
+        data_source: dict[str, Any] | None = None,
     ) -> None:
         if settings.compile:
             check_compile(settings.compile, dist.device.type, processes=dist.world_size)
@@ -142,7 +146,7 @@ class Trainer:
         self.loss_fn = loss_fn or _model_loss
         self.batches, self.evaluator, self.settings, self.dist = batches, evaluator, settings, dist
         self.run_config, self.tokenizer = run_config, tokenizer
-        self.checkpoint = checkpoint
+        self.checkpoint, self.data_source = checkpoint, data_source
         self.run_dir = Path(settings.output_dir)
         self.optimizer = build_optimizer(model, settings)
         self.scheduler = build_scheduler(self.optimizer, settings)
@@ -160,6 +164,7 @@ class Trainer:
             return None
         state = checkpoint.state
         check_resumable(checkpoint, self.model, self.dist.world_size)
+        check_same_source(checkpoint, self.data_source)
         hub.load_weights(self.model, hub.read_weights(checkpoint.path), str(checkpoint.path))
         load_optimizer_state(self.optimizer, state["optimizer"], self.model)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -191,6 +196,7 @@ class Trainer:
             "rng": rng,
             "cuda_rng": cuda_rng if cuda else [],
             "data_position": schedule.position(self.step) if schedule is not None else {},
+            "data_source": self.data_source,
         }
 
     def _save(self, best: bool) -> None:

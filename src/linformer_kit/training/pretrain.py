@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..causal_lm import LinformerForCausalLM
+from ..data.cache import token_digest
 from ..data.corpus import HF_PREFIX, STDLIB
 from ..data.pipeline import DataSettings, PretrainingData, prepare_pretraining_data
 from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
@@ -133,6 +134,7 @@ def build_trainer(
         tokenizer=data.tokenizer,
         loss_fn=batches.loss,
         checkpoint=checkpoint,
+        data_source=token_digest(data.cache),
     )
 
 
