@@ -54,6 +54,10 @@ def test_pretrain_writes_checkpoints_and_resumes_from_its_config(pretrained, cap
     main(["pretrain", "--config", str(pretrained), "--max-steps", "12", "--resume"])
     # the checkpoint resumed from is read once (the trainer verified it again: twice)
     assert checks == {last: 1}
+    # run_config.json now records resume: a --config of it went on without --resume
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--config", str(pretrained), "--max-steps", "13"])
+    assert "holds checkpoints: pass --resume to continue that run" in capsys.readouterr().err
     records = [json.loads(line) for line in (pretrained / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 13))
 

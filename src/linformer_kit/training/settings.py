@@ -178,7 +178,8 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
-        """Reads a run config (a run_config.json, or a directory holding one).
+        """Reads a run config (a run_config.json, or a directory holding one), `resume`
+        off (each command asks for it).
 
         Raises:
             FileNotFoundError / ValueError: if it is missing or malformed.
@@ -191,9 +192,14 @@ class RunConfig:
                 f"{path}: no {file} (expected a run_config.json or a run directory)"
             )
         try:
-            return cls.from_dict(json.loads(file.read_text()))
+            run = cls.from_dict(json.loads(file.read_text()))
         except json.JSONDecodeError as err:
             raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
+        # what the command that saved it was asked, not a setting of the run: a --config of
+        # a resumed run went on in its folder without --resume (and gave a run elsewhere the
+        # same)
+        run.train.resume = False
+        return run
 
 
 def check_compile(setting: str, device: str, *, processes: int = 1) -> None:
