@@ -2,12 +2,13 @@
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 from train_helpers import write_corpus
 
-from linformer_kit.training import compare
+from linformer_kit.training import TrainResult, compare
 from linformer_kit.training.compare import ComparisonSettings, fit_to_budget, seconds_per_step
 
 TINY = ComparisonSettings(
@@ -105,21 +106,36 @@ class Stop(Exception):
     pass
 
 
-def test_a_rerun_names_the_earlier_demo_it_replaces_and_keeps_the_rest(
+def fake_result(run):
+    """What a run's process returns, without training (its folder made as a run's is)."""
+    Path(run.train.output_dir).mkdir(parents=True)
+    val = {"step": 1, "split": "val", "train_s": 1.0, "val_loss": 1.0, "val_ppl": 2.7}
+    return TrainResult(records=[val], final={"val_ppl": 2.7}, steps=1, params=1,
+                       tokens_per_s=1.0, sec_per_step=1.0, peak_mem_mb=1.0,
+                       run_dir=Path(run.train.output_dir), best_val=1.0)  # fmt: skip
+
+
+def test_a_rerun_names_the_earlier_demo_it_replaces_and_keeps_it_until_it_ends(
     tmp_path, caplog, monkeypatch
 ):
     # It removed the earlier comparison and runs without a word, and left the runs of
     # objectives the rerun did not train beside a comparison that did not describe them.
+    # Then it removed them before training: a Ctrl-C lost the earlier demo for good.
     out = tmp_path / "demo"
-    for name in ("comparison.json", "mlm/linformer/metrics.jsonl", "clm/transformer/x"):
+    earlier = ("comparison.json", "mlm/linformer/metrics.jsonl", "clm/transformer/x")
+    for name in earlier:
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("earlier")
     (out / "notes.txt").write_text("mine")
+    runs = []
 
-    def first_run(function, run):
-        raise Stop
+    def stopped(function, run):
+        runs.append(run)
+        (Path(run.train.output_dir) / "partial").mkdir(parents=True)
+        assert not (out / "comparison.json").exists()  # the earlier one is not in the way
+        raise Stop  # an error, a Ctrl-C
 
-    monkeypatch.setattr(compare, "in_fresh_process", first_run)
+    monkeypatch.setattr(compare, "in_fresh_process", stopped)
     corpus = write_corpus(tmp_path / "corpus")
     settings = dataclasses.replace(
         TINY, data=str(corpus), output_dir=str(out), objectives="mlm", budget_min=0
@@ -127,10 +143,30 @@ def test_a_rerun_names_the_earlier_demo_it_replaces_and_keeps_the_rest(
     with caplog.at_level(logging.WARNING), pytest.raises(Stop):
         compare.run_comparison(settings)
     assert caplog.messages == [
-        f"replacing the earlier demo in {out}: comparison.json, mlm/linformer, clm/transformer"
+        f"replacing the earlier demo in {out} once this one ends: comparison.json, "
+        "mlm/linformer, clm/transformer",
+        f"the earlier demo in {out} is back in place",
     ]
-    assert sorted(p.name for p in out.iterdir()) == ["clm", "mlm", "notes.txt"]
-    assert not any((out / "clm").iterdir()) and not any((out / "mlm").iterdir())
+    assert all((out / name).read_text() == "earlier" for name in earlier)
+    assert sorted(p.name for p in out.iterdir()) == ["clm", "comparison.json", "mlm", "notes.txt"]
+    assert not (out / "mlm/linformer/partial").exists()
+    # a demo killed while it ran left the earlier one aside: the next start puts it back
+    (out / ".earlier-demo").mkdir()
+    for name in earlier:
+        (out / name).rename((out / ".earlier-demo" / name).parent.mkdir(parents=True,
+                            exist_ok=True) or out / ".earlier-demo" / name)  # fmt: skip
+    (out / "mlm/linformer").mkdir(exist_ok=True)
+    (out / "mlm/linformer/killed").write_text("partial")
+    with pytest.raises(Stop):
+        compare.run_comparison(settings)
+    assert all((out / name).read_text() == "earlier" for name in earlier)
+    assert not (out / "mlm/linformer/killed").exists() and not (out / ".earlier-demo").exists()
+    # a demo that ends replaces it (the runs of objectives it did not train included)
+    monkeypatch.setattr(compare, "in_fresh_process", lambda function, run: fake_result(run))
+    compare.run_comparison(settings)
+    assert sorted(p.name for p in out.iterdir()) == ["clm", "comparison.json", "comparison.png",
+                                                     "mlm", "notes.txt"]  # fmt: skip
+    assert not any((out / "clm").iterdir()) and not (out / "mlm/linformer/metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("flag", ["output_dir", "publish_dir"])

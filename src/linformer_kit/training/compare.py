@@ -280,18 +280,47 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _remove_earlier_demo(output: Path) -> None:
-    """Removes a demo's comparison and runs from `output` (every objective's: a run left
-    from another objective set would sit beside a comparison that does not describe it),
-    saying what first."""
-    earlier = [output / name for name in (RESULT_NAME, PLOT_NAME)]
-    earlier += [output / objective / model for objective in OBJECTIVES for model in MODELS]
-    found = [p for p in earlier if p.exists()]
-    if found:
-        names = ", ".join(str(p.relative_to(output)) for p in found)
-        logger.warning("replacing the earlier demo in %s: %s", output, names)
+EARLIER_NAME = ".earlier-demo"  # where the last demo waits while a new one runs
+
+
+def _demo_entries(output: Path) -> list[Path]:
+    """A demo's comparison and runs in `output` (every objective's: a run left from another
+    objective set would sit beside a comparison that does not describe it)."""
+    entries = [output / name for name in (RESULT_NAME, PLOT_NAME)]
+    entries += [output / objective / model for objective in OBJECTIVES for model in MODELS]
+    return [p for p in entries if p.exists() or p.is_symlink()]
+
+
+def _put_back_earlier_demo(output: Path) -> None:
+    """Puts back the demo `_set_aside_earlier_demo` moved aside, in place of what a demo
+    stopped before its end had written (a killed one's: on the next demo's start)."""
+    aside = output / EARLIER_NAME
+    if not aside.is_dir():
+        return
+    for path in _demo_entries(output):
+        path.unlink() if path.is_file() or path.is_symlink() else shutil.rmtree(path)
+    for path in _demo_entries(aside):
+        target = output / path.relative_to(aside)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    shutil.rmtree(aside)
+    logger.warning("the earlier demo in %s is back in place", output)
+
+
+def _set_aside_earlier_demo(output: Path) -> None:
+    """Moves a demo already in `output` into `output/.earlier-demo` (saying so), where it
+    waits until the new one has written its comparison: an interrupted demo puts it back,
+    a completed one removes it."""
+    _put_back_earlier_demo(output)  # a demo killed before its end left one aside
+    found = _demo_entries(output)
+    if not found:
+        return
+    names = ", ".join(str(p.relative_to(output)) for p in found)
+    logger.warning("replacing the earlier demo in %s once this one ends: %s", output, names)
     for path in found:
-        path.unlink() if path.is_file() else shutil.rmtree(path)
+        target = output / EARLIER_NAME / path.relative_to(output)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
 
 
 def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
@@ -300,7 +329,8 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
 
     A demo already in `output_dir` (its comparison and runs
     `{mlm,clm}/{linformer,transformer}`, whichever objectives it had) is replaced, as a
-    WARNING says before anything is removed.
+    WARNING says: moved aside until this one has written its comparison, and put back if
+    it stops before (an error, Ctrl-C; a killed demo's on the next one's start).
 
     Raises:
         ValueError: if `output_dir` or `publish_dir` is a file (before any work).
@@ -323,8 +353,25 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     if step_s is not None:
         logger.info("probe: %.2f s per training step of all models together", step_s)
         settings = fit_to_budget(settings, step_s)
+    output = Path(settings.output_dir)
+    _set_aside_earlier_demo(output)
+    try:
+        comparison = _compare(settings, before, step_s, requested)
+    except BaseException:
+        _put_back_earlier_demo(output)
+        raise
+    shutil.rmtree(output / EARLIER_NAME, ignore_errors=True)
+    if settings.publish_dir:
+        for name in (RESULT_NAME, PLOT_NAME):
+            atomic_write(Path(settings.publish_dir) / name, partial(shutil.copy2, output / name))
+    return comparison
+
+
+def _compare(
+    settings: ComparisonSettings, before: dict[str, Any], step_s: float | None, requested: int
+) -> dict[str, Any]:
+    """Trains every model and writes the comparison (`run_comparison`'s work)."""
     runs = settings.run_configs()
-    _remove_earlier_demo(Path(settings.output_dir))
     rows, records = [], {}
     for name, run in runs.items():
         result = in_fresh_process(pretrain, run)
@@ -349,7 +396,4 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     output = Path(settings.output_dir)
     save_json(comparison, output / RESULT_NAME)
     plot_comparison(rows, records, output / PLOT_NAME)
-    if settings.publish_dir:
-        for name in (RESULT_NAME, PLOT_NAME):
-            atomic_write(Path(settings.publish_dir) / name, partial(shutil.copy2, output / name))
     return comparison
