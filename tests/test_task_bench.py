@@ -194,6 +194,18 @@ def test_variants_added_one_run_at_a_time_keep_the_earlier_rows(tmp_path, monkey
     assert [r["variant"] for r in report["rows"]] == ["tfidf", "exact@32"]
     replaced = "was made with other settings (seed): this run replaces its rows"
     assert f"{tmp_path / 'report.json'} {replaced}" in caplog.messages
+    # ... once a variant has run: a stop in the first wrote a report of TF-IDF alone (the
+    # earlier rows lost), beside the earlier figure
+    files = [tmp_path / f"report.{suffix}" for suffix in ("json", "md", "png")]
+    before = [file.read_bytes() for file in files]
+
+    def stopped(v, s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(task_bench, "_variant_row", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_task_bench(dataclasses.replace(settings, variants="exact@32", seed=7))
+    assert [file.read_bytes() for file in files] == before
 
 
 def test_a_dot_in_out_stays_in_the_file_names_and_a_foreign_json_is_named():

@@ -48,7 +48,7 @@ from .convert import convert_to_dir
 from .distill import DistillSettings
 from .distill_run import DistillData, distill_checkpoint
 from .report import minilm_path
-from .task_bench_report import TFIDF, earlier_rows, write_task_report
+from .task_bench_report import TFIDF, earlier_rows, report_file, write_task_report
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +398,8 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
         logger.info("%s: kept from the earlier %s.json", name, s.out)
     for row in others:
         logger.info("%s: kept from the earlier %s.json (not in --variants)", row["variant"], s.out)
-    write()
+    if earlier or not report_file(s.out, ".json").exists():  # not another settings' report
+        write()  # until a variant has run: a stop in the first lost that report's rows
     for variant in variants:
         if variant.name in runs:
             done[variant.name] = _variant_row(variant, s)

@@ -75,14 +75,16 @@ def report_file(out: str | Path, suffix: str) -> Path:
 
 
 def write_task_report(report: dict[str, Any], out: Path) -> None:
-    """OUT.json (everything), OUT.md (the table) and OUT.png (once a variant has run), each
-    written atomically."""
+    """OUT.json (everything), OUT.md (the table) and OUT.png (once a variant has run; an
+    earlier one removed until then), each written atomically."""
     out.parent.mkdir(parents=True, exist_ok=True)
     save_json(report, report_file(out, ".json"))
     text = markdown_table(report["rows"])
     atomic_write(report_file(out, ".md"), lambda tmp: Path(tmp).write_text(text))
     if len(report["rows"]) > 1:
         plot_task_report(report, report_file(out, ".png"))
+    else:  # an earlier report's figure would show variants this one does not hold
+        report_file(out, ".png").unlink(missing_ok=True)
 
 
 # Settings that do not change a variant's figures: what runs, and where files are written.
