@@ -47,7 +47,7 @@ def test_clm_pretraining_learns_and_its_checkpoint_generates_and_evaluates(tmp_p
               str(tmp_path / "none.jsonl"), "--eval", str(tmp_path / "none.jsonl"),
               "--output-dir", str(tmp_path / "ft")])  # fmt: skip
     err = capsys.readouterr().err
-    assert "linformer finetune: error: pooling 'cls' takes the first real token" in err
+    assert "linformer finetune: error: --pooling cls: pooling 'cls' takes the first real" in err
 
 
 def test_an_unknown_objective_is_a_usage_error(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """`linformer finetune` as a user runs it: sizing flags, resume, and honest errors."""
 
+import importlib
 import json
 import re
 
@@ -131,6 +132,25 @@ def test_resume_continues_a_finetuning_run_and_is_required_to_reuse_its_folder(
         f"read and ordered as it started; these differ: --data '{other}' (the run's: "
         f"'{data[0]}'), --batch-size 4 (the run's: 8), --seed 9 (the run's: 0)"
     ) in err
+
+
+def test_threads_cover_the_probe_too(pretrained, data, tmp_path, monkeypatch):
+    # --threads was set as training began: the probe's pass over the data (and a teacher's)
+    # ran at torch's own count
+    finetune_module = importlib.import_module("linformer_kit.training.finetune")  # not the
+    seen, probe = [], finetune_module.init_head_from_probe  # function the package exports
+    monkeypatch.setattr(
+        finetune_module,
+        "init_head_from_probe",
+        lambda *a, **kw: seen.append(torch.get_num_threads()) or probe(*a, **kw),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        finetune(pretrained, data, tmp_path / "ft", "--max-steps", "1", "--threads", "1")
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1]
 
 
 def test_a_sequence_length_beyond_the_models_is_an_error_naming_both(

@@ -113,7 +113,10 @@ def test_commands_refuse_a_tokenizer_larger_than_the_model(checkpoint, command):
     text = path / "text.txt"
     text.write_text("".join(TEXTS))
     argv = [arg.format(ckpt=path, text=text) for arg in command]
-    with pytest.raises(SystemExit, match=rf"has {size} tokens but the model only {size - 10}"):
+    with pytest.raises(
+        SystemExit,
+        match=rf"has {size} token ids \(0 to {size - 1}\) but the model only {size - 10}",
+    ):
         main(argv)
 
 

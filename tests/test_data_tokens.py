@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
 from train_helpers import write_corpus
 
 from linformer_kit import hub
@@ -78,6 +80,25 @@ def test_a_missing_folder_is_not_reported_as_a_missing_tokenizer(tmp_path):
         load_tokenizer(tmp_path)
 
 
+def test_a_tokenizer_with_an_id_past_its_count_sizes_the_model_by_its_largest_id(tmp_path):
+    # "<mask>": 5000 in a 7-token vocabulary passed a 100-token model's check (it counted
+    # tokens), and masking then wrote id 5000 (a device-side assert on a GPU)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "a": 4, "b": 5, "<mask>": 5000}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(tmp_path).vocab_size == 5001
+    with pytest.raises(ValueError, match=r"has 5001 token ids \(0 to 5000\) but the model only"):
+        load_tokenizer(tmp_path, model_vocab_size=100)
+    vocab["<mask>"] = 6  # ids 0 to 6: a token added later is id 7, and counted
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.vocab_size == 7
+    loaded.tokenizer.add_tokens(["<new>"])
+    assert loaded.tokenizer.token_to_id("<new>") == 7 and loaded.vocab_size == 8
+
+
 def test_broken_tokenizer_file_is_a_clear_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a valid tokenizer.json"):
@@ -127,6 +148,18 @@ def test_truncated_token_cache_is_rejected(tmp_path):
     tokens.write_bytes(tokens.read_bytes()[:-3])
     with pytest.raises(ValueError, match="truncated"):
         open_token_cache(cache)
+    # a damaged or hand-edited meta.json: an "object" dtype crashed the process (numpy read
+    # pointers), others were tracebacks that named no file
+    meta = json.loads((cache / "meta.json").read_text())
+    for text in (
+        json.dumps({**meta, "dtype": "object", "num_tokens": meta["num_tokens"] // 4}),
+        json.dumps({**meta, "dtype": "xx"}),
+        json.dumps([meta]),
+        '{"dtype": "uint16", "num_tok',
+    ):
+        (cache / "meta.json").write_text(text)
+        with pytest.raises(ValueError, match=rf"{cache}/meta.json is not a token cache's meta"):
+            open_token_cache(cache)
 
 
 def test_split_is_deterministic_disjoint_and_packs_full_blocks():

@@ -386,6 +386,60 @@ def test_resized_and_missing_files_are_each_named(manifested):
     ]
 
 
+def test_a_manifest_never_reaches_outside_its_folder_nor_leaves_out_the_model(manifested):
+    _, path = manifested
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    (path.parent / "secret.txt").write_text("not the checkpoint's")
+    # paths outside the folder were read (their sizes named in the error)
+    for name in ("../secret.txt", "/etc/hostname", "sub/../../secret.txt"):
+        files = {**manifest["files"], name: {"bytes": 0, "sha256": ""}}
+        (path / MANIFEST_NAME).write_text(json.dumps({**manifest, "files": files}))
+        with pytest.raises(IntegrityError) as err:
+            verify_manifest(path)
+        assert err.value.problems == [f"{name!r} is not a file name of this folder"]
+    # malformed entries were tracebacks (AttributeError, KeyError, TypeError)
+    for files in ([CONFIG_NAME], {**manifest["files"], CONFIG_NAME: "x"}, {CONFIG_NAME: {}}):
+        (path / MANIFEST_NAME).write_text(json.dumps({**manifest, "files": files}))
+        with pytest.raises(IntegrityError):
+            verify_manifest(path)
+    # a manifest listing nothing let altered weights load
+    (path / MANIFEST_NAME).write_text(json.dumps({**manifest, "files": {}}))
+    flip_last_byte(path / WEIGHTS_NAME)
+    with pytest.raises(IntegrityError) as err:
+        LinformerForMaskedLM.from_pretrained(path)
+    assert err.value.problems == [
+        f"{CONFIG_NAME} is not in {MANIFEST_NAME}",
+        f"{WEIGHTS_NAME} is not in {MANIFEST_NAME}",
+    ]
+
+
+def test_integer_weights_and_foreign_architectures_are_refused(mlm_dir):
+    model, path = mlm_dir
+    tensors = {name: t.clone() for name, t in model.state_dict().items()}
+    name = "linformer.embeddings.tokens.weight"
+    # integers were cast to weights without a word
+    tensors[name] = (tensors[name] * 1000).long()
+    save_file(tensors, path / WEIGHTS_NAME)
+    with pytest.raises(ValueError, match=rf"{name}: file torch.int64 vs model torch.float32"):
+        LinformerForMaskedLM.from_pretrained(path)
+    meta = json.loads((path / CONFIG_NAME).read_text())
+    # an unknown architecture was loaded as another model's backbone ("missing" every
+    # tensor), model_kwargs not a mapping and a seq2seq config of strings were tracebacks
+    (path / CONFIG_NAME).write_text(json.dumps({**meta, "architecture": "Evil"}))
+    with pytest.raises(ValueError, match=r"architecture 'Evil' is none of this library's \("):
+        LinformerForMaskedLM.from_pretrained(path)
+    for changed in (
+        {"model_kwargs": [1, 2]},
+        {"config": {"encoder": "x", "decoder": "y"}},
+    ):
+        (path / CONFIG_NAME).write_text(json.dumps({**meta, **changed}))
+        with pytest.raises(ValueError, match=f"{CONFIG_NAME} is corrupt or not a config"):
+            LinformerForMaskedLM.from_pretrained(path)
+    (path / CONFIG_NAME).write_text("[" * 100_000)
+    with pytest.raises(ValueError, match=f"{CONFIG_NAME} is corrupt"):
+        LinformerForMaskedLM.from_pretrained(path)
+
+
 def test_directory_without_manifest_loads_and_only_a_required_one_fails(mlm_dir):
     model, path = mlm_dir
     assert verify_manifest(path) is False

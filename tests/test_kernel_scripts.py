@@ -39,8 +39,9 @@ def test_the_split_script_times_every_cut_of_every_shape(tmp_path, monkeypatch):
         assert list(row["sdpa_ms"]) == [str(s) for s in (1, 2, 4) if row["n"] // s >= 64]
         best = min(row["sdpa_ms"].values())
         assert row["sdpa_ms"][str(row["best_splits"])] == best
-        assert row["best_speedup"] == pytest.approx(row["sdpa_ms"]["1"] / best, rel=0.01)
-        assert row["best_vs_explicit"] == pytest.approx(row["explicit_ms"] / best, rel=0.01)
+        # (the ratios are rounded to 3 decimals: a ratio of 0.025 read 0.0247 from the times)
+        assert row["best_speedup"] == pytest.approx(row["sdpa_ms"]["1"] / best, 0.01, 1e-3)
+        assert row["best_vs_explicit"] == pytest.approx(row["explicit_ms"] / best, 0.01, 1e-3)
         # the explicit kernel's backward cut as pinned (where it divides n), and the rule's
         # count (none on CPU)
         assert list(row["explicit_cut_ms"]) == ["1", "4"] + (["256"] if row["n"] == 256 else [])

@@ -2,6 +2,7 @@
 
 import functools
 import json
+import weakref
 from unittest import mock
 
 import pytest
@@ -105,6 +106,13 @@ def test_a_second_order_gradient_is_a_clear_error_not_a_wrong_answer():
     (grad,) = torch.autograd.grad(loss, x, create_graph=True)
     with pytest.raises(RuntimeError, match="linear_cross_entropy's backward is not diff"):
         torch.autograd.grad(grad.square().sum(), w0)
+    # and the loss keeps none of its inputs' memory (the gradients are made in forward)
+    hidden = x @ w0
+    kept = weakref.ref(hidden)
+    loss = linear_cross_entropy(hidden, weight, torch.randint(0, 7, (6,)), rows_per_chunk=2)
+    del hidden
+    assert kept() is None
+    loss.backward()
 
 
 def test_under_bf16_autocast_it_rounds_as_the_full_logits_do():

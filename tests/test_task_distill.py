@@ -147,7 +147,7 @@ def test_a_teacher_that_is_not_a_classifier_or_knows_other_classes_is_refused(
     # was read, a missing or wrong teacher after the data too
     with pytest.raises(ValueError, match="^--distill-weight and --temperature apply with --te"):
         FinetuneSettings(init="x", data="y", eval="z", distill_weight=0.9, temperature=5.0)
-    with pytest.raises(ValueError, match=r"pooling must be one of cls, mean; got .max."):
+    with pytest.raises(ValueError, match=r"pooling must be one of cls, mean, last; got .max."):
         FinetuneSettings(init="x", data="y", eval="z", pooling="max")
     finetune_module = importlib.import_module("linformer_kit.training.finetune")
     read = []

@@ -1,10 +1,14 @@
 """Checkpoints: atomic writes, truncation and alteration detection, fallback to the previous
 checkpoint, and a clear stop when none is intact."""
 
+import json
+import re
+
 import pytest
+import torch
 from train_helpers import flip_last_byte, tiny_run
 
-from linformer_kit.hub import IntegrityError, umask_mode
+from linformer_kit.hub import IntegrityError, umask_mode, write_manifest
 from linformer_kit.masked_lm import LinformerForMaskedLM
 from linformer_kit.training import checkpoint as checkpoint_module
 from linformer_kit.training import latest_checkpoint, load_checkpoint, pretrain
@@ -71,6 +75,39 @@ def test_no_intact_checkpoint_lists_each_and_the_ways_on(run_dir):
         "To go on, either start a fresh run in another --output-dir, or remove the corrupt "
         f"checkpoints (rm -r {checkpoints}) to start again from step 0 in {run_dir}."
     )
+
+
+@pytest.mark.parametrize(
+    "state, problem",
+    [
+        ({}, "its step is 'None'"),
+        ([1, 2], "a list, not a dict"),
+        ("pickle", "is unreadable"),
+        ({"step": -5}, "its step is '-5'"),
+        ({"scheduler": 5}, "its scheduler is '5'"),
+        ({"rng": [torch.zeros(3)]}, "its rng is"),
+    ],
+)
+def test_a_trainer_state_of_another_shape_is_a_corrupt_checkpoint(run_dir, state, problem):
+    # Listed in a manifest made anew, it passed the integrity check and the resume failed
+    # in a traceback (KeyError, TypeError, inside torch) instead of falling back.
+    newest = run_dir / "checkpoints" / "step-00000008"
+    file = newest / "trainer_state.pt"
+    if state == "pickle":
+        file.write_bytes(b"not a pickle at all")
+    else:
+        saved = torch.load(file, weights_only=True)
+        torch.save({**saved, **state} if isinstance(state, dict) and state else state, file)
+    write_manifest(newest, step=8)
+    with pytest.raises(IntegrityError, match=f"trainer_state.pt .*{re.escape(problem)}"):
+        load_checkpoint(newest)
+    assert latest_checkpoint(run_dir).state["step"] == 4
+    # a manifest that leaves the trainer state out is no checkpoint's
+    manifest = json.loads((newest / "manifest.json").read_text())
+    del manifest["files"]["trainer_state.pt"]
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IntegrityError, match="trainer_state.pt is not in manifest.json"):
+        load_checkpoint(newest)
 
 
 def test_run_without_checkpoints_has_no_latest(tmp_path):

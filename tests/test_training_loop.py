@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 import types
 
@@ -155,6 +156,12 @@ def test_a_run_stopped_between_a_best_checkpoint_and_its_link_resumes_with_it_be
     best = min(losses, key=losses.get)
     assert (tmp_path / "run/best").resolve().name == f"step-{best:08d}"
     assert (tmp_path / "run/last").resolve().name == "step-00000006"
+    # a run folder reached through a link: `last` was pointed relative to the link, at
+    # nothing
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    run.train.output_dir = str(tmp_path / "link")
+    pretrain(run)  # at max_steps
+    assert os.readlink(tmp_path / "run/last") == "checkpoints/step-00000006"
 
 
 @pytest.mark.parametrize(

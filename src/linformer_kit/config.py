@@ -235,11 +235,13 @@ class LinformerConfig:
     def _check_causal(self) -> None:
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
-        if self.causal and self.pooler:
-            raise ValueError(
-                "pooler=True (BERT's pooler, on the first token) with causal=True: a causal "
-                "model's first token attends to itself only; set pooler=False (a classifier "
-                "pools the last real token)"
+        if self.causal and self.pooler:  # a warning: configs of earlier versions load
+            warnings.warn(
+                "pooler=True (BERT's pooler, on the first position) with causal=True: a "
+                "causal model's first token attends to itself only, and under left padding "
+                "the first position is a pad, so pooler_output says nothing of the text; set "
+                "pooler=False (a classifier pools the last real token)",
+                stacklevel=4,
             )
         check_positive("block_size", self.block_size)
         if self.causal and self.proj_dim is not None and self.block_size >= self.max_seq_len:

@@ -183,13 +183,21 @@ def write_manifest(path: str | os.PathLike, **fields: Any) -> None:
     atomic_write(path / MANIFEST_NAME, lambda tmp: Path(tmp).write_text(text))
 
 
-def verify_manifest(path: str | os.PathLike, *, required: bool = False, advice: str = "") -> bool:
-    """Checks every file listed in `path/manifest.json`: present, same size, same SHA-256.
+def verify_manifest(
+    path: str | os.PathLike,
+    *,
+    required: bool = False,
+    advice: str = "",
+    listed: tuple[str, ...] = (),
+) -> bool:
+    """Checks every file listed in `path/manifest.json`: present, same size, same SHA-256;
+    and that it lists the model's own files (config, weights, and `listed`) where they are.
 
     Args:
         path: the directory.
         required: a missing manifest is an error (a checkpoint's marks it complete).
         advice: appended to the error message (what the user can do).
+        listed: other files the manifest must list (a checkpoint's trainer state).
 
     Returns:
         True when a manifest was checked, False when there is none (and none is required).
@@ -205,12 +213,25 @@ def verify_manifest(path: str | os.PathLike, *, required: bool = False, advice: 
         return False
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        if not isinstance(files, dict):
+            raise TypeError(f"its files are a {type(files).__name__}, not a mapping")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
         raise IntegrityError(path, [f"{MANIFEST_NAME} is unreadable ({err!r})"], advice) from err
-    problems = []
+    # a manifest leaving out a file the loaders read let it change unchecked
+    problems = [
+        f"{name} is not in {MANIFEST_NAME}"
+        for name in (CONFIG_NAME, WEIGHTS_NAME, *listed)
+        if name not in files and ((path / name).exists() or name in listed)
+    ]
     for name, expected in files.items():
         file = path / name
-        if not file.is_file():
+        if name in ("", ".", "..") or Path(name).name != name:  # never a file elsewhere
+            problems.append(f"{name!r} is not a file name of this folder")
+        elif not isinstance(expected, dict) or not (
+            isinstance(expected.get("bytes"), int) and isinstance(expected.get("sha256"), str)
+        ):
+            problems.append(f"{name}'s entry is not {{bytes, sha256}}: {expected!r}")
+        elif not file.is_file():
             problems.append(f"{name} is missing")
         elif (size := file.stat().st_size) != expected["bytes"]:
             problems.append(
@@ -351,13 +372,17 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
                 f"format_version {FORMAT_VERSION}: upgrade linformer-kit to load it"
             )
         config = config_from_dict(meta["config"])
+        if not isinstance(meta.get("model_kwargs", {}), dict):
+            raise TypeError(f"model_kwargs is a {type(meta['model_kwargs']).__name__}")
     except NewerFormatError:
         raise
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         raise ValueError(
             f"{file} is corrupt or not a config this linformer-kit ({_library_version()}) "
             f"reads: {err}"
         ) from err
+    except RecursionError as err:  # nested too deep for the JSON parser
+        raise ValueError(f"{file} is corrupt: nested too deep to read") from err
     return {
         "architecture": meta.get("architecture"),
         "config": config,
@@ -463,6 +488,11 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
         f"{n}: file {tuple(t.shape)} vs model {tuple(state[n].shape)}"
         for n, t in tensors.items()
         if n in state and t.shape != state[n].shape
+    ]
+    wrong += [  # integers cast to weights without a word
+        f"{n}: file {t.dtype} vs model {state[n].dtype}"
+        for n, t in tensors.items()
+        if n in state and t.is_floating_point() != state[n].is_floating_point()
     ]
     if missing or unexpected or wrong:
         raise ValueError(

@@ -120,12 +120,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     where `needs` asks (`_loss_sums`); backward: those gradients times grad_output / count."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, needs, dtype, rows_per_chunk):  # noqa: ANN001, ANN205
+    def forward(
+        ctx, hidden, weight, bias, targets, ignore_index, needs, dtype, rows_per_chunk, anchors
+    ):  # noqa: ANN001, ANN205
         total, count, *grads = _loss_sums(
             hidden, weight, bias, targets, ignore_index, list(needs), dtype, rows_per_chunk
         )
         ctx.save_for_backward(*grads, count)
-        ctx.inputs = (hidden, weight, bias)  # for first_order_only's error
+        ctx.inputs = anchors  # first_order_only's error hangs from them
         ctx.needs = needs
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total / count  # nan when nothing is scored, as F.cross_entropy
@@ -138,7 +140,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scaled = [
             (g * scale).to(t) if need else None for g, t, need in zip(grads, ctx.dtypes, ctx.needs)
         ]
-        return (*scaled, None, None, None, None, None)
+        return (*scaled, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -207,6 +209,13 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device)
     grad = torch.is_grad_enabled()
     needs = tuple(grad and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    # 0-d tensors on the graph of each input that needs grad, holding none of its memory
+    # (an empty slice's sum): a second-order gradient reaching a weight through the inputs
+    # alone raises on them (`first_order_only`), where its terms went missing
+    anchors = []
+    if not torch.compiler.is_compiling():
+        inputs = (hidden, weight, bias)
+        anchors = [t.narrow(0, 0, 0).sum() for t, need in zip(inputs, needs) if need]
     return _LinearCrossEntropy.apply(
         hidden.reshape(rows, dim),
         weight,
@@ -216,6 +225,7 @@ def linear_cross_entropy(
         needs,
         dtype,
         rows_per_chunk or 0,
+        anchors,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,16 +40,13 @@ ModelT = TypeVar("ModelT", bound="LinformerPreTrainedModel")
 POOLINGS = ("cls", "mean", "last")
 
 
-def check_pooling(pooling: str, causal: bool) -> None:
-    """Raises ValueError for a pooling outside POOLINGS, or `cls` on a causal model, whose
-    first token has attended to itself only (its features do not depend on the text)."""
-    check_choice("pooling", pooling, POOLINGS)
-    if causal and pooling == "cls":
-        raise ValueError(
-            "pooling 'cls' takes the first real token, which a causal model lets attend to "
-            "itself only: use 'last' (the last real token, which has seen the whole text) or "
-            "'mean'"
-        )
+# `cls` on a causal model: its first token has attended to itself only, so the logits do
+# not depend on the rest of the text (refused where a run asks for it, warned of where a
+# model of an earlier version is loaded with it).
+CAUSAL_CLS = (
+    "pooling 'cls' takes the first real token, which a causal model lets attend to itself "
+    "only: use 'last' (the last real token, which has seen the whole text) or 'mean'"
+)
 
 
 @dataclass
@@ -141,6 +139,12 @@ class LinformerPreTrainedModel(nn.Module):
             raise ValueError(f'dtype must be a floating torch dtype or "auto", got {dtype!r}')
         hub.check_before_load(path, verify)
         meta = hub.read_config(path)
+        if meta["architecture"] not in _architectures():  # read as "another" one's backbone
+            raise ValueError(
+                f"{os.path.join(os.fspath(path), hub.CONFIG_NAME)}: architecture "
+                f"{meta['architecture']!r} is none of this library's "
+                f"({', '.join(sorted(_architectures()))})"
+            )
         if meta["architecture"] != cls.__name__:
             hub.check_encoder(meta, path, f"load it with {meta['architecture']}.from_pretrained")
         config = meta["config"].replace(**(config_overrides or {}))
@@ -172,6 +176,17 @@ class LinformerPreTrainedModel(nn.Module):
                 cls.__name__,
             )
         return model.eval()
+
+
+def _architectures() -> set[str]:
+    """The names of the model classes (`LinformerPreTrainedModel` and its subclasses, a
+    user's own included) a config.json may name."""
+    names, classes = set(), [LinformerPreTrainedModel]
+    while classes:
+        model_class = classes.pop()
+        names.add(model_class.__name__)
+        classes += model_class.__subclasses__()
+    return names
 
 
 class LinformerModel(LinformerPreTrainedModel):
@@ -301,7 +316,9 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
             raise ValueError(f"num_labels must be an integer >= 1, got {num_labels!r}")
         if pooling is None:
             pooling = "last" if config.causal else "cls"
-        check_pooling(pooling, config.causal)
+        check_choice("pooling", pooling, POOLINGS)
+        if config.causal and pooling == "cls":
+            warnings.warn(CAUSAL_CLS, stacklevel=2)
         self.num_labels, self.pooling = num_labels, pooling
         self.linformer = LinformerModel(config, pooled=False)
         self.head = nn.Sequential(

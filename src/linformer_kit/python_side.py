@@ -32,10 +32,10 @@ def first_order_only(what: str, hint: str) -> Callable[[Callable[..., Any]], Cal
     under `create_graph=True` (a gradient penalty) they raise when differentiated, naming
     `what` and `hint`. `once_differentiable` marks them so only where an incoming gradient
     needs grad; otherwise they carry no graph, and the second-order terms through the
-    saved inputs went missing without a word. The saved inputs that need grad (and those
-    a forward that saves gradients keeps in `ctx.inputs`) feed the error too: a penalty
-    reaching a weight through them alone (`x @ W` as the query) dropped those terms as
-    silently."""
+    saved inputs went missing without a word. The saved inputs that need grad (and, for a
+    forward that saves gradients instead, the tensors on its inputs' graphs it keeps in
+    `ctx.inputs`) feed the error too: a penalty reaching a weight through them alone (`x @
+    W` as the query) dropped those terms as silently."""
 
     def decorate(backward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(backward)

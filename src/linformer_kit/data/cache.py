@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,7 +90,7 @@ def build_token_cache(
         ValueError: if the corpus holds no tokens.
     """
     if (directory / META_NAME).is_file():
-        meta = json.loads((directory / META_NAME).read_text())
+        meta = read_meta(directory)
         logger.info("reusing the token cache %s%s", directory, _skipped_note(meta))
         return directory
     tmp = private_folder(directory)  # a killed build's is removed by the next
@@ -153,7 +154,7 @@ def open_token_cache(directory: Path) -> np.memmap:
     Raises:
         ValueError: if the cache is incomplete (its size disagrees with its metadata).
     """
-    meta = json.loads((directory / META_NAME).read_text())
+    meta = read_meta(directory)
     file = directory / TOKENS_NAME
     dtype = np.dtype(meta["dtype"])
     if file.stat().st_size != meta["num_tokens"] * dtype.itemsize:
@@ -161,10 +162,36 @@ def open_token_cache(directory: Path) -> np.memmap:
     return np.memmap(file, dtype=dtype, mode="r")
 
 
+def read_meta(directory: Path) -> dict[str, Any]:
+    """A token cache's metadata, checked: a token dtype of `token_dtype`'s and a count (a
+    hand-edited or damaged one crashed numpy, an "object" dtype the process).
+
+    Raises:
+        ValueError: naming the file, and the way on (delete the cache to rebuild it).
+    """
+    file = directory / META_NAME
+    try:
+        meta = json.loads(file.read_text())
+        valid = (
+            isinstance(meta, dict)
+            and meta.get("dtype") in ("uint16", "uint32")
+            and isinstance(meta.get("num_tokens"), int)
+            and meta["num_tokens"] >= 0
+        )
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError
+        valid = False
+    if not valid:
+        raise ValueError(
+            f"{file} is not a token cache's metadata (a dtype uint16 / uint32 and a "
+            f"num_tokens); delete {directory} to rebuild it"
+        )
+    return meta
+
+
 def token_digest(directory: Path) -> dict[str, int | str]:
     """The identity of a cached token stream: its length and SHA-256 (the metadata's, else,
     in a cache an earlier version built, read from the file)."""
-    meta = json.loads((directory / META_NAME).read_text())
+    meta = read_meta(directory)
     if "sha256" not in meta:
         digest = hashlib.sha256()
         with open(directory / TOKENS_NAME, "rb") as file:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -39,10 +39,20 @@ class TextTokenizer:
     sep_id: int
     cls_id: int
 
+    # (the count of tokens, the largest id + 1) as last measured: the vocabulary is read
+    # again only once tokens are added
+    _largest: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def vocab_size(self) -> int:
-        """Number of ids, special tokens included."""
-        return self.tokenizer.get_vocab_size()
+        """The ids a model must hold: the largest id + 1, special tokens included (the count
+        of tokens where they are numbered 0, 1, ..., as a trained BPE's are; a tokenizer.json
+        with an id past its count had it taken for a valid one)."""
+        count = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        if self._largest is None or self._largest[0] != count:
+            largest = max(self.tokenizer.get_vocab(with_added_tokens=True).values())
+            self._largest = (count, largest + 1)
+        return self._largest[1]
 
     @property
     def special_ids(self) -> list[int]:
@@ -113,8 +123,8 @@ def load_tokenizer(path: str | Path, *, model_vocab_size: int | None = None) -> 
     loaded = from_tokenizer(tokenizer, str(file))
     if model_vocab_size is not None and loaded.vocab_size > model_vocab_size:
         raise ValueError(
-            f"{file} has {loaded.vocab_size} tokens but the model only {model_vocab_size}: "
-            f"not the tokenizer it was trained with"
+            f"{file} has {loaded.vocab_size} token ids (0 to {loaded.vocab_size - 1}) but the "
+            f"model only {model_vocab_size}: not the tokenizer it was trained with"
         )
     return loaded
 

@@ -21,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -71,7 +72,9 @@ def restore_links(run_dir: str | Path, resumed: Path, best_step: int | None) -> 
     `best_step` (as the run's state recorded it): a run stopped inside a save, after the
     checkpoint was written and before the links moved, left them on earlier checkpoints,
     `best` on a worse model whose keeping then let a prune remove the best."""
-    _point(Path(run_dir) / "last", resumed)
+    # the run's own path (`resumed` is resolved: relative to a run folder reached through a
+    # link, it named nothing)
+    _point(Path(run_dir) / "last", Path(run_dir) / CHECKPOINTS_DIR / resumed.name)
     if best_step is None:  # saved by an earlier version
         return
     best = step_dir(run_dir, best_step)
@@ -185,9 +188,36 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    hub.verify_manifest(path, required=True)
-    state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
+    hub.verify_manifest(path, required=True, listed=(STATE_NAME,))
+    try:
+        state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        raise hub.IntegrityError(path, [f"{STATE_NAME} is unreadable ({err})"]) from err
+    if problem := _state_problem(state):
+        raise hub.IntegrityError(path, [f"{STATE_NAME} is not a trainer state: {problem}"])
     return Checkpoint(path.resolve(), state)
+
+
+def _state_problem(state: Any) -> str | None:
+    """What makes `state` other than a trainer state `Trainer._state` saved (a file the
+    resume failed on in a traceback), or None."""
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not a dict"
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    checks = {
+        "step": lambda v: number(v) and isinstance(v, int) and v >= 0,
+        "tokens": number,
+        "train_s": number,
+        "best": number,
+        "optimizer": lambda v: isinstance(v, dict),
+        "scheduler": lambda v: isinstance(v, dict),
+        "rng": lambda v: (
+            isinstance(v, list)
+            and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in v)
+        ),
+    }
+    bad = next((name for name, valid in checks.items() if not valid(state.get(name))), None)
+    return bad and f"its {bad} is {str(state.get(bad))[:40]!r}"
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch
 from .. import hub
 from ..data.classification import ClassificationData, load_classification
 from ..data.tokenizer import TextTokenizer, load_tokenizer
-from ..models import LinformerForSequenceClassification, check_pooling
+from ..models import CAUSAL_CLS, LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import (
@@ -28,7 +28,7 @@ from .distributed import setup_distributed, teardown_distributed
 from .finetune_settings import DEFAULT_TRUNCATION, FinetuneRunConfig, FinetuneSettings
 from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
-from .settings import TrainSettings
+from .settings import TrainSettings, use_threads
 from .task_distill import DistillationObjective, check_teacher, teacher_logits
 
 logger = logging.getLogger(__name__)
@@ -201,14 +201,15 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
         if not getattr(settings, name):
             raise ValueError(f"finetune needs --{name}")
     check_run_dir(train.output_dir, resume=train.resume)  # before the model and data load
+    use_threads(train.threads)  # the probe's and the teacher's passes too, not training alone
     if settings.teacher:
         check_teacher(settings.teacher)
     meta = hub.read_encoder_config(
         settings.init, "fine-tune a masked or causal LM (or a classifier) for classification"
     )
     config = meta["config"]
-    if settings.pooling:  # before the data loads
-        check_pooling(settings.pooling, config.causal)
+    if settings.pooling == "cls" and config.causal:  # before the data loads
+        raise ValueError(f"--pooling cls: {CAUSAL_CLS}")
     tokenizer = load_tokenizer(settings.init, model_vocab_size=config.vocab_size)
     max_len = _sequence_length(settings, config.max_seq_len)
     # a folder with checkpoints is resumed (its head loaded) or refused by the Trainer
