@@ -3,13 +3,14 @@
 For each position n, encodes a random prompt of n - 1 tokens into the generation states
 (one pass, not timed), then times single-token steps there (median of repeats) and
 measures the states' size. Same model shape for both; untrained weights (the cost does not
-depend on them). Writes benchmarks/causal_generation/results.json.
+depend on them). Writes benchmarks/causal_generation/results.json (or into --out).
 
-    PYTHONPATH=src python benchmarks/causal_generation.py
+    PYTHONPATH=src python benchmarks/causal_generation.py [--positions 1024,2048] [--out DIR]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -49,17 +50,22 @@ def measure(model: LinformerForCausalLM, position: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--positions", default=",".join(map(str, POSITIONS)))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "causal_generation"))
+    args = parser.parse_args(argv)
+    positions = [int(n) for n in args.positions.split(",")]
     torch.set_num_threads(1)  # steady timings on a shared machine
     base = dict(
-        vocab_size=4096, max_seq_len=max(POSITIONS) + STEPS, dim=128, depth=2, num_heads=4,
+        vocab_size=4096, max_seq_len=max(positions) + STEPS, dim=128, depth=2, num_heads=4,
         causal=True, block_size=64, dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
     results = {}
     for name, proj_dim in (("linformer k=128", 128), ("exact", None)):
         torch.manual_seed(0)
         model = LinformerForCausalLM(LinformerConfig(**base, proj_dim=proj_dim)).eval()
-        results[name] = [measure(model, n) for n in POSITIONS]
+        results[name] = [measure(model, n) for n in positions]
         first, last = results[name][0], results[name][-1]
         results[name + " last/first"] = round(last["ms_per_token"] / first["ms_per_token"], 2)
         print(name, results[name], results[name + " last/first"], flush=True)
@@ -71,8 +77,8 @@ def main() -> None:
         "repeats": REPEATS,
         "results": results,
     }
-    out = Path(__file__).parent / "causal_generation"
-    out.mkdir(exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 

@@ -82,7 +82,7 @@ def run(projection: str, name: str, stream: torch.Tensor, valid: torch.Tensor, s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
     seed = parser.parse_args().seed
     torch.set_num_threads(2)

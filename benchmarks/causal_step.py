@@ -3,13 +3,14 @@
 Forward + backward + AdamW step of the same model shape on random tokens, for several
 sequence lengths; warm-up, then the median of repeats, the two models' steps interleaved in
 the same run.
-Writes benchmarks/causal_step/results.json.
+Writes benchmarks/causal_step/results.json (or into --out).
 
-    PYTHONPATH=src python benchmarks/causal_step.py
+    PYTHONPATH=src python benchmarks/causal_step.py [--seq-lens 512,1024] [--out DIR]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -59,10 +60,14 @@ def step_seconds(seq_len: int) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", default=",".join(map(str, SEQ_LENS)))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "causal_step"))
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)  # steady timings on a shared machine
     rows = []
-    for seq_len in SEQ_LENS:
+    for seq_len in (int(n) for n in args.seq_lens.split(",")):
         linformer, exact = step_seconds(seq_len)
         row = {
             "seq_len": seq_len,
@@ -79,8 +84,8 @@ def main() -> None:
         "batch": BATCH,
         "rows": rows,
     }
-    out = Path(__file__).parent / "causal_step"
-    out.mkdir(exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 

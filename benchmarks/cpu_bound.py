@@ -155,7 +155,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Times the step, its products and the probe at each n; writes bound.json and .png."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", default="4096,8192,16384", help="comma-separated lengths")
     parser.add_argument("--scope", choices=SCOPES, default="attention")
     parser.add_argument("--sharing", default="kv")

@@ -41,7 +41,7 @@ WAYS = ("split", "tiles")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Outputs, reductions, sequence lengths, threads, repeats and output folder of a run."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--outputs", default="64x256,256x256,256x1024,512x512", help="m x n")
     parser.add_argument("--k", default="512,1024,2048,4096,16384", help="comma-separated")
     parser.add_argument("--n", default="2048,4096,16384", help="layers' lengths ('' for none)")

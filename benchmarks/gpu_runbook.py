@@ -280,7 +280,7 @@ def _run(argv: list[str], out: IO[str], env: dict[str, str], deadline: float) ->
 
 def main(argv: list[str] | None = None) -> None:
     """Runs the runbook and packs its results into OUT."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="results.tar.gz, log.txt")
     parser.add_argument("--budget-s", type=float, default=540.0, help="all steps together")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")

@@ -112,7 +112,7 @@ def taken() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Times the kernel at one thread and `--threads`, its block GEMMs and the probe at one."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1024, help="query rows")
     parser.add_argument("--proj-dim", type=int, default=256, help="keys (k)")
     parser.add_argument("--head-dim", type=int, default=64)

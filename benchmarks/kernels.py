@@ -115,7 +115,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The device, dtypes, shapes and output folder of a run."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", default="float32", help=f"comma-separated, of {DTYPES}")
     parser.add_argument("--batch", default="1", help="comma-separated batch sizes")

@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from kernels import make_step  # benchmarks/kernels.py: the call as `attend` makes it
@@ -52,12 +53,12 @@ def child(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", default="1024,4096,16384")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="processes per way")
     parser.add_argument("--min-seconds", type=float, default=3.0, help="per n, per process")
-    parser.add_argument("--out", default="benchmarks/kernels/amd-epyc/bf16-dot")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "kernels/amd-epyc/bf16-dot"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -44,7 +44,7 @@ COMMAND = "PYTHONPATH=src python benchmarks/kernels_compile.py"
 
 def main(argv: list[str] | None = None) -> None:
     """Compiles once per mode (timed), then times eager and compiled interleaved."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--n", type=int, default=4096, help="sequence length")
     parser.add_argument("--batch", type=int, default=1, help="batch size")

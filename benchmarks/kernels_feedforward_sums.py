@@ -33,7 +33,7 @@ SUMS = {"thread sums": 0, "all rows": 1, "rule": -1}  # the op's `weight_sums`
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The widths, row counts, threads and output folder of a run."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dim", default="256,512,768,1024", help="comma-separated widths")
     parser.add_argument("--rows", default="512,1024,2048,4096", help="comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")

@@ -89,13 +89,14 @@ def write_table(
 def parse_ab_args(
     doc: str, argv: list[str] | None, out: str, min_seconds: float, **extra: dict
 ) -> argparse.Namespace:
-    """The A/B scripts' flags (--n, --threads, --min-seconds, --out, and `extra`: flag ->
+    """The A/B scripts' flags (--n, --threads, --min-seconds, --out, its default `out` from
+    the repository's root wherever the script is run from, and `extra`: flag ->
     add_argument keywords); exits where the compiled kernel cannot run; sets the threads."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--n", default="1024,4096,16384")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-seconds", type=float, default=min_seconds, help="per n")
-    parser.add_argument("--out", default=out)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / out))
     for flag, kwargs in extra.items():
         parser.add_argument(f"--{flag}", **kwargs)
     args = parser.parse_args(argv)

@@ -159,7 +159,7 @@ def _host_time(prof: Any) -> tuple[list[tuple[str, list[float]]], dict[int, floa
 
 def main(argv: list[str] | None = None) -> None:
     """Profiles every variant in turn and writes profile.json."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--n", type=int, default=4096, help="sequence length")
     parser.add_argument("--batch", type=int, default=1, help="batch size")

@@ -41,7 +41,7 @@ OUT = Path(__file__).parent / "kernels" / "cuda" / "split"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The device, shapes and output folder of a run."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated")
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")

@@ -40,7 +40,7 @@ BURST = 10  # steps per burst
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The device, shapes, cuts and output folder of a run."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated")
     parser.add_argument("--shapes", default="1x4096,1x8192,1x16384,1x32768,8x4096,8x8192",

@@ -141,7 +141,7 @@ def kernel_steps(n: int) -> dict[str, Callable[[], None]]:
 
 def main(argv: list[str] | None = None) -> None:
     """Times both checks at each n and writes table.json."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", default="1024,4096", help="comma-separated sequence lengths")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds")

@@ -192,7 +192,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Times both parts and writes ab.json and ab.png."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,16,64,128,256,512,2048,8192,16384")
     parser.add_argument("--sizes", default="256x256,256x1024,1024x256,768x768", help="in x out")
     parser.add_argument(

@@ -78,7 +78,7 @@ WAYS = ("logits", "chunked")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Rounds, threads, device and output folder of a run."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timed rounds")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

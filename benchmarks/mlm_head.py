@@ -51,7 +51,7 @@ MODELS = {  # name -> (config fields, batch size)
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Rounds, threads and output folder of a run."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timed rounds")
     parser.add_argument("--mlm-probability", type=float, default=0.15, help="scored share")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")

@@ -146,7 +146,7 @@ def bound(
 
 def main(argv: list[str] | None = None) -> None:
     """Counts, bounds, prints and writes roofline.json."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bench", type=Path, help="a GPU bench.json: ceilings, FLOPs, times")
     parser.add_argument("--scope", choices=SCOPES, default="layer")
     parser.add_argument("--sharing", default="kv")

@@ -240,7 +240,7 @@ def plot() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["cost", "task", "plot", "_measure"], help="which part")
     parser.add_argument("args", nargs="*", help="_measure: model and measurement")
     parser.add_argument("--steps", type=int, default=600, help="task: training steps per model")
