@@ -58,6 +58,16 @@ def test_pretrain_writes_checkpoints_and_resumes_from_its_config(pretrained, cap
     with pytest.raises(SystemExit):
         main(["pretrain", "--config", str(pretrained), "--max-steps", "13"])
     assert "holds checkpoints: pass --resume to continue that run" in capsys.readouterr().err
+    # a hand-edited value of another type was a TypeError traceback naming no file
+    edited = pretrained.parent / "edited.json"
+    edits = [("train", "lr", "x"), ("train", "beta2", None), ("train", "weight_decay", "0.1")]
+    for section, name, value in [*edits, ("model", "dim", 0)]:
+        config = json.loads((pretrained / "run_config.json").read_text())
+        config[section][name] = value
+        edited.write_text(json.dumps(config))
+        with pytest.raises(SystemExit):
+            main(["pretrain", "--config", str(edited)])
+        assert f"linformer pretrain: error: {edited}: {name} must be " in capsys.readouterr().err
     records = [json.loads(line) for line in (pretrained / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 13))
 

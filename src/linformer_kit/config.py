@@ -34,10 +34,16 @@ def check_non_negative(name: str, value: Any, zero: str = "") -> None:
         raise ValueError(f"{name} must be an integer >= 0{meaning}, got {value!r}")
 
 
+def is_number(value: Any) -> bool:
+    """Whether `value` is an int or a float (a bool, a string from a hand-edited JSON file
+    are not: they failed in a comparison with a TypeError)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_finite_non_negative(name: str, value: float, zero: str = "") -> None:
     """Raises ValueError unless `value` is a finite number >= 0 (nan and inf refused), naming
     `name`, the value and, when given, what 0 means (`zero`, e.g. "0 = no clipping")."""
-    if not 0 <= value < math.inf:
+    if not is_number(value) or not 0 <= value < math.inf:
         meaning = f" ({zero})" if zero else ""
         raise ValueError(f"{name} must be a finite number >= 0{meaning}, got {value}")
 
@@ -45,8 +51,7 @@ def check_finite_non_negative(name: str, value: float, zero: str = "") -> None:
 def check_finite_positive(name: str, value: Any) -> None:
     """Raises ValueError unless `value` is a finite number > 0 (nan, inf and bools refused),
     naming `name` and the value."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not 0 < value < math.inf:  # nan fails both comparisons
+    if not is_number(value) or not 0 < value < math.inf:  # nan fails both comparisons
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
@@ -76,13 +81,13 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 def check_probability(name: str, value: Any) -> None:
     """Raises ValueError unless `value` is a number in [0, 1), naming `name` and the value."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
+    if not is_number(value) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
 
 
 def check_fraction(name: str, value: Any) -> None:
     """Raises ValueError unless `value` is a number in (0, 1), naming `name` and the value."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 < value < 1.0:
+    if not is_number(value) or not 0.0 < value < 1.0:
         raise ValueError(f"{name} must be in (0, 1), got {value!r}")
 
 

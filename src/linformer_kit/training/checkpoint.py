@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .. import hub
+from ..config import is_number
 from ..data.tokenizer import TOKENIZER_NAME, TextTokenizer
 from ..models import LinformerPreTrainedModel
 from .settings import RUN_CONFIG_NAME, RunConfig
@@ -203,12 +204,11 @@ def _state_problem(state: Any) -> str | None:
     resume failed on in a traceback), or None."""
     if not isinstance(state, dict):
         return f"a {type(state).__name__}, not a dict"
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     checks = {
-        "step": lambda v: number(v) and isinstance(v, int) and v >= 0,
-        "tokens": number,
-        "train_s": number,
-        "best": number,
+        "step": lambda v: is_number(v) and isinstance(v, int) and v >= 0,
+        "tokens": is_number,
+        "train_s": is_number,
+        "best": is_number,
         "optimizer": lambda v: isinstance(v, dict),
         "scheduler": lambda v: isinstance(v, dict),
         "rng": lambda v: (

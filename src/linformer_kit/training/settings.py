@@ -21,6 +21,7 @@ from ..config import (
     check_fraction,
     check_non_negative,
     check_positive,
+    is_number,
 )
 from ..data.pipeline import DataSettings
 from ..hub import atomic_write
@@ -47,7 +48,7 @@ MAX_LR = 10.0
 def check_lr(name: str, value: float, zero: str = "") -> None:
     """Raises ValueError unless the learning rate `value` is in (0, MAX_LR], or 0 where
     `zero` says what 0 means (e.g. "0 = LRA's"), naming `name`, the range and the value."""
-    if (value == 0 and zero) or 0 < value <= MAX_LR:  # nan fails both
+    if is_number(value) and ((value == 0 and zero) or 0 < value <= MAX_LR):  # nan fails both
         return
     allowed = f"[0, {MAX_LR:g}] ({zero})" if zero else f"(0, {MAX_LR:g}]"
     raise ValueError(f"{name} must be a number in {allowed}, got {value}")
@@ -123,7 +124,7 @@ class TrainSettings:
         check_lr("lr", self.lr)
         check_finite_non_negative("weight_decay", self.weight_decay, "0 = none")
         check_finite_non_negative("clip_grad_norm", self.clip_grad_norm, "0 = no clipping")
-        if not 0 <= self.beta2 < 1:
+        if not is_number(self.beta2) or not 0 <= self.beta2 < 1:
             raise ValueError(f"beta2 must be a number in [0, 1), got {self.beta2}")
         check_fraction("mlm_probability", self.mlm_probability)
 
@@ -195,6 +196,8 @@ class RunConfig:
             run = cls.from_dict(json.loads(file.read_text()))
         except json.JSONDecodeError as err:
             raise ValueError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from err
+        except (ValueError, TypeError, AttributeError) as err:  # a field out of range, or of
+            raise ValueError(f"{file}: {err}") from err  # another type: named with the file
         # what the command that saved it was asked, not a setting of the run: a --config of
         # a resumed run went on in its folder without --resume (and gave a run elsewhere the
         # same)
