@@ -1,6 +1,7 @@
 """Long Range Arena data: the ListOps evaluator and generator, Pathfinder's connectivity, the
 text reader, determinism by seed and the cache."""
 
+import dataclasses
 import zipfile
 
 import numpy as np
@@ -12,6 +13,7 @@ from linformer_kit.data.lra import (
     LRASplit,
     LRATask,
     cache_path,
+    common,
     connected,
     evaluate_listops,
     generate_listops,
@@ -387,6 +389,16 @@ def test_an_unreadable_cache_file_is_made_again(tmp_path, caplog):
         again = load_listops(**knobs, cache_dir=tmp_path)
     assert "is unreadable" in caplog.text
     assert np.array_equal(task.train.inputs, again.train.inputs)
+    # one that reads but holds labels, ids or lengths out of range trained on them
+    for change in ({"labels": 100}, {"inputs": task.vocab_size}, {"lengths": 10**6}):
+        ((name, shift),) = change.items()
+        split = dataclasses.replace(task.train, **{name: getattr(task.train, name) + shift})
+        common._save(dataclasses.replace(task, train=split), path)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            again = load_listops(**knobs, cache_dir=tmp_path)
+        assert "its train split holds lengths, ids or labels out of range" in caplog.text
+        assert np.array_equal(task.train.labels, again.train.labels)
 
 
 def test_check_range_takes_numpy_integers():

@@ -144,7 +144,7 @@ def _load(path: Path) -> LRATask:
             )
             for name in SPLITS
         }
-    return LRATask(
+    task = LRATask(
         name=meta["name"],
         vocab_size=meta["vocab_size"],
         num_labels=meta["num_labels"],
@@ -152,6 +152,34 @@ def _load(path: Path) -> LRATask:
         params=meta["params"],
         **splits,
     )
+    if problem := _task_problem(task):  # a cache from elsewhere: made again
+        raise ValueError(f"{path}: {problem}")
+    return task
+
+
+def _task_problem(task: LRATask) -> str | None:
+    """What makes a loaded task other than one `_save` wrote (labels, ids or lengths out
+    of range trained without a word), or None."""
+    sizes = (task.vocab_size, task.num_labels, task.pad_id)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sizes):
+        return f"vocab_size, num_labels, pad_id {sizes} are not counts"
+    for name in SPLITS:
+        split = getattr(task, name)
+        arrays = (split.inputs, split.lengths, split.labels)
+        if not all(a.dtype.kind in "iu" for a in arrays) or split.inputs.ndim != 2:
+            return f"its {name} split is not integer (rows, width) inputs with lengths"
+        rows, width = split.inputs.shape
+        if split.lengths.shape != (rows,) or split.labels.shape != (rows,):
+            return f"its {name} split has {rows} rows of inputs but other lengths or labels"
+        if rows and not (
+            split.lengths.min() >= 1
+            and split.lengths.max() <= width
+            and split.inputs.max() < task.vocab_size
+            and split.labels.min() >= 0
+            and split.labels.max() < task.num_labels
+        ):
+            return f"its {name} split holds lengths, ids or labels out of range"
+    return None
 
 
 def cache_path(name: str, params: dict[str, Any], cache_dir: str | Path | None = None) -> Path:
