@@ -9,6 +9,7 @@ from concurrent.futures.process import BrokenProcessPool
 import pytest
 import torch
 
+from linformer_kit import hub
 from linformer_kit.cli import main
 from linformer_kit.config import LinformerConfig
 from linformer_kit.models import LinformerForSequenceClassification
@@ -29,6 +30,14 @@ def tiny_listops(tmp_path, **overrides):
             **overrides,
         }
     )
+
+
+def test_a_second_lra_run_into_a_task_folder_in_use_is_refused(tmp_path):
+    # it removed the first's runs, wrote its settings over theirs, and its report
+    settings = tiny_listops(tmp_path)
+    with hub.exclusive(tmp_path / "runs" / "listops", "lra listops run"):
+        with pytest.raises(ValueError, match="listops is in use by another lra listops run"):
+            run_lra("listops", settings)
 
 
 def test_recipes_scale_width_and_steps():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from train_helpers import write_corpus
 
+from linformer_kit import hub
 from linformer_kit.training import TrainResult, compare
 from linformer_kit.training.compare import ComparisonSettings, fit_to_budget, seconds_per_step
 
@@ -148,7 +149,13 @@ def test_a_rerun_names_the_earlier_demo_it_replaces_and_keeps_it_until_it_ends(
         f"the earlier demo in {out} is back in place",
     ]
     assert all((out / name).read_text() == "earlier" for name in earlier)
-    assert sorted(p.name for p in out.iterdir()) == ["clm", "comparison.json", "mlm", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".lock",
+        "clm",
+        "comparison.json",
+        "mlm",
+        "notes.txt",
+    ]
     assert not (out / "mlm/linformer/partial").exists()
     # a demo killed while it ran left the earlier one aside: the next start puts it back
     (out / ".earlier-demo").mkdir()
@@ -164,8 +171,11 @@ def test_a_rerun_names_the_earlier_demo_it_replaces_and_keeps_it_until_it_ends(
     # a demo that ends replaces it (the runs of objectives it did not train included)
     monkeypatch.setattr(compare, "in_fresh_process", lambda function, run: fake_result(run))
     compare.run_comparison(settings)
-    assert sorted(p.name for p in out.iterdir()) == ["clm", "comparison.json", "comparison.png",
-                                                     "mlm", "notes.txt"]  # fmt: skip
+    names = [".lock", "clm", "comparison.json", "comparison.png", "mlm", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == names
+    # a second demo into a folder in use set the first's live runs aside, and removed them
+    with hub.exclusive(out, "demo"), pytest.raises(ValueError, match="in use by another demo"):
+        compare.run_comparison(settings)
     assert not any((out / "clm").iterdir()) and not (out / "mlm/linformer/metrics.jsonl").exists()
 
 

@@ -366,6 +366,17 @@ def test_masked_validation_scores_the_same_tokens_at_any_batch_size(tmp_path):
     assert scores[2]["val_loss"] == pytest.approx(scores[0]["val_loss"], rel=1e-6)
 
 
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
+    # Two runs into one --output-dir mixed their checkpoints and metrics without a word, or
+    # one removed the other's checkpoint as it was written ("No such file ... .tmp-...")
+    run = tiny_run(tmp_path, max_steps=2, eval_every=2, save_every=2)
+    with hub.exclusive(tmp_path / "run", "training run"):  # as another process would
+        held = rf"{tmp_path / 'run'} is in use by another training run \(pid {os.getpid()} on "
+        with pytest.raises(ValueError, match=held):
+            pretrain(run)
+    assert pretrain(run).steps == 2  # let go: it runs
+
+
 def test_a_validation_batch_with_no_masked_token_leaves_the_loss_a_number():
     # A last batch of separators alone (a run of empty records) has nothing to mask: its nan
     # loss, times 0 tokens, made the whole val_loss nan.

@@ -16,6 +16,7 @@ environment (the command line's switch), skips the check for files changed on pu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ import socket
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,53 @@ def private_folder(path: Path, *, bare_pids: bool = False) -> Path:
     _remove_leftovers(path, bare_pids)
     prefix = f".{path.name}.{_writer()}."
     return Path(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=".tmp"))
+
+
+LOCK_NAME = ".lock"
+
+
+@contextlib.contextmanager
+def exclusive(folder: Path, what: str) -> Iterator[None]:
+    """Holds `folder/.lock` (an advisory `flock`, let go when the process ends, however)
+    while the block runs; a second process asking for it is refused at once, naming the
+    folder and the holder: two runs into one folder mixed their checkpoints, metrics and
+    reports, or one removed the other's. Folders it made that hold nothing else after the
+    block (a command refused before it wrote) are removed again. Without `fcntl`
+    (Windows) nothing is locked.
+
+    Raises:
+        ValueError: when another process holds the folder.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_NAME, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise ValueError(
+                f"{folder} is in use by another {what} ({holder}): wait for it to end, or "
+                f"choose another folder"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            if made and [p.name for p in folder.iterdir()] == [LOCK_NAME]:
+                (folder / LOCK_NAME).unlink()  # held still: no other process has it
+                for path in made:
+                    with contextlib.suppress(OSError):  # another writer's meanwhile
+                        path.rmdir()
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def atomic_write(path: Path, write: Any) -> None:

@@ -22,7 +22,7 @@ from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig, check_finite_non_negative, check_positive
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
-from ..hub import atomic_write, check_output_path, save_figure
+from ..hub import atomic_write, check_output_path, exclusive, save_figure
 from ..masked_lm import LinformerForMaskedLM
 from ..precision import cpu_features
 from .batches import language_model_loss
@@ -354,13 +354,14 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
         logger.info("probe: %.2f s per training step of all models together", step_s)
         settings = fit_to_budget(settings, step_s)
     output = Path(settings.output_dir)
-    _set_aside_earlier_demo(output)
-    try:
-        comparison = _compare(settings, before, step_s, requested)
-    except BaseException:
-        _put_back_earlier_demo(output)
-        raise
-    shutil.rmtree(output / EARLIER_NAME, ignore_errors=True)
+    with exclusive(output, "demo"):  # a second demo set this one's live runs aside
+        _set_aside_earlier_demo(output)
+        try:
+            comparison = _compare(settings, before, step_s, requested)
+        except BaseException:
+            _put_back_earlier_demo(output)
+            raise
+        shutil.rmtree(output / EARLIER_NAME, ignore_errors=True)
     if settings.publish_dir:
         for name in (RESULT_NAME, PLOT_NAME):
             atomic_write(Path(settings.publish_dir) / name, partial(shutil.copy2, output / name))

@@ -350,11 +350,18 @@ class Trainer:
         return final, step_times
 
     def fit(self) -> TrainResult:
-        """Runs (or resumes) training to `max_steps`.
+        """Runs (or resumes) training to `max_steps`, the run folder held by this job alone
+        (`hub.exclusive`: a second run into it is refused).
 
         Returns:
             The run's records, final validation metrics and measured throughput.
         """
+        if not self.dist.is_main:  # rank 0 writes, and holds the folder for the job
+            return self._fit()
+        with hub.exclusive(self.run_dir, "training run"):
+            return self._fit()
+
+    def _fit(self) -> TrainResult:
         s = self.settings
         use_threads(s.threads)
         if s.keep_freed_memory and self.dist.device.type == "cpu" and keep_freed_memory():

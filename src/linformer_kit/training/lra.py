@@ -315,9 +315,16 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     hub.check_output_path(settings.output_dir, directory=True, flag="--output-dir")
     if settings.cache_dir:
         hub.check_output_path(settings.cache_dir, directory=True, flag="--cache-dir")
-    run_dir = Path(settings.output_dir) / task
-    for name in settings.model_names:  # a bad setting is named before data or runs are touched
+    for name in settings.model_names:  # a bad setting is named before anything is written
         train_settings(task, settings, name)
+    run_dir = Path(settings.output_dir) / task
+    with hub.exclusive(run_dir, f"lra {task} run"):  # a second one removed this one's runs
+        return _run_task(task, settings, run_dir)
+
+
+def _run_task(task: str, settings: LRASettings, run_dir: Path) -> dict[str, Any]:
+    """`run_lra`'s work, the task's folder held."""
+    for name in settings.model_names:  # before the data or the runs are touched
         # an earlier run's checkpoints are the user's: continued (--resume) or refused
         check_run_dir(run_dir / name, resume=settings.resume)
         if settings.resume:
