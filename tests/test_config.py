@@ -1,7 +1,10 @@
+import numpy as np
 import pytest
+import torch
 
 from linformer_kit import LinformerConfig, linformer_base, linformer_small, linformer_tiny
-from linformer_kit.config import proj_dim_schedule
+from linformer_kit.config import check_finite_non_negative, proj_dim_schedule
+from linformer_kit.training.settings import TrainSettings
 
 
 @pytest.mark.parametrize(
@@ -83,3 +86,14 @@ def test_proj_dim_schedule_is_non_increasing_between_the_bounds():
     with pytest.raises(ValueError, match="got depth=3, first=4, last=2, multiple_of=8"):
         proj_dim_schedule(4, 2, 3, multiple_of=8)
     assert min(proj_dim_schedule(100, 10, 5, multiple_of=8)) == 8  # rounded down, as it says
+
+
+def test_numbers_of_any_kind_pass_the_numeric_checks_and_other_types_are_named():
+    # numpy scalars and 0-d tensors passed the range checks before they were typed, and a
+    # string or None from a hand-edited run_config.json was a TypeError
+    for value in (np.float32(0.7), np.int64(1), torch.tensor(0.7), 0.5, 2):
+        check_finite_non_negative("temperature", value)
+    TrainSettings(lr=np.float32(1e-3), beta2=np.float32(0.98), weight_decay=np.float32(0.01))
+    for value in ("0.1", None, True):
+        with pytest.raises(ValueError, match="weight_decay must be a finite number >= 0"):
+            TrainSettings(weight_decay=value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,9 +36,12 @@ def check_non_negative(name: str, value: Any, zero: str = "") -> None:
 
 
 def is_number(value: Any) -> bool:
-    """Whether `value` is an int or a float (a bool, a string from a hand-edited JSON file
-    are not: they failed in a comparison with a TypeError)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """Whether `value` is a real number: an int, a float, a numpy scalar, a 0-d tensor or
+    array (a bool, or a string from a hand-edited JSON file, is not: they failed in a
+    comparison with a TypeError)."""
+    if isinstance(value, numbers.Real):
+        return not isinstance(value, bool)
+    return getattr(value, "shape", None) == ()  # a 0-d tensor or array
 
 
 def check_finite_non_negative(name: str, value: float, zero: str = "") -> None:

@@ -136,10 +136,10 @@ def exclusive(folder: Path, what: str) -> Iterator[None]:
         try:
             yield
         finally:
-            if made and [p.name for p in folder.iterdir()] == [LOCK_NAME]:
-                (folder / LOCK_NAME).unlink()  # held still: no other process has it
-                for path in made:
-                    with contextlib.suppress(OSError):  # another writer's meanwhile
+            with contextlib.suppress(OSError):  # never in place of the block's own error
+                if made and [p.name for p in folder.iterdir()] == [LOCK_NAME]:
+                    (folder / LOCK_NAME).unlink()  # held still: no other process has it
+                    for path in made:
                         path.rmdir()
             fcntl.flock(handle, fcntl.LOCK_UN)
 

@@ -342,6 +342,12 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
     check_output_path(settings.output_dir, directory=True, flag="--output-dir")
     if settings.publish_dir:
         check_output_path(settings.publish_dir, directory=True, flag="--publish-dir")
+    with exclusive(Path(settings.output_dir), "demo"):  # a second demo: refused at once
+        return _run_held(settings)
+
+
+def _run_held(settings: ComparisonSettings) -> dict[str, Any]:
+    """`run_comparison`'s work, its output folder held."""
     before = machine()
     before["threads"] = settings.threads or before["threads"]  # what each run is given
     requested = settings.steps
@@ -354,14 +360,13 @@ def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
         logger.info("probe: %.2f s per training step of all models together", step_s)
         settings = fit_to_budget(settings, step_s)
     output = Path(settings.output_dir)
-    with exclusive(output, "demo"):  # a second demo set this one's live runs aside
-        _set_aside_earlier_demo(output)
-        try:
-            comparison = _compare(settings, before, step_s, requested)
-        except BaseException:
-            _put_back_earlier_demo(output)
-            raise
-        shutil.rmtree(output / EARLIER_NAME, ignore_errors=True)
+    _set_aside_earlier_demo(output)  # (a second demo set a live one's runs aside)
+    try:
+        comparison = _compare(settings, before, step_s, requested)
+    except BaseException:
+        _put_back_earlier_demo(output)
+        raise
+    shutil.rmtree(output / EARLIER_NAME, ignore_errors=True)
     if settings.publish_dir:
         for name in (RESULT_NAME, PLOT_NAME):
             atomic_write(Path(settings.publish_dir) / name, partial(shutil.copy2, output / name))
