@@ -360,7 +360,7 @@ def _run_held(settings: ComparisonSettings) -> dict[str, Any]:
         logger.info("probe: %.2f s per training step of all models together", step_s)
         settings = fit_to_budget(settings, step_s)
     output = Path(settings.output_dir)
-    _set_aside_earlier_demo(output)  # (a second demo set a live one's runs aside)
+    _set_aside_earlier_demo(output)
     try:
         comparison = _compare(settings, before, step_s, requested)
     except BaseException:
@@ -376,7 +376,7 @@ def _run_held(settings: ComparisonSettings) -> dict[str, Any]:
 def _compare(
     settings: ComparisonSettings, before: dict[str, Any], step_s: float | None, requested: int
 ) -> dict[str, Any]:
-    """Trains every model and writes the comparison (`run_comparison`'s work)."""
+    """Trains every model and writes the comparison and its figure into the output."""
     runs = settings.run_configs()
     rows, records = [], {}
     for name, run in runs.items():
