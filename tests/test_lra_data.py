@@ -372,10 +372,10 @@ def test_text_csv_mistakes_are_named(tmp_path):
         load_text(tmp_path / "mixed.csv", where="source", cache_dir=cache)
     # an empty label was a class named '' (three classes of two)
     (tmp_path / "unlabelled.csv").write_text("text,label\n" + "a,pos\nb,neg\n" * 3 + "meh,\n")
-    with pytest.raises(ValueError, match=r"unlabelled.csv:8: the label cell is empty"):
+    with pytest.raises(ValueError, match=r"unlabelled.csv:8: the 'label' cell is empty"):
         load_text(tmp_path / "unlabelled.csv", cache_dir=cache)
     (tmp_path / "bare.csv").write_text("pos,a\nneg,b\n" * 3 + " ,meh\n")
-    with pytest.raises(ValueError, match=r"bare.csv:7: the label cell is empty"):
+    with pytest.raises(ValueError, match=r"bare.csv:7: the 'label' cell is empty"):
         load_text(tmp_path / "bare.csv", cache_dir=cache)
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..config import TRUNCATIONS, check_choice
-from .corpus import is_csv, iter_csv, iter_jsonl, jsonl_field
+from .corpus import is_csv, iter_csv, iter_jsonl, jsonl_field, label_cell
 from .tokenizer import TextTokenizer
 
 # A CSV label that reads as a whole number (signed: a -1 is then refused as an id at its own
@@ -172,9 +172,7 @@ def read_labelled(
             raise ValueError(f"{path}:{number}: {text_field!r} must be a string, got {text!r}")
         label = jsonl_field(path, number, record, label_field)
         if is_csv(path):  # a CSV's cells are text: " 1" is the id 1, "" no label
-            label = label.strip()
-            if not label:
-                raise ValueError(f"{path}:{number}: the {label_field!r} cell is empty")
+            label = label_cell(path, number, label, label_field)
         texts.append(text)
         labels.append(label)
         lines.append(number)

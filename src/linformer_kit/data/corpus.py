@@ -127,6 +127,19 @@ def jsonl_field(path: Path, number: int, record: dict, field: str) -> object:
 _CSV_LIMIT = threading.Lock()  # csv's cell limit is process-wide
 
 
+def label_cell(path: Path, number: int, cell: str, column: str = "label") -> str:
+    """A CSV row's label: its cell without surrounding blanks (" 1" is the label 1).
+
+    Raises:
+        ValueError: naming the file, line and column, for an empty cell (it was taken for a
+            class named '').
+    """
+    label = cell.strip()
+    if not label:
+        raise ValueError(f"{path}:{number}: the {column!r} cell is empty")
+    return label
+
+
 def csv_rows(path: Path, text: str) -> Iterator[tuple[int, list[str]]]:
     """Yields (the line it starts on, its cells) for each row of `text`, the CSV file `path`
     holds; a blank line is a row of no cells. A cell may be as long as the file (the csv

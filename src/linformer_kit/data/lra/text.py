@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..corpus import csv_rows, iter_csv, read_text
+from ..corpus import csv_rows, iter_csv, label_cell, read_text
 from .common import LRASplit, LRATask, cached_task, check_range
 
 logger = logging.getLogger(__name__)
@@ -52,13 +52,6 @@ def _folder(path: Path) -> tuple[list[bytes], list[str]]:
     return texts, labels
 
 
-def _label(cell: str, path: Path, number: int) -> str:
-    """A row's class name; an empty cell is an error (it was taken for a class named '')."""
-    if not cell.strip():
-        raise ValueError(f"{path}:{number}: the label cell is empty")
-    return cell.strip()
-
-
 def _headed_csv(path: Path, text: str, where: str) -> tuple[list[bytes], list[str]]:
     column, _, value = where.partition("=")
     columns = ("text", "label", column) if where else ("text", "label")
@@ -68,7 +61,7 @@ def _headed_csv(path: Path, text: str, where: str) -> tuple[list[bytes], list[st
             seen.add(record[column])
             if record[column] != value:
                 continue
-        labels.append(_label(record["label"], path, number))
+        labels.append(label_cell(path, number, record["label"]))
         texts.append(record["text"].encode())
     if where and not texts:
         shown = ", ".join(sorted(seen)[:10])
@@ -93,7 +86,7 @@ def _csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
             continue
         if len(row) < 2:
             raise ValueError(f"{path}:{number}: expected label,text; got {len(row)} cell")
-        labels.append(_label(row[0], path, number))
+        labels.append(label_cell(path, number, row[0]))
         texts.append(",".join(row[1:]).encode())
     if labels and labels.count(labels[0]) == 1 and len(labels) > 2:
         raise ValueError(
