@@ -15,7 +15,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from train_helpers import write_corpus
 
-from linformer_kit import hub
+from linformer_kit import files
 from linformer_kit.data import (
     DataSettings,
     load_tokenizer,
@@ -235,7 +235,7 @@ def test_a_killed_cache_build_is_cleaned_up_by_the_next_and_the_cache_is_shared(
     directory = tmp_path / "tokens"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    host = hub._writer().split("-")[0]
+    host = files._writer().split("-")[0]
     leftover = tmp_path / f".tokens.{host}-{dead}.abcd1234.tmp"
     leftover.mkdir()
     (leftover / "tokens.bin").write_bytes(b"\0" * 1024)
@@ -244,7 +244,7 @@ def test_a_killed_cache_build_is_cleaned_up_by_the_next_and_the_cache_is_shared(
     build_token_cache([Document("a", "the cat eats red apples")], tok, directory)
     assert not leftover.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [mine.name, "tokens"]
-    assert directory.stat().st_mode & 0o777 == hub.umask_mode(0o777)
+    assert directory.stat().st_mode & 0o777 == files.umask_mode(0o777)
 
 
 def test_a_token_cache_another_process_published_first_is_used(tmp_path, caplog):

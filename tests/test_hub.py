@@ -19,6 +19,7 @@ from linformer_kit import (
     LinformerForMaskedLM,
     LinformerForSequenceClassification,
     LinformerModel,
+    files,
     hub,
     linformer_tiny,
 )
@@ -456,7 +457,7 @@ def test_a_save_interrupted_between_its_two_files_loads_whole_under_the_weights_
     # refused: the previous model was lost. The weights carry their config: the new model
     # loads whole.
     LinformerForMaskedLM(tiny(activation="gelu")).save_pretrained(tmp_path)
-    written = hub.atomic_write
+    written = files.atomic_write
 
     def killed_before_the_config(path, write):
         if path.name == CONFIG_NAME:
@@ -502,8 +503,8 @@ def test_a_save_killed_mid_write_leaves_a_folder_the_next_save_removes(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    dead = tmp_path / f".{WEIGHTS_NAME}.{hub._writer(int(gone.stdout))}.x1y2abcd.tmp"
-    alive = tmp_path / f".{WEIGHTS_NAME}.{hub._writer(os.getppid())}.x3y4abcd.tmp"  # running
+    dead = tmp_path / f".{WEIGHTS_NAME}.{files._writer(int(gone.stdout))}.x1y2abcd.tmp"
+    alive = tmp_path / f".{WEIGHTS_NAME}.{files._writer(os.getppid())}.x3y4abcd.tmp"  # running
     # another machine's save (a shared file system), whose process ids are not ours
     elsewhere = tmp_path / f".{WEIGHTS_NAME}.0badc0de-{gone.stdout.strip()}.x5y6abcd.tmp"
     # a killed save of a version that did not name the host (this one's)
@@ -512,7 +513,7 @@ def test_a_save_killed_mid_write_leaves_a_folder_the_next_save_removes(tmp_path)
     # named model.safetensors.<digits>
     others = [
         tmp_path / f".{WEIGHTS_NAME}.{gone.stdout.strip()}.tmp",
-        tmp_path / f".{WEIGHTS_NAME}.4194000.{hub._writer(int(gone.stdout))}.ab12cd34.tmp",
+        tmp_path / f".{WEIGHTS_NAME}.4194000.{files._writer(int(gone.stdout))}.ab12cd34.tmp",
     ]
     for folder in (dead, alive, elsewhere, earlier, *others):
         folder.mkdir()
@@ -555,6 +556,6 @@ def test_an_interrupted_figure_save_leaves_the_earlier_figure(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        hub.save_figure(Interrupted(), path)
+        files.save_figure(Interrupted(), path)
     assert path.read_bytes() == b"the earlier figure"
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]

@@ -9,7 +9,7 @@ from concurrent.futures.process import BrokenProcessPool
 import pytest
 import torch
 
-from linformer_kit import hub
+from linformer_kit import files
 from linformer_kit.cli import main
 from linformer_kit.config import LinformerConfig
 from linformer_kit.models import LinformerForSequenceClassification
@@ -35,7 +35,7 @@ def tiny_listops(tmp_path, **overrides):
 def test_a_second_lra_run_into_a_task_folder_in_use_is_refused(tmp_path):
     # it removed the first's runs, wrote its settings over theirs, and its report
     settings = tiny_listops(tmp_path)
-    with hub.exclusive(tmp_path / "runs" / "listops", "lra listops run"):
+    with files.exclusive(tmp_path / "runs" / "listops", "lra listops run"):
         with pytest.raises(ValueError, match="listops is in use by another lra listops run"):
             run_lra("listops", settings)
 

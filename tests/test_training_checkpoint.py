@@ -8,7 +8,8 @@ import pytest
 import torch
 from train_helpers import flip_last_byte, tiny_run
 
-from linformer_kit.hub import IntegrityError, umask_mode, write_manifest
+from linformer_kit.files import umask_mode
+from linformer_kit.hub import IntegrityError, write_manifest
 from linformer_kit.masked_lm import LinformerForMaskedLM
 from linformer_kit.training import checkpoint as checkpoint_module
 from linformer_kit.training import latest_checkpoint, load_checkpoint, pretrain

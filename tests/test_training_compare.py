@@ -8,7 +8,7 @@ import pytest
 import torch
 from train_helpers import write_corpus
 
-from linformer_kit import hub
+from linformer_kit import files
 from linformer_kit.training import TrainResult, compare
 from linformer_kit.training.compare import ComparisonSettings, fit_to_budget, seconds_per_step
 
@@ -174,7 +174,7 @@ def test_a_rerun_names_the_earlier_demo_it_replaces_and_keeps_it_until_it_ends(
     names = [".lock", "clm", "comparison.json", "comparison.png", "mlm", "notes.txt"]
     assert sorted(p.name for p in out.iterdir()) == names
     # a second demo into a folder in use set the first's live runs aside, and removed them
-    with hub.exclusive(out, "demo"), pytest.raises(ValueError, match="in use by another demo"):
+    with files.exclusive(out, "demo"), pytest.raises(ValueError, match="in use by another demo"):
         compare.run_comparison(settings)
     assert not any((out / "clm").iterdir()) and not (out / "mlm/linformer/metrics.jsonl").exists()
 

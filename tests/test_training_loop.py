@@ -21,6 +21,7 @@ from linformer_kit import (
     LinformerForMaskedLM,
     LinformerForSequenceClassification,
     LinformerModel,
+    files,
     hub,
     native,
 )
@@ -370,7 +371,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
     # Two runs into one --output-dir mixed their checkpoints and metrics without a word, or
     # one removed the other's checkpoint as it was written ("No such file ... .tmp-...")
     run = tiny_run(tmp_path, max_steps=2, eval_every=2, save_every=2)
-    with hub.exclusive(tmp_path / "run", "training run"):  # as another process would
+    with files.exclusive(tmp_path / "run", "training run"):  # as another process would
         held = rf"{tmp_path / 'run'} is in use by another training run \(pid {os.getpid()} on "
         with pytest.raises(ValueError, match=held):
             pretrain(run)

@@ -13,8 +13,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .. import hub
-from ..hub import check_output_path
+from .. import files
+from ..files import check_output_path
 
 MAX_TICK_LABELS = 64  # beyond this many tokens an axis shows positions, not token text
 MAX_ANNOTATED_CELLS = 256  # the heatmap prints its values when it has at most this many cells
@@ -26,7 +26,7 @@ def figure_format(path: str | Path) -> str:
 
     Raises:
         ValueError: for a suffix matplotlib cannot write, naming those it can, or a path
-            where no file can be written (`hub.check_output_path`).
+            where no file can be written (`check_output_path`).
     """
     check_output_path(path, directory=False)
     suffix = Path(path).suffix.lower().lstrip(".")
@@ -41,7 +41,7 @@ def figure_format(path: str | Path) -> str:
 
 def save_figure(fig: Figure, path: str | Path) -> None:
     """Writes a figure atomically, in the format its suffix names (`figure_format`)."""
-    hub.save_figure(fig, path, image_format=figure_format(path))
+    files.save_figure(fig, path, image_format=figure_format(path))
 
 
 def plot_spectrum(report: dict, path: str | Path, title: str) -> None:

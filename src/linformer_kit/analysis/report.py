@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from ..hub import atomic_write, check_output_path
+from ..files import atomic_write, check_output_path
 from .inputs import (
     check_one_matrix,
     checkpoint_tokenizer,

@@ -11,7 +11,7 @@ from typing import Any
 from matplotlib import colormaps
 from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
-from ..hub import save_figure
+from ..files import save_figure
 from .summary import PeerPoint, peer_ratios
 
 # One line style per dtype of a sweep, in the order asked for; a variant keeps its colour.

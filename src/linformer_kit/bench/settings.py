@@ -14,7 +14,7 @@ from ..config import (
     check_non_negative,
     check_positive,
 )
-from ..hub import check_output_path
+from ..files import check_output_path
 from ..kernel_rule import KERNELS
 from ..training.settings import check_compile, check_threads
 from .variants import SCOPES, SHARINGS, Variant, default_variants

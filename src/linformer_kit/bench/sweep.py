@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..hub import atomic_write
+from ..files import atomic_write
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
 from ..training.settings import keep_freed_memory

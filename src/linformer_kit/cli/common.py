@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PROJECTIONS, SHARINGS
-from ..hub import atomic_write, check_output_path
+from ..files import atomic_write, check_output_path
 from ..interop.convert import DEFAULT_SHAPE
 from ..training.loop import TrainResult
 

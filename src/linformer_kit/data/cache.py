@@ -20,7 +20,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import check_fraction
-from ..hub import private_folder, umask_mode
+from ..files import private_folder, umask_mode
 from .corpus import Document
 from .tokenizer import TextTokenizer
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..hub import atomic_write
+from ..files import atomic_write
 from .cache import cache_key, default_cache_dir
 from .corpus import STDLIB, fingerprint, list_files, read_text, stdlib_root
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import check_fraction, check_non_negative
-from ..hub import check_output_path
+from ..files import check_output_path
 from .cache import (
     TOKENS_FORMAT,
     PackedBlocks,

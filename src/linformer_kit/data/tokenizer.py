@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ..hub import atomic_write
+from ..files import atomic_write
 
 logger = logging.getLogger(__name__)
 

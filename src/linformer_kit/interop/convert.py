@@ -16,6 +16,7 @@ import torch
 
 from .. import hub
 from ..config import check_positive
+from ..files import atomic_write, check_output_path
 from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel
 from ..training.checkpoint import CHECKPOINTS_DIR, STATE_NAME
@@ -76,7 +77,7 @@ def convert_to_dir(
             f"--out {out} is the source folder: the conversion would overwrite the model it "
             f"reads; name another folder"
         )
-    hub.check_output_path(out, directory=True)
+    check_output_path(out, directory=True)
     # `best` is a link into the run's checkpoints; a run's folder holds its run_config.json
     if (Path(out) / STATE_NAME).is_file() or (Path(out) / CHECKPOINTS_DIR).is_dir():
         raise ValueError(
@@ -119,7 +120,7 @@ def convert_to_dir(
                     logger.warning("removed the replaced model's %s from %s", name, out)
     model.save_pretrained(out)
     for name in (n for n in extras if (source / n).is_file()):
-        hub.atomic_write(Path(out) / name, partial(shutil.copy2, source / name))
+        atomic_write(Path(out) / name, partial(shutil.copy2, source / name))
     return model.backbone
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
-from ..hub import atomic_write
+from ..files import atomic_write
 from .bert import convert_hf_model
 from .distill import DistillSettings, HeldOut, distill
 from .distill_run import DistillData

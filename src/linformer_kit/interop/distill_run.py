@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .. import hub
 from ..config import check_positive
 from ..data.corpus import list_files
+from ..files import atomic_write
 from ..models import LinformerModel
 from .bert import convert_hf_model, read_hf_config
 from .convert import DEFAULT_SHAPE, convert_to_dir
@@ -170,5 +170,5 @@ def distill_checkpoint(
     heldout = HeldOut.from_teacher(teacher, *scored)
     history = distill(student, teacher, ids, settings, key_padding_mask=mask, heldout=heldout)
     student.cpu().save_pretrained(student_dir)
-    hub.atomic_write(student_dir / TOKENIZER_NAME, partial(shutil.copy2, tokenizer))
+    atomic_write(student_dir / TOKENIZER_NAME, partial(shutil.copy2, tokenizer))
     return history

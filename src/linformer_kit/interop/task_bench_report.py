@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..hub import atomic_write
+from ..files import atomic_write
 from ..training.settings import markdown_table as table
 from ..training.settings import save_json
 

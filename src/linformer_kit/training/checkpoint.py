@@ -34,6 +34,7 @@ import torch
 from .. import hub
 from ..config import is_number
 from ..data.tokenizer import TOKENIZER_NAME, TextTokenizer
+from ..files import check_output_path, umask_mode
 from ..models import LinformerPreTrainedModel
 from .settings import RUN_CONFIG_NAME, RunConfig
 
@@ -123,7 +124,7 @@ def save_checkpoint(
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_NAME)
         hub.write_manifest(tmp, step=step)
-        os.chmod(tmp, hub.umask_mode(0o777))  # mkdtemp made it private (0o700)
+        os.chmod(tmp, umask_mode(0o777))  # mkdtemp made it private (0o700)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -413,7 +414,7 @@ def check_run_dir(run_dir: str | Path, *, resume: bool) -> None:
     """Raises ValueError, before any work, for an --output-dir that is a file, or (a fresh
     run) one holding another run's checkpoints or a `best` / `last` that is not a link."""
     run_dir = Path(run_dir)
-    hub.check_output_path(run_dir, directory=True, flag="--output-dir")
+    check_output_path(run_dir, directory=True, flag="--output-dir")
     if resume:
         return
     if any((run_dir / CHECKPOINTS_DIR).glob("step-*")):

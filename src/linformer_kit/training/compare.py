@@ -22,7 +22,7 @@ from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig, check_finite_non_negative, check_positive
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
-from ..hub import atomic_write, check_output_path, exclusive, save_figure
+from ..files import atomic_write, check_output_path, exclusive, save_figure
 from ..masked_lm import LinformerForMaskedLM
 from ..precision import cpu_features
 from .batches import language_model_loss

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from .. import hub, native
 from ..data.tokenizer import TextTokenizer
+from ..files import exclusive
 from ..kernel_rule import use_kernel
 from ..models import LinformerPreTrainedModel
 from ..precision import bf16_autocast
@@ -351,14 +352,14 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Runs (or resumes) training to `max_steps`, the run folder held by this job alone
-        (`hub.exclusive`: a second run into it is refused).
+        (`exclusive`: a second run into it is refused).
 
         Returns:
             The run's records, final validation metrics and measured throughput.
         """
         if not self.dist.is_main:  # rank 0 writes, and holds the folder for the job
             return self._fit()
-        with hub.exclusive(self.run_dir, "training run"):
+        with exclusive(self.run_dir, "training run"):
             return self._fit()
 
     def _fit(self) -> TrainResult:

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .. import hub
 from ..config import LinformerConfig
 from ..data.lra import LRASplit, LRATask, load_listops, load_pathfinder, load_text
 from ..embeddings import init_weights
+from ..files import check_output_path, exclusive
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import check_run_dir
@@ -312,13 +312,13 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
             f"{os.environ.get('RANK', '?')} of a job of {job_size()}: run it without torchrun"
         )
     check_task_flags(check_task(task), settings)
-    hub.check_output_path(settings.output_dir, directory=True, flag="--output-dir")
+    check_output_path(settings.output_dir, directory=True, flag="--output-dir")
     if settings.cache_dir:
-        hub.check_output_path(settings.cache_dir, directory=True, flag="--cache-dir")
+        check_output_path(settings.cache_dir, directory=True, flag="--cache-dir")
     for name in settings.model_names:  # a bad setting is named before anything is written
         train_settings(task, settings, name)
     run_dir = Path(settings.output_dir) / task
-    with hub.exclusive(run_dir, f"lra {task} run"):  # a second one removed this one's runs
+    with exclusive(run_dir, f"lra {task} run"):  # a second one removed this one's runs
         return _run_task(task, settings, run_dir)
 
 

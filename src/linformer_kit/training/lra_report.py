@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.lra import TASKS
-from ..hub import atomic_write, save_figure
+from ..files import atomic_write, save_figure
 from .settings import markdown_table
 
 COLUMNS = {

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .. import hub
+from ..files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class MetricsLog:
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             text = "".join(json.dumps(r) + "\n" for r in self.records)
-            hub.atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
+            atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
         self.writer = self._tensorboard(run_dir, keep_until) if enabled else None
 
     @staticmethod

@@ -24,7 +24,7 @@ from ..config import (
     is_number,
 )
 from ..data.pipeline import DataSettings
-from ..hub import atomic_write
+from ..files import atomic_write
 
 SCHEDULES = ("linear", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16")

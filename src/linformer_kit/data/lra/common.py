@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...hub import atomic_write
+from ...files import atomic_write
 from ..cache import cache_key, default_cache_dir
 
 logger = logging.getLogger(__name__)
