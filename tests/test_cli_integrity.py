@@ -54,7 +54,7 @@ def test_evaluate_refuses_an_altered_checkpoint_with_a_nonzero_status(run, pretr
     )
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == (
-        f"linformer evaluate: error: {run / 'last'} {ALTERED}"
+        f"linformer evaluate: error: {(run / 'last').resolve()} {ALTERED}"
     )
 
 
@@ -67,7 +67,7 @@ def test_finetune_init_refuses_an_altered_checkpoint(run, tmp_path):
         )
     assert (err.value.code, str(err.value)) == (
         2,
-        f"linformer finetune: error: {run / 'best'} {ALTERED}",
+        f"linformer finetune: error: {(run / 'best').resolve()} {ALTERED}",
     )
     assert not (tmp_path / "ft" / "checkpoints").exists()
 
@@ -82,7 +82,7 @@ def test_analysis_refuses_an_altered_checkpoint(run, tmp_path, command):
         main([command, str(run / "last"), *extra])
     assert (err.value.code, str(err.value)) == (
         2,
-        f"linformer {command}: error: {run / 'last'} {ALTERED}",
+        f"linformer {command}: error: {(run / 'last').resolve()} {ALTERED}",
     )
 
 

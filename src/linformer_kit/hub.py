@@ -148,6 +148,14 @@ def verify_manifest(
     return True
 
 
+def pinned(path: str | os.PathLike) -> str | os.PathLike:
+    """`path`, or the folder it links to when it is a link (a run's `last` / `best`), followed
+    once: a load then reads every file of one save, though a live run moves the link to its
+    next save meanwhile (read through the link, the manifest, config and weights could be
+    of two)."""
+    return Path(path).resolve() if os.path.islink(path) else path
+
+
 def check_before_load(path: str | os.PathLike, verify: bool = True) -> None:
     """The check run before loading a directory a user names: its manifest, if it has one.
 

@@ -137,6 +137,7 @@ class LinformerPreTrainedModel(nn.Module):
         floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
         if not (floating or dtype in (None, "auto")):
             raise ValueError(f'dtype must be a floating torch dtype or "auto", got {dtype!r}')
+        path = hub.pinned(path)
         hub.check_before_load(path, verify)
         meta = hub.read_config(path)
         if meta["architecture"] not in _architectures():  # read as "another" one's backbone

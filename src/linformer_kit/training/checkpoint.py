@@ -187,7 +187,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         FileNotFoundError: if the directory does not exist.
         hub.IntegrityError: if it is incomplete or corrupt (a ValueError).
     """
-    path = Path(path)
+    path = Path(hub.pinned(path))
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}")
     hub.verify_manifest(path, required=True, listed=(STATE_NAME,))
