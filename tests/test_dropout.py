@@ -8,6 +8,7 @@ is nn.Dropout itself; the benchmark scripts run what they say."""
 
 import json
 import re
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import cpp_extension
 
-from linformer_kit import LinformerConfig, LinformerModel, kernels, native
+from linformer_kit import LinformerConfig, LinformerModel, files, kernels, native
 from linformer_kit import dropout as dropout_module
 from linformer_kit.dropout import (
     Dropout,
@@ -288,32 +289,53 @@ def test_the_build_compiles_for_the_target_it_names(monkeypatch):
     assert call["name"] == f"linformer_kit_cpu_{native._build_tag('haswell')}"
 
 
-@pytest.mark.parametrize("locked_before", [True, False])
-def test_a_build_waiting_on_an_earlier_lock_names_it(monkeypatch, tmp_path, locked_before):
-    # torch waits on a build's lock without a timeout: a build killed earlier left one that
-    # hung every later run (a clean-clone test run for 110 minutes) without a word.
+def test_a_lock_a_killed_build_left_is_removed_and_a_live_build_waited_for(
+    monkeypatch, tmp_path, caplog
+):
+    # torch marks a build by its folder's `lock` file alone and waits on it without a
+    # timeout: a build killed earlier left one that hung every later run (a clean-clone
+    # test run for 110 minutes; a warning after 60 s named it, but the wait went on).
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "LOCK_WAIT_S", 0.05)
     name = f"linformer_kit_cpu_{native._build_tag(native.target_arch())}"
-    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
-    if locked_before:
-        lock.touch()
+    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    (folder / "lock").touch()  # a killed build's
+    built = []
 
-    def waiting_build(**kwargs):
-        lock.touch()  # this build's own lock, when there was none
-        time.sleep(0.5)
-        raise RuntimeError("stopped waiting")
+    def build(**kwargs):
+        assert not (folder / "lock").exists()
+        built.append(kwargs["name"])
+        raise RuntimeError("built")  # stops _build before it registers anything
 
-    monkeypatch.setattr(cpp_extension, "load", waiting_build)
-    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError):
-        warnings.simplefilter("always")
+    monkeypatch.setattr(cpp_extension, "load", build)
+    with pytest.raises(RuntimeError, match="built"):
         native._build()
-    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
-    if locked_before:
-        (message,) = messages
-        assert f"has waited 0 s for {lock}: another process is building them" in message
-    else:
-        assert messages == []  # a build's own lock is no reason to warn
+    assert built == [name]
+    assert f"{folder / 'lock'}: removed, left by a build of the CPU kernels that was killed" in (
+        caplog.text
+    )
+    # another process's build, alive, is waited for (its torch lock left alone meanwhile)
+    (folder / "lock").touch()
+    holder = threading.Event()
+    release = threading.Event()
+
+    def another_build():
+        with files.exclusive(folder, "build of the CPU kernels"):
+            holder.set()
+            release.wait(10)
+            (folder / "lock").unlink()  # its own lock, removed as it ends
+
+    thread = threading.Thread(target=another_build)
+    thread.start()
+    holder.wait(10)
+    waiting = threading.Thread(target=lambda: pytest.raises(RuntimeError, native._build))
+    waiting.start()
+    time.sleep(0.3)
+    assert built == [name] and (folder / "lock").exists()  # still waiting
+    release.set()
+    thread.join(10)
+    waiting.join(10)
+    assert built == [name, name]
+    assert "waiting for another build of the CPU kernels (pid" in caplog.text
 
 
 def test_the_kernels_build_as_cpp17():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -16,6 +17,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def umask_mode(mode: int) -> int:
@@ -42,7 +45,7 @@ LOCK_NAME = ".lock"
 
 
 @contextlib.contextmanager
-def exclusive(folder: Path, what: str) -> Iterator[None]:
+def exclusive(folder: Path, what: str, *, wait: bool = False) -> Iterator[None]:
     """Holds `folder/.lock` (an advisory `flock`, let go when the process ends, however)
     while the block runs; a second process asking for it is refused at once, naming the
     folder and the holder: two runs into one folder mixed their checkpoints, metrics and
@@ -50,8 +53,13 @@ def exclusive(folder: Path, what: str) -> Iterator[None]:
     block (a command refused before it wrote) are removed again. Without `fcntl`
     (Windows) nothing is locked.
 
+    Args:
+        folder: the folder to hold (made if missing).
+        what: the holder's work, as the refusal names it ("training run").
+        wait: wait for the holder to let go (logged, naming it) instead of refusing.
+
     Raises:
-        ValueError: when another process holds the folder.
+        ValueError: when another process holds the folder (and `wait` is False).
     """
     try:
         import fcntl
@@ -66,10 +74,13 @@ def exclusive(folder: Path, what: str) -> Iterator[None]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            raise ValueError(
-                f"{folder} is in use by another {what} ({holder}): wait for it to end, or "
-                f"choose another folder"
-            ) from None
+            if not wait:
+                raise ValueError(
+                    f"{folder} is in use by another {what} ({holder}): wait for it to end, "
+                    f"or choose another folder"
+                ) from None
+            logger.warning("%s: waiting for another %s (%s) to end", folder, what, holder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

@@ -28,7 +28,6 @@ import platform
 import re
 import shutil
 import sys
-import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,12 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import precision, python_side
+from . import files, precision, python_side
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-LOCK_WAIT_S = 60.0  # a build waiting this long on an earlier lock warns (`_warn_if_locked`)
 SOURCES = tuple(
     CSRC / name
     for name in (
@@ -145,7 +143,7 @@ def _build() -> object:
         CSRC,
     )
     name = f"linformer_kit_cpu_{_build_tag(arch)}"
-    with _warn_if_locked(name):
+    with _build_held(name):
         load(
             name=name,
             sources=[str(path) for path in SOURCES],
@@ -168,34 +166,23 @@ def _build() -> object:
 
 
 @contextlib.contextmanager
-def _warn_if_locked(name: str) -> Iterator[None]:
-    """Warns, naming the file, when the build of extension `name` has waited LOCK_WAIT_S on
-    a lock that was there before it began: another process's build, or one killed earlier
-    that left its lock behind (torch's wait has no timeout: every later build would hang)."""
+def _build_held(name: str) -> Iterator[None]:
+    """Holds the build of extension `name` for this process (`files.exclusive`, waiting for
+    another process's build to end), then removes a `lock` of torch's left in its folder:
+    torch marks a build by that file alone and waits on it without a timeout, so a build
+    killed mid-way (Ctrl-C, a job's time limit) hung every later one. Held here, no build
+    of this library is running: the file is a killed one's. (A build by a version of this
+    library before the hold, running at this moment, would lose its lock; it is the same
+    build.)"""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    if not lock.exists():  # this build's own lock comes later
-        yield
-        return
-
-    def warn() -> None:
+    folder = Path(_get_build_directory(name, verbose=False))
+    with files.exclusive(folder, "build of the CPU kernels", wait=True):
+        lock = folder / "lock"
         if lock.exists():
-            warnings.warn(
-                f"linformer-kit: the CPU kernels' build has waited {LOCK_WAIT_S:.0f} s for "
-                f"{lock}: another process is building them, or a build killed earlier left "
-                f"that file; if no build is running (no ninja or cc1plus process), remove it",
-                RuntimeWarning,
-                stacklevel=1,
-            )
-
-    timer = threading.Timer(LOCK_WAIT_S, warn)
-    timer.daemon = True
-    timer.start()
-    try:
+            logger.warning("%s: removed, left by a build of the CPU kernels that was killed", lock)
+            lock.unlink(missing_ok=True)
         yield
-    finally:
-        timer.cancel()
 
 
 def switched_off() -> bool:
