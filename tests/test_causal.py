@@ -274,7 +274,9 @@ def test_a_tiny_temperature_samples_the_most_likely_token_instead_of_failing():
     torch.manual_seed(0)
     model = LinformerForCausalLM(tiny()).eval()
     ids = torch.randint(0, 50, (2, 3))
-    assert torch.equal(model.generate(ids, 5, temperature=1e-45), model.generate(ids, 5, 0.0))
+    greedy = model.generate(ids, 5, 0.0)
+    for temperature in (1e-45, 1e-300, 5e-324):  # 0 in float32 below 7e-46: 0 / 0 was nan
+        assert torch.equal(model.generate(ids, 5, temperature=temperature), greedy)
 
 
 def test_generation_refuses_more_than_max_seq_len():
@@ -290,8 +292,12 @@ def test_generation_refuses_more_than_max_seq_len():
         model.generate(prompt, 0, top_k=0)  # checked before any work, even for no tokens
     with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 0, got 2.0"):
         model.generate(prompt, 2.0)
-    with pytest.raises(ValueError, match=r"input_ids must be \(batch, N >= 1\) token ids, got"):
-        model.generate(prompt[0], 2)
+    for ids in (prompt[0], prompt[:0], prompt[:, :0]):  # an empty batch: a traceback in max()
+        with pytest.raises(ValueError, match=r"input_ids must be \(batch >= 1, N >= 1\) token"):
+            model.generate(ids, 2)
+    for generator in (3, "s", [3]):  # an int was "object of type 'int' has no len()"
+        with pytest.raises(ValueError, match=r"generator must be a torch.Generator or one per row"):
+            model.generate(prompt, 2, generator=generator)
     ids = torch.zeros(2, 10, dtype=torch.long)
     with pytest.raises(ValueError, match=r"labels must have the scored ids' shape \(2, 10\)"):
         model(ids, labels=ids[:, :9])

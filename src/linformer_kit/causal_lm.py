@@ -161,9 +161,10 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
                 that is not finite and >= 0, top_k < 1, a list of generators not one per
                 row, or a total length over max_seq_len.
         """
-        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
             raise ValueError(
-                f"input_ids must be (batch, N >= 1) token ids, got shape {tuple(input_ids.shape)}"
+                f"input_ids must be (batch >= 1, N >= 1) token ids, got shape "
+                f"{tuple(input_ids.shape)}"
             )
         check_key_padding_mask(key_padding_mask, *input_ids.shape)
         check_non_negative("max_new_tokens", max_new_tokens)
@@ -246,9 +247,10 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
             kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]  # (B, 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
         # The row's maximum first: a tiny temperature then sends the others to -inf and the
-        # maximum to 0 (greedy), where dividing first overflows to inf and the softmax to nan.
+        # maximum to 0 (greedy), where dividing first overflows to inf and the softmax to nan;
+        # in float64, where a temperature > 0 is never 0 (below 7e-46 it is in float32: 0 / 0)
         top = logits.amax(-1, keepdim=True)  # (B, 1)
-        probs = ((logits - top) / temperature).softmax(-1)
+        probs = ((logits - top).double() / temperature).softmax(-1)
         if generator is None or isinstance(generator, torch.Generator):
             return torch.multinomial(probs, 1, generator=generator)[:, 0]
         check_generators(generator, len(probs))
@@ -259,6 +261,11 @@ def check_generators(generator: Generators, batch: int) -> None:
     """Raises ValueError for a sequence of generators that is not one per row."""
     if generator is None or isinstance(generator, torch.Generator):
         return
+    if not isinstance(generator, Sequence) or isinstance(generator, str):
+        raise ValueError(
+            f"generator must be a torch.Generator or one per row ({batch}); got a "
+            f"{type(generator).__name__}"
+        )
     if len(generator) != batch or not all(isinstance(g, torch.Generator) for g in generator):
         raise ValueError(
             f"generator must be a torch.Generator or one per row ({batch}); got "
