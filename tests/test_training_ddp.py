@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from train_helpers import pretrain_cli, tiny_run, write_classification
 
-from linformer_kit import hub
+from linformer_kit import files, hub
 from linformer_kit.cli import main
 from linformer_kit.data import prepare_pretraining_data
 from linformer_kit.data.classification import load_classification
@@ -95,6 +95,35 @@ def test_two_gloo_processes_train_to_identical_weights(
     assert steps == list(range(1, 7))  # written once, by rank 0
     state = torch.load(tmp_path / "run/last/trainer_state.pt", weights_only=True)
     assert len(state["rng"]) == 2  # both ranks' RNG states, for an exact resume
+
+
+def refused_worker(rank, world_size, port, run, out):
+    join_group(rank, world_size, port)
+    dist = setup_distributed("cpu")
+    try:
+        build_trainer(run, prepare_data(run, dist), dist).fit()
+    except ValueError as err:
+        (out / f"rank{rank}.txt").write_text(str(err))
+    finally:
+        teardown_distributed()
+
+
+def test_every_rank_of_a_job_refused_its_run_folder_stops(tmp_path):
+    # Rank 0 holds the folder for the job. Refused, it stopped; the other ranks waited at
+    # their first collective for the process group's timeout (30 minutes).
+    run = tiny_run(tmp_path, max_steps=2, eval_every=2, save_every=2)
+    prepare_pretraining_data(run.data, run.model.max_seq_len)
+    with files.exclusive(tmp_path / "run", "training run"):
+        job = mp.spawn(refused_worker, args=(2, free_port(), run, tmp_path), nprocs=2, join=False)
+        for process in job.processes:
+            process.join(120)
+        alive = [p for p in job.processes if p.is_alive()]
+        for process in alive:
+            process.kill()
+    assert not alive, "a rank waited on"
+    for rank in (0, 1):
+        refusal = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "is in use by another training run (pid" in refusal
 
 
 def test_two_processes_pretrain_a_masked_lm_as_one_with_two_micro_batches(tmp_path):

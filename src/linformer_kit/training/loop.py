@@ -357,9 +357,17 @@ class Trainer:
         Returns:
             The run's records, final validation metrics and measured throughput.
         """
-        if not self.dist.is_main:  # rank 0 writes, and holds the folder for the job
-            return self._fit()
-        with exclusive(self.run_dir, "training run"):
+        with contextlib.ExitStack() as held:
+            refusal = None
+            if self.dist.is_main:  # rank 0 writes, and holds the folder for the job
+                try:
+                    held.enter_context(exclusive(self.run_dir, "training run"))
+                except ValueError as err:
+                    refusal = str(err)
+            # every rank learns of a refusal: the others waited at their first collective
+            # until its timeout (30 minutes)
+            if (refusal := self.dist.gather(refusal)[0]) is not None:
+                raise ValueError(refusal)
             return self._fit()
 
     def _fit(self) -> TrainResult:
