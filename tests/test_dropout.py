@@ -8,6 +8,7 @@ is nn.Dropout itself; the benchmark scripts run what they say."""
 
 import json
 import re
+import subprocess
 import threading
 import time
 import warnings
@@ -289,53 +290,71 @@ def test_the_build_compiles_for_the_target_it_names(monkeypatch):
     assert call["name"] == f"linformer_kit_cpu_{native._build_tag('haswell')}"
 
 
-def test_a_lock_a_killed_build_left_is_removed_and_a_live_build_waited_for(
-    monkeypatch, tmp_path, caplog
-):
+@pytest.fixture
+def build_folder(monkeypatch, tmp_path):
+    """The CPU kernels' build folder in an empty extension cache, and the builds `load` saw
+    (it records the call and stops `_build` before anything is registered)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "LOCK_SETTLE_S", 0.3)
+    name = f"linformer_kit_cpu_{native._build_tag(native.target_arch())}"
+    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    builds = []
+
+    def load(**kwargs):
+        builds.append((folder / "lock").exists())  # torch's lock there as the build begins
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    return folder, builds
+
+
+def test_a_lock_a_killed_build_left_is_removed(build_folder, caplog):
     # torch marks a build by its folder's `lock` file alone and waits on it without a
     # timeout: a build killed earlier left one that hung every later run (a clean-clone
     # test run for 110 minutes; a warning after 60 s named it, but the wait went on).
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    name = f"linformer_kit_cpu_{native._build_tag(native.target_arch())}"
-    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
-    (folder / "lock").touch()  # a killed build's
-    built = []
-
-    def build(**kwargs):
-        assert not (folder / "lock").exists()
-        built.append(kwargs["name"])
-        raise RuntimeError("built")  # stops _build before it registers anything
-
-    monkeypatch.setattr(cpp_extension, "load", build)
+    folder, builds = build_folder
+    (folder / "lock").touch()
     with pytest.raises(RuntimeError, match="built"):
         native._build()
-    assert built == [name]
+    assert builds == [False]
     assert f"{folder / 'lock'}: removed, left by a build of the CPU kernels that was killed" in (
         caplog.text
     )
-    # another process's build, alive, is waited for (its torch lock left alone meanwhile)
-    (folder / "lock").touch()
-    holder = threading.Event()
+
+
+def test_a_live_build_is_waited_for(build_folder, caplog):
+    folder, builds = build_folder
+    # this library's, holding the build
     release = threading.Event()
 
-    def another_build():
+    def hold():
         with files.exclusive(folder, "build of the CPU kernels"):
-            holder.set()
+            held.set()
             release.wait(10)
-            (folder / "lock").unlink()  # its own lock, removed as it ends
 
-    thread = threading.Thread(target=another_build)
-    thread.start()
-    holder.wait(10)
-    waiting = threading.Thread(target=lambda: pytest.raises(RuntimeError, native._build))
-    waiting.start()
-    time.sleep(0.3)
-    assert built == [name] and (folder / "lock").exists()  # still waiting
+    held = threading.Event()
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    build = threading.Thread(target=lambda: pytest.raises(RuntimeError, native._build))
+    build.start()
+    time.sleep(0.5)
+    assert builds == []
     release.set()
-    thread.join(10)
-    waiting.join(10)
-    assert built == [name, name]
+    for thread in (holder, build):
+        thread.join(10)
+    assert builds == [False]
     assert "waiting for another build of the CPU kernels (pid" in caplog.text
+    # a version's before the hold: torch's lock, and ninja running in the folder longer than
+    # the lock's settling time; its lock is its own to remove
+    (folder / "lock").touch()
+    ninja = subprocess.Popen(["sleep", "1"], cwd=folder)
+    lock = folder / "lock"
+    threading.Thread(target=lambda: (ninja.wait(), lock.unlink(missing_ok=True))).start()
+    with pytest.raises(RuntimeError, match="built"):
+        native._build()
+    assert ninja.returncode == 0 and builds == [False, False]
+    assert "removed, left by" not in caplog.text
 
 
 def test_the_kernels_build_as_cpp17():

@@ -28,6 +28,7 @@ import platform
 import re
 import shutil
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from . import files, precision, python_side
 
 logger = logging.getLogger(__name__)
 
+LOCK_SETTLE_S = 2.0  # torch's build lock standing this long, no process in its folder: stale
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
@@ -168,21 +170,45 @@ def _build() -> object:
 @contextlib.contextmanager
 def _build_held(name: str) -> Iterator[None]:
     """Holds the build of extension `name` for this process (`files.exclusive`, waiting for
-    another process's build to end), then removes a `lock` of torch's left in its folder:
-    torch marks a build by that file alone and waits on it without a timeout, so a build
-    killed mid-way (Ctrl-C, a job's time limit) hung every later one. Held here, no build
-    of this library is running: the file is a killed one's. (A build by a version of this
-    library before the hold, running at this moment, would lose its lock; it is the same
-    build.)"""
+    another process's build to end), then removes a `lock` of torch's that a killed build
+    left in its folder (`_left_by_a_killed_build`): torch marks a build by that file alone
+    and waits on it without a timeout, so a build killed mid-way (Ctrl-C, a job's time
+    limit) hung every later one."""
     from torch.utils.cpp_extension import _get_build_directory
 
     folder = Path(_get_build_directory(name, verbose=False))
     with files.exclusive(folder, "build of the CPU kernels", wait=True):
         lock = folder / "lock"
-        if lock.exists():
+        if _left_by_a_killed_build(lock):
             logger.warning("%s: removed, left by a build of the CPU kernels that was killed", lock)
             lock.unlink(missing_ok=True)
         yield
+
+
+def _left_by_a_killed_build(lock: Path) -> bool:
+    """Whether torch's `lock` in a build folder, found while this library's builds are held
+    (`_build_held`), is a killed build's: it stays LOCK_SETTLE_S while no process runs in
+    the folder (torch runs ninja there). Another holder can only be a process of a version
+    of this library before the hold (its `load` takes the file for milliseconds to find
+    the build current, or for a whole build, run in the folder): waited for."""
+    settled = time.monotonic() + LOCK_SETTLE_S
+    while lock.exists():
+        if _runs_in(lock.parent):
+            settled = time.monotonic() + LOCK_SETTLE_S
+        elif time.monotonic() > settled:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _runs_in(folder: Path) -> bool:
+    """Whether a process of this machine that we may inspect has `folder` as its working
+    directory (Linux's /proc; elsewhere, False)."""
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        with contextlib.suppress(OSError):
+            if Path(os.readlink(cwd)) == folder.resolve():
+                return True
+    return False
 
 
 def switched_off() -> bool:
