@@ -23,8 +23,9 @@ from linformer_kit.data import (
     split_blocks,
     train_tokenizer,
 )
+from linformer_kit.data import cache as cache_module
 from linformer_kit.data import tokenizer as tokenizer_module
-from linformer_kit.data.cache import build_token_cache, open_token_cache
+from linformer_kit.data.cache import build_token_cache, open_token_cache, token_digest
 from linformer_kit.data.classification import load_classification
 from linformer_kit.data.corpus import Document
 from linformer_kit.interop.report import minilm_path
@@ -245,6 +246,33 @@ def test_a_killed_cache_build_is_cleaned_up_by_the_next_and_the_cache_is_shared(
     assert not leftover.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [mine.name, "tokens"]
     assert directory.stat().st_mode & 0o777 == files.umask_mode(0o777)
+
+
+def test_the_digest_of_an_earlier_versions_token_cache_is_read_once(tmp_path, monkeypatch):
+    # A cache built before the metadata held the stream's SHA-256 was hashed whole on every
+    # rank at every start of a run on it.
+    tok = train_tokenizer(["the cat eats red apples"] * 20, 300)
+    directory = build_token_cache([Document("a", "the cat eats red apples")], tok, tmp_path / "t")
+    meta = json.loads((directory / "meta.json").read_text())
+    built = token_digest(directory)
+    assert built == {"num_tokens": 6, "sha256": meta["sha256"]}
+    earlier = {k: v for k, v in meta.items() if k != "sha256"}
+    (directory / "meta.json").write_text(json.dumps(earlier))
+    hashed = []
+    monkeypatch.setattr(cache_module, "sha256", lambda file: hashed.append(file) or "ab12")
+    assert token_digest(directory) == {"num_tokens": 6, "sha256": "ab12"}
+    assert token_digest(directory) == {"num_tokens": 6, "sha256": "ab12"}
+    assert hashed == [directory / "tokens.bin"]
+    assert json.loads((directory / "meta.json").read_text()) == {**earlier, "sha256": "ab12"}
+    # a cache it may not write (another user's) is hashed again, without an error
+    (directory / "meta.json").write_text(json.dumps(earlier))
+
+    def refused(path, write):
+        raise PermissionError(f"{path}: read-only")
+
+    monkeypatch.setattr(cache_module, "atomic_write", refused)
+    assert token_digest(directory) == {"num_tokens": 6, "sha256": "ab12"}
+    assert len(hashed) == 2
 
 
 def test_a_token_cache_another_process_published_first_is_used(tmp_path, caplog):

@@ -3,6 +3,7 @@ then packed into fixed-length blocks and split deterministically into train/vali
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -20,7 +21,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import check_fraction
-from ..files import private_folder, umask_mode
+from ..files import atomic_write, private_folder, sha256, umask_mode
 from .corpus import Document
 from .tokenizer import TextTokenizer
 
@@ -189,15 +190,15 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 
 def token_digest(directory: Path) -> dict[str, int | str]:
-    """The identity of a cached token stream: its length and SHA-256 (the metadata's, else,
-    in a cache an earlier version built, read from the file)."""
+    """The identity of a cached token stream: its length and SHA-256 (the metadata's; a cache
+    an earlier version built has none: read from the file once, and written into its
+    metadata where the cache is writable, not on every rank at every start)."""
     meta = read_meta(directory)
     if "sha256" not in meta:
-        digest = hashlib.sha256()
-        with open(directory / TOKENS_NAME, "rb") as file:
-            while chunk := file.read(1 << 24):
-                digest.update(chunk)
-        meta["sha256"] = digest.hexdigest()
+        meta["sha256"] = sha256(directory / TOKENS_NAME)
+        text = json.dumps(meta, indent=2) + "\n"
+        with contextlib.suppress(OSError):  # another user's cache: hashed again next time
+            atomic_write(directory / META_NAME, lambda tmp: Path(tmp).write_text(text))
     return {"num_tokens": meta["num_tokens"], "sha256": meta["sha256"]}
 
 
