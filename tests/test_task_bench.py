@@ -265,9 +265,12 @@ def test_an_after_row_is_run_again_with_its_exact_run_and_kept_rows_survive_a_cr
     assert [r["model"] for r in written] == ["tfidf", "new", "new", "old"]
 
 
-def test_a_variant_run_again_starts_from_an_empty_folder(tmp_path, monkeypatch):
+def test_a_variant_run_again_starts_from_an_empty_folder_and_keeps_the_earlier_till_it_ends(
+    tmp_path, monkeypatch, caplog
+):
     # A run left in WORK_DIR/NAME (killed, or made with other settings) would make finetune
-    # refuse its output dir: bench-task removes it first.
+    # refuse its output dir: bench-task sets it aside. It removed it before the new run
+    # began: a run stopped before its end lost the earlier one's checkpoints for good.
     settings = TaskBenchSettings(train="a", val="b", test="c", work_dir=str(tmp_path))
     (exact,) = parse_variants("exact@64")
     old = tmp_path / "exact@64" / "run" / "checkpoints" / "step-8"
@@ -276,12 +279,17 @@ def test_a_variant_run_again_starts_from_an_empty_folder(tmp_path, monkeypatch):
 
     def fake_process(function, source, out, *args):
         seen.append(old.exists() or out.parent.exists())
+        out.mkdir(parents=True)  # the new run's first files
         raise RuntimeError("stopped")
 
     monkeypatch.setattr(task_bench, "in_fresh_process", fake_process)
     with pytest.raises(RuntimeError, match="stopped"):
         task_bench._variant_row(exact, dataclasses.replace(settings, source="src"))
     assert seen == [False]
+    assert old.is_dir() and not (tmp_path / "exact@64" / "model").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exact@64"]
+    assert f"replacing the earlier run of exact@64 in {tmp_path} once this one ends" in caplog.text
+    assert f"the earlier run of exact@64 in {tmp_path} is back in place" in caplog.text
 
 
 def test_gradient_accumulation_reaches_finetune_and_sizes_the_warm_up(tmp_path, monkeypatch):

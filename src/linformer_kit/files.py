@@ -14,7 +14,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,51 @@ def exclusive(folder: Path, what: str, *, wait: bool = False) -> Iterator[None]:
                     for path in made:
                         path.rmdir()
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def replacing(folder: Path, entries: Callable[[Path], list[Path]], what: str) -> Iterator[None]:
+    """Moves an earlier run's `entries(folder)` (those there) aside, into
+    `folder/.earlier-WHAT`, while the block writes the new ones, saying so: put back if the
+    block stops (an error, Ctrl-C; a killed one's at the next call), removed when it ends.
+    Removed before the work, an interrupted run lost the earlier one for good.
+
+    Args:
+        folder: where the entries are.
+        entries: the paths of a run's entries under a folder (`folder`, or the aside one).
+        what: the run, as the messages name it ("demo").
+    """
+    aside = folder / (".earlier-" + re.sub(r"[^\w@.:-]+", "-", what))
+
+    def present(root: Path) -> list[Path]:
+        return [path for path in entries(root) if path.exists() or path.is_symlink()]
+
+    def put_back() -> None:
+        if not aside.is_dir():
+            return
+        for path in present(folder):
+            path.unlink() if path.is_file() or path.is_symlink() else shutil.rmtree(path)
+        for path in present(aside):
+            target = folder / path.relative_to(aside)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+        shutil.rmtree(aside)
+        logger.warning("the earlier %s in %s is back in place", what, folder)
+
+    put_back()  # one stopped before its end left one aside
+    if found := present(folder):
+        names = ", ".join(str(p.relative_to(folder)) for p in found)
+        logger.warning("replacing the earlier %s in %s once this one ends: %s", what, folder, names)
+        for path in found:
+            target = aside / path.relative_to(folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+    try:
+        yield
+    except BaseException:
+        put_back()
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def atomic_write(path: Path, write: Any) -> None:

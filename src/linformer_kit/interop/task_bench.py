@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import math
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from ..config import (
 )
 from ..data.classification import load_classification, read_labelled
 from ..data.tokenizer import load_tokenizer
+from ..files import replacing
 from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
 from ..training.finetune import finetune
@@ -323,12 +323,16 @@ def exact_checkpoint(v: Variant, s: TaskBenchSettings) -> Path:
 
 def _variant_row(v: Variant, s: TaskBenchSettings) -> dict[str, Any]:
     """Converts and fine-tunes one variant, each in a fresh process, in WORK_DIR/NAME (what
-    an earlier run left there is removed first); its report row."""
+    an earlier run left there is set aside until this one ends, `files.replacing`); its
+    report row."""
+    with replacing(Path(s.work_dir), lambda root: [root / v.name], f"run of {v.name}"):
+        return _variant_run(v, s)
+
+
+def _variant_run(v: Variant, s: TaskBenchSettings) -> dict[str, Any]:
+    """`_variant_row`'s work, the earlier run of the variant set aside."""
     source = str(exact_checkpoint(v, s)) if v.after else s.source or str(minilm_path())
     folder = Path(s.work_dir) / v.name
-    if folder.exists():
-        logger.info("%s: removing the earlier run in %s", v.name, folder)
-        shutil.rmtree(folder)
     start = time.perf_counter()
     args = (v.proj_dim, v.max_seq_len, v.projection, s)
     in_fresh_process(_convert, source, folder / "model", *args)

@@ -22,7 +22,7 @@ from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig, check_finite_non_negative, check_positive
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
-from ..files import atomic_write, check_output_path, exclusive, save_figure
+from ..files import atomic_write, check_output_path, exclusive, replacing, save_figure
 from ..masked_lm import LinformerForMaskedLM
 from ..precision import cpu_features
 from .batches import language_model_loss
@@ -280,47 +280,11 @@ def machine() -> dict[str, Any]:
     }
 
 
-EARLIER_NAME = ".earlier-demo"  # where the last demo waits while a new one runs
-
-
 def _demo_entries(output: Path) -> list[Path]:
     """A demo's comparison and runs in `output` (every objective's: a run left from another
     objective set would sit beside a comparison that does not describe it)."""
     entries = [output / name for name in (RESULT_NAME, PLOT_NAME)]
-    entries += [output / objective / model for objective in OBJECTIVES for model in MODELS]
-    return [p for p in entries if p.exists() or p.is_symlink()]
-
-
-def _put_back_earlier_demo(output: Path) -> None:
-    """Puts back the demo `_set_aside_earlier_demo` moved aside, in place of what a demo
-    stopped before its end had written (a killed one's: on the next demo's start)."""
-    aside = output / EARLIER_NAME
-    if not aside.is_dir():
-        return
-    for path in _demo_entries(output):
-        path.unlink() if path.is_file() or path.is_symlink() else shutil.rmtree(path)
-    for path in _demo_entries(aside):
-        target = output / path.relative_to(aside)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
-    shutil.rmtree(aside)
-    logger.warning("the earlier demo in %s is back in place", output)
-
-
-def _set_aside_earlier_demo(output: Path) -> None:
-    """Moves a demo already in `output` into `output/.earlier-demo` (saying so), where it
-    waits until the new one has written its comparison: an interrupted demo puts it back,
-    a completed one removes it."""
-    _put_back_earlier_demo(output)  # a demo killed before its end left one aside
-    found = _demo_entries(output)
-    if not found:
-        return
-    names = ", ".join(str(p.relative_to(output)) for p in found)
-    logger.warning("replacing the earlier demo in %s once this one ends: %s", output, names)
-    for path in found:
-        target = output / EARLIER_NAME / path.relative_to(output)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
+    return entries + [output / objective / model for objective in OBJECTIVES for model in MODELS]
 
 
 def run_comparison(settings: ComparisonSettings) -> dict[str, Any]:
@@ -360,13 +324,8 @@ def _run_held(settings: ComparisonSettings) -> dict[str, Any]:
         logger.info("probe: %.2f s per training step of all models together", step_s)
         settings = fit_to_budget(settings, step_s)
     output = Path(settings.output_dir)
-    _set_aside_earlier_demo(output)
-    try:
+    with replacing(output, _demo_entries, "demo"):
         comparison = _compare(settings, before, step_s, requested)
-    except BaseException:
-        _put_back_earlier_demo(output)
-        raise
-    shutil.rmtree(output / EARLIER_NAME, ignore_errors=True)
     if settings.publish_dir:
         for name in (RESULT_NAME, PLOT_NAME):
             atomic_write(Path(settings.publish_dir) / name, partial(shutil.copy2, output / name))
