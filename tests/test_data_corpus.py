@@ -95,6 +95,73 @@ def test_non_utf8_file_names_file_and_line(tmp_path):
         list(iter_documents([str(path)]))
 
 
+def test_windows_and_old_mac_line_ends_give_the_unix_text(tmp_path):
+    # Byte-level BPE kept a "\r" token on every line of a Windows file (14% more tokens
+    # than the same text saved on Linux, none of which an LF-trained model had seen).
+    text = "first line\nsecond line\n\nthird\n"
+    for name, ends in (("unix.txt", "\n"), ("windows.txt", "\r\n"), ("mac.txt", "\r")):
+        (tmp_path / name).write_bytes(text.replace("\n", ends).encode())
+    assert {d.text for d in iter_documents([str(tmp_path)])} == {text}
+    # and a bad byte is found on its line whatever ends the lines
+    (tmp_path / "mac.txt").write_bytes(b"one\rtwo\rcaf\xe9\r")
+    with pytest.raises(ValueError, match=r"mac.txt:3: not valid UTF-8 \(byte 0xe9"):
+        list(iter_documents([str(tmp_path / "mac.txt")]))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        # UTF-16 without a byte-order mark is valid UTF-8: ASCII with a NUL after each
+        # character, read as text (a BPE learnt space + NUL tokens)
+        ("one\ntwo".encode("utf-16-le"), r"u.txt:1: a NUL byte at offset 1: not UTF-8 text"),
+        (b"text\nab\0c\n", r"u.txt:2: a NUL byte at offset 7"),
+        (b"\x1f\x8b\x08\x00", r"u.txt:1: not valid UTF-8 \(byte 0x8b .*\(gzip-compressed"),
+    ],
+)
+def test_a_file_that_is_not_utf8_text_is_named(tmp_path, content, message):
+    (tmp_path / "u.txt").write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        list(iter_documents([str(tmp_path / "u.txt")]))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        # an emoji cut in half in scraped JSON: a traceback from the tokenizer, naming no file
+        ("d.jsonl", '{"text": "ok"}\n{"text": "red cat \\ud83d"}\n', r"d.jsonl:2: a \\u escape of"),
+        ("d.jsonl", "[" * 100_000 + "\n", r"d.jsonl:1: not valid JSON \(nested too deep\)"),
+        # a quote inside a cell lost its quotes without a word ('"Hello" world': Hello world)
+        ("d.csv", 'text,label\n"Hello" world,1\n', r"d.csv:2: not valid CSV \(',' expected"),
+        # a header alone was read as no documents; an empty file stopped the run
+        ("d.csv", "text,label\n", r"d.csv: no rows below its header"),
+    ],
+)
+def test_malformed_records_are_named_with_their_line(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=message):
+        list(iter_documents([str(tmp_path / name)]))
+
+
+def test_a_paired_surrogate_escape_is_its_character_and_a_spaced_header_names_its_column(
+    tmp_path,
+):
+    (tmp_path / "d.jsonl").write_text('{"text": "cat \\ud83d\\ude00"}\n')
+    assert [d.text for d in iter_documents([str(tmp_path / "d.jsonl")])] == ["cat \U0001f600"]
+    # "text, label" was refused: "no column 'label' (columns: text,  label)"
+    (tmp_path / "d.csv").write_text("label, text\n1,a cat\n")
+    assert [d.text for d in iter_documents([str(tmp_path / "d.csv")])] == ["a cat"]
+
+
+def test_links_to_nothing_are_named(tmp_path, caplog):
+    (tmp_path / "a.txt").write_text("kept")
+    (tmp_path / "b.txt").symlink_to(tmp_path / "gone.txt")
+    with caplog.at_level(logging.WARNING):
+        assert [d.text for d in iter_documents([str(tmp_path)])] == ["kept"]
+    assert f"1 link(s) under {tmp_path} point to nothing, left out: {tmp_path / 'b.txt'}" in (
+        caplog.text
+    )
+
+
 def bad_directory(tmp_path):
     """Two good files, an empty one and one with a non-UTF-8 byte on line 3."""
     (tmp_path / "a_good.txt").write_text("fine")

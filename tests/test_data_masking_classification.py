@@ -242,7 +242,10 @@ def test_threads_reading_long_csv_cells_leave_csvs_limit_as_it_was(tmp_path):
         ("text,label,text\nx,1,y\n", r"d.csv:1: the header names column 'text' twice"),
         # One label not a whole number made every label a class name (3 classes here).
         ("text,label\nx,0\ny,1\nz,1.0\n", r"d.csv:4: 'label' must be a whole number like the la"),
-        ('text,label\nx,1\n"y\n', r"d.csv:3: 1 cells, the header has 2"),  # an open quote
+        (
+            'text,label\nx,1\n"y\n',
+            r"d.csv:3: not valid CSV \(unexpected end of data\)",
+        ),  # open quote
         ("text,label\nx,1\ny\n", r"d.csv:3: 1 cells, the header has 2"),
         ("text,label\n", r"d.csv: no examples"),
         ("", r"d.csv: file is empty"),

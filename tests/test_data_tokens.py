@@ -248,6 +248,16 @@ def test_a_killed_cache_build_is_cleaned_up_by_the_next_and_the_cache_is_shared(
     assert directory.stat().st_mode & 0o777 == files.umask_mode(0o777)
 
 
+def test_text_that_is_not_unicode_text_is_named_by_the_tokenizer():
+    # A command-line byte that was not UTF-8 (`--prompt $'caf\\xe9'`: surrogateescape) ended
+    # in the Rust side's "TypeError: TextEncodeInput must be Union[...]", naming nothing.
+    tok = train_tokenizer(["the cat eats red apples"] * 20, 300)
+    with pytest.raises(ValueError, match=r"text 1 \('caf\\udce9'\) holds '\\udce9' at character 3"):
+        tok.encode_batch(["ok", "caf\udce9"])
+    with pytest.raises(TypeError):  # not text at all: the tokenizer's own error
+        tok.encode_batch(["ok", 5])
+
+
 def test_the_digest_of_an_earlier_versions_token_cache_is_read_once(tmp_path, monkeypatch):
     # A cache built before the metadata held the stream's SHA-256 was hashed whole on every
     # rank at every start of a run on it.

@@ -13,6 +13,7 @@ import functools
 import io
 import json
 import logging
+import re
 import sysconfig
 import threading
 from collections import Counter
@@ -26,6 +27,7 @@ STDLIB = "stdlib"  # the data name that selects the running Python's standard li
 HF_PREFIX = "hf:"  # `hf:NAME[:CONFIG]` reads a Hugging Face `datasets` corpus
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 CSV_SUFFIX = ".csv"
+READ_FORMAT = 2  # how files give documents (in the caches' keys): 2, line ends as \n
 JSONL_EXAMPLE = 'JSONL, one object per line such as {"text": "a document"}'
 
 
@@ -53,7 +55,9 @@ def stdlib_root() -> Path:
 
 
 def _line_of(data: bytes, offset: int) -> int:
-    return data.count(b"\n", 0, offset) + 1
+    """The line of byte `offset`, lines ended by \\n, \\r\\n or a lone \\r."""
+    ends = data.count(b"\n", 0, offset) + data.count(b"\r", 0, offset)
+    return ends - data.count(b"\r\n", 0, offset) + 1
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -72,16 +76,32 @@ def read_text(path: Path) -> str:
     """Reads a UTF-8 text file (a leading byte-order mark is not text).
 
     Raises:
-        ValueError: if the file is empty or not valid UTF-8 (naming the file and line).
+        ValueError: if the file is empty, not valid UTF-8 or holds a NUL byte (UTF-16 without
+            a byte-order mark is valid UTF-8 with a NUL after each ASCII character), naming
+            the file and line.
     """
     data = _read_bytes(path)
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
+        gzip = " (gzip-compressed: gunzip it first)" if data[:2] == b"\x1f\x8b" else ""
         raise ValueError(
             f"{path}:{_line_of(data, err.start)}: not valid UTF-8 (byte "
-            f"{data[err.start]:#04x} at offset {err.start})"
+            f"{data[err.start]:#04x} at offset {err.start}){gzip}"
         ) from err
+    if (nul := data.find(b"\0")) >= 0:
+        raise ValueError(
+            f"{path}:{_line_of(data, nul)}: a NUL byte at offset {nul}: not UTF-8 text "
+            f"(UTF-16, or a binary file?)"
+        )
+    return text
+
+
+def _one_newline(text: str) -> str:
+    """`text` with its Windows (\\r\\n) and old Mac (\\r) line ends as \\n: the same text
+    saved on another system gives the same tokens (byte-level BPE kept a \\r token on every
+    line of a Windows file)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def iter_jsonl(path: Path, *, expected: str = JSONL_EXAMPLE) -> Iterator[tuple[int, dict]]:
@@ -104,15 +124,34 @@ def iter_jsonl(path: Path, *, expected: str = JSONL_EXAMPLE) -> Iterator[tuple[i
             record = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid UTF-8 ({err.reason})") from err
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:
+            reason = getattr(err, "msg", "nested too deep")
             raise ValueError(
-                f"{path}:{number}: not valid JSON ({err.msg}); expected {expected}"
+                f"{path}:{number}: not valid JSON ({reason}); expected {expected}"
             ) from err
+        if _SURROGATE.search(raw) and _holds_a_lone_surrogate(record):
+            raise ValueError(
+                f"{path}:{number}: a \\u escape of half a character (an unpaired UTF-16 "
+                f"surrogate, as a cut emoji leaves): not text"
+            )
         if not isinstance(record, dict):
             raise ValueError(
                 f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
             )
         yield number, record
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # the escape of a UTF-16 surrogate
+
+
+def _holds_a_lone_surrogate(record: dict) -> bool:
+    """Whether a string in a JSON record holds an unpaired surrogate, which no tokenizer
+    encodes (JSON lets them through; a pair is decoded to its one character)."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def jsonl_field(path: Path, number: int, record: dict, field: str) -> object:
@@ -149,7 +188,7 @@ def csv_rows(path: Path, text: str) -> Iterator[tuple[int, list[str]]]:
     Raises:
         ValueError: naming the file and line, for malformed CSV.
     """
-    reader = csv.reader(io.StringIO(text, newline=""))
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)  # '"a" b' lost its quotes
     while True:
         start = reader.line_num + 1
         with _CSV_LIMIT:  # threads reading at once: each restores what it found
@@ -177,7 +216,7 @@ def iter_csv(
             `columns`, a row of the wrong width or malformed CSV (and as `read_text`).
     """
     rows = csv_rows(path, read_text(path) if text is None else text)
-    _, header = next(rows, (1, []))
+    header = [cell.strip() for cell in next(rows, (1, []))[1]]  # "text, label" names label
     for column in columns:
         if column not in header:
             raise ValueError(
@@ -196,6 +235,7 @@ def iter_csv(
 def _record_documents(path: Path, text_field: str) -> Iterator[Document]:
     """The `text_field` of each JSONL record or CSV row, one document each."""
     records = iter_csv(path, (text_field,)) if is_csv(path) else iter_jsonl(path)
+    number = None
     for number, record in records:
         text = jsonl_field(path, number, record, text_field)
         if not isinstance(text, str):
@@ -203,6 +243,8 @@ def _record_documents(path: Path, text_field: str) -> Iterator[Document]:
                 f"{path}:{number}: field {text_field!r} must be a string, got {type(text).__name__}"
             )
         yield Document(f"{path}:{number}", text)
+    if number is None:  # a header alone, as an empty file: nothing of it was read
+        raise ValueError(f"{path}: no rows below its header")
 
 
 def _hf_documents(name: str, text_field: str) -> Iterator[Document]:
@@ -268,7 +310,15 @@ def list_files(spec: str, glob: str) -> list[Path]:
     if not path.is_dir():
         raise FileNotFoundError(f"data path {path} does not exist")
     check_glob(glob)
-    files = sorted(p for p in path.glob(glob) if p.is_file())
+    found = list(path.glob(glob))
+    files = sorted(p for p in found if p.is_file())
+    if dangling := sorted(p for p in found if p.is_symlink() and not p.exists()):
+        logger.warning(
+            "%d link(s) under %s point to nothing, left out: %s",
+            len(dangling),
+            path,
+            ", ".join(str(p) for p in dangling[:5]) + (", ..." if len(dangling) > 5 else ""),
+        )
     if "**" in glob:
         _warn_of_folder_links(path.resolve(), glob)
     if not files:
@@ -296,7 +346,7 @@ def _warn_of_folder_links(path: Path, glob: str) -> None:
 def _file_documents(path: Path, text_field: str) -> Iterator[Document]:
     if is_csv(path) or is_jsonl(path):
         return _record_documents(path, text_field)
-    return iter([Document(str(path), read_text(path))])
+    return iter([Document(str(path), _one_newline(read_text(path)))])
 
 
 def iter_documents(

@@ -19,7 +19,7 @@ from .cache import (
     open_token_cache,
     split_blocks,
 )
-from .corpus import STDLIB, Document, check_glob, fingerprint, iter_documents
+from .corpus import READ_FORMAT, STDLIB, Document, check_glob, fingerprint, iter_documents
 from .tokenizer import TOKENIZER_NAME, TextTokenizer, load_tokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,8 @@ def _documents(
 def _corpus_id(settings: DataSettings) -> list:
     # Skipping is part of the corpus: a cache built while skipping bad files must not let a
     # later run without the flag pass over them.
-    return [fingerprint(settings.data, settings.glob, settings.text_field), settings.skip_bad_files]
+    files = fingerprint(settings.data, settings.glob, settings.text_field)
+    return [READ_FORMAT, files, settings.skip_bad_files]
 
 
 def prepare_tokenizer(

@@ -60,12 +60,38 @@ class TextTokenizer:
         return sorted({self.pad_id, self.mask_id, self.sep_id, self.cls_id})
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, without special tokens (parallel in Rust)."""
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        """Token ids of each text, without special tokens (parallel in Rust).
+
+        Raises:
+            ValueError: naming the first text that is not Unicode text (an unpaired
+                surrogate: half of a character, or a byte of a command line that was not
+                UTF-8), which the Rust side refused with a TypeError naming nothing.
+        """
+        try:
+            encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        except TypeError:
+            for i, text in enumerate(texts):
+                if isinstance(text, str) and (bad := _unencodable(text)) is not None:
+                    raise ValueError(
+                        f"text {i} ({text[:40]!r}) holds {text[bad]!r} at character {bad}: "
+                        f"half of a character (an unpaired surrogate), or a byte that was not "
+                        f"UTF-8; not text"
+                    ) from None
+            raise
+        return [e.ids for e in encodings]
 
     def save(self, path: Path) -> None:
         """Writes `tokenizer.json` atomically."""
         atomic_write(Path(path), lambda tmp: self.tokenizer.save(str(tmp)))
+
+
+def _unencodable(text: str) -> int | None:
+    """The index of the first character of `text` UTF-8 cannot encode, or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
 
 
 def from_tokenizer(tokenizer: Tokenizer, source: str) -> TextTokenizer:
