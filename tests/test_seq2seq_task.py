@@ -125,10 +125,14 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, m
     monkeypatch.setattr(
         LinformerForSeq2SeqLM, "forward", lambda *a, **kw: calls.append(kw) or forward(*a, **kw)
     )
-    train_seq2seq(tiny_run(tmp_path / "straight", 6))
+    straight = train_seq2seq(tiny_run(tmp_path / "straight", 6))
     # Training steps skip the logits; validation reads them (token accuracy).
-    assert sum(call.get("return_logits") is False for call in calls) == 6
+    steps = [call for call in calls if call.get("return_logits") is False]
+    assert len(steps) == 6
     assert any("return_logits" not in call for call in calls)
+    # the tokens read: the sources' and the decoder's (the sources' alone were counted)
+    read = sum(int(c["key_padding_mask"].sum() + c["decoder_padding_mask"].sum()) for c in steps)
+    assert [r["tokens"] for r in straight.records if r["split"] == "train"][-1] == read
     train_seq2seq(tiny_run(tmp_path / "resumed", 3))
     checks, last = count_checkpoint_checks(monkeypatch), (tmp_path / "resumed/last").resolve()
     result = train_seq2seq(tiny_run(tmp_path / "resumed", 6, resume=True))
