@@ -5,7 +5,7 @@ summary rows multiplied by 1 (the paper's projection, unscaled), 1 / sqrt(L) or 
 the learned (`linear`) and the fixed (`random`) projection, from the same seed, data order
 and steps; reports validation loss overall and by position (first block, which has no
 summary, and the last quarter, where L is largest). Writes
-benchmarks/causal_scaling/results_seed{SEED}.json.
+benchmarks/causal_scaling/results_seed{SEED}.json (or into --out DIR).
 
     PYTHONPATH=src python benchmarks/causal_scaling.py --seed 0   # and --seed 1
 """
@@ -81,10 +81,14 @@ def run(projection: str, name: str, stream: torch.Tensor, valid: torch.Tensor, s
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
-    seed = parser.parse_args().seed
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "causal_scaling", help="JSON folder"
+    )
+    args = parser.parse_args(argv)
+    seed, out = args.seed, args.out
     torch.set_num_threads(2)
     stream = byte_corpus()
     split = int(len(stream) * 0.9)
@@ -94,8 +98,7 @@ def main() -> None:
         for projection in ("linear", "random")
         for name in SCALES
     ]
-    out = Path(__file__).parent / "causal_scaling"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     meta = {
         "command": f"PYTHONPATH=src python benchmarks/causal_scaling.py --seed {seed}",
         "machine": machine(),  # CPU model, torch capability, ISA flags, load

@@ -15,7 +15,7 @@ function (loss, token accuracy, ROUGE-L and exact match of greedy decodes).
     PYTHONPATH=src python benchmarks/seq2seq.py task --steps 600
     PYTHONPATH=src python benchmarks/seq2seq.py plot
 
-Writes benchmarks/seq2seq/{cost,task}.json and seq2seq.png.
+Writes benchmarks/seq2seq/{cost,task}.json and seq2seq.png (or into --out DIR).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-OUT = Path(__file__).parent / "seq2seq"
+DEFAULT_OUT = Path(__file__).parent / "seq2seq"
 N, M, BATCH = 4096, 128, 2
 MODELS = {"linformer": 256, "exact": None}  # encoder / cross-attention k
 SHAPE = dict(vocab_size=8192, dim=256, num_heads=4, ffn_dim=1024, dropout=0.0)
@@ -109,7 +109,7 @@ def measure(name: str, what: str) -> dict:
     return result
 
 
-def cost() -> None:
+def cost(out: Path) -> None:
     from linformer_kit.training.compare import machine
 
     rows = []
@@ -151,11 +151,11 @@ def cost() -> None:
         "rows": rows,
         "summary": summary,
     }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "cost.json").write_text(json.dumps(report, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
-def task(steps: int, runs: Path) -> None:
+def task(steps: int, runs: Path, out: Path) -> None:
     from linformer_kit.training.compare import machine
     from linformer_kit.training.seq2seq import evaluate_seq2seq
 
@@ -204,17 +204,17 @@ def task(steps: int, runs: Path) -> None:
         "wall_s": round(time.time() - started),
         "rows": rows,
     }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "task.json").write_text(json.dumps(report, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "task.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
-def plot() -> None:
+def plot(out: Path) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(13, 4))
     axes = fig.subplots(1, 3)
-    if (OUT / "cost.json").is_file():
-        summary = json.loads((OUT / "cost.json").read_text())["summary"]
+    if (out / "cost.json").is_file():
+        summary = json.loads((out / "cost.json").read_text())["summary"]
         for axis, key, label in (
             (axes[0], "seconds", "seconds (train step; per generated token)"),
             (axes[1], "peak_mem_mb", "peak resident MB"),
@@ -227,8 +227,8 @@ def plot() -> None:
             axis.set(ylabel=label, title=f"n={N}, m={M}, batch {BATCH}, 1 thread")
             axis.set_yscale("log")
             axis.legend()
-    if (OUT / "task.json").is_file():
-        for row in json.loads((OUT / "task.json").read_text())["rows"]:
+    if (out / "task.json").is_file():
+        for row in json.loads((out / "task.json").read_text())["rows"]:
             val = [r for r in row["records"] if r["split"] == "val"]
             axes[2].plot(
                 [r["step"] for r in val], [r["val_loss"] for r in val], "o-", label=row["model"]
@@ -236,24 +236,27 @@ def plot() -> None:
         axes[2].set(xlabel="step", ylabel="validation loss", title="stdlib docstrings")
         axes[2].legend()
     fig.tight_layout()
-    fig.savefig(OUT / "seq2seq.png", dpi=110)
+    fig.savefig(out / "seq2seq.png", dpi=110)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["cost", "task", "plot", "_measure"], help="which part")
     parser.add_argument("args", nargs="*", help="_measure: model and measurement")
     parser.add_argument("--steps", type=int, default=600, help="task: training steps per model")
     parser.add_argument("--runs", default="runs/seq2seq-bench", help="task: run directories")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="the JSON and figure's folder"
+    )
+    args = parser.parse_args(argv)
     if args.what == "_measure":
         print(json.dumps(measure(*args.args)))
         return
     if args.what == "cost":
-        cost()
+        cost(args.out)
     elif args.what == "task":
-        task(args.steps, Path(args.runs))
-    plot()
+        task(args.steps, Path(args.runs), args.out)
+    plot(args.out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 --help writes nothing (it ran the whole sweep over the committed results)."""
 
 import json
+import shutil
 
 import pytest
 from script_helpers import BENCHMARKS, load_script
@@ -20,3 +21,10 @@ def test_a_tiny_run_writes_into_out_and_help_writes_nothing(tmp_path, capsys, na
     script.main([*flags, "--out", str(tmp_path / "out")])
     results = json.loads((tmp_path / "out/results.json").read_text())
     assert results["machine"]["cpu"] and results[rows]
+
+
+def test_the_seq2seq_figure_is_drawn_from_and_into_out(tmp_path):
+    # it read and wrote benchmarks/seq2seq alone, wherever it ran from
+    shutil.copy(BENCHMARKS / "seq2seq" / "cost.json", tmp_path / "cost.json")
+    load_script(BENCHMARKS / "seq2seq.py").main(["plot", "--out", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cost.json", "seq2seq.png"]
