@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from train_helpers import pretrain_cli
 
 from linformer_kit import LinformerForCausalLM
@@ -18,7 +19,9 @@ def records(run, split):
     return [r for r in map(json.loads, lines) if r["split"] == split]
 
 
-def test_clm_pretraining_learns_and_its_checkpoint_generates_and_evaluates(tmp_path, capsys):
+def test_clm_pretraining_learns_and_its_checkpoint_generates_and_evaluates(
+    tmp_path, capsys, caplog, monkeypatch
+):
     run = pretrain_cli(tmp_path, *CLM, "--max-steps", "36", "--eval-every", "12", files=2)
     val = [r["val_loss"] for r in records(run, "val")]
     assert len(val) == 3 and val[-1] < val[0] - 0.5, val
@@ -34,6 +37,17 @@ def test_clm_pretraining_learns_and_its_checkpoint_generates_and_evaluates(tmp_p
     # New text after the prompt; not a word count: whether a 36-step model emits a space
     # depends on the dropout masks drawn in training (same val loss either way).
     assert text.startswith("the cat") and len(text) > len("the cat")
+
+    # ids the tokenizer does not know (a model of a larger vocabulary) were dropped silently
+    with monkeypatch.context() as patch, caplog.at_level("WARNING"):
+        patch.setattr(
+            LinformerForCausalLM,
+            "generate",
+            lambda self, ids, *args, **kwargs: torch.cat([ids, torch.tensor([[5000]])], 1),
+        )
+        main(["generate", str(run / "best"), "--prompt", "the cat", "--temperature", "0"])
+    assert capsys.readouterr().out.startswith("the cat")
+    assert "prompt 1: 1 generated token(s) have ids the tokenizer does not know" in caplog.text
 
     main(["evaluate", str(run / "best"), "--data", str(tmp_path / "corpus")])
     table = capsys.readouterr().out.splitlines()

@@ -4,6 +4,7 @@ causal-LM checkpoint, or decode a target for each (the source) with a seq2seq ch
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from ..seq2seq import LinformerForSeq2SeqLM
 from .overrides import exit_on_user_error
 
 DEFAULT_NEW_TOKENS = 64
+
+logger = logging.getLogger(__name__)
 
 
 @exit_on_user_error
@@ -72,6 +75,15 @@ def run(args: argparse.Namespace) -> None:
     for i, (ids, tokens) in enumerate(zip(prompts, rows, strict=True)):
         new = tokens[1:] if seq2seq else tokens[width:]
         new = new[: new.index(eos)] if eos in new else new
+        if unknown := sum(token >= tokenizer.vocab_size for token in new):  # decode drops them
+            logger.warning(
+                "prompt %d: %d generated token(s) have ids the tokenizer does not know (>= %d; "
+                "the model's vocabulary is %d): left out of the text",
+                i + 1,
+                unknown,
+                tokenizer.vocab_size,
+                vocab_size,
+            )
         if len(prompts) > 1:  # named as `head` names each of several files
             print(("\n" if i else "") + f"==> prompt {i + 1} <==")
         print(tokenizer.tokenizer.decode(new if seq2seq else ids + new))
