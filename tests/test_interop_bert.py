@@ -4,6 +4,8 @@ BERT forward pass, Linformer conversion at full length, and clear errors on bad 
 import json
 import math
 import shutil
+import subprocess
+import sys
 from importlib import resources
 
 import pytest
@@ -194,6 +196,47 @@ def test_task_heads_and_prefixes_are_handled(copy_of_minilm, exact):
     model = convert_hf_model(copy_of_minilm, proj_dim=None)
     for name, tensor in exact.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_the_cli_says_it_drops_a_task_head(copy_of_minilm, tmp_path):
+    # `linformer convert` set up no logging: a fine-tuned classifier's head went without a word
+    def classifier(tensors):  # as BertForSequenceClassification names its tensors
+        for name in list(tensors):
+            tensors["bert." + name] = tensors.pop(name)
+        tensors["classifier.weight"] = torch.zeros(2, 384)
+
+    _edit_weights(copy_of_minilm, classifier)
+    entry = "from linformer_kit.cli import main; main()"
+    args = ["convert", "--from", str(copy_of_minilm), "--exact", "--out", str(tmp_path / "o")]
+    done = subprocess.run([sys.executable, "-c", entry, *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "dropping 1 task-head tensors of" in done.stderr and "(e.g. classifier.weight)" in (
+        done.stderr
+    )
+
+
+def test_a_sharded_checkpoint_converts_as_one_file(copy_of_minilm, exact):
+    # save_pretrained(max_shard_size=...) writes shards and an index: "no model.safetensors"
+    tensors = load_file(str(copy_of_minilm / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for shard, held in shards.items():
+        save_file({name: tensors[name] for name in held}, str(copy_of_minilm / shard))
+    index = {"weight_map": {name: shard for shard, held in shards.items() for name in held}}
+    (copy_of_minilm / "model.safetensors.index.json").write_text(json.dumps(index))
+    (copy_of_minilm / "model.safetensors").unlink()
+    model = convert_hf_model(copy_of_minilm, proj_dim=None)
+    for name, tensor in exact.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    (copy_of_minilm / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002.safetensors, a shard "):
+        convert_hf_model(copy_of_minilm, proj_dim=None)
+    (copy_of_minilm / "model.safetensors.index.json").write_text('{"weight_map": {"a": "../x"}}')
+    with pytest.raises(ValueError, match=r"the weight_map names no file of its folder"):
+        convert_hf_model(copy_of_minilm, proj_dim=None)
 
 
 @pytest.mark.parametrize(

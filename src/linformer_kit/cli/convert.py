@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from pathlib import Path
 
 from ..interop import DEFAULT_INIT, INITS
@@ -84,6 +85,7 @@ def _report(args: argparse.Namespace, source: Path) -> None:
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO)  # the conversion's choices, said
     source = Path(args.source) if args.source else minilm_path()
     if args.report and is_linformer_checkpoint(source):
         raise ValueError(f"--report converts from a Hugging Face directory; {source} is not one")

@@ -5,6 +5,7 @@ Hugging Face teacher (hidden states and sentence embeddings), scored on held-out
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from ..data.corpus import iter_documents
@@ -76,6 +77,7 @@ def _report(args: argparse.Namespace, teacher: Path) -> None:
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO)  # the conversion's choices, said
     teacher = Path(args.teacher) if args.teacher else minilm_path()
     (_report if args.report else _distill)(args, teacher)
 

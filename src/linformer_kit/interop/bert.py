@@ -81,24 +81,52 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_hf_weights(path: str | os.PathLike) -> dict[str, Tensor]:
-    """Reads `model.safetensors` of a Hugging Face model directory.
+    """Reads `model.safetensors` of a Hugging Face model directory, or the shards its
+    `model.safetensors.index.json` lists (`save_pretrained(max_shard_size=...)`).
 
     Raises:
-        FileNotFoundError: if there is no model.safetensors (pickled .bin files are refused).
-        ValueError: if the file is truncated or not a safetensors file, or the directory
-            has a manifest.json that its files do not match (`hub.check_before_load`).
+        FileNotFoundError: if there is no model.safetensors nor an index (pickled .bin files
+            are refused), or a shard is missing.
+        ValueError: if a file is truncated or not a safetensors file, the index is malformed,
+            or the directory has a manifest.json that its files do not match
+            (`hub.check_before_load`).
     """
-    file = Path(path) / WEIGHTS_NAME
-    if not file.is_file():
+    folder = Path(path)
+    files = [folder / WEIGHTS_NAME]
+    index = folder / f"{WEIGHTS_NAME}.index.json"
+    if not files[0].is_file() and index.is_file():
+        files = [folder / name for name in _shards(index)]
+    elif not files[0].is_file():
         hint = " (pytorch_model.bin is pickle: re-save it as safetensors)" * any(
-            Path(path).glob("*.bin")
+            folder.glob("*.bin")
         )
-        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {Path(path)}{hint}")
+        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {folder}{hint}")
     hub.check_before_load(path)
+    tensors: dict[str, Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}, a shard {index.name} lists, is missing")
+        try:
+            tensors |= load_file(file)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{file} is corrupt or truncated: {err}") from err
+    return tensors
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard file names a `model.safetensors.index.json` maps tensors to, each once.
+
+    Raises:
+        ValueError: naming the index, if it is not JSON with a `weight_map` of file names.
+    """
     try:
-        return load_file(file)
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{file} is corrupt or truncated: {err}") from err
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{index} is not a shard index (a weight_map): {err!r}") from err
+    if not names or not all(isinstance(n, str) and Path(n).name == n for n in names):
+        raise ValueError(f"{index}: the weight_map names no file of its folder ({names[:3]})")
+    return names
 
 
 def linformer_config_from_hf(
@@ -186,9 +214,13 @@ def _strip_prefix(tensors: dict[str, Tensor], source: str) -> tuple[dict[str, Te
             dropped.append(name)
         else:
             backbone[name] = tensor  # reported as unknown below
-    if dropped:
-        logger.info(
-            "dropping %d task-head tensors of %s (e.g. %s)", len(dropped), source, dropped[0]
+    if dropped:  # a fine-tuned classifier's head among them: said, not dropped silently
+        logger.warning(
+            "dropping %d task-head tensors of %s (e.g. %s): the converted model is the "
+            "encoder; `linformer finetune --init` trains a head on it",
+            len(dropped),
+            source,
+            dropped[0],
         )
     return backbone, prefix
 
