@@ -295,3 +295,31 @@ def test_the_analysis_tools_name_what_they_cannot_read(random_exact: Path, tmp_p
             argv += ["--out", str(tmp_path / "m.png")]
         with pytest.raises(SystemExit, match=message):
             main(argv)
+
+
+def test_attention_map_names_text_that_is_not_unicode_text(
+    random_exact: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # A command-line byte that was not UTF-8 (`--text $'\xff'`): a traceback from the tokenizer
+    with pytest.raises(SystemExit) as exit_info:
+        main(["attention-map", str(random_exact), "--text", "ab\udcffcd", "--out", "m.png"])
+    assert exit_info.value.code == 2
+    assert "holds '\\udcff' at character 2" in capsys.readouterr().err
+
+
+def test_the_spectrum_figure_shows_a_k_of_one_and_reads_on_cells_of_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # k = 1 was drawn on the log axis's left edge (hidden); cells all 1.0 had white labels on
+    # viridis's yellow
+    from linformer_kit.analysis import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figures.append(fig))
+    layer = {"layer": 0, "mean_curve": [1.0] * 4, "proj_dim": 8, "value_at_index": [1.0, 1.0]}
+    report = {"layers": [layer], "index": 2, "seq_len": 4}
+    report["recommendation"] = {"mass": 0.9, "proj_dim": 1}
+    plots.plot_spectrum(report, tmp_path / "s.png", "title")
+    left, right, _ = figures[0].axes  # the curves, the heat map and its colour bar
+    assert left.get_xlim()[0] < 1
+    assert {text.get_color() for text in right.texts} == {"black"}

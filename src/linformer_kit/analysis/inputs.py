@@ -127,9 +127,9 @@ def encode_text(tokenizer: TextTokenizer, text: str, max_seq_len: int) -> tuple[
     [SEP]), cut to `max_seq_len`; and a readable label per token.
 
     Raises:
-        ValueError: if the text yields no token.
+        ValueError: if the text yields no token, or is not Unicode text.
     """
-    if not tokenizer.tokenizer.encode(text, add_special_tokens=False).ids:  # [CLS] [SEP] alone
+    if not tokenizer.encode_batch([text])[0]:  # [CLS] [SEP] alone; names text that is not text
         raise ValueError(f"the text {text[:40]!r} yields no tokens")
     ids = tokenizer.tokenizer.encode(text, add_special_tokens=True).ids
     if len(ids) > max_seq_len:

@@ -78,21 +78,21 @@ def plot_spectrum(report: dict, path: str | Path, title: str) -> None:
     matrix = "P" if all(layer["proj_dim"] is None for layer in layers) else "P̄ (n × k)"
     left.set_title(f"spectrum of {matrix}, mean over heads (n = {n})")
     left.set_ylim(0, 1.02)
-    left.set_xlim(1, max(2, *(len(layer["mean_curve"]) for layer in layers)))
+    # from below 1: a recommended k of 1 drawn on the axis's edge was not seen
+    left.set_xlim(0.9, max(2, *(len(layer["mean_curve"]) for layer in layers)))
     left.grid(alpha=0.3)
     left.legend(loc="best", fontsize=8, ncol=1 + len(layers) // 8)
 
     values = np.array([layer["value_at_index"] for layer in layers])  # (layers, heads)
-    image = right.imshow(
-        values, cmap="viridis", aspect="auto", vmin=min(values.min(), 0.999), vmax=1.0
-    )
+    lowest = min(values.min(), 0.999)
+    image = right.imshow(values, cmap="viridis", aspect="auto", vmin=lowest, vmax=1.0)
     right.set_xlabel("head")
     right.set_ylabel("layer")
     right.set_xticks(range(values.shape[1]))
     right.set_yticks(range(values.shape[0]))
     right.set_title(f"cumulative value at index {index}")
     if values.size <= MAX_ANNOTATED_CELLS:
-        middle = (values.min() + 1.0) / 2
+        middle = (lowest + 1.0) / 2  # the colour scale's: all 1.0 was white on yellow
         size = 8 if values.shape[1] <= 8 else 6
         for (row, col), value in np.ndenumerate(values):
             color = "black" if value > middle else "white"
