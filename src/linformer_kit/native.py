@@ -206,10 +206,11 @@ def _left_by_a_killed_build(lock: Path) -> bool:
 
 def _runs_in(folder: Path) -> bool:
     """Whether a process of this machine that we may inspect has `folder` as its working
-    directory (Linux's /proc; elsewhere, False)."""
+    directory (Linux's /proc)."""
+    folder = folder.resolve()
     for cwd in Path("/proc").glob("[0-9]*/cwd"):
         with contextlib.suppress(OSError):
-            if Path(os.readlink(cwd)) == folder.resolve():
+            if Path(os.readlink(cwd)) == folder:
                 return True
     return False
 
