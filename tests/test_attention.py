@@ -12,6 +12,7 @@ from linformer_kit import (
     count_projection_matrices,
     linformer_base,
 )
+from linformer_kit import attention as attention_module
 from linformer_kit.projection import build_projection
 
 SHARINGS = ["none", "headwise", "kv", "layerwise"]
@@ -200,14 +201,31 @@ def test_too_long_input_is_rejected_with_both_numbers():
         model(torch.zeros(1, 25, dtype=torch.long))
 
 
-def test_attention_dropout_only_in_training():
+@pytest.mark.parametrize("proj_dim", [None, 6])
+def test_attention_dropout_only_in_training_and_once_on_the_weights(monkeypatch, proj_dim):
+    # Dropout is the kernel's, on the attention weights (each weight dropped once: the
+    # kernels' tests); the module passes its p to the kernel in training, 0 in eval, and
+    # drops nothing else: a second dropout on the output, or dropout moved off the weights
+    # onto it, passed the check that eval is deterministic and training is not.
     torch.manual_seed(0)
-    attn = LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=16, dropout=0.5)
+    proj = proj_dim and build_projection(projection="linear", max_seq_len=16, proj_dim=proj_dim)
+    attn = LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=16, proj_k=proj, dropout=0.5)
     x = torch.randn(2, 10, 16)
+    calls = []
+
+    def recorded(q, k, v, mask, dropout_p):
+        calls.append((dropout_p, real_attend(q, k, v, mask, dropout_p)))
+        return calls[-1][1]
+
+    real_attend = attention_module.attend
+    monkeypatch.setattr(attention_module, "attend", recorded)
     attn.eval()
     assert torch.equal(attn(x)[0], attn(x)[0])
+    assert [p for p, _ in calls] == [0.0, 0.0]
     attn.train()
-    assert not torch.allclose(attn(x)[0], attn(x)[0])
+    out = attn(x)[0]
+    assert calls[-1][0] == 0.5 and torch.equal(out, attn._merge(calls[-1][1]))
+    assert not torch.allclose(out, attn(x)[0])
 
 
 @pytest.mark.parametrize(("proj_dim", "width"), [(None, 10), (6, 6)])

@@ -1,16 +1,19 @@
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import projected_attention, softmax_attention
 
-from linformer_kit import LinformerSelfAttention, causal_attention, cross_attention
+from linformer_kit import LinformerSelfAttention, causal_attention, cross_attention, native
 from linformer_kit.functional import (
     exact_attention,
     linformer_attention,
     project_blocks,
     project_linear,
 )
+from linformer_kit.kernel_rule import use_kernel
 from linformer_kit.kernels import dot_product_attention
 from linformer_kit.projection import build_projection
 
@@ -253,12 +256,18 @@ def test_linformer_attention_names_malformed_inputs_and_takes_an_empty_batch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fully_masked_row_gives_zeros_not_nan(dtype):
+@pytest.mark.parametrize("kernel", ["sdpa", "explicit", "explicit, PyTorch ops"])
+def test_fully_masked_row_gives_zeros_not_nan(dtype, kernel):
+    # on every kernel: the rule's pick alone was tested (SDPA here), and the explicit kernel
+    # without the empty-row guard gave nan in float32 and bf16 unseen
     q, k, v = qkv(6, dtype=dtype)
     mask = torch.ones(B, 6, dtype=torch.bool)
     mask[1] = False
     proj = torch.randn(8, 4, dtype=dtype)
-    for out in (linformer_attention(q, k, v, proj, proj, mask), exact_attention(q, k, v, mask)):
+    ops = native.kernels_off() if kernel.endswith("ops") else contextlib.nullcontext()
+    with use_kernel(kernel.split(",")[0]), ops:
+        outs = (linformer_attention(q, k, v, proj, proj, mask), exact_attention(q, k, v, mask))
+    for out in outs:
         assert not out.isnan().any()
         assert out[1].abs().max() == 0
 
