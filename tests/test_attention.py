@@ -295,3 +295,22 @@ def test_bad_arguments_are_named_with_the_allowed_range():
             proj(kind, k)
     with pytest.raises(ValueError, match=r"sequence length 20 exceeds max_seq_len 16"):
         proj("conv", 4)(torch.randn(1, 20, 1, 8))
+
+
+@pytest.mark.parametrize(("projection", "keys"), [(None, 10), ("linear", 16), ("pool", 3)])
+def test_a_short_input_runs_at_its_own_length(monkeypatch, projection, keys):
+    # Invariant 3: any n <= max_seq_len runs without padding to max_seq_len: queries of n rows
+    # over n keys (exact), k rows projected from n (linear: E[:n]) or the pooled blocks that
+    # reach into n (ceil(n / block)).
+    shapes = []
+    real_attend = attention_module.attend
+
+    def recorded(q, k, v, mask, dropout_p):
+        shapes.append((q.shape[-2], k.shape[-2], v.shape[-2]))
+        return real_attend(q, k, v, mask, dropout_p)
+
+    monkeypatch.setattr(attention_module, "attend", recorded)
+    proj = projection and build_projection(projection=projection, max_seq_len=64, proj_dim=16)
+    attn = LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=64, proj_k=proj)
+    assert attn(torch.randn(2, 10, 16))[0].shape == (2, 10, 16)
+    assert shapes == [(10, keys, keys)]
