@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
@@ -101,7 +102,9 @@ def replacing(folder: Path, entries: Callable[[Path], list[Path]], what: str) ->
     """Moves an earlier run's `entries(folder)` (those there) aside, into
     `folder/.earlier-WHAT`, while the block writes the new ones, saying so: put back if the
     block stops (an error, Ctrl-C; a killed one's at the next call), removed when it ends.
-    Removed before the work, an interrupted run lost the earlier one for good.
+    Removed before the work, an interrupted run lost the earlier one for good. The aside
+    folder lists what it takes before anything moves, so a move stopped half-way is undone
+    without taking an earlier entry not yet moved for the new run's.
 
     Args:
         folder: where the entries are.
@@ -109,36 +112,53 @@ def replacing(folder: Path, entries: Callable[[Path], list[Path]], what: str) ->
         what: the run, as the messages name it ("demo").
     """
     aside = folder / (".earlier-" + re.sub(r"[^\w@.:-]+", "-", what))
+    staged = aside.with_name(aside.name + ".new")  # the aside folder and its list, then renamed
 
-    def present(root: Path) -> list[Path]:
-        return [path for path in entries(root) if path.exists() or path.is_symlink()]
+    def present(root: Path) -> list[str]:
+        found = [path for path in entries(root) if path.exists() or path.is_symlink()]
+        return [path.relative_to(root).as_posix() for path in found]
 
     def put_back() -> None:
+        shutil.rmtree(staged, ignore_errors=True)  # killed before anything moved
         if not aside.is_dir():
             return
-        for path in present(folder):
-            path.unlink() if path.is_file() or path.is_symlink() else shutil.rmtree(path)
-        for path in present(aside):
-            target = folder / path.relative_to(aside)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, target)
+        listed = aside / _MOVED_NAME  # none: aside by a version before the list
+        names = json.loads(listed.read_text()) if listed.is_file() else present(aside)
+        waiting = set(present(aside))
+        for name in present(folder):  # the new run's; an earlier one not (or again) in place
+            if name not in names or name in waiting:
+                _remove(folder / name)
+        for name in sorted(waiting):
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(aside / name, folder / name)
         shutil.rmtree(aside)
         logger.warning("the earlier %s in %s is back in place", what, folder)
 
     put_back()  # one stopped before its end left one aside
-    if found := present(folder):
-        names = ", ".join(str(p.relative_to(folder)) for p in found)
-        logger.warning("replacing the earlier %s in %s once this one ends: %s", what, folder, names)
-        for path in found:
-            target = aside / path.relative_to(folder)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, target)
+    if names := present(folder):
+        logger.warning(
+            "replacing the earlier %s in %s once this one ends: %s", what, folder, ", ".join(names)
+        )
+        staged.mkdir()
+        (staged / _MOVED_NAME).write_text(json.dumps(names))
+        os.replace(staged, aside)
+        for name in names:
+            (aside / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(folder / name, aside / name)
     try:
         yield
     except BaseException:
         put_back()
         raise
     shutil.rmtree(aside, ignore_errors=True)
+
+
+_MOVED_NAME = ".moved.json"  # what `replacing` set aside, written before it moves
+
+
+def _remove(path: Path) -> None:
+    """Removes a file, link or folder."""
+    path.unlink() if path.is_file() or path.is_symlink() else shutil.rmtree(path)
 
 
 def atomic_write(path: Path, write: Any) -> None:
