@@ -157,6 +157,8 @@ def test_links_to_nothing_are_named(tmp_path, caplog):
     (tmp_path / "b.txt").symlink_to(tmp_path / "gone.txt")
     with caplog.at_level(logging.WARNING):
         assert [d.text for d in iter_documents([str(tmp_path)])] == ["kept"]
+        list(iter_documents([str(tmp_path)]))  # said once a process, as folder links are
+    assert caplog.text.count("point to nothing") == 1
     assert f"1 link(s) under {tmp_path} point to nothing, left out: {tmp_path / 'b.txt'}" in (
         caplog.text
     )

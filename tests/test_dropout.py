@@ -322,6 +322,19 @@ def test_a_lock_a_killed_build_left_is_removed(build_folder, caplog):
     )
 
 
+def test_without_proc_a_lock_is_named_after_a_wait_and_left(build_folder, caplog, monkeypatch):
+    # Nothing shows where processes run (macOS): a live build's lock cannot be told from a
+    # killed one's; after LOCK_WAIT_S a warning names it (it had none after the guard came)
+    folder, builds = build_folder
+    monkeypatch.setattr(native, "PROC", folder / "no-proc")
+    monkeypatch.setattr(native, "LOCK_WAIT_S", 0.2)
+    (folder / "lock").touch()
+    with pytest.raises(RuntimeError, match="built"):
+        native._build()
+    assert builds == [True]  # left for torch's own wait
+    assert f"{folder / 'lock'}: the CPU kernels' build has waited 0 s for it" in caplog.text
+
+
 def test_a_live_build_is_waited_for(build_folder, caplog):
     folder, builds = build_folder
     # this library's, holding the build

@@ -231,6 +231,15 @@ def test_a_sharded_checkpoint_converts_as_one_file(copy_of_minilm, exact):
     model = convert_hf_model(copy_of_minilm, proj_dim=None)
     for name, tensor in exact.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
+    # messages name the index, not a model.safetensors that is not there
+    extra = dict(
+        load_file(str(copy_of_minilm / "model-00002-of-00002.safetensors")), x=tensors[names[0]]
+    )
+    save_file(extra, str(copy_of_minilm / "model-00002-of-00002.safetensors"))
+    index["weight_map"]["x"] = "model-00002-of-00002.safetensors"
+    (copy_of_minilm / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json does not match its config"):
+        convert_hf_model(copy_of_minilm, proj_dim=None)
     (copy_of_minilm / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002.safetensors, a shard "):
         convert_hf_model(copy_of_minilm, proj_dim=None)

@@ -284,6 +284,10 @@ def test_text_from_a_csv_with_a_header_selects_rows_by_a_column(tmp_path):
         load_text(tmp_path / "mixed.csv", where="origin=imdb", cache_dir=cache)
     with pytest.raises(ValueError, match="COLUMN=VALUE"):
         load_text(tmp_path / "mixed.csv", where="=imdb", cache_dir=cache)
+    # a header of "text, label" (a blank after the comma) was read as a label,text row
+    (tmp_path / "spaced.csv").write_text("text, label\n" + "good,1\nbad,0\n" * 5)
+    spaced = load_text(tmp_path / "spaced.csv", cache_dir=cache)
+    assert spaced.params["classes"] == ["0", "1"]
     (tmp_path / "plain.csv").write_text("1,good\n0,bad\n" * 5)
     with pytest.raises(ValueError, match="needs a header"):
         load_text(tmp_path / "plain.csv", where="source=imdb", cache_dir=cache)

@@ -64,7 +64,7 @@ def test_altered_checkpoint_is_refused_by_every_loader_and_resume_falls_back(run
     assert LinformerForMaskedLM.from_pretrained(run_dir / "last", verify=False).config.dim == 32
 
 
-@pytest.mark.parametrize("load", ["from_pretrained", "load_checkpoint"])
+@pytest.mark.parametrize("load", ["from_pretrained", "from_pretrained of last/", "load_checkpoint"])
 def test_a_load_through_a_link_a_live_run_moves_reads_one_save(run_dir, monkeypatch, load):
     # A run moves `last` to each new save. Read through the link, the manifest, config and
     # weights were read in turn and could be of two saves: a false IntegrityError (86 of
@@ -77,8 +77,9 @@ def test_a_load_through_a_link_a_live_run_moves_reads_one_save(run_dir, monkeypa
         return checked
 
     monkeypatch.setattr(hub, "verify_manifest", verified_then_the_link_moves)
-    if load == "from_pretrained":
-        model = LinformerForMaskedLM.from_pretrained(run_dir / "last")
+    if load.startswith("from_pretrained"):  # "run/last/", as a shell completes it, too
+        last = f"{run_dir / 'last'}/" if load.endswith("/") else run_dir / "last"
+        model = LinformerForMaskedLM.from_pretrained(last)
         saved = LinformerForMaskedLM.from_pretrained(checkpoints / "step-00000008")
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved.parameters()))
     else:

@@ -153,7 +153,7 @@ def pinned(path: str | os.PathLike) -> str | os.PathLike:
     once: a load then reads every file of one save, though a live run moves the link to its
     next save meanwhile (read through the link, the manifest, config and weights could be
     of two)."""
-    return Path(path).resolve() if os.path.islink(path) else path
+    return Path(path).resolve() if Path(path).is_symlink() else path  # "run/last/" too
 
 
 def check_before_load(path: str | os.PathLike, verify: bool = True) -> None:

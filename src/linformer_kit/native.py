@@ -42,6 +42,8 @@ from . import files, precision, python_side
 logger = logging.getLogger(__name__)
 
 LOCK_SETTLE_S = 2.0  # torch's build lock standing this long, no process in its folder: stale
+LOCK_WAIT_S = 60.0  # without /proc: a build waiting this long on torch's lock names it
+PROC = Path("/proc")  # where Linux shows each process's working directory
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
@@ -191,8 +193,21 @@ def _left_by_a_killed_build(lock: Path) -> bool:
     the folder (torch runs ninja there). Another holder can only be a process of a version
     of this library before the hold (its `load` takes the file for milliseconds to find
     the build current, or for a whole build, run in the folder): waited for. Without Linux's
-    /proc (which shows where processes run) nothing is removed: torch's wait as before."""
-    if not Path("/proc/self/cwd").exists():
+    /proc (which shows where processes run) nothing is removed: after LOCK_WAIT_S a warning
+    names the file, and torch's wait goes on."""
+    if not (PROC / "self" / "cwd").exists():
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while lock.exists():
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "%s: the CPU kernels' build has waited %.0f s for it: another process is "
+                    "building them, or a build killed earlier left it; if no build runs (no "
+                    "ninja or cc1plus process), remove it",
+                    lock,
+                    LOCK_WAIT_S,
+                )
+                break
+            time.sleep(0.1)
         return False
     settled = time.monotonic() + LOCK_SETTLE_S
     while lock.exists():
@@ -208,7 +223,7 @@ def _runs_in(folder: Path) -> bool:
     """Whether a process of this machine that we may inspect has `folder` as its working
     directory (Linux's /proc)."""
     folder = folder.resolve()
-    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+    for cwd in PROC.glob("[0-9]*/cwd"):
         with contextlib.suppress(OSError):
             if Path(os.readlink(cwd)) == folder:
                 return True

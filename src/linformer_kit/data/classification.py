@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from ..config import TRUNCATIONS, check_choice
-from .corpus import is_csv, iter_csv, iter_jsonl, jsonl_field, label_cell
+from .corpus import is_csv
+from .records import iter_csv, iter_jsonl, jsonl_field, label_cell
 from .tokenizer import TextTokenizer
 
 # A CSV label that reads as a whole number (signed: a -1 is then refused as an id at its own

@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from ..files import atomic_write
 from .cache import cache_key, default_cache_dir
-from .corpus import STDLIB, fingerprint, list_files, read_text, stdlib_root
+from .corpus import STDLIB, fingerprint, list_files, stdlib_root
+from .records import read_text
 
 logger = logging.getLogger(__name__)
 

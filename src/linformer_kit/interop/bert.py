@@ -113,6 +113,13 @@ def read_hf_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     return tensors
 
 
+def _weights_file(folder: Path) -> Path:
+    """What messages name as a directory's weights: model.safetensors, or the index of its
+    shards."""
+    file = folder / WEIGHTS_NAME
+    return file if file.is_file() else folder / f"{WEIGHTS_NAME}.index.json"
+
+
 def _shards(index: Path) -> list[str]:
     """The shard file names a `model.safetensors.index.json` maps tensors to, each once.
 
@@ -348,7 +355,7 @@ def convert_hf_model(
     """
     hf = read_hf_config(path)
     tensors = read_hf_weights(path)
-    source = str(Path(path) / WEIGHTS_NAME)
+    source = str(_weights_file(Path(path)))
     found = {"pooler": has_pooler(tensors), "source": str(Path(path) / CONFIG_NAME)}
     learned = linformer_config_from_hf(hf, **found, proj_dim=None).max_seq_len
     # k is checked against the converted length, which may exceed the learned positions.

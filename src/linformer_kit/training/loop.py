@@ -373,7 +373,7 @@ class Trainer:
             if self.dist.is_main:  # rank 0 writes, and holds the folder for the job
                 try:
                     held.enter_context(exclusive(self.run_dir, "training run"))
-                except ValueError as err:
+                except (ValueError, OSError) as err:  # OSError: no .lock could be made
                     refusal = str(err)
             # every rank learns of a refusal: the others waited at their first collective
             # until its timeout (30 minutes)

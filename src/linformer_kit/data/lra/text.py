@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..corpus import csv_rows, iter_csv, label_cell, read_text
+from ..records import csv_rows, iter_csv, label_cell, read_text
 from .common import LRASplit, LRATask, cached_task, check_range
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def _csv(path: Path, where: str) -> tuple[list[bytes], list[str]]:
     text = read_text(path)  # bytes are never altered silently
     rows = csv_rows(path, text)
     first = next(rows, (1, []))
-    if {"text", "label"} <= set(first[1]):
+    if {"text", "label"} <= {cell.strip() for cell in first[1]}:  # as iter_csv reads it
         return _headed_csv(path, text, where)
     if where:
         raise ValueError(
