@@ -20,10 +20,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from linformer_kit.files import save_json
 from linformer_kit.training import pretrain
 from linformer_kit.training.compare import ComparisonSettings, machine
 from linformer_kit.training.process import in_fresh_process
-from linformer_kit.training.settings import RunConfig, check_compile, save_json
+from linformer_kit.training.settings import RunConfig, check_compile
 
 OUT = Path(__file__).parent / "train_compile"
 COMMAND = "PYTHONPATH=src python benchmarks/train_compile.py"

@@ -13,7 +13,7 @@ from linformer_kit.interop.distill import DistillSettings, set_trainable
 from linformer_kit.interop.distill_run import DistillData
 from linformer_kit.interop.projection_init import init_projections
 from linformer_kit.interop.report import stdlib_files
-from linformer_kit.interop.task_bench import TaskBenchSettings
+from linformer_kit.interop.task_bench_settings import TaskBenchSettings
 from linformer_kit.models import LinformerForSequenceClassification, LinformerModel
 from linformer_kit.projection import build_projection
 from linformer_kit.training.compare import ComparisonSettings

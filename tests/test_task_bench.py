@@ -14,17 +14,13 @@ from train_helpers import write_classification
 from linformer_kit import LinformerForSequenceClassification
 from linformer_kit.cli import main
 from linformer_kit.data.classification import read_labelled
+from linformer_kit.files import exclusive
 from linformer_kit.hub import read_weights
 from linformer_kit.interop import task_bench
 from linformer_kit.interop.convert import convert_to_dir
-from linformer_kit.interop.task_bench import (
-    TaskBenchSettings,
-    Variant,
-    _best_validation,
-    parse_variants,
-    run_task_bench,
-)
+from linformer_kit.interop.task_bench import _best_validation, run_task_bench
 from linformer_kit.interop.task_bench_report import earlier_rows, markdown_table, report_file
+from linformer_kit.interop.task_bench_settings import TaskBenchSettings, Variant, parse_variants
 
 
 def test_variants_parse_and_malformed_ones_are_named():
@@ -180,6 +176,11 @@ def test_variants_added_one_run_at_a_time_keep_the_earlier_rows(tmp_path, monkey
         return {"variant": v.name, "test_acc": 0.5, "s_per_step": 0.1, "peak_mem_mb": 300.0}
 
     monkeypatch.setattr(task_bench, "_variant_row", row)
+    # a second bench-task on the work folder in use: refused (it set the first's runs aside
+    # as a killed run's, then put them back over the live ones)
+    with exclusive(tmp_path / "work", "bench-task"):
+        with pytest.raises(ValueError, match=r"work is in use by another bench-task \(pid"):
+            run_task_bench(settings)
     run_task_bench(settings)
     with caplog.at_level("INFO"):
         report = run_task_bench(dataclasses.replace(settings, variants="exact@32"))

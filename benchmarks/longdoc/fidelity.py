@@ -32,7 +32,7 @@ from linformer_kit.interop.report import (
     document_ids,
     minilm_path,
 )
-from linformer_kit.interop.task_bench import parse_variants
+from linformer_kit.interop.task_bench_settings import parse_variants
 from linformer_kit.training.compare import machine
 
 BUCKETS = {"<=512": (0, 512), "513-1024": (513, 1024), ">1024": (1025, 10**9)}  # tokens

@@ -29,7 +29,7 @@ from linformer_kit.data.classification import read_labelled
 from linformer_kit.embeddings import masked_mean
 from linformer_kit.interop import convert_hf_model
 from linformer_kit.interop.report import TOKENIZER_NAME, document_ids, minilm_path
-from linformer_kit.interop.task_bench import parse_variants
+from linformer_kit.interop.task_bench_settings import parse_variants
 from linformer_kit.training.compare import machine
 from linformer_kit.training.finetune import freeze_projections
 

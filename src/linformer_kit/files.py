@@ -177,6 +177,12 @@ def atomic_write(path: Path, write: Any) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def save_json(data: Any, path: str | os.PathLike) -> None:
+    """Writes `data` as indented JSON to `path`, atomically (a kill leaves the old file)."""
+    text = json.dumps(data, indent=2) + "\n"
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
+
+
 def save_figure(
     fig: Any, path: str | os.PathLike, *, dpi: int = 120, image_format: str = "png"
 ) -> None:

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .config import LinformerConfig
-from .files import atomic_write, sha256
+from .files import atomic_write, save_json, sha256
 from .seq2seq_config import config_from_dict
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,7 @@ def write_manifest(path: str | os.PathLike, **fields: Any) -> None:
         for p in sorted(path.iterdir())
         if p.is_file() and p.name != MANIFEST_NAME
     }
-    text = json.dumps({**fields, "files": files}, indent=2) + "\n"
-    atomic_write(path / MANIFEST_NAME, lambda tmp: Path(tmp).write_text(text))
+    save_json({**fields, "files": files}, path / MANIFEST_NAME)
 
 
 def verify_manifest(

@@ -9,7 +9,6 @@ curves over sequences, per layer and head, using only each sequence's real token
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -18,8 +17,6 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..models import LinformerModel
-
-logger = logging.getLogger(__name__)
 
 MASS_TOLERANCE = 1e-6  # "keeps 100%" must survive float64 rounding of the tail
 RECOMMENDED_MASS = 0.95  # the recommendation keeps this share of the mass in every layer

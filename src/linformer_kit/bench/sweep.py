@@ -8,7 +8,6 @@ import contextlib
 import csv
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import statistics
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..files import atomic_write
+from ..files import atomic_write, save_json
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
 from ..training.settings import keep_freed_memory
@@ -323,5 +322,4 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
             writer.writerows(rows)
 
     atomic_write(out / TABLE_NAME, write_table)
-    text = json.dumps(result, indent=2) + "\n"
-    atomic_write(out / RESULT_NAME, lambda path: Path(path).write_text(text))
+    save_json(result, out / RESULT_NAME)

@@ -10,8 +10,9 @@ import logging
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..interop.task_bench import TaskBenchSettings, run_task_bench
+from ..interop.task_bench import run_task_bench
 from ..interop.task_bench_report import markdown_table, report_file
+from ..interop.task_bench_settings import TaskBenchSettings
 from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
 
 

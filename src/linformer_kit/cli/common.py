@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from ..config import PROJECTIONS, SHARINGS
-from ..files import atomic_write, check_output_path
+from ..files import check_output_path, save_json
 from ..interop.convert import DEFAULT_SHAPE
 from ..training.loop import TrainResult
 
@@ -79,10 +78,8 @@ def check_report_path(path: str, flag: str = "--out") -> None:
 def write_report(result: dict[str, Any], path: str) -> Path:
     """Writes `result` as indented JSON to `path` (atomically, creating its folder); returns
     the path."""
-    out = Path(path)
-    text = json.dumps(result, indent=2) + "\n"
-    atomic_write(out, lambda tmp: Path(tmp).write_text(text))
-    return out
+    save_json(result, path)
+    return Path(path)
 
 
 def config_path(path: str | None) -> str | None:

@@ -21,7 +21,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import check_fraction
-from ..files import atomic_write, private_folder, sha256, umask_mode
+from ..files import private_folder, save_json, sha256, umask_mode
 from .corpus import Document
 from .tokenizer import TextTokenizer
 
@@ -196,9 +196,8 @@ def token_digest(directory: Path) -> dict[str, int | str]:
     meta = read_meta(directory)
     if "sha256" not in meta:
         meta["sha256"] = sha256(directory / TOKENS_NAME)
-        text = json.dumps(meta, indent=2) + "\n"
         with contextlib.suppress(OSError):  # another user's cache: hashed again next time
-            atomic_write(directory / META_NAME, lambda tmp: Path(tmp).write_text(text))
+            save_json(meta, directory / META_NAME)
     return {"num_tokens": meta["num_tokens"], "sha256": meta["sha256"]}
 
 

@@ -9,7 +9,6 @@ into full-length token windows with the checkpoint's `tokenizer.json`.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import statistics
@@ -35,8 +34,6 @@ from ..models import LinformerModel
 from ..training.compare import machine
 from .bert import convert_hf_model, linformer_config_from_hf, read_hf_config
 from .projection_init import INITS
-
-logger = logging.getLogger(__name__)
 
 TOKENIZER_NAME = "tokenizer.json"
 

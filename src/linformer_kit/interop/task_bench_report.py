@@ -9,9 +9,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write
+from ..files import atomic_write, save_json
 from ..training.settings import markdown_table as table
-from ..training.settings import save_json
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from ..causal_lm import LinformerForCausalLM
 from ..config import LinformerConfig, check_finite_non_negative, check_positive
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
-from ..files import atomic_write, check_output_path, exclusive, replacing, save_figure
+from ..files import atomic_write, check_output_path, exclusive, replacing, save_figure, save_json
 from ..masked_lm import LinformerForMaskedLM
 from ..precision import cpu_features
 from .batches import language_model_loss
 from .loop import TrainResult
 from .pretrain import pretrain
 from .process import in_fresh_process
-from .settings import OBJECTIVES, RunConfig, TrainSettings, save_json, use_threads
+from .settings import OBJECTIVES, RunConfig, TrainSettings, use_threads
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from ..config import (
     check_non_negative,
     check_positive,
 )
+from ..files import save_json
 from ..models import POOLINGS
-from .settings import TrainSettings, save_json
+from .settings import TrainSettings
 
 HEAD_INITS = ("probe", "random")
 # Measured on Pang & Lee (500 reviews, exact MiniLM at 512): head+tail 0.836, head 0.720

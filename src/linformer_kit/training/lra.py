@@ -19,7 +19,7 @@ import torch
 from ..config import LinformerConfig
 from ..data.lra import LRASplit, LRATask, load_listops, load_pathfinder, load_text
 from ..embeddings import init_weights
-from ..files import check_output_path, exclusive
+from ..files import check_output_path, exclusive, save_json
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import check_run_dir
@@ -29,7 +29,7 @@ from .loop import Trainer
 from .lra_report import model_label, plot_lra, write_summary
 from .lra_settings import LRASettings, Recipe, check_task, check_task_flags
 from .process import in_fresh_process
-from .settings import TrainSettings, save_json
+from .settings import TrainSettings
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from ..config import (
     is_number,
 )
 from ..data.pipeline import DataSettings
-from ..files import atomic_write
+from ..files import save_json
 
 SCHEDULES = ("linear", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
@@ -322,12 +322,6 @@ def keep_freed_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
         mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     )
-
-
-def save_json(data: dict[str, Any], path: str | Path) -> None:
-    """Writes `data` as indented JSON to `path`, atomically (a kill leaves the old file)."""
-    text = json.dumps(data, indent=2) + "\n"
-    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
 def markdown_table(

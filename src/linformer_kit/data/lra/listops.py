@@ -13,7 +13,6 @@ budget among its arguments, so no work is thrown away.
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,8 +21,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .common import LRASplit, LRATask, cached_task, check_range
-
-logger = logging.getLogger(__name__)
 
 OPERATORS = ("MIN", "MAX", "MED", "SM")
 PAD = "<pad>"
