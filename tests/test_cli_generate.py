@@ -4,6 +4,7 @@ import torch
 from linformer_kit import LinformerConfig, LinformerForCausalLM, LinformerForMaskedLM
 from linformer_kit.cli import main
 from linformer_kit.data.tokenizer import TOKENIZER_NAME, train_tokenizer
+from linformer_kit.training import generate_texts
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int\n    y: int\n"] * 20
 
@@ -33,6 +34,9 @@ def test_generate_prints_the_prompt_and_the_greedy_continuation(checkpoint, caps
     out = capsys.readouterr().out
     assert out == tokenizer.tokenizer.decode(want) + "\n"
     assert out.startswith("def add")
+    # the library function the command prints
+    texts = generate_texts(path, ["def add", "class"], max_new_tokens=12, temperature=0)
+    assert texts[0] == out[:-1] and texts[1].startswith("class")
 
 
 @pytest.mark.parametrize("temperature", ["0", "1"])

@@ -7,6 +7,7 @@ from .distributed import Distributed, setup_distributed, teardown_distributed
 from .evaluate import EvaluateSettings, evaluate_checkpoint
 from .finetune import finetune
 from .finetune_settings import FinetuneSettings
+from .generate import generate_texts
 from .loop import Trainer, TrainResult
 from .optim import build_optimizer, build_scheduler, lr_factor
 from .pretrain import build_trainer, pretrain
@@ -30,6 +31,7 @@ __all__ = [
     "classification_metrics",
     "evaluate_checkpoint",
     "finetune",
+    "generate_texts",
     "keep_freed_memory",
     "latest_checkpoint",
     "load_checkpoint",
