@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config import PROJECTIONS, SHARINGS
 from ..files import check_output_path, save_json
 from ..interop.convert import DEFAULT_SHAPE
 from ..training.loop import TrainResult
+from .overrides import collect_overrides
+
+ConfigT = TypeVar("ConfigT")
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -80,6 +83,21 @@ def write_report(result: dict[str, Any], path: str) -> Path:
     the path."""
     save_json(result, path)
     return Path(path)
+
+
+def merged_run_config(cls: type[ConfigT], args: argparse.Namespace) -> tuple[ConfigT, dict]:
+    """A run's config: the defaults, then `--config FILE` (a run_config.json or a run
+    directory), then the flags given; and those flags, by section (`collect_overrides`).
+
+    Args:
+        cls: the run config's class (`RunConfig`, `Seq2SeqRunConfig`).
+        args: the parsed command line.
+    """
+    config = config_path(args.config)
+    base = cls.load(config).to_dict() if config else {}
+    given = collect_overrides(args)
+    sections = {section: {**base.get(section, {}), **values} for section, values in given.items()}
+    return cls.from_dict({**base, **sections}), given
 
 
 def config_path(path: str | None) -> str | None:

@@ -17,8 +17,8 @@ from ..config import FINETUNE_FIELDS, LinformerConfig
 from ..data.pipeline import DataSettings
 from ..training.pretrain import pretrain
 from ..training.settings import RunConfig, TrainSettings
-from .common import config_path, format_table, print_checkpoints, run_summary
-from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
+from .common import format_table, merged_run_config, print_checkpoints, run_summary
+from .overrides import add_override_arguments, exit_on_user_error
 
 FROM_TOKENIZER = ("vocab_size", "pad_token_id")  # model fields the tokenizer decides
 FROM_OBJECTIVE = ("causal",)  # set by --objective, so the two cannot disagree
@@ -26,14 +26,8 @@ FROM_OBJECTIVE = ("causal",)  # set by --objective, so the two cannot disagree
 
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     """Defaults, then `--config FILE` (a run_config.json or a run directory), then flags."""
-    config = config_path(args.config)
-    base = RunConfig.load(config).to_dict() if config else {}
-    overrides = collect_overrides(args)
-    merged: dict[str, Any] = {}
-    for section, values in overrides.items():
-        merged[section] = {**base.get(section, {}), **values}
-    config = RunConfig.from_dict({**base, **merged})
-    _check_objective_flags(overrides, config.train.objective)
+    config, given = merged_run_config(RunConfig, args)
+    _check_objective_flags(given, config.train.objective)
     return config
 
 

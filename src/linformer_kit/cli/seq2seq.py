@@ -24,20 +24,15 @@ from ..training.seq2seq import (
     train_seq2seq,
 )
 from ..training.settings import TrainSettings
-from .common import config_path, format_table, print_checkpoints, run_summary
-from .overrides import add_override_arguments, collect_overrides, exit_on_user_error
+from .common import format_table, merged_run_config, print_checkpoints, run_summary
+from .overrides import add_override_arguments, exit_on_user_error
 
 NOT_SEQ2SEQ = ("objective", "mlm_probability")  # pretraining's, meaningless here
 
 
 def build_run_config(args: argparse.Namespace) -> Seq2SeqRunConfig:
     """Defaults, then `--config FILE` (a run_config.json or a run directory), then flags."""
-    config = config_path(args.config)
-    base = Seq2SeqRunConfig.load(config).to_dict() if config else {}
-    given = collect_overrides(args)
-    run = Seq2SeqRunConfig.from_dict(
-        {**base, **{section: {**base.get(section, {}), **v} for section, v in given.items()}}
-    )
+    run, given = merged_run_config(Seq2SeqRunConfig, args)
     run.data.check_flags(given.get("data", {}))
     return run
 
