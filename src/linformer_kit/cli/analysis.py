@@ -14,6 +14,7 @@ from .overrides import add_override_arguments, collect_overrides, exit_on_user_e
 
 @exit_on_user_error
 def run_spectrum(args: argparse.Namespace) -> None:
+    """`linformer spectrum`: writes the spectrum JSON and figure, prints the recommended k."""
     settings = SpectrumSettings(**collect_overrides(args).get("spectrum", {}))
     report = spectrum_report(args.checkpoint, settings)
     n, index = report["seq_len"], report["index"]
@@ -55,6 +56,7 @@ def run_spectrum(args: argparse.Namespace) -> None:
 
 @exit_on_user_error
 def run_attention_map(args: argparse.Namespace) -> None:
+    """`linformer attention-map`: draws one layer and head's attention for a text."""
     rows, cols = write_attention_map(args.checkpoint, args.text, args.layer, args.head, args.out)
     print(f"wrote {args.out}: layer {args.layer}, head {args.head}, {rows} x {cols} map")
 

@@ -34,6 +34,7 @@ COLUMNS = (
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    """`linformer bench`: runs the efficiency sweep, prints its table, writes JSON and plots."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = dataclass_from_args(BenchSettings, args)
     print(

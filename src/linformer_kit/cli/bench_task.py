@@ -18,6 +18,7 @@ from .overrides import add_override_arguments, collect_overrides, exit_on_user_e
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    """`linformer bench-task`: runs the variants and the baseline, prints the table."""
     logging.basicConfig(level=logging.INFO)
     settings = TaskBenchSettings(**collect_overrides(args).get("bench_task", {}))
     with logging_redirect_tqdm():  # log lines between progress bars, not inside them

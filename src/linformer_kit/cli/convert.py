@@ -85,6 +85,7 @@ def _report(args: argparse.Namespace, source: Path) -> None:
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    """`linformer convert`: converts a model, or with `--report` measures the conversion."""
     logging.basicConfig(level=logging.INFO)  # the conversion's choices, said
     source = Path(args.source) if args.source else minilm_path()
     if args.report and is_linformer_checkpoint(source):

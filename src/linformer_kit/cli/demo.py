@@ -23,6 +23,7 @@ from .overrides import exit_on_user_error
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    """`linformer demo`: trains both models, prints and writes their comparison."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = dataclass_from_args(ComparisonSettings, args)
     threads = settings.threads or torch.get_num_threads()

@@ -77,6 +77,7 @@ def _report(args: argparse.Namespace, teacher: Path) -> None:
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    """`linformer distill`: distils a converted Linformer, or with `--report` measures it."""
     logging.basicConfig(level=logging.INFO)  # the conversion's choices, said
     teacher = Path(args.teacher) if args.teacher else minilm_path()
     (_report if args.report else _distill)(args, teacher)

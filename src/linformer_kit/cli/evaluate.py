@@ -15,6 +15,7 @@ from .overrides import add_override_arguments, collect_overrides, exit_on_user_e
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    """`linformer evaluate`: prints (and with `--out` writes) a checkpoint's metrics."""
     logging.basicConfig(level=logging.INFO)
     settings = EvaluateSettings(**collect_overrides(args).get("evaluate", {}))
     if args.out:

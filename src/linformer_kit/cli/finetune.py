@@ -26,6 +26,7 @@ UNUSED = ("objective", "mlm_probability", "eval_batches")
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    """`linformer finetune`: fine-tunes a classifier, prints its validation and run."""
     main_process = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     overrides = collect_overrides(args)

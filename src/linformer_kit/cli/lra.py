@@ -19,6 +19,7 @@ from .overrides import exit_on_user_error
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    """`linformer lra TASK`: trains both models on the task, prints the table."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = dataclass_from_args(LRASettings, args)
     recipe = settings.recipe(args.task)

@@ -46,6 +46,7 @@ def _check_objective_flags(overrides: dict[str, dict[str, Any]], objective: str)
 
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
+    """`linformer pretrain`: trains a masked or causal LM, prints its run."""
     main_process = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     config = build_run_config(args)

@@ -39,6 +39,7 @@ def build_run_config(args: argparse.Namespace) -> Seq2SeqRunConfig:
 
 @exit_on_user_error
 def run_train(args: argparse.Namespace) -> None:
+    """`linformer seq2seq train`: trains an encoder-decoder, prints its run."""
     main_process = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     config = build_run_config(args)
@@ -51,6 +52,7 @@ def run_train(args: argparse.Namespace) -> None:
 
 @exit_on_user_error
 def run_evaluate(args: argparse.Namespace) -> None:
+    """`linformer seq2seq evaluate`: prints a checkpoint's metrics on a split."""
     logging.basicConfig(level=logging.INFO)
     metrics = evaluate_seq2seq(
         args.checkpoint,
