@@ -277,10 +277,10 @@ def test_the_digest_of_an_earlier_versions_token_cache_is_read_once(tmp_path, mo
     # a cache it may not write (another user's) is hashed again, without an error
     (directory / "meta.json").write_text(json.dumps(earlier))
 
-    def refused(path, write):
+    def refused(data, path):
         raise PermissionError(f"{path}: read-only")
 
-    monkeypatch.setattr(cache_module, "atomic_write", refused)
+    monkeypatch.setattr(cache_module, "save_json", refused)
     assert token_digest(directory) == {"num_tokens": 6, "sha256": "ab12"}
     assert len(hashed) == 2
 
