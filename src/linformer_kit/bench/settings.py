@@ -19,7 +19,7 @@ from ..kernel_rule import KERNELS
 from ..training.settings import check_compile, check_threads
 from .variants import SCOPES, SHARINGS, Variant, default_variants
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --dtype's names
 MODES = {"fwd": False, "fwdbwd": True}
 
 

@@ -20,9 +20,8 @@ from ..kernel_rule import use_kernel
 from ..linear_backend import linear
 from ..training.settings import compiled_backward
 from .flops import Shape
+from .settings import DTYPES
 from .variants import Variant, build_variant
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)

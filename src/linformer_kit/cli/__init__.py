@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shlex
 import signal
 import sys
@@ -16,6 +15,7 @@ from collections.abc import Iterator, Sequence
 
 from .. import __version__
 from ..training.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
+from ..training.distributed import is_main_process
 from ..training.loop import TrainingInterrupted
 from . import (
     analysis,
@@ -111,6 +111,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             args.func(args)
         except KeyboardInterrupt as err:
-            if os.environ.get("RANK", "0") == "0":  # one line per job, not one per DDP process
+            if is_main_process():  # one line per job, not one per DDP process
                 print(interrupted(args, argv, err), file=sys.stderr)
             raise SystemExit(128 + signal.SIGTERM if terminated else INTERRUPTED) from None

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from ..training.distributed import is_main_process
 from ..training.finetune import finetune
 from ..training.finetune_settings import (
     TRAIN_DEFAULTS,
@@ -27,7 +27,7 @@ UNUSED = ("objective", "mlm_probability", "eval_batches")
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
     """`linformer finetune`: fine-tunes a classifier, prints its validation and run."""
-    main_process = os.environ.get("RANK", "0") == "0"
+    main_process = is_main_process()
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     overrides = collect_overrides(args)
     settings = FinetuneSettings(**overrides.get("finetune", {}))

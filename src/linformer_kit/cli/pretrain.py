@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from typing import Any
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..config import FINETUNE_FIELDS, LinformerConfig
 from ..data.pipeline import DataSettings
+from ..training.distributed import is_main_process
 from ..training.pretrain import pretrain
 from ..training.settings import RunConfig, TrainSettings
 from .common import format_table, merged_run_config, print_checkpoints, run_summary
@@ -47,7 +47,7 @@ def _check_objective_flags(overrides: dict[str, dict[str, Any]], objective: str)
 @exit_on_user_error
 def run(args: argparse.Namespace) -> None:
     """`linformer pretrain`: trains a masked or causal LM, prints its run."""
-    main_process = os.environ.get("RANK", "0") == "0"
+    main_process = is_main_process()
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     config = build_run_config(args)
     with logging_redirect_tqdm():  # warnings between progress bars, not inside them

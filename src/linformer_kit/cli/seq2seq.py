@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..data.seq2seq import Seq2SeqDataSettings
+from ..training.distributed import is_main_process
 from ..training.seq2seq import (
     SPLITS,
     Seq2SeqModelSettings,
@@ -40,7 +40,7 @@ def build_run_config(args: argparse.Namespace) -> Seq2SeqRunConfig:
 @exit_on_user_error
 def run_train(args: argparse.Namespace) -> None:
     """`linformer seq2seq train`: trains an encoder-decoder, prints its run."""
-    main_process = os.environ.get("RANK", "0") == "0"
+    main_process = is_main_process()
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING)
     config = build_run_config(args)
     with logging_redirect_tqdm():

@@ -92,6 +92,12 @@ def job_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def is_main_process() -> bool:
+    """Whether this process is rank 0 of its torchrun job (or in none): the one that prints
+    and logs at INFO, before the process group exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def setup_distributed(device: str = "auto") -> Distributed:
     """Joins the torchrun job described by the environment (or runs alone without one).
 
