@@ -37,6 +37,8 @@ def test_generate_prints_the_prompt_and_the_greedy_continuation(checkpoint, caps
     # the library function the command prints
     texts = generate_texts(path, ["def add", "class"], max_new_tokens=12, temperature=0)
     assert texts[0] == out[:-1] and texts[1].startswith("class")
+    with pytest.raises(ValueError, match="no prompt given"):  # max() of nothing before
+        generate_texts(path, [])
 
 
 @pytest.mark.parametrize("temperature", ["0", "1"])
@@ -53,7 +55,7 @@ def test_generate_continues_several_prompts_each_as_if_alone(checkpoint, capsys,
     main([*argv, *(arg for prompt in prompts for arg in ("--prompt", prompt))])
     blocks = [f"==> prompt {i + 1} <==\n{text}" for i, text in enumerate(alone)]
     assert capsys.readouterr().out == "\n".join(blocks)
-    with pytest.raises(SystemExit, match=r"--prompt '' encodes to no tokens"):
+    with pytest.raises(SystemExit, match=r"prompt '' encodes to no tokens"):
         main([*argv, "--prompt", "def", "--prompt", ""])
 
 
@@ -72,7 +74,7 @@ def test_generate_by_default_adds_as_many_tokens_as_the_model_has_room_for(check
     full = "def add(a, b):\n    return a + b\n" * 40
     width = len(tokenizer.encode_batch([full])[0])
     assert width > 64  # longer than the model takes, or as long
-    with pytest.raises(SystemExit, match=rf"longest --prompt has {width} tokens, which leaves no"):
+    with pytest.raises(SystemExit, match=rf"longest prompt has {width} tokens, which leaves no"):
         main(["generate", str(path), "--prompt", full])
 
 

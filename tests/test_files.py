@@ -74,3 +74,26 @@ def test_a_run_killed_while_moving_loses_nothing(tmp_path, monkeypatch, moves):
     with files.replacing(tmp_path, entries, "demo"):  # the earlier run back, then aside
         assert contents(tmp_path) == {} and contents(tmp_path / ".earlier-demo") == OLD
     assert contents(tmp_path) == {}
+
+
+def test_a_run_killed_as_the_earlier_one_is_removed_keeps_its_own(tmp_path, monkeypatch):
+    # The earlier run stayed in .earlier-demo until its removal ended: killed half-way, the
+    # next call "put back" what was left over the finished run's entries.
+    earlier_run(tmp_path)
+    rmtree, calls = files.shutil.rmtree, []
+
+    def killed_half_way(path, ignore_errors=False):
+        if path.name.startswith(".earlier-demo") and (path / "a.json").exists():
+            (path / "a.json").unlink()  # half removed, then the process ends
+            calls.append(path)
+            raise KeyboardInterrupt
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(files.shutil, "rmtree", killed_half_way)
+    with pytest.raises(KeyboardInterrupt), files.replacing(tmp_path, entries, "demo"):
+        (tmp_path / "a.json").write_text("new a")
+    monkeypatch.undo()
+    assert calls
+    with files.replacing(tmp_path, entries, "demo"):  # the next run finds the finished one
+        assert contents(tmp_path / ".earlier-demo") == {"a.json": "new a"}
+    assert contents(tmp_path) == {}

@@ -108,11 +108,13 @@ def replacing(folder: Path, entries: Callable[[Path], list[Path]], what: str) ->
 
     Args:
         folder: where the entries are.
-        entries: the paths of a run's entries under a folder (`folder`, or the aside one).
+        entries: the paths of a run's entries under a folder (`folder`, or the aside one);
+            none inside another.
         what: the run, as the messages name it ("demo").
     """
     aside = folder / (".earlier-" + re.sub(r"[^\w@.:-]+", "-", what))
     staged = aside.with_name(aside.name + ".new")  # the aside folder and its list, then renamed
+    done = aside.with_name(aside.name + ".old")  # renamed from aside as the block ends, removed
 
     def present(root: Path) -> list[str]:
         found = [path for path in entries(root) if path.exists() or path.is_symlink()]
@@ -120,6 +122,7 @@ def replacing(folder: Path, entries: Callable[[Path], list[Path]], what: str) ->
 
     def put_back() -> None:
         shutil.rmtree(staged, ignore_errors=True)  # killed before anything moved
+        shutil.rmtree(done, ignore_errors=True)  # killed as the earlier run was removed
         if not aside.is_dir():
             return
         listed = aside / _MOVED_NAME  # none: aside by a version before the list
@@ -150,7 +153,9 @@ def replacing(folder: Path, entries: Callable[[Path], list[Path]], what: str) ->
     except BaseException:
         put_back()
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    if aside.is_dir():  # at once out of put_back's way: half removed, it restored the half
+        os.replace(aside, done)
+        shutil.rmtree(done, ignore_errors=True)
 
 
 _MOVED_NAME = ".moved.json"  # what `replacing` set aside, written before it moves

@@ -42,8 +42,8 @@ def generate_texts(
         seed: the seed of each prompt's generator.
 
     Raises:
-        ValueError: for a checkpoint of another kind or without a tokenizer, a prompt that
-            encodes to no token, or one that leaves no room for a new token.
+        ValueError: for a checkpoint of another kind or without a tokenizer, no prompt, a
+            prompt that encodes to no token, or one that leaves no room for a new token.
     """
     # a live run's `last` followed once: config, weights and tokenizer of one save
     checkpoint = hub.pinned(checkpoint)
@@ -64,9 +64,11 @@ def generate_texts(
     vocab_size = model.config.encoder.vocab_size if seq2seq else model.config.vocab_size
     tokenizer = load_tokenizer(checkpoint, model_vocab_size=vocab_size)
     encoded = tokenizer.encode_batch(prompts)
+    if not encoded:
+        raise ValueError("no prompt given")
     for i, ids in enumerate(encoded):
         if not ids:
-            raise ValueError(f"--prompt {prompts[i]!r} encodes to no tokens; give some text")
+            raise ValueError(f"prompt {prompts[i]!r} encodes to no tokens; give some text")
     generation = dict(
         temperature=temperature,
         top_k=top_k,
@@ -82,7 +84,7 @@ def generate_texts(
         room = model.config.max_seq_len - width
         if room < 1:
             raise ValueError(
-                f"the longest --prompt has {width} tokens, which leaves no room for a new one: "
+                f"the longest prompt has {width} tokens, which leaves no room for a new one: "
                 f"the model's max_seq_len is {model.config.max_seq_len}"
             )
         max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
