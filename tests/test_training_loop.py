@@ -38,11 +38,7 @@ from linformer_kit.training import (
     pretrain,
 )
 from linformer_kit.training.batches import LMBatches, LMEvaluator, RowSchedule, language_model_loss
-from linformer_kit.training.checkpoint import (
-    check_resumable,
-    latest_checkpoint,
-    restore_rng,
-)
+from linformer_kit.training.checkpoint import latest_checkpoint, restore_rng
 from linformer_kit.training.distributed import Distributed, resolve_device
 from linformer_kit.training.metrics_log import MetricsLog
 from linformer_kit.training.optim import (
@@ -52,6 +48,7 @@ from linformer_kit.training.optim import (
     load_optimizer_state,
 )
 from linformer_kit.training.pretrain import _same_setting, build_trainer, prepare_data
+from linformer_kit.training.resume import check_resumable
 from linformer_kit.training.seq2seq import Seq2SeqBatches
 
 

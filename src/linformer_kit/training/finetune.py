@@ -16,18 +16,12 @@ from ..data.tokenizer import TextTokenizer, load_tokenizer
 from ..models import CAUSAL_CLS, LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
-from .checkpoint import (
-    DATA_ORDER,
-    Checkpoint,
-    check_resume_keeps,
-    check_run_dir,
-    latest_checkpoint,
-    same_file,
-)
+from .checkpoint import Checkpoint, check_run_dir, latest_checkpoint
 from .distributed import setup_distributed, teardown_distributed
 from .finetune_settings import DEFAULT_TRUNCATION, FinetuneRunConfig, FinetuneSettings
 from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
+from .resume import DATA_ORDER, check_resume_keeps, same_file
 from .settings import TrainSettings, use_threads
 from .task_distill import DistillationObjective, check_teacher, teacher_logits
 

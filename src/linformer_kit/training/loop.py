@@ -25,9 +25,7 @@ from ..precision import bf16_autocast
 from .batches import mix_seed
 from .checkpoint import (
     Checkpoint,
-    check_resumable,
     check_run_dir,
-    check_same_source,
     latest_checkpoint,
     restore_links,
     restore_rng,
@@ -37,6 +35,7 @@ from .distributed import Distributed, peak_memory_mb
 from .interfaces import BatchSource, Evaluator, SavedConfig, TrainingInterrupted, TrainResult
 from .metrics_log import MetricsLog
 from .optim import apply_settings, build_optimizer, build_scheduler, load_optimizer_state
+from .resume import check_resumable, check_same_source
 from .settings import (
     RUN_CONFIG_NAME,
     TrainSettings,

@@ -16,16 +16,10 @@ from ..data.pipeline import DataSettings, PretrainingData, prepare_pretraining_d
 from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
-from .checkpoint import (
-    DATA_ORDER,
-    Checkpoint,
-    check_resume_keeps,
-    check_run_dir,
-    latest_checkpoint,
-    same_file,
-)
+from .checkpoint import Checkpoint, check_run_dir, latest_checkpoint
 from .distributed import Distributed, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
+from .resume import DATA_ORDER, check_resume_keeps, same_file
 from .settings import RunConfig
 
 logger = logging.getLogger(__name__)

@@ -23,9 +23,10 @@ from ..data.tokenizer import TextTokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
 from ..seq2seq_config import Seq2SeqConfig
 from .batches import RowSchedule, language_model_loss
-from .checkpoint import DATA_ORDER, check_resume_keeps, check_run_dir, latest_checkpoint
+from .checkpoint import check_run_dir, latest_checkpoint
 from .distributed import resolve_device, setup_distributed, teardown_distributed
 from .loop import Trainer, TrainResult
+from .resume import DATA_ORDER, check_resume_keeps
 from .rouge import rouge_l, words
 from .settings import RunConfig, TrainSettings, _build, use_threads
 
