@@ -7,7 +7,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 SHARINGS = ("none", "headwise", "kv", "layerwise")
 PROJECTIONS = ("linear", "conv", "pool", "random", "adaptive")
@@ -95,8 +95,34 @@ def check_fraction(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be in (0, 1), got {value!r}")
 
 
+ConfigT = TypeVar("ConfigT", bound="ConfigDict")
+
+
+class ConfigDict:
+    """`replace`, `to_dict` and `from_dict` of a config dataclass (LinformerConfig,
+    Seq2SeqConfig)."""
+
+    def replace(self: ConfigT, **changes: Any) -> ConfigT:
+        """Returns a validated copy with the given fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form of the config."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[ConfigT], data: dict[str, Any]) -> ConfigT:
+        """Builds a config from `to_dict` output.
+
+        Raises:
+            ValueError: if the dict holds a key that is not a config field.
+        """
+        check_fields(cls, data)
+        return cls(**data)
+
+
 @dataclass(kw_only=True)
-class LinformerConfig:
+class LinformerConfig(ConfigDict):
     """Architecture of a Linformer encoder; `proj_dim=None` gives the exact-attention Transformer.
 
     Raises:
@@ -314,24 +340,6 @@ class LinformerConfig:
     def is_exact(self) -> bool:
         """Whether the model runs exact softmax attention (proj_dim=None)."""
         return self.proj_dim is None
-
-    def replace(self, **changes: Any) -> LinformerConfig:
-        """Returns a validated copy with the given fields changed."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form of the config."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LinformerConfig:
-        """Builds a config from `to_dict` output.
-
-        Raises:
-            ValueError: if the dict holds a key that is not a config field.
-        """
-        check_fields(cls, data)
-        return cls(**data)
 
 
 def check_fields(cls: type, data: dict[str, Any]) -> None:

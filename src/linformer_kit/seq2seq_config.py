@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import LinformerConfig, check_fields
+from .config import ConfigDict, LinformerConfig
 
 
 @dataclass(kw_only=True)
-class Seq2SeqConfig:
+class Seq2SeqConfig(ConfigDict):
     """Architecture of an encoder-decoder Linformer: two LinformerConfigs and how they meet.
 
     Each side's `proj_dim` governs the attention over that side's sequence: the encoder's
@@ -90,24 +89,6 @@ class Seq2SeqConfig:
     def is_exact(self) -> bool:
         """Whether every attention is exact (proj_dim=None on both sides)."""
         return self.encoder.is_exact and self.decoder.is_exact
-
-    def replace(self, **changes: Any) -> Seq2SeqConfig:
-        """Returns a validated copy with the given fields changed."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form of the config."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Seq2SeqConfig:
-        """Builds a config from `to_dict` output.
-
-        Raises:
-            ValueError: if the dict holds a key that is not a config field.
-        """
-        check_fields(cls, data)
-        return cls(**data)
 
 
 def config_from_dict(data: dict[str, Any]) -> LinformerConfig | Seq2SeqConfig:
