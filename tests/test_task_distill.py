@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hf_helpers import write_tiny_bert
 from train_helpers import write_classification
 
+from linformer_kit import LinformerForSequenceClassification
 from linformer_kit.cli import main
 from linformer_kit.data.classification import load_classification
 from linformer_kit.data.tokenizer import load_tokenizer
@@ -130,6 +131,11 @@ def test_a_teacher_that_is_not_a_classifier_or_knows_other_classes_is_refused(
         (train, root / "converted", "not a fine-tuned classifier"),
         (three, root / "teacher" / "best", "predicts 2 classes"),
     ]
+
+    def loaded(*args, **kwargs):  # the labels were compared after the student's probe pass
+        raise AssertionError("a model loaded before the teacher's labels were checked")
+
+    monkeypatch.setattr(LinformerForSequenceClassification, "from_pretrained", loaded)
     for data, teacher, message in cases:
         with pytest.raises(SystemExit) as exit_info:
             main(

@@ -23,7 +23,12 @@ from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
 from .resume import DATA_ORDER, check_resume_keeps, same_file
 from .settings import TrainSettings, use_threads
-from .task_distill import DistillationObjective, check_teacher, teacher_logits
+from .task_distill import (
+    DistillationObjective,
+    check_teacher,
+    check_teacher_labels,
+    teacher_logits,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -196,8 +201,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             raise ValueError(f"finetune needs --{name}")
     check_run_dir(train.output_dir, resume=train.resume)  # before the model and data load
     use_threads(train.threads)  # the probe's and the teacher's passes too, not training alone
-    if settings.teacher:
-        check_teacher(settings.teacher)
+    teacher = check_teacher(settings.teacher) if settings.teacher else None
     meta = hub.read_encoder_config(
         settings.init, "fine-tune a masked or causal LM (or a classifier) for classification"
     )
@@ -231,6 +235,9 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             f"needs two or more: check --data, or give --num-labels"
         )
     train_data.check_labels(num_labels)
+    if teacher is not None:  # before the student loads and the probe reads the data
+        labels = (num_labels, train_data.label2id, train_data.source)
+        check_teacher_labels(settings.teacher, teacher, *labels)
     eval_data = load_classification(
         settings.eval,
         tokenizer,

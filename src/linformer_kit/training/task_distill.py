@@ -48,6 +48,25 @@ def check_teacher(teacher: str | Path) -> dict[str, Any]:
     return meta
 
 
+def check_teacher_labels(
+    teacher: str | Path,
+    meta: dict[str, Any],
+    num_labels: int,
+    label2id: dict[str, int] | None,
+    source: str | Path,
+) -> None:
+    """Raises ValueError unless the teacher (`meta`, its `check_teacher`) predicts the
+    student's classes: `num_labels` of them, named by `label2id` as the data `source` names
+    them. Checked before any model loads: a mismatch was named after the probe's pass."""
+    saved = meta["model_kwargs"].get("num_labels")
+    names = meta["config"].label2id
+    if saved != num_labels or (names or None) != (label2id or None):
+        raise ValueError(
+            f"--teacher {teacher} predicts {saved} classes ({names}); {source} has "
+            f"{num_labels} ({label2id}): the teacher must be fine-tuned on the same labels"
+        )
+
+
 @torch.no_grad()
 def teacher_logits(
     teacher: str | Path,
@@ -75,16 +94,9 @@ def teacher_logits(
     Raises:
         ValueError: if `teacher` is not a classifier, or its classes differ from the data's.
     """
-    config = check_teacher(teacher)["config"]
+    meta = check_teacher(teacher)
+    check_teacher_labels(teacher, meta, num_labels, student_data.label2id, student_data.source)
     model = LinformerForSequenceClassification.from_pretrained(teacher).to(device)
-    if model.num_labels != num_labels or (config.label2id or None) != (
-        student_data.label2id or None
-    ):
-        raise ValueError(
-            f"--teacher {teacher} predicts {model.num_labels} classes ({config.label2id}); "
-            f"{student_data.source} has {num_labels} ({student_data.label2id}): the teacher "
-            f"must be fine-tuned on the same labels"
-        )
     data = load_for_classifier(
         teacher,
         student_data.source,
