@@ -17,7 +17,7 @@ from linformer_kit.interop.distill import (
     DistillSettings,
     HeldOut,
     distill,
-    distillation_loss,
+    hidden_state_loss,
 )
 from linformer_kit.interop.distill_report import distillation_report, plot_curves
 from linformer_kit.interop.distill_run import (
@@ -270,11 +270,11 @@ def test_padding_counts_in_no_term_of_the_loss():
     student = [torch.randn(2, 7, 5) for _ in range(3)]
     teacher = torch.randn(3, 2, 7, 5)
     mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
-    loss = distillation_loss(student, teacher, 0.5, mask)
+    loss = hidden_state_loss(student, teacher, 0.5, mask)
     noisy = [s.clone() for s in student]
     for s in noisy:
         s[1, 4:] = 1e3  # only padded positions change
-    assert torch.equal(loss, distillation_loss(noisy, teacher, 0.5, mask))
+    assert torch.equal(loss, hidden_state_loss(noisy, teacher, 0.5, mask))
     # Hand-written: per-layer error over the real positions, cosine of the real-token means.
     real = [(0, slice(0, 7)), (1, slice(0, 4))]
     stacked = torch.stack(student)

@@ -163,7 +163,7 @@ def check_student(student: LinformerConfig, teacher: LinformerConfig) -> None:
         raise ValueError("the student has exact attention (proj_dim=None): nothing to distill")
 
 
-def distillation_loss(
+def hidden_state_loss(
     student: Sequence[Tensor],
     teacher: Tensor,
     layer_weight: float,
@@ -286,7 +286,7 @@ def distill(
             with autocast:
                 out = student(batch, mask, output_hidden_states=True)
             layers = [hidden.float() for hidden in out.hidden_states[1:]]
-            loss = distillation_loss(layers, targets, settings.layer_weight, mask)
+            loss = hidden_state_loss(layers, targets, settings.layer_weight, mask)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
