@@ -92,20 +92,19 @@ def read_hf_weights(path: str | os.PathLike) -> dict[str, Tensor]:
             (`hub.check_before_load`).
     """
     folder = Path(path)
-    files = [folder / WEIGHTS_NAME]
-    index = folder / f"{WEIGHTS_NAME}.index.json"
-    if not files[0].is_file() and index.is_file():
-        files = [folder / name for name in _shards(index)]
-    elif not files[0].is_file():
+    weights = _weights_file(folder)
+    if not weights.is_file():
         hint = " (pytorch_model.bin is pickle: re-save it as safetensors)" * any(
             folder.glob("*.bin")
         )
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {folder}{hint}")
+    sharded = weights.name != WEIGHTS_NAME
+    files = [folder / name for name in _shards(weights)] if sharded else [weights]
     hub.check_before_load(path)
     tensors: dict[str, Tensor] = {}
     for file in files:
         if not file.is_file():
-            raise FileNotFoundError(f"{file}, a shard {index.name} lists, is missing")
+            raise FileNotFoundError(f"{file}, a shard {weights.name} lists, is missing")
         try:
             tensors |= load_file(file)
         except (SafetensorError, OSError) as err:
