@@ -1,6 +1,6 @@
 """Every setting with a fixed set of values rejects an unknown one with the same message:
-the setting's name, the allowed values, and the value given (config.check_choice); counts
-likewise name the setting, the range and the value (config.check_positive / check_non_negative)."""
+the setting's name, the allowed values, and the value given (checks.check_choice); counts
+likewise name the setting, the range and the value (checks.check_positive / check_non_negative)."""
 
 import pytest
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from linformer_kit import LinformerConfig, linformer_base, linformer_small, linformer_tiny
-from linformer_kit.config import check_finite_non_negative, proj_dim_schedule
+from linformer_kit.checks import check_finite_non_negative
+from linformer_kit.config import proj_dim_schedule
 from linformer_kit.training.settings import TrainSettings
 
 

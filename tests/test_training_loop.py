@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -373,6 +374,23 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
         with pytest.raises(ValueError, match=held):
             pretrain(run)
     assert pretrain(run).steps == 2  # let go: it runs
+
+
+def test_a_resume_refuses_a_checkpoint_a_run_that_ended_since_has_gone_past(tmp_path, monkeypatch):
+    # pretrain found the checkpoint to resume from before the Trainer held the folder: a run
+    # of it that ended in between left newer checkpoints, and the resume went on from the one
+    # found, its saves overwriting the newer ones' steps
+    run = tiny_run(tmp_path, max_steps=4, eval_every=2, save_every=2)
+    pretrain(run)
+    found = checkpoint.load_checkpoint(checkpoint.step_dir(run.train.output_dir, 2))
+    module = importlib.import_module("linformer_kit.training.pretrain")  # not the function
+    monkeypatch.setattr(module, "latest_checkpoint", lambda _: found)
+    run.train.resume, run.train.max_steps = True, 6
+    with pytest.raises(ValueError, match="newest checkpoint is step-00000004, not step-00000002"):
+        pretrain(run)
+    newest = checkpoint.step_dir(run.train.output_dir, 4)
+    (newest / "model.safetensors").write_bytes(b"torn")  # a newer one that fails its check
+    assert pretrain(run).steps == 6  # is no newer run's: the one found is resumed
 
 
 def test_a_validation_batch_with_no_masked_token_leaves_the_loss_a_number():

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .causal import block_projections, causal_attention, summary_scale
-from .config import check_positive, check_probability
+from .checks import check_positive, check_probability
 from .functional import (
     attend,
     attention_weights,

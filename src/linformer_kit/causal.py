@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import check_positive
+from .checks import check_positive
 from .functional import (
     check_key_padding_mask,
     check_projections,

@@ -10,12 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import CausalState
-from .config import (
-    LinformerConfig,
-    check_finite_non_negative,
-    check_non_negative,
-    check_positive,
-)
+from .checks import check_finite_non_negative, check_non_negative, check_positive
+from .config import LinformerConfig
 from .functional import check_key_padding_mask, check_rows_hold_a_token
 from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from .checks import (
+    check_choice,
+    check_finite_positive,
+    check_non_negative,
+    check_positive,
+    check_probability,
+)
 
 SHARINGS = ("none", "headwise", "kv", "layerwise")
 PROJECTIONS = ("linear", "conv", "pool", "random", "adaptive")
@@ -19,44 +26,6 @@ CHECKPOINTINGS = ("none", "layer", "attention")
 TRUNCATIONS = ("head", "tail", "head+tail")
 # Set by fine-tuning (from the data, or finetune's own flag), never by a model flag.
 FINETUNE_FIELDS = ("id2label", "label2id", "truncation")
-
-
-def check_positive(name: str, value: Any) -> None:
-    """Raises ValueError unless `value` is an integer >= 1, naming `name` and the value."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def check_non_negative(name: str, value: Any, zero: str = "") -> None:
-    """Raises ValueError unless `value` is an integer >= 0, naming `name`, the value and, when
-    given, what 0 means (`zero`, e.g. "0 = no limit")."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        meaning = f" ({zero})" if zero else ""
-        raise ValueError(f"{name} must be an integer >= 0{meaning}, got {value!r}")
-
-
-def is_number(value: Any) -> bool:
-    """Whether `value` is a real number: an int, a float, a numpy scalar, a 0-d tensor or
-    array (a bool, or a string from a hand-edited JSON file, is not: they failed in a
-    comparison with a TypeError)."""
-    if isinstance(value, numbers.Real):
-        return not isinstance(value, bool)
-    return getattr(value, "shape", None) == ()  # a 0-d tensor or array
-
-
-def check_finite_non_negative(name: str, value: float, zero: str = "") -> None:
-    """Raises ValueError unless `value` is a finite number >= 0 (nan and inf refused), naming
-    `name`, the value and, when given, what 0 means (`zero`, e.g. "0 = no clipping")."""
-    if not is_number(value) or not 0 <= value < math.inf:
-        meaning = f" ({zero})" if zero else ""
-        raise ValueError(f"{name} must be a finite number >= 0{meaning}, got {value}")
-
-
-def check_finite_positive(name: str, value: Any) -> None:
-    """Raises ValueError unless `value` is a finite number > 0 (nan, inf and bools refused),
-    naming `name` and the value."""
-    if not is_number(value) or not 0 < value < math.inf:  # nan fails both comparisons
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def check_proj_dim(proj_dim: Any, max_seq_len: int, projection: str = "linear") -> None:
@@ -75,24 +44,6 @@ def check_proj_dim(proj_dim: Any, max_seq_len: int, projection: str = "linear") 
             f"projection={projection!r} uses kernel = stride = max_seq_len / proj_dim, so "
             f"proj_dim ({proj_dim}) must divide max_seq_len ({max_seq_len})"
         )
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Raises ValueError naming `name`, the wrong `value` and the allowed `choices`."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def check_probability(name: str, value: Any) -> None:
-    """Raises ValueError unless `value` is a number in [0, 1), naming `name` and the value."""
-    if not is_number(value) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
-
-
-def check_fraction(name: str, value: Any) -> None:
-    """Raises ValueError unless `value` is a number in (0, 1), naming `name` and the value."""
-    if not is_number(value) or not 0.0 < value < 1.0:
-        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
 
 
 ConfigT = TypeVar("ConfigT", bound="ConfigDict")

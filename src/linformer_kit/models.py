@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from . import hub
 from .attention import CausalState
-from .config import LinformerConfig, check_choice
+from .checks import check_choice
+from .config import LinformerConfig
 from .dropout import Dropout
 from .embeddings import (
     LinformerEmbeddings,

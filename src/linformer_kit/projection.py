@@ -21,7 +21,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .config import LinformerConfig, check_choice, check_positive, check_proj_dim
+from .checks import check_choice, check_positive
+from .config import LinformerConfig, check_proj_dim
 from .functional import (
     check_seq_len,
     leading_rows,

@@ -21,7 +21,7 @@ from .causal_lm import (
     check_top_k,
     next_token_targets,
 )
-from .config import check_finite_non_negative, check_non_negative
+from .checks import check_finite_non_negative, check_non_negative
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .embeddings import LinformerEmbeddings, causal_position_ids, init_weights
 from .encoder import LinformerEncoderLayer, layer_arguments

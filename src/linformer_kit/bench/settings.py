@@ -8,12 +8,7 @@ from typing import Any
 
 import torch
 
-from ..config import (
-    check_choice,
-    check_finite_non_negative,
-    check_non_negative,
-    check_positive,
-)
+from ..checks import check_choice, check_finite_non_negative, check_non_negative, check_positive
 from ..files import check_output_path
 from ..kernel_rule import KERNELS
 from ..training.settings import check_compile, check_threads

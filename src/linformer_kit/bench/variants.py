@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import LinformerSelfAttention
-from ..config import LinformerConfig, check_choice
+from ..checks import check_choice
+from ..config import LinformerConfig
 from ..encoder import LinformerEncoderLayer
 from ..functional import attention_weights
 from ..kernel_rule import use_kernel

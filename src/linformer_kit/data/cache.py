@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..config import check_fraction
+from ..checks import check_fraction
 from ..files import private_folder, save_json, sha256, umask_mode
 from .corpus import Document
 from .tokenizer import TextTokenizer

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import TRUNCATIONS, check_choice
+from ..checks import check_choice
+from ..config import TRUNCATIONS
 from .corpus import is_csv
 from .records import iter_csv, iter_jsonl, jsonl_field, label_cell
 from .tokenizer import TextTokenizer

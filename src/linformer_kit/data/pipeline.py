@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import check_fraction, check_non_negative
+from ..checks import check_fraction, check_non_negative
 from ..files import check_output_path
 from .cache import (
     TOKENS_FORMAT,

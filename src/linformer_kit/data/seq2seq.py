@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..config import check_choice, check_positive
+from ..checks import check_choice, check_positive
 from .cache import cache_key, default_cache_dir
 from .corpus import STDLIB, fingerprint
 from .docstrings import check_split_fractions, extract_stdlib_pairs, split_by_file

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from ..config import check_positive
+from ..checks import check_positive
 from ..files import atomic_write, check_output_path
 from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..config import LinformerConfig, check_choice, check_finite_non_negative
+from ..checks import check_choice, check_finite_non_negative
+from ..config import LinformerConfig
 from ..embeddings import masked_mean
 from ..models import LinformerModel
 from ..precision import bf16_autocast

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import check_positive
+from ..checks import check_positive
 from ..data.corpus import list_files
 from ..files import atomic_write
 from ..models import LinformerModel

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..config import check_choice
+from ..checks import check_choice
 from ..models import LinformerModel
 from ..projection import MatrixProjection
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from ..config import LinformerConfig, check_choice, check_positive
+from ..checks import check_choice, check_positive
+from ..config import LinformerConfig
 from ..data.classification import encode_documents, pad_sequences
 from ..data.tokenizer import load_tokenizer
 from ..embeddings import masked_mean

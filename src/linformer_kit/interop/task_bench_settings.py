@@ -8,14 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..config import (
-    PROJECTIONS,
-    TRUNCATIONS,
-    check_choice,
-    check_non_negative,
-    check_positive,
-    check_proj_dim,
-)
+from ..checks import check_choice, check_non_negative, check_positive
+from ..config import PROJECTIONS, TRUNCATIONS, check_proj_dim
 from ..training.finetune_settings import DEFAULT_TRUNCATION, PROJECTION_MODES, FinetuneSettings
 from ..training.settings import check_lr
 

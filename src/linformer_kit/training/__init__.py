@@ -3,7 +3,7 @@ pretraining, fine-tuning, evaluation and the Linformer-vs-Transformer comparison
 
 from .batches import LMBatches, LMEvaluator, RowSchedule, classification_metrics
 from .checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-from .distributed import Distributed, setup_distributed, teardown_distributed
+from .distributed import Distributed, distributed_job, setup_distributed, teardown_distributed
 from .evaluate import EvaluateSettings, evaluate_checkpoint
 from .finetune import finetune
 from .finetune_settings import FinetuneSettings
@@ -38,6 +38,7 @@ __all__ = [
     "lr_factor",
     "pretrain",
     "save_checkpoint",
+    "distributed_job",
     "setup_distributed",
     "teardown_distributed",
 ]

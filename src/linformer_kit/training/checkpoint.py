@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .. import hub
-from ..config import is_number
+from ..checks import is_number
 from ..data.tokenizer import TOKENIZER_NAME, TextTokenizer
 from ..files import check_output_path, umask_mode
 from ..models import LinformerPreTrainedModel

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ..causal_lm import LinformerForCausalLM
-from ..config import LinformerConfig, check_finite_non_negative, check_positive
+from ..checks import check_finite_non_negative, check_positive
+from ..config import LinformerConfig
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
 from ..files import atomic_write, check_output_path, exclusive, replacing, save_figure, save_json

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import re
 import resource
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +132,22 @@ def teardown_distributed() -> None:
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed_job(device: str = "auto") -> Iterator[Distributed]:
+    """This process's part of its job (`setup_distributed`) while the block runs: a block that
+    ends without an error waits for every process (gloo can abort a process whose peer already
+    left the group), and the group is left after it however it ends (`teardown_distributed`).
+
+    Build the DDP-wrapped model inside the block, so that it is gone when the group is left.
+    """
+    dist = setup_distributed(device)
+    try:
+        yield dist
+        dist.barrier()
+    finally:
+        teardown_distributed()
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -14,7 +14,8 @@ from tqdm.auto import tqdm
 
 from .. import hub
 from ..causal_lm import LinformerForCausalLM
-from ..config import LinformerConfig, check_fraction
+from ..checks import check_fraction
+from ..config import LinformerConfig
 from ..data.cache import PackedBlocks, token_dtype
 from ..data.classification import ClassificationData, load_classification
 from ..data.corpus import is_csv, is_jsonl, iter_csv, iter_documents, iter_jsonl

@@ -17,7 +17,7 @@ from ..models import CAUSAL_CLS, LinformerForSequenceClassification
 from ..projection import SequenceProjection
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import Checkpoint, check_run_dir, latest_checkpoint
-from .distributed import setup_distributed, teardown_distributed
+from .distributed import distributed_job
 from .finetune_settings import DEFAULT_TRUNCATION, FinetuneRunConfig, FinetuneSettings
 from .loop import Trainer, TrainResult
 from .probe import init_head_from_probe
@@ -248,8 +248,7 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     )
     for data in (train_data, eval_data):
         logger.info(data.describe_truncation(max_len))
-    dist = setup_distributed(train.device)
-    try:
+    with distributed_job(train.device) as dist:
         train = _sized(settings, train, len(train_data), dist.world_size)
         torch.manual_seed(train.seed)
         model = LinformerForSequenceClassification.from_pretrained(
@@ -292,7 +291,4 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
             loss_fn=objective,
             checkpoint=last,
         ).fit()  # the trainer (and its DDP wrapper) gone before the group is destroyed
-        dist.barrier()  # gloo can abort a process whose peer already closed the group
         return result
-    finally:
-        teardown_distributed()

@@ -8,14 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import (
-    TRUNCATIONS,
-    LinformerConfig,
-    check_choice,
-    check_finite_positive,
-    check_non_negative,
-    check_positive,
-)
+from ..checks import check_choice, check_finite_positive, check_non_negative, check_positive
+from ..config import TRUNCATIONS, LinformerConfig
 from ..files import save_json
 from ..models import POOLINGS
 from .settings import TrainSettings

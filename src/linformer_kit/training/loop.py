@@ -26,7 +26,6 @@ from .batches import mix_seed
 from .checkpoint import (
     Checkpoint,
     check_run_dir,
-    latest_checkpoint,
     restore_links,
     restore_rng,
     save_checkpoint,
@@ -35,7 +34,7 @@ from .distributed import Distributed, peak_memory_mb
 from .interfaces import BatchSource, Evaluator, SavedConfig, TrainingInterrupted, TrainResult
 from .metrics_log import MetricsLog
 from .optim import apply_settings, build_optimizer, build_scheduler, load_optimizer_state
-from .resume import check_resumable, check_same_source
+from .resume import check_resumable, check_same_source, checkpoint_to_resume
 from .settings import (
     RUN_CONFIG_NAME,
     TrainSettings,
@@ -90,7 +89,8 @@ class Trainer:
             (`model(**batch).loss`).
         checkpoint: with `settings.resume`, the checkpoint to go on from as the caller
             verified it (`latest_checkpoint` of the run, to check the resume before the data
-            loads), so that it is not verified twice; None: the newest intact one, found here.
+            loads), so that it is not verified twice, unless a newer one came since
+            (`checkpoint_to_resume`); None: the newest intact one, found here.
         data_source: what the training data is (pretraining: the token stream's length and
             SHA-256), saved in every checkpoint; a resume on other data is refused.
     """
@@ -127,7 +127,7 @@ class Trainer:
         )
 
     def _resume(self) -> int | None:
-        checkpoint = self.checkpoint or latest_checkpoint(self.run_dir)
+        checkpoint = checkpoint_to_resume(self.checkpoint, self.run_dir)
         if checkpoint is None:
             logger.info("no checkpoint in %s: starting from scratch", self.run_dir)
             return None

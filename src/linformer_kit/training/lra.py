@@ -24,7 +24,7 @@ from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import check_run_dir
 from .compare import machine
-from .distributed import job_size, setup_distributed, teardown_distributed
+from .distributed import distributed_job, job_size
 from .loop import Trainer
 from .lra_report import model_label, plot_lra, write_summary
 from .lra_settings import LRASettings, Recipe, check_task, check_task_flags
@@ -163,8 +163,7 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
         pad_token_id=data.pad_id,
     )
     train = train_settings(task, settings, name)
-    dist = setup_distributed(train.device)
-    try:
+    with distributed_job(train.device) as dist:
         torch.manual_seed(settings.seed)  # both models start from the same seed
         model = LinformerForSequenceClassification(config, data.num_labels, pooling=recipe.pooling)
         init_like_lra(model)
@@ -184,8 +183,6 @@ def train_model(task: str, settings: LRASettings, name: str) -> dict[str, Any]:
         ).fit()
         model.eval()
         test = evaluate["test"](model, dist.device)
-    finally:
-        teardown_distributed()
     return {
         "model": model_label(name, config.proj_dim, settings.projection),
         "test_acc": 100 * float(test["accuracy"]),

@@ -7,7 +7,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..config import PROJECTIONS, SHARINGS, check_choice, check_non_negative, check_positive
+from ..checks import check_choice, check_non_negative, check_positive
+from ..config import PROJECTIONS, SHARINGS
 from ..data.lra import TASKS
 from .compare import MODELS
 from .distributed import resolve_device

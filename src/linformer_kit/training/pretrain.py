@@ -17,7 +17,7 @@ from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..masked_lm import LinformerForMaskedLM
 from .batches import LMBatches, LMEvaluator, RowSchedule
 from .checkpoint import Checkpoint, check_run_dir, latest_checkpoint
-from .distributed import Distributed, setup_distributed, teardown_distributed
+from .distributed import Distributed, distributed_job
 from .loop import Trainer, TrainResult
 from .resume import DATA_ORDER, check_resume_keeps, same_file
 from .settings import RunConfig
@@ -146,11 +146,7 @@ def pretrain(run: RunConfig, data: PretrainingData | None = None) -> TrainResult
     check_run_dir(run.train.output_dir, resume=run.train.resume)  # before the data's work
     checkpoint = latest_checkpoint(run.train.output_dir) if run.train.resume else None
     check_same_data(run, checkpoint)
-    dist = setup_distributed(run.train.device)
-    try:
+    with distributed_job(run.train.device) as dist:
         data = data or prepare_data(run, dist, checkpoint)
         result = build_trainer(run, data, dist, checkpoint).fit()
-        dist.barrier()  # gloo can abort a process whose peer already closed the group
         return result
-    finally:
-        teardown_distributed()

@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import hub
 from ..models import LinformerPreTrainedModel
-from .checkpoint import Checkpoint
+from .checkpoint import CHECKPOINTS_DIR, Checkpoint, latest_checkpoint
 from .settings import RUN_CONFIG_NAME
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,30 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{name}"] = value
     return flat
+
+
+def checkpoint_to_resume(found: Checkpoint | None, run_dir: Path) -> Checkpoint | None:
+    """The checkpoint a resume goes on from, once the run's folder is held: the newest intact
+    one, or the one the caller `found` before (to check the resume before the data's work),
+    checked again: a run of the folder that ended in between could have saved newer ones, which
+    a resume from the one found would overwrite.
+
+    Raises:
+        ValueError: naming both, when a checkpoint newer than the one found is there now.
+    """
+    if found is None:
+        return latest_checkpoint(run_dir)
+    newer = [p for p in (run_dir / CHECKPOINTS_DIR).glob("step-*") if p.name > found.path.name]
+    if not newer:  # the usual case: no second verification of the checkpoints
+        return found
+    latest = latest_checkpoint(run_dir)  # a newer one that fails its check is no newer run's
+    if latest is not None and latest.path.name != found.path.name:
+        raise ValueError(
+            f"{run_dir} went on while this --resume prepared (another run of it ended): its "
+            f"newest checkpoint is {latest.path.name}, not {found.path.name} as found before; "
+            f"start the --resume again"
+        )
+    return found
 
 
 def check_resumable(

@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 
 from .. import hub
 from ..causal_lm import next_token_targets
-from ..config import LinformerConfig, check_choice
+from ..checks import check_choice
+from ..config import LinformerConfig
 from ..data.masking import IGNORE_INDEX
 from ..data.seq2seq import Seq2SeqData, Seq2SeqDataSettings, Seq2SeqPairs, load_seq2seq_data
 from ..data.tokenizer import TextTokenizer
@@ -24,7 +25,7 @@ from ..seq2seq import LinformerForSeq2SeqLM
 from ..seq2seq_config import Seq2SeqConfig
 from .batches import RowSchedule, language_model_loss
 from .checkpoint import check_run_dir, latest_checkpoint
-from .distributed import resolve_device, setup_distributed, teardown_distributed
+from .distributed import distributed_job, resolve_device
 from .loop import Trainer, TrainResult
 from .resume import DATA_ORDER, check_resume_keeps
 from .rouge import rouge_l, words
@@ -239,8 +240,7 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
     data = data or load_seq2seq_data(run.data)
     config = run.model.config(data, run.data)
     settings = run.train
-    dist = setup_distributed(settings.device)
-    try:
+    with distributed_job(settings.device) as dist:
         torch.manual_seed(settings.seed)  # every rank starts from the same weights
         model = LinformerForSeq2SeqLM(config)
         schedule = RowSchedule.for_run(len(data.train), settings, dist.world_size)
@@ -259,10 +259,7 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
             loss_fn=batches.loss,
             checkpoint=checkpoint,
         ).fit()
-        dist.barrier()
         return result
-    finally:
-        teardown_distributed()
 
 
 def evaluate_seq2seq(

@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from ..config import (
-    LinformerConfig,
+from ..checks import (
     check_choice,
     check_finite_non_negative,
     check_fraction,
@@ -23,6 +22,7 @@ from ..config import (
     check_positive,
     is_number,
 )
+from ..config import LinformerConfig
 from ..data.pipeline import DataSettings
 from ..files import save_json
 

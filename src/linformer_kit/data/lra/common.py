@@ -221,3 +221,43 @@ def cached_task(
     _save(task, path)
     logger.info("cached the %s data in %s", name, path)
     return task
+
+
+def generated_task(
+    name: str,
+    generate: Callable[..., LRASplit],
+    sizes: dict[str, int],
+    shape: dict[str, Any],
+    *,
+    seed: int,
+    version: int,
+    cache_dir: str | Path | None,
+    **task: Any,
+) -> LRATask:
+    """A task whose splits a generator draws, each from its own stream, generated once and cached.
+
+    Args:
+        name: the task.
+        generate: draws a split: `generate(num, seed=..., **shape)`.
+        sizes: rows per split ("train", "val", "test").
+        shape: the generator's knobs.
+        seed: the data seed; split `s` draws from `f"{seed}/{s}"`.
+        version: the generator's version (part of the cache key).
+        cache_dir: the cache root (None: the project's default).
+        **task: `LRATask`'s other fields (vocab_size, num_labels, pad_id).
+
+    Raises:
+        ValueError: for a split size below 1.
+    """
+    for split, num in sizes.items():
+        check_range(f"num_{split}", num, 1)
+    params = {**{f"num_{k}": n for k, n in sizes.items()}, **shape, "seed": seed}
+    params["version"] = version
+
+    def build() -> LRATask:
+        splits = {
+            split: generate(num, seed=f"{seed}/{split}", **shape) for split, num in sizes.items()
+        }
+        return LRATask(name, params=params, **task, **splits)
+
+    return cached_task(name, params, build, cache_dir)

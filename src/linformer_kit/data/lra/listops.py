@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .common import LRASplit, LRATask, cached_task, check_range
+from .common import LRASplit, LRATask, check_range, generated_task
 
 OPERATORS = ("MIN", "MAX", "MED", "SM")
 PAD = "<pad>"
@@ -237,18 +237,14 @@ def load_listops(
         "max_depth": max_depth,
         "max_args": max_args,
     }
-    for split, num in sizes.items():
-        check_range(f"num_{split}", num, 1)
-
-    def build() -> LRATask:
-        splits = {
-            split: generate_listops(num, seed=f"{seed}/{split}", **shape)
-            for split, num in sizes.items()
-        }
-        return LRATask(
-            "listops", vocab_size=len(TOKENS), num_labels=10, pad_id=PAD_ID, params=params, **splits
-        )
-
-    params = {**{f"num_{k}": n for k, n in sizes.items()}, **shape, "seed": seed}
-    params["version"] = VERSION
-    return cached_task("listops", params, build, cache_dir)
+    task = {"vocab_size": len(TOKENS), "num_labels": 10, "pad_id": PAD_ID}
+    return generated_task(
+        "listops",
+        generate_listops,
+        sizes,
+        shape,
+        seed=seed,
+        version=VERSION,
+        cache_dir=cache_dir,
+        **task,
+    )

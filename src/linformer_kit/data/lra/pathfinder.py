@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .common import LRASplit, LRATask, cached_task, check_range
+from .common import LRASplit, LRATask, check_range, generated_task
 
 logger = logging.getLogger(__name__)
 
@@ -283,23 +283,15 @@ def load_pathfinder(
     """
     sizes = {"train": num_train, "val": num_val, "test": num_test}
     shape = {"contour_length": contour_length, "num_distractors": num_distractors, "size": size}
-    for split, num in sizes.items():
-        check_range(f"num_{split}", num, 1)
-
-    def build() -> LRATask:
-        splits = {
-            split: generate_pathfinder(num, seed=f"{seed}/{split}", **shape)
-            for split, num in sizes.items()
-        }
-        # Every row is full length, so no token is padding; id 0 (background) is nominal.
-        return LRATask(
-            "pathfinder", vocab_size=256, num_labels=2, pad_id=0, params=params, **splits
-        )
-
-    params = {
-        **{f"num_{k}": n for k, n in sizes.items()},
-        **shape,
-        "seed": seed,
-        "version": VERSION,
-    }
-    return cached_task("pathfinder", params, build, cache_dir)
+    # Every row is full length, so no token is padding; id 0 (background) is nominal.
+    task = {"vocab_size": 256, "num_labels": 2, "pad_id": 0}
+    return generated_task(
+        "pathfinder",
+        generate_pathfinder,
+        sizes,
+        shape,
+        seed=seed,
+        version=VERSION,
+        cache_dir=cache_dir,
+        **task,
+    )
