@@ -239,16 +239,22 @@ def test_attention_map_writes_the_format_its_suffix_names_and_refuses_bad_input_
 ) -> None:
     # Before, am.pdf held PNG bytes, an empty text drew [CLS] [SEP], and a folder as --out
     # failed in the atomic rename after the model ran.
+    (tmp_path / "m.pdf").write_bytes(b"%PDF-1.4 an earlier map")  # replaced
     main(["attention-map", str(random_exact), "--text", TEXT, "--out", str(tmp_path / "m.pdf")])
-    assert (tmp_path / "m.pdf").read_bytes().startswith(b"%PDF")
+    assert (tmp_path / "m.pdf").read_bytes().startswith(b"%PDF") and (
+        tmp_path / "m.pdf"
+    ).stat().st_size > 1000
+    notes = tmp_path / "notes.png"  # a user's file a slip of --out named: it was replaced
+    notes.write_text("mine")
     for text, out, message in [
         (TEXT, tmp_path / "m.xyz", r"matplotlib writes no .xyz figure; name one of .*\.png"),
         (TEXT, tmp_path, f"--out {tmp_path} is a directory; name a file"),
         ("", tmp_path / "m.png", "the text '' yields no tokens"),
+        (TEXT, notes, f"--out {notes} exists and is not a .png image: writing would replace it"),
     ]:
         with pytest.raises(SystemExit, match=message):
             main(["attention-map", str(random_exact), "--text", text, "--out", str(out)])
-    assert not (tmp_path / "m.png").exists()
+    assert not (tmp_path / "m.png").exists() and notes.read_text() == "mine"
 
 
 def test_a_pooled_map_titles_its_rows_and_numbers_them(

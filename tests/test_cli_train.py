@@ -265,6 +265,8 @@ def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
         ([*pretrain, *run, "--data", ""], "a data path is empty ('')"),  # was: the working dir
         ([*pretrain, *run, "--data", "/dev/null"], "/dev/null is neither a file nor a directory"),
         ([*evaluate, "--out", str(tmp_path)], f"--out {tmp_path} is a directory; name a file"),
+        # the metrics replaced a file that was no report (the training data of another run)
+        ([*evaluate, "--out", str(note)], f"--out {note} exists and is not a JSON report"),
         ([*evaluate, "--out", f"{note}/m.json"], f"{note} is a file, not a directory"),
         (["bench", "--n", "64", "--out", str(note)], f"--out {note} is a file; name a directory"),
         # the metrics were written over the data file, or into the checkpoint

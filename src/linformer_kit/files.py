@@ -243,6 +243,27 @@ def sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
+def check_replaceable(
+    path: str | os.PathLike, is_ours: Callable[[Path], bool], what: str, flag: str = "--out"
+) -> None:
+    """Raises ValueError for a file at `path` that the output would replace and that is no
+    `what` (`is_ours` of it is False; an empty file is replaced): a slip of `--out` replaced a
+    user's training data with a report, without a word.
+
+    Args:
+        path: the output file.
+        is_ours: whether an existing file is one such output (an earlier run's, replaced).
+        what: what the output is, as the refusal names it ("a JSON report").
+        flag: the option that named `path`.
+    """
+    out = Path(path)
+    if out.is_file() and out.stat().st_size and not is_ours(out):
+        raise ValueError(
+            f"{flag} {out} exists and is not {what}: writing would replace it; remove it "
+            f"first, or choose another path"
+        )
+
+
 def check_output_path(path: str | os.PathLike, *, directory: bool, flag: str = "--out") -> None:
     """Raises ValueError if output could not be written at `path` (a file where a folder is
     wanted or the reverse, or a file where a folder of its path should be), naming `flag`:

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from .. import files
-from ..files import check_output_path
+from ..files import check_output_path, check_replaceable
 
 MAX_TICK_LABELS = 64  # beyond this many tokens an axis shows positions, not token text
 MAX_ANNOTATED_CELLS = 256  # the heatmap prints its values when it has at most this many cells
@@ -25,8 +25,9 @@ def figure_format(path: str | Path) -> str:
     without one).
 
     Raises:
-        ValueError: for a suffix matplotlib cannot write, naming those it can, or a path
-            where no file can be written (`check_output_path`).
+        ValueError: for a suffix matplotlib cannot write, naming those it can, a path where
+            no file can be written (`check_output_path`), or a file there that is no image
+            of that format (`check_replaceable`).
     """
     check_output_path(path, directory=False)
     suffix = Path(path).suffix.lower().lstrip(".")
@@ -36,7 +37,35 @@ def figure_format(path: str | Path) -> str:
             f"{path}: matplotlib writes no .{suffix} figure; name one of "
             f"{', '.join('.' + name for name in sorted(formats))}"
         )
-    return suffix or "png"
+    image_format = suffix or "png"
+    check_replaceable(path, lambda out: _is_image(out, image_format), f"a .{image_format} image")
+    return image_format
+
+
+# how a file of each format matplotlib writes begins (avif, raw, rgba and pgf: no telling)
+SIGNATURES = {
+    "png": (b"\x89PNG",),
+    "pdf": (b"%PDF",),
+    "jpg": (b"\xff\xd8\xff",),
+    "jpeg": (b"\xff\xd8\xff",),
+    "eps": (b"%!PS", b"\xc5\xd0\xd3\xc6"),
+    "ps": (b"%!PS",),
+    "svg": (b"<?xml", b"<svg"),
+    "svgz": (b"\x1f\x8b",),
+    "tif": (b"II*\x00", b"MM\x00*"),
+    "tiff": (b"II*\x00", b"MM\x00*"),
+    "webp": (b"RIFF",),
+    "gif": (b"GIF8",),
+}
+
+
+def _is_image(path: Path, image_format: str) -> bool:
+    """Whether `path` begins as an image of `image_format` does (one a new figure replaces)."""
+    signatures = SIGNATURES.get(image_format)
+    if signatures is None:
+        return True
+    with open(path, "rb") as handle:
+        return handle.read(8).startswith(signatures)
 
 
 def save_figure(fig: Figure, path: str | Path) -> None:

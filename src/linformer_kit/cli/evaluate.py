@@ -19,12 +19,12 @@ def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO)
     settings = EvaluateSettings(**collect_overrides(args).get("evaluate", {}))
     if args.out:
-        check_report_path(args.out)
         out = Path(args.out).resolve()
         if out in [Path(spec).resolve() for spec in settings.data] or (
             Path(args.checkpoint).resolve() in out.parents
         ):  # the metrics were written over the data file without a word
             raise ValueError(f"--out {args.out} is an input (--data, or in the checkpoint)")
+        check_report_path(args.out)
     metrics = evaluate_checkpoint(args.checkpoint, settings)
     print(format_table([{"data": name, **values} for name, values in metrics.items()]))
     if args.out:
