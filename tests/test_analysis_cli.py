@@ -296,6 +296,11 @@ def test_the_analysis_tools_name_what_they_cannot_read(random_exact: Path, tmp_p
         (["attention-map", str(causal), "--text", TEXT], "is a causal Linformer"),
         (["spectrum", str(hf)], "holds a Hugging Face model .*: convert it first"),
         (["spectrum", str(random_exact), "--out", str(tmp_path / "file")], "is a file; name a dir"),
+        (  # no curve is longer than seq_len: 10**12 failed in the allocator
+            ["spectrum", str(random_exact), "--random-tokens", "--index", "17", "--seq-len", "16"]
+            + ["--out", str(tmp_path / "spectrum")],
+            r"index must be in \[0, seq_len=16\], got 17",
+        ),
     ]:
         if argv[0] == "attention-map":
             argv += ["--out", str(tmp_path / "m.png")]

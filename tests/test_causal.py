@@ -295,6 +295,8 @@ def test_generation_refuses_more_than_max_seq_len():
     for ids in (prompt[0], prompt[:0], prompt[:, :0]):  # an empty batch: a traceback in max()
         with pytest.raises(ValueError, match=r"input_ids must be \(batch >= 1, N >= 1\) token"):
             model.generate(ids, 2)
+    with pytest.raises(ValueError, match=r"eos_token_id must be in \[0, 49\], got 50"):
+        model.generate(prompt, 2, eos_token_id=50)  # it never ended a text
     for generator in (3, "s", [3]):  # an int was "object of type 'int' has no len()"
         with pytest.raises(ValueError, match=r"generator must be a torch.Generator or one per row"):
             model.generate(prompt, 2, generator=generator)

@@ -133,3 +133,46 @@ def test_a_bad_number_names_the_setting_its_range_and_the_value(case):
 def test_an_lra_device_is_checked_before_data_is_made_or_a_run_replaced():
     with pytest.raises(ValueError, match=r"^device must be auto, cpu, cuda or cuda:N; got 'tpu'$"):
         LRASettings(device="tpu")
+
+
+def tiny(**sizes):
+    return TINY.replace(**sizes)
+
+
+HUGE = 10**12
+SIZES = {  # each failed in the allocator (a traceback, a bare MemoryError) or, for the
+    # tokenizer's vocabulary, aborted the process; the batch grew a list for minutes
+    "dim": (lambda: LinformerModel(tiny(dim=HUGE, num_heads=1)), rf"dim {HUGE}, depth"),
+    "depth": (lambda: LinformerModel(tiny(depth=HUGE)), rf"depth {HUGE},"),
+    "ffn_dim": (lambda: LinformerModel(tiny(ffn_dim=HUGE)), rf"ffn_dim {HUGE} \("),
+    "vocab_size": (lambda: LinformerModel(tiny(vocab_size=HUGE)), rf"vocab_size {HUGE},"),
+    "max_seq_len": (lambda: LinformerModel(tiny(max_seq_len=HUGE)), rf"max_seq_len {HUGE},"),
+    "type_vocab_size": (
+        lambda: LinformerModel(tiny(type_vocab_size=HUGE)),
+        rf"type_vocab_size {HUGE},",
+    ),
+    "num_labels": (
+        lambda: LinformerForSequenceClassification(TINY, num_labels=HUGE),
+        rf"ffn_dim 256, num_labels {HUGE} \(",
+    ),
+    "batch_size": (
+        lambda: TrainSettings(batch_size=HUGE),
+        rf"a micro-batch of batch_size {HUGE} \(an 8-byte token id per sequence\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_a_size_no_machine_here_could_hold_is_named_before_anything_is_allocated(case):
+    make, named = SIZES[case]
+    with pytest.raises(ValueError, match=rf"{named}.* takes at least [\d,.]+ GiB: more than "):
+        make()
+
+
+def test_a_seed_a_generator_cannot_take_is_named():
+    for seed in (-1, 2**64, 1.5):  # -1 was taken, 10**21 said "Overflow when unpacking"
+        with pytest.raises(
+            ValueError, match=rf"^seed must be an integer in \[0, 2\*\*64 - 1\], got {seed}$"
+        ):
+            TrainSettings(seed=seed)
+    assert TrainSettings(seed=2**64 - 1).seed == 2**64 - 1

@@ -132,3 +132,11 @@ def test_generate_refuses_a_masked_lm_checkpoint(checkpoint):
     # it said "LinformerForCausalLM needs a config with causal=True", not how to get one
     with pytest.raises(SystemExit, match="is a LinformerForMaskedLM: generate continues text wi"):
         main(["generate", str(path), "--prompt", "def"])
+
+
+def test_generate_names_a_seed_its_generators_cannot_take(checkpoint):
+    path, _, _ = checkpoint  # 10**21 said "Overflow when unpacking long long"
+    with pytest.raises(
+        SystemExit, match=r"seed must be an integer in \[0, 2\*\*64 - 1\], got 10{21}"
+    ):
+        main(["generate", str(path), "--prompt", "def", "--seed", str(10**21)])

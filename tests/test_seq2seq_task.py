@@ -252,7 +252,7 @@ def test_synthetic_data_settings_check_the_lengths():
         ("copy", ["--vocab-size", "300", "--val-fraction", "0.1"], "--vocab-size, "
          "--val-fraction set the data of the docstrings task only; --task copy would ignore"),
         ("docstrings", ["--num-train", "5"], "--num-train set the data of the synthetic tasks"),
-        ("docstrings", ["--vocab-size", "0"], "vocab_size must be >= 261 for byte-level BPE"),
+        ("docstrings", ["--vocab-size", "0"], "vocab_size must be in [261, 16777216] for byte"),
     ]:  # fmt: skip
         with pytest.raises(SystemExit, match=re.escape(named)):
             main(["seq2seq", "train", "--task", task, *flags])

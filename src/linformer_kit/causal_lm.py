@@ -155,7 +155,8 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
             ValueError: for prompts not shaped (B, N >= 1), a malformed mask or a prompt
                 without a real token, a count that is not an integer >= 0, a temperature
                 that is not finite and >= 0, top_k < 1, a list of generators not one per
-                row, or a total length over max_seq_len.
+                row, an eos_token_id out of the vocabulary, or a total length over
+                max_seq_len.
         """
         if input_ids.dim() != 2 or 0 in input_ids.shape:
             raise ValueError(
@@ -167,6 +168,9 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         check_finite_non_negative("temperature", temperature)
         check_top_k(top_k)
         check_generators(generator, input_ids.shape[0])
+        vocab = self.config.vocab_size
+        if eos_token_id is not None and not 0 <= eos_token_id < vocab:  # it never ended one
+            raise ValueError(f"eos_token_id must be in [0, {vocab - 1}], got {eos_token_id}")
         lengths = input_ids.new_full((input_ids.shape[0],), input_ids.shape[1])
         if key_padding_mask is not None:
             check_rows_hold_a_token(key_padding_mask, "prompt")

@@ -62,3 +62,10 @@ def check_fraction(name: str, value: Any) -> None:
     """Raises ValueError unless `value` is a number in (0, 1), naming `name` and the value."""
     if not is_number(value) or not 0.0 < value < 1.0:
         raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+
+
+def check_seed(name: str, value: Any) -> None:
+    """Raises ValueError unless `value` is an integer in [0, 2**64 - 1] (what a torch
+    generator takes), naming `name` and the value."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+        raise ValueError(f"{name} must be an integer in [0, 2**64 - 1], got {value!r}")

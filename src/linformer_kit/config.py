@@ -215,7 +215,7 @@ class LinformerConfig(ConfigDict):
                     f"have a different k per layer (proj_dim={self.proj_dim}); use a single "
                     f"int or sharing in none, headwise, kv"
                 )
-        for k in self.proj_dims:
+        for k in self.proj_dim if isinstance(self.proj_dim, list) else [self.proj_dim]:
             check_proj_dim(k, self.max_seq_len, self.projection)
 
     def _check_causal(self) -> None:

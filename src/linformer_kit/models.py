@@ -34,6 +34,7 @@ from .functional import (
     real_first,
 )
 from .losses import at_least_float32
+from .memory import check_weights_fit
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ class LinformerModel(LinformerPreTrainedModel):
 
     def __init__(self, config: LinformerConfig, *, pooled: bool = True) -> None:
         super().__init__(config)
+        check_weights_fit(config)
         self.embeddings = LinformerEmbeddings(config)
         self.encoder = LinformerEncoder(config)
         self.pooler = LinformerPooler(config.dim) if config.pooler else None
@@ -316,6 +318,7 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         super().__init__(config)
         if not isinstance(num_labels, int) or num_labels < 1:
             raise ValueError(f"num_labels must be an integer >= 1, got {num_labels!r}")
+        check_weights_fit(config, num_labels)
         if pooling is None:
             pooling = "last" if config.causal else "cls"
         check_choice("pooling", pooling, POOLINGS)

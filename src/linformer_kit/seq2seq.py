@@ -33,6 +33,7 @@ from .functional import (
 )
 from .kernel_rule import checkpointed
 from .losses import check_labels, lm_head_loss
+from .memory import check_weights_fit
 from .models import LinformerModel, LinformerPreTrainedModel
 from .projection import SequenceProjection, build_sharing_plan
 from .seq2seq_config import Seq2SeqConfig
@@ -178,6 +179,7 @@ class LinformerDecoder(nn.Module):
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__()
         decoder = config.decoder
+        check_weights_fit(decoder)
         self.config = decoder
         self.embeddings = LinformerEmbeddings(decoder)
         plans = zip(build_sharing_plan(decoder), build_sharing_plan(config.cross_attention))

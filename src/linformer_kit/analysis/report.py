@@ -106,7 +106,8 @@ def spectrum_report(path: str | os.PathLike, settings: SpectrumSettings) -> dict
     Raises:
         FileNotFoundError: if the checkpoint or data is missing, or it has no tokenizer.json
             and `random_tokens` is off.
-        ValueError: if seq_len exceeds the model's max_seq_len or the data holds no tokens.
+        ValueError: if seq_len exceeds the model's max_seq_len, index exceeds seq_len, or the
+            data holds no tokens.
     """
     model = load_backbone(path)
     config = model.config
@@ -114,6 +115,8 @@ def spectrum_report(path: str | os.PathLike, settings: SpectrumSettings) -> dict
     seq_len = settings.seq_len or config.max_seq_len
     if seq_len > config.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {config.max_seq_len}")
+    if settings.index > seq_len:  # no curve is longer (10**12 failed in the allocator)
+        raise ValueError(f"index must be in [0, seq_len={seq_len}], got {settings.index}")
     ids, mask = sequences(path, settings, vocab_size=config.vocab_size, seq_len=seq_len)
     batches = list(zip(ids.split(settings.batch_size), mask.split(settings.batch_size)))
     spectra = attention_spectra(model, batches, total=len(batches))

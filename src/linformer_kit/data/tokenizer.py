@@ -15,6 +15,9 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_NAME = "tokenizer.json"
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # RoBERTa's ids 0..4
+# The BPE trainer reserves ~72 bytes per token up front: 10**12 aborted the process in its
+# allocator. 2**24 is far above any model's vocabulary (Llama 3's: 128,256).
+MAX_VOCAB_SIZE = 2**24
 # Names the special tokens go by in RoBERTa-style and BERT-style vocabularies.
 ROLES = {
     "pad": ("<pad>", "[PAD]"),
@@ -157,10 +160,13 @@ def load_tokenizer(path: str | Path, *, model_vocab_size: int | None = None) -> 
 
 def check_vocab_size(vocab_size: int) -> None:
     """Raises ValueError unless a byte-level BPE can have `vocab_size` tokens: at least the
-    256 bytes and the special tokens."""
+    256 bytes and the special tokens, and at most `MAX_VOCAB_SIZE`."""
     minimum = 256 + len(SPECIAL_TOKENS)
-    if vocab_size < minimum:
-        raise ValueError(f"vocab_size must be >= {minimum} for byte-level BPE, got {vocab_size}")
+    if not minimum <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size must be in [{minimum}, {MAX_VOCAB_SIZE}] for byte-level BPE, got "
+            f"{vocab_size}"
+        )
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> TextTokenizer:

@@ -11,6 +11,7 @@ import torch
 
 from .. import hub
 from ..causal_lm import LinformerForCausalLM
+from ..checks import check_seed
 from ..data.tokenizer import TOKENIZER_NAME, load_tokenizer
 from ..seq2seq import LinformerForSeq2SeqLM
 
@@ -43,8 +44,10 @@ def generate_texts(
 
     Raises:
         ValueError: for a checkpoint of another kind or without a tokenizer, no prompt, a
-            prompt that encodes to no token, or one that leaves no room for a new token.
+            prompt that encodes to no token, one that leaves no room for a new token, or a
+            seed out of [0, 2**64 - 1].
     """
+    check_seed("seed", seed)  # before the model loads
     # a live run's `last` followed once: config, weights and tokenizer of one save
     checkpoint = hub.pinned(checkpoint)
     architecture = hub.read_config(checkpoint)["architecture"]

@@ -20,11 +20,13 @@ from ..checks import (
     check_fraction,
     check_non_negative,
     check_positive,
+    check_seed,
     is_number,
 )
 from ..config import LinformerConfig
 from ..data.pipeline import DataSettings
 from ..files import save_json
+from ..memory import check_fits
 
 SCHEDULES = ("linear", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
@@ -112,6 +114,10 @@ class TrainSettings:
             "keep_last",
         ):
             check_positive(name, getattr(self, name))
+        # a list of 10**12 rows grew for minutes before the kill
+        what = f"a micro-batch of batch_size {self.batch_size} (an 8-byte token id per sequence)"
+        check_fits(8 * self.batch_size, what)
+        check_seed("seed", self.seed)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("objective", self.objective, OBJECTIVES)
         check_choice("precision", self.precision, PRECISIONS)
