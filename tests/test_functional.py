@@ -233,6 +233,11 @@ def test_linformer_attention_names_malformed_inputs_and_takes_an_empty_batch():
     # keys and values of different lengths were projected by different rows: no error
     with pytest.raises(ValueError, match=r"keys and values must be as many.* \(1, 3, 7, 4\)"):
         linformer_attention(q, q, q[:, :, :7], e, e)
+    # integer inputs: "expected m1 and m2 to have the same dtype" from a matmul
+    with pytest.raises(
+        ValueError, match=r"^k must be a floating-point tensor, got dtype torch.int64"
+    ):
+        linformer_attention(q, q.long(), q, e, e)
     # the projection's heads were named on its slice to n, as if it needed them
     with pytest.raises(ValueError, match=r"shape \(4, 16, 5\) has 4 heads; the inputs have 3"):
         linformer_attention(q, q, q, torch.randn(4, 16, 5), torch.randn(4, 16, 5))

@@ -178,6 +178,13 @@ def test_missing_directory_raises(tmp_path):
         LinformerModel.from_pretrained(tmp_path / "empty")
 
 
+def test_saving_onto_a_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "notes").write_text("mine")  # was "[Errno 20] Not a directory: .../manifest.json"
+    with pytest.raises(ValueError, match=rf"^path {tmp_path / 'notes'} is a file; name a dir"):
+        LinformerModel(tiny()).save_pretrained(tmp_path / "notes")
+    assert (tmp_path / "notes").read_text() == "mine"
+
+
 def test_missing_weights_raise(mlm_dir):
     _, path = mlm_dir
     (path / WEIGHTS_NAME).unlink()

@@ -468,6 +468,15 @@ def test_ids_and_labels_out_of_range_are_named_with_the_range():
     classifier = LinformerForSequenceClassification(config, num_labels=4).eval()
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 4\) or equal .* got 4"):
         classifier(ids, labels=torch.tensor([1, 4]))
+    # float ids and labels: the embedding's and cross_entropy's dtype errors named neither
+    with pytest.raises(
+        ValueError, match=r"^input_ids must be an integer \(int64\) tensor, got dtype torch.float32"
+    ):
+        model(ids.float())
+    with pytest.raises(
+        ValueError, match=r"^labels must be an integer \(int64\) tensor, got dtype torch.float32"
+    ):
+        classifier(ids, labels=torch.tensor([1.0, 2.0]))
     # -100 still scores nothing, as in F.cross_entropy
     one = classifier(ids[:1], labels=torch.tensor([2])).loss
     torch.testing.assert_close(classifier(ids, labels=torch.tensor([2, -100])).loss, one)

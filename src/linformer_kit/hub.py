@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .config import LinformerConfig
-from .files import atomic_write, save_json, sha256
+from .files import atomic_write, check_output_path, save_json, sha256
 from .seq2seq_config import config_from_dict
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ def save_pretrained(
         architecture: class name recorded for `from_pretrained`.
         model_kwargs: constructor arguments beyond the config (e.g. num_labels).
     """
-    path = Path(path)
+    check_output_path(path := Path(path), directory=True, flag="path")  # "Not a directory"
     state = model.state_dict()
     tensors = {group[0]: state[group[0]].contiguous() for group in _alias_groups(state)}
     save_id = uuid.uuid4().hex
