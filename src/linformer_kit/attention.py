@@ -9,14 +9,8 @@ from torch import Tensor, nn
 
 from .causal import block_projections, causal_attention, summary_scale
 from .checks import check_positive, check_probability
-from .functional import (
-    attend,
-    attention_weights,
-    check_input,
-    check_key_padding_mask,
-    check_seq_len,
-    real_tokens_first,
-)
+from .functional import attend, attention_weights, real_tokens_first
+from .input_checks import check_input, check_key_padding_mask, check_seq_len
 from .linear_backend import apply_linear, linear
 from .projection import ExactProjection, MatrixProjection, SequenceProjection
 

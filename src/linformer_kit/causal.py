@@ -13,13 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_positive
-from .functional import (
-    check_key_padding_mask,
-    check_projections,
-    check_qkv,
-    check_seq_len,
-    real_first,
-)
+from .functional import real_first
+from .input_checks import check_key_padding_mask, check_projections, check_qkv, check_seq_len
 from .kernels import dot_product_attention
 
 

@@ -12,7 +12,7 @@ from torch import Tensor
 from .attention import CausalState
 from .checks import check_finite_non_negative, check_non_negative, check_positive
 from .config import LinformerConfig
-from .functional import check_key_padding_mask, check_rows_hold_a_token
+from .input_checks import check_key_padding_mask, check_rows_hold_a_token
 from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
 

@@ -15,15 +15,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from .attention import LinformerSelfAttention
-from .functional import (
-    attend,
-    check_input,
-    check_key_padding_mask,
-    check_seq_len,
-    exact_attention,
-    linformer_attention,
-    real_tokens_first,
-)
+from .functional import attend, exact_attention, linformer_attention, real_tokens_first
+from .input_checks import check_input, check_key_padding_mask, check_seq_len
 from .linear_backend import apply_linear
 from .projection import SequenceProjection
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .config import LinformerConfig
 from .dropout import Dropout
-from .functional import check_index_range
+from .input_checks import check_index_range
 
 
 def sinusoidal_positions(max_seq_len: int, dim: int) -> Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .functional import check_index_range
+from .input_checks import check_index_range
 from .linear_backend import add_matmul_, linear, matmul
 from .native import transformed
 from .python_side import first_order_only

@@ -25,14 +25,8 @@ from .embeddings import (
     masked_mean,
 )
 from .encoder import LinformerEncoder
-from .functional import (
-    check_index_range,
-    check_key_padding_mask,
-    check_seq_len,
-    check_token_ids,
-    gather_positions,
-    real_first,
-)
+from .functional import gather_positions, real_first
+from .input_checks import check_index_range, check_key_padding_mask, check_seq_len, check_token_ids
 from .losses import at_least_float32
 from .memory import check_weights_fit
 

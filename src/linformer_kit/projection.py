@@ -23,13 +23,8 @@ from torch import Tensor, nn
 
 from .checks import check_choice, check_positive
 from .config import LinformerConfig, check_proj_dim
-from .functional import (
-    check_seq_len,
-    leading_rows,
-    project_blocks,
-    project_linear,
-    zero_padding,
-)
+from .functional import leading_rows, project_blocks, project_linear, zero_padding
+from .input_checks import check_seq_len
 
 
 class SequenceProjection(nn.Module):

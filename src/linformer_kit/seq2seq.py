@@ -25,7 +25,7 @@ from .checks import check_finite_non_negative, check_non_negative
 from .cross_attention import LinformerCrossAttention, MemoryCache
 from .embeddings import LinformerEmbeddings, causal_position_ids, init_weights
 from .encoder import LinformerEncoderLayer, layer_arguments
-from .functional import (
+from .input_checks import (
     check_key_padding_mask,
     check_rows_hold_a_token,
     check_seq_len,
