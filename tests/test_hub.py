@@ -566,3 +566,23 @@ def test_an_interrupted_figure_save_leaves_the_earlier_figure(tmp_path):
         files.save_figure(Interrupted(), path)
     assert path.read_bytes() == b"the earlier figure"
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]
+
+
+def test_weights_that_are_not_numbers_load_with_a_warning_naming_them(tmp_path):
+    model = LinformerModel(tiny())
+    with torch.no_grad():
+        model.embeddings.tokens.weight[3, 1] = float("nan")
+    model.save_pretrained(tmp_path)  # a diverged run's: it loaded without a word
+    with pytest.warns(UserWarning, match=r"1 weights hold nan or inf \(embeddings.tokens.weight\)"):
+        again = LinformerModel.from_pretrained(tmp_path)
+    assert again.embeddings.tokens.weight[3, 1].isnan()  # loaded, to be looked into
+
+
+def test_a_config_no_machine_here_could_hold_is_named_with_its_file(mlm_dir):
+    _, path = mlm_dir
+    meta = json.loads((path / CONFIG_NAME).read_text())
+    meta["config"]["vocab_size"] = 10**13  # failed in the allocator, naming no file
+    (path / CONFIG_NAME).write_text(json.dumps(meta))
+    named = rf"^{path / CONFIG_NAME}: a model of vocab_size 10000000000000, .* GiB: more than"
+    with pytest.raises(ValueError, match=named):
+        LinformerForMaskedLM.from_pretrained(path, verify=False)

@@ -146,8 +146,20 @@ class LinformerPreTrainedModel(nn.Module):
             hub.check_encoder(meta, path, f"load it with {meta['architecture']}.from_pretrained")
         config = meta["config"].replace(**(config_overrides or {}))
         same = meta["architecture"] == cls.__name__ and keep_head
-        model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
+        try:
+            model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
+        except ValueError as err:  # e.g. sizes no machine here could hold: the file named
+            raise ValueError(f"{os.path.join(os.fspath(path), hub.CONFIG_NAME)}: {err}") from None
         tensors = hub.read_weights(path)
+        if broken := [
+            k for k, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()
+        ]:
+            warnings.warn(  # loaded without a word, the outputs were nan
+                f"{path}: {len(broken)} weights hold nan or inf ({', '.join(broken[:3])}"
+                f"{', ...' if len(broken) > 3 else ''}): the model's outputs will not be "
+                f"numbers (saved from a run that diverged?)",
+                stacklevel=2,
+            )
         if dtype is not None:
             model.to(hub.weights_dtype(tensors, path) if dtype == "auto" else dtype)
         if same:
