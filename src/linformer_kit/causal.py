@@ -192,7 +192,7 @@ def causal_attention(
     if proj_k is not None:
         check_positive("block_size", block_size)
         proj_v = proj_k if proj_v is None else proj_v
-        check_projections(proj_k, proj_v, heads=q.shape[1])
+        check_projections(proj_k, proj_v, num_heads=q.shape[1])
         check_seq_len(seq_len, min(proj_k.shape[-2], proj_v.shape[-2]))
     index = None
     if key_padding_mask is not None:

@@ -261,7 +261,7 @@ def linformer_attention(
     """
     check_qkv(q, k, v)
     check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[2])
-    check_projections(proj_k, proj_v, heads=q.shape[1])
+    check_projections(proj_k, proj_v, num_heads=q.shape[1])
     if key_padding_mask is not None:  # E's row j projects the j-th real token (left padding)
         k, v, key_padding_mask = real_tokens_first(key_padding_mask, k, v, dim=2)
     k = project_linear(k.transpose(1, 2), proj_k, key_padding_mask).transpose(1, 2)

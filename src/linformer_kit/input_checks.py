@@ -94,10 +94,10 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
-def check_projections(proj_k: Tensor, proj_v: Tensor, heads: int | None = None) -> None:
+def check_projections(proj_k: Tensor, proj_v: Tensor, num_heads: int | None = None) -> None:
     """Raises ValueError unless the key and value projections are (max_seq_len, K) or
-    (H, max_seq_len, K) and give the same k rows (and, given `heads`, a per-head one has as
-    many heads)."""
+    (H, max_seq_len, K) and give the same k rows (and, given `num_heads`, a per-head one has
+    as many heads)."""
     for name, weight in (("proj_k", proj_k), ("proj_v", proj_v)):
         if weight.dim() not in (2, 3):
             raise ValueError(
@@ -109,15 +109,15 @@ def check_projections(proj_k: Tensor, proj_v: Tensor, heads: int | None = None) 
             f"proj_k and proj_v must project to the same k: got {proj_k.shape[-1]} and "
             f"{proj_v.shape[-1]} (shapes {tuple(proj_k.shape)} and {tuple(proj_v.shape)})"
         )
-    if heads is not None:
-        check_heads(proj_k, heads)
-        check_heads(proj_v, heads)
+    if num_heads is not None:
+        check_heads(proj_k, num_heads)
+        check_heads(proj_v, num_heads)
 
 
-def check_heads(weight: Tensor, heads: int) -> None:
-    """Raises ValueError if a per-head (H, max_seq_len, K) projection has not `heads` heads."""
-    if weight.dim() == 3 and weight.shape[0] != heads:
+def check_heads(weight: Tensor, num_heads: int) -> None:
+    """Raises ValueError if a per-head (H, max_seq_len, K) projection has not `num_heads`."""
+    if weight.dim() == 3 and weight.shape[0] != num_heads:
         raise ValueError(
             f"a per-head projection of shape {tuple(weight.shape)} has {weight.shape[0]} "
-            f"heads; the inputs have {heads}"
+            f"heads; the inputs have {num_heads}"
         )
