@@ -122,8 +122,9 @@ def test_a_sweep_stopped_early_keeps_the_lengths_it_finished(tmp_path, monkeypat
     # keeps what it timed, and no earlier run's plots beside it (they described other rows).
     out = tmp_path / "bench"
     out.mkdir()
-    for name in ("bench.json", "scaling.png", "grid.png", "peers.png"):
-        (out / name).write_text("an earlier run")
+    (out / "bench.json").write_text('{"rows": "an earlier run\'s"}')
+    for name in ("scaling.png", "grid.png", "peers.png"):
+        (out / name).write_bytes(b"\x89PNG an earlier run's")
     real = sweep.make_step
 
     def failing(call):

@@ -252,6 +252,9 @@ def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
     monkeypatch.setenv("LINFORMER_CACHE", str(tmp_path / "fresh"))
     note = tmp_path / "notes.txt"
     note.write_text("mine")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "bench.json").write_text("mine")
     pretrain = ["pretrain", "--data", str(corpus), "--vocab-size", "300", *MODEL, *TRAIN]
     pretrain += ["--proj-dim", "16", "--max-steps", "1"]
     evaluate = ["evaluate", str(pretrained / "best"), "--data", str(corpus)]
@@ -269,6 +272,8 @@ def test_paths_that_cannot_be_written_end_with_a_message_and_touch_nothing(
         ([*evaluate, "--out", str(note)], f"--out {note} exists and is not a JSON report"),
         ([*evaluate, "--out", f"{note}/m.json"], f"{note} is a file, not a directory"),
         (["bench", "--n", "64", "--out", str(note)], f"--out {note} is a file; name a directory"),
+        # a user's bench.json in --out was replaced, a grid.png removed
+        (["bench", "--n", "64", "--out", str(mine)], f"--out {mine / 'bench.json'} exists and"),
         # the metrics were written over the data file, or into the checkpoint
         (
             ["evaluate", str(pretrained / "best"), "--data", str(note), "--out", str(note)],

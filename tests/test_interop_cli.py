@@ -2,6 +2,7 @@
 report's building blocks on a tiny sample."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -101,12 +102,15 @@ def test_report_refuses_what_it_would_ignore_before_any_work(tmp_path, monkeypat
     # distill --report named a folder as --report-out, and --proj-dims abc unnamed ("invalid
     # literal for int()"), after every distillation
     monkeypatch.setattr(cli_distill, "distillation_report", lambda *a, **k: pytest.fail("ran"))
+    (tmp_path / "r.png").write_text("mine")  # replaced by the curves, without a word
     for flags, message in [
         (["--report-out", str(tmp_path)], f"--report-out {tmp_path} is a directory; name a file"),
         (["--proj-dims", "abc", *out], "proj_dims must be integers >= 1, got 'abc'"),
+        (out, f"--report-out {tmp_path / 'r.png'} exists and is not a .png image"),
     ]:
         with pytest.raises(SystemExit, match=message):
             main(["distill", "--report", *flags])
+    assert (tmp_path / "r.png").read_text() == "mine"
 
 
 def test_missing_source_directories_end_with_a_message_not_a_traceback(tmp_path):
@@ -155,10 +159,25 @@ def test_convert_refuses_to_overwrite_its_source_and_bad_sizes_before_any_work(t
     for flags, message in [
         (["--max-seq-len", "0"], "max_seq_len must be an integer >= 1, got 0"),
         (["--calibration-texts", "0"], "calibration_texts must be an integer >= 1, got 0"),
+        # unused by the xavier init, and taken without a word
+        (["--init", "xavier", "--calibration-texts", "-1"], "calibration_texts must be an inte"),
     ]:
         with pytest.raises(SystemExit, match=message):
             main([*args, "--out", str(tmp_path / "out"), *flags])
     assert not (tmp_path / "out").exists()
+    # a Hugging Face model's folder (another one than --from) as --out: its config.json was
+    # taken for a model of ours and replaced, its tokenizer.json removed
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    for config in (b'{"model_type": "bert"}', b"{bad"):
+        (other / "config.json").write_bytes(config)
+        before = {p.name: p.read_bytes() for p in other.iterdir()}
+        with pytest.raises(SystemExit, match=rf"--out {other} holds a config.json of no model of"):
+            main([*args, "--out", str(other)])
+        assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    (source / "config.json").write_text("{bad")  # "Expecting property name ...", no file named
+    with pytest.raises(SystemExit, match=rf"{source / 'config.json'} is not a JSON file: Expect"):
+        main([*args, "--out", str(tmp_path / "out")])
 
 
 def test_converting_into_a_folder_with_an_old_manifest_gives_a_loadable_model(tmp_path):

@@ -40,6 +40,16 @@ def test_a_second_lra_run_into_a_task_folder_in_use_is_refused(tmp_path):
             run_lra("listops", settings)
 
 
+def test_a_user_file_where_the_report_goes_is_named_before_any_work(tmp_path):
+    settings = tiny_listops(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "listops.png").write_text("mine")  # it was replaced by the plot
+    named = f"--output-dir {tmp_path / 'runs' / 'listops.png'} exists and is not a .png image"
+    with pytest.raises(ValueError, match=named):
+        run_lra("listops", settings)
+    assert not (tmp_path / "runs" / "listops").exists()  # no data made, no run started
+
+
 def test_recipes_scale_width_and_steps():
     listops = LRASettings(scale=0.125).recipe("listops")
     assert (listops.dim, listops.num_heads, listops.depth, listops.ffn_dim) == (64, 1, 6, 256)

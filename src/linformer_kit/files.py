@@ -243,21 +243,47 @@ def sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def check_replaceable(
-    path: str | os.PathLike, is_ours: Callable[[Path], bool], what: str, flag: str = "--out"
-) -> None:
-    """Raises ValueError for a file at `path` that the output would replace and that is no
-    `what` (`is_ours` of it is False; an empty file is replaced): a slip of `--out` replaced a
-    user's training data with a report, without a word.
+# how a file of each image format matplotlib writes begins (avif, raw, rgba and pgf: no telling)
+IMAGE_SIGNATURES = {
+    "png": (b"\x89PNG",),
+    "pdf": (b"%PDF",),
+    "jpg": (b"\xff\xd8\xff",),
+    "jpeg": (b"\xff\xd8\xff",),
+    "eps": (b"%!PS", b"\xc5\xd0\xd3\xc6"),
+    "ps": (b"%!PS",),
+    "svg": (b"<?xml", b"<svg"),
+    "svgz": (b"\x1f\x8b",),
+    "tif": (b"II*\x00", b"MM\x00*"),
+    "tiff": (b"II*\x00", b"MM\x00*"),
+    "webp": (b"RIFF",),
+    "gif": (b"GIF8",),
+}
+MAX_REPORT_BYTES = 2**24  # a larger file at a report's path is no report: never read whole
 
-    Args:
-        path: the output file.
-        is_ours: whether an existing file is one such output (an earlier run's, replaced).
-        what: what the output is, as the refusal names it ("a JSON report").
-        flag: the option that named `path`.
+
+def is_output(path: Path, kind: str) -> bool:
+    """Whether the file at `path` is an output of `kind` ("json": one JSON object of report
+    size; an image format: a file that begins as one does), as an earlier run wrote it."""
+    if kind == "json":
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            return False
+        try:
+            return isinstance(json.loads(path.read_bytes()), dict)
+        except (ValueError, OSError):  # UnicodeDecodeError is a ValueError
+            return False
+    with open(path, "rb") as handle:
+        return handle.read(8).startswith(IMAGE_SIGNATURES.get(kind, (b"",)))
+
+
+def check_replaceable(path: str | os.PathLike, kind: str, flag: str = "--out") -> None:
+    """Raises ValueError for a file at `path` that an output of `kind` ("json", or an image
+    format: "png", "pdf", ...) would replace and that is no such output (`is_output`; an
+    empty file is replaced): a slip of `--out` replaced a user's training data with a report,
+    or a user's files with a run's, without a word. Checked before the work.
     """
     out = Path(path)
-    if out.is_file() and out.stat().st_size and not is_ours(out):
+    if out.is_file() and out.stat().st_size and not is_output(out, kind):
+        what = "a JSON report" if kind == "json" else f"a .{kind} image"
         raise ValueError(
             f"{flag} {out} exists and is not {what}: writing would replace it; remove it "
             f"first, or choose another path"

@@ -38,34 +38,8 @@ def figure_format(path: str | Path) -> str:
             f"{', '.join('.' + name for name in sorted(formats))}"
         )
     image_format = suffix or "png"
-    check_replaceable(path, lambda out: _is_image(out, image_format), f"a .{image_format} image")
+    check_replaceable(path, image_format)
     return image_format
-
-
-# how a file of each format matplotlib writes begins (avif, raw, rgba and pgf: no telling)
-SIGNATURES = {
-    "png": (b"\x89PNG",),
-    "pdf": (b"%PDF",),
-    "jpg": (b"\xff\xd8\xff",),
-    "jpeg": (b"\xff\xd8\xff",),
-    "eps": (b"%!PS", b"\xc5\xd0\xd3\xc6"),
-    "ps": (b"%!PS",),
-    "svg": (b"<?xml", b"<svg"),
-    "svgz": (b"\x1f\x8b",),
-    "tif": (b"II*\x00", b"MM\x00*"),
-    "tiff": (b"II*\x00", b"MM\x00*"),
-    "webp": (b"RIFF",),
-    "gif": (b"GIF8",),
-}
-
-
-def _is_image(path: Path, image_format: str) -> bool:
-    """Whether `path` begins as an image of `image_format` does (one a new figure replaces)."""
-    signatures = SIGNATURES.get(image_format)
-    if signatures is None:
-        return True
-    with open(path, "rb") as handle:
-        return handle.read(8).startswith(signatures)
 
 
 def save_figure(fig: Figure, path: str | Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..files import atomic_write, save_json
+from ..files import atomic_write, check_replaceable, save_json
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
 from ..training.settings import keep_freed_memory
@@ -182,6 +182,10 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """
     from .plots import plot_result
 
+    out = Path(settings.out)  # a user's file of these names was replaced (plots: removed)
+    check_replaceable(out / RESULT_NAME, "json")
+    for name in PLOT_NAMES:
+        check_replaceable(out / name, "png")
     if settings.threads:
         torch.set_num_threads(settings.threads)
     # Process-wide; peak memory is measured in fresh processes with glibc's defaults.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,7 +15,6 @@ from ..training.loop import TrainResult
 from .overrides import collect_overrides
 
 ConfigT = TypeVar("ConfigT")
-MAX_REPORT_BYTES = 2**24  # a larger file at a report's path is no report: never read whole
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -78,18 +76,7 @@ def check_report_path(path: str, flag: str = "--out") -> None:
     if out.is_dir():
         raise ValueError(f"{flag} {path} is a directory; name a file, e.g. {out / 'report.json'}")
     check_output_path(out, directory=False, flag=flag)
-    check_replaceable(out, _holds_json_object, "a JSON report", flag)
-
-
-def _holds_json_object(path: Path) -> bool:
-    """Whether `path` holds one JSON object of report size (a report, of this command or
-    another, that a new one replaces)."""
-    if path.stat().st_size > MAX_REPORT_BYTES:
-        return False
-    try:
-        return isinstance(json.loads(path.read_bytes()), dict)
-    except (ValueError, OSError):  # UnicodeDecodeError is a ValueError
-        return False
+    check_replaceable(out, "json", flag)
 
 
 def write_report(result: dict[str, Any], path: str) -> Path:

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 from ..data.corpus import iter_documents
+from ..files import check_replaceable
 from ..interop.convert import DEFAULT_SHAPE
 from ..interop.distill import DistillSettings
 from ..interop.distill_report import distillation_report, plot_curves
@@ -58,6 +59,7 @@ def _texts(specs: list[str] | None, args: argparse.Namespace) -> list[str] | Non
 def _report(args: argparse.Namespace, teacher: Path) -> None:
     proj_dims = parse_proj_dims(args.proj_dims)  # these two failed after every distillation
     check_report_path(args.report_out, flag="--report-out")
+    check_replaceable(Path(args.report_out).with_suffix(".png"), "png", "--report-out")
     data = dataclass_from_args(DistillData, args)
     result = distillation_report(
         teacher,

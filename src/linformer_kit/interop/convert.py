@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from ..checks import check_positive
+from ..checks import check_non_negative, check_positive
 from ..files import atomic_write, check_output_path
 from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel
@@ -43,7 +43,13 @@ def is_linformer_checkpoint(source: str | os.PathLike) -> bool:
     """Whether `source` was written by this library (its config.json names an architecture)
     rather than by Hugging Face transformers."""
     config = Path(source) / hub.CONFIG_NAME
-    return config.is_file() and "architecture" in json.loads(config.read_text())
+    if not config.is_file():
+        return False
+    try:
+        meta = json.loads(config.read_text())
+    except ValueError as err:  # a bare "Expecting value: line 1 column 1" named no file
+        raise ValueError(f"{config} is not a JSON file: {err}") from None
+    return isinstance(meta, dict) and "architecture" in meta
 
 
 def convert_to_dir(
@@ -68,8 +74,9 @@ def convert_to_dir(
 
     Raises:
         FileNotFoundError / ValueError: as `convert_hf_model` or `convert_checkpoint`; a
-            ValueError before any work for `out` the source folder itself or a training
-            checkpoint, a max_seq_len or (data-driven inits) calibration_texts below 1.
+            ValueError before any work for `out` the source folder itself, a training
+            checkpoint or a folder with a config.json of no model of this library's, a
+            max_seq_len below 1, or calibration_texts below 0 (data-driven inits: 1).
     """
     source = Path(source)
     if Path(out).resolve() == source.resolve():
@@ -84,8 +91,18 @@ def convert_to_dir(
             f"--out {out} is a training run or checkpoint: the conversion would replace its "
             f"files; name another folder"
         )
+    try:
+        ours = is_linformer_checkpoint(out)
+    except ValueError:
+        ours = False
+    if (Path(out) / hub.CONFIG_NAME).is_file() and not ours:  # it was replaced, and the files
+        raise ValueError(  # beside it (a Hugging Face model's tokenizer.json) removed
+            f"--out {out} holds a {hub.CONFIG_NAME} of no model of this library's (a Hugging "
+            f"Face model's?): the conversion would replace it; name another folder"
+        )
     if max_seq_len is not None:
         check_positive("max_seq_len", max_seq_len)
+    check_non_negative("calibration_texts", calibration_texts)  # unused without calibration
     data_driven = proj_dim is not None and projection == "linear"
     data_driven = data_driven and (init or DEFAULT_INIT) in DATA_DRIVEN
     if data_driven and init is None and not (source / TOKENIZER_NAME).is_file():

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure  # pyplot-free: the user's backend stays as it is
 
-from ..files import atomic_write
+from ..files import save_figure
 from .bert import convert_hf_model
 from .distill import DistillSettings, HeldOut, distill
 from .distill_run import DistillData
@@ -135,4 +135,4 @@ def plot_curves(result: dict[str, Any], path: str | os.PathLike) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    save_figure(fig, path)

@@ -22,7 +22,7 @@ import torch
 from .. import hub
 from ..data.classification import load_classification, read_labelled
 from ..data.tokenizer import load_tokenizer
-from ..files import exclusive, replacing
+from ..files import check_replaceable, exclusive, replacing
 from ..training.compare import machine
 from ..training.evaluate import EvaluateSettings, evaluate_checkpoint
 from ..training.finetune import finetune
@@ -243,6 +243,8 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
         if not Path(getattr(s, name)).is_file():
             raise FileNotFoundError(f"--{name} {getattr(s, name)!r}: no such file")
     variants = parse_variants(s.variants)
+    check_replaceable(report_file(s.out, ".json"), "json")  # a user's files there were replaced
+    check_replaceable(report_file(s.out, ".png"), "png")
     with exclusive(Path(s.work_dir), "bench-task"):
         return _run_held(s, variants)
 

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write, save_json
+from ..files import atomic_write, save_figure, save_json
 from ..training.settings import markdown_table as table
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def plot_task_report(report: dict[str, Any], path: Path) -> None:
     axes[0].legend(loc="lower right")
     fig.suptitle(f"Fine-tuned on {Path(report['settings']['train']).parent.name or 'the corpus'}")
     fig.tight_layout()
-    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    save_figure(fig, path)
 
 
 def report_file(out: str | Path, suffix: str) -> Path:

@@ -19,7 +19,7 @@ import torch
 from ..config import LinformerConfig
 from ..data.lra import LRASplit, LRATask, load_listops, load_pathfinder, load_text
 from ..embeddings import init_weights
-from ..files import check_output_path, exclusive, save_json
+from ..files import check_output_path, check_replaceable, exclusive, save_json
 from ..models import LinformerForSequenceClassification
 from .batches import ClassificationBatches, ClassificationEvaluator, RowSchedule
 from .checkpoint import check_run_dir
@@ -310,6 +310,9 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
         )
     check_task_flags(check_task(task), settings)
     check_output_path(settings.output_dir, directory=True, flag="--output-dir")
+    report = Path(settings.output_dir) / task  # a user's files of these names were replaced
+    check_replaceable(report.with_suffix(".json"), "json", "--output-dir")
+    check_replaceable(report.with_suffix(".png"), "png", "--output-dir")
     if settings.cache_dir:
         check_output_path(settings.cache_dir, directory=True, flag="--cache-dir")
     for name in settings.model_names:  # a bad setting is named before anything is written
