@@ -7,12 +7,13 @@ import pytest
 from linformer_kit import linformer_tiny
 from linformer_kit.bench.settings import BenchSettings
 from linformer_kit.bench.variants import build_variant
+from linformer_kit.data.lra.listops import load_listops
 from linformer_kit.data.pipeline import DataSettings
 from linformer_kit.data.seq2seq import Seq2SeqDataSettings, synthetic_pairs
 from linformer_kit.interop.distill import DistillSettings, set_trainable
 from linformer_kit.interop.distill_run import DistillData
 from linformer_kit.interop.projection_init import init_projections
-from linformer_kit.interop.report import stdlib_files
+from linformer_kit.interop.report import ConversionReport, stdlib_files
 from linformer_kit.interop.task_bench_settings import TaskBenchSettings
 from linformer_kit.models import LinformerForSequenceClassification, LinformerModel
 from linformer_kit.projection import build_projection
@@ -61,6 +62,9 @@ COUNTS = {
     "num_eval": (lambda: LRASettings(num_eval=-1), ">= 0, got -1"),
     "seed": (lambda: LRASettings(seed=-1), ">= 0, got -1"),  # text's numpy generator took none
     "epochs": (lambda: FinetuneSettings(epochs=0), ">= 1, got 0"),
+    # the run's names and values, not the user's: max_val_blocks -2, max_steps
+    "steps": (lambda: ComparisonSettings(steps=0), ">= 1, got 0"),
+    "batch_size": (lambda: ComparisonSettings(batch_size=-1), ">= 1, got -1"),
     "max_seq_len": (lambda: FinetuneSettings(max_seq_len=-1), ">= 0, got -1"),
     "distill_steps": (lambda: TaskBenchSettings(distill_steps=-1), ">= 0, got -1"),
 }
@@ -157,7 +161,23 @@ SIZES = {  # each failed in the allocator (a traceback, a bare MemoryError) or, 
     ),
     "batch_size": (
         lambda: TrainSettings(batch_size=HUGE),
-        rf"a micro-batch of batch_size {HUGE} \(an 8-byte token id per sequence\)",
+        rf"a batch of batch_size {HUGE} \(an 8-byte token id per sequence\)",
+    ),
+    "convert --report batch_size": (  # its memory probe's process: a CalledProcessError
+        lambda: ConversionReport(batch_size=HUGE),
+        rf"a batch of batch_size {HUGE} \(",
+    ),
+    "seq2seq num_train": (
+        lambda: Seq2SeqDataSettings(task="copy", num_train=HUGE),
+        rf"{HUGE + 500} pairs \(num_train \+ num_eval\) of up to 32 tokens",
+    ),
+    "listops num_train": (  # numpy's _ArrayMemoryError
+        lambda: load_listops(num_train=HUGE, cache_dir="/nonexistent"),
+        rf"listops: {HUGE + 4000} rows of 2000 bytes",
+    ),
+    "bench dim": (  # "Storage size calculation overflowed"
+        lambda: BenchSettings(dim=HUGE, num_heads=1),
+        rf"an attention layer of dim {HUGE} \(4 dim x dim maps\)",
     ),
 }
 
@@ -176,3 +196,14 @@ def test_a_seed_a_generator_cannot_take_is_named():
         ):
             TrainSettings(seed=seed)
     assert TrainSettings(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_the_demo_names_its_own_flags_and_threads_have_a_ceiling():
+    # "max_val_blocks must be an integer >= 0 (0 = no limit), got -2": a name and a value
+    # of the runs it sets up, not the flag given
+    with pytest.raises(ValueError, match=r"^eval_batches must be an integer >= 0, got -1$"):
+        ComparisonSettings(eval_batches=-1)
+    # 10**12 was "Overflow when unpacking long" from torch, naming no flag
+    for make in (lambda t: TrainSettings(threads=t), lambda t: BenchSettings(threads=t)):
+        with pytest.raises(ValueError, match=r"^threads must be an integer in \[0, 4096\] \(0 = "):
+            make(10**12)

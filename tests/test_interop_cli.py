@@ -20,6 +20,7 @@ from linformer_kit.interop.report import (
     stdlib_files,
     text_windows,
 )
+from linformer_kit.interop.task_bench_settings import TaskBenchSettings
 
 
 def test_convert_round_trip(tmp_path, capsys):
@@ -121,6 +122,16 @@ def test_missing_source_directories_end_with_a_message_not_a_traceback(tmp_path)
     ):
         with pytest.raises(SystemExit, match=rf"error: no config.json in {missing}"):
             main(argv)
+
+
+def test_a_student_or_work_folder_that_is_a_file_is_named_by_its_flag(tmp_path):
+    note = tmp_path / "notes.txt"
+    note.write_text("mine")  # "--out ... is a file", after the teacher was converted
+    with pytest.raises(SystemExit, match=rf"--student {note} is a file; name a directory"):
+        main(["distill", "--student", str(note), "--max-steps", "1"])
+    with pytest.raises(ValueError, match=rf"--work-dir {note} is a file; name a directory"):
+        TaskBenchSettings(train="t", val="v", test="t", work_dir=str(note))  # was Errno 17
+    assert note.read_text() == "mine"
 
 
 def test_a_source_without_a_tokenizer_converts_with_the_mean_init(tmp_path):

@@ -40,6 +40,13 @@ def check_fits(need: int, what: str, device: torch.device | None = None) -> None
         )
 
 
+def check_batch_fits(batch_size: int) -> None:
+    """Raises ValueError for a batch of `batch_size` sequences whose token ids alone (8 bytes
+    each, one token a sequence at least) this machine's memory could never hold."""
+    what = f"a batch of batch_size {batch_size} (an 8-byte token id per sequence)"
+    check_fits(8 * batch_size, what)
+
+
 def check_weights_fit(config: LinformerConfig, num_labels: int = 0) -> None:
     """Raises ValueError, naming the sizes, for a model whose weights this machine's memory
     could never hold: the embeddings', every layer's attention and feed-forward maps' and a

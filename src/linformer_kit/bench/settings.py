@@ -11,6 +11,7 @@ import torch
 from ..checks import check_choice, check_finite_non_negative, check_non_negative, check_positive
 from ..files import check_output_path
 from ..kernel_rule import KERNELS
+from ..memory import check_fits
 from ..training.settings import check_compile, check_threads
 from .variants import SCOPES, SHARINGS, Variant, default_variants
 
@@ -133,6 +134,8 @@ class BenchSettings:
             check_positive(name, getattr(self, name))
         if self.dim % self.num_heads:  # before the probe and the timing, not at the first layer
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
+        # 10**12: "Storage size calculation overflowed", a traceback
+        check_fits(16 * self.dim**2, f"an attention layer of dim {self.dim} (4 dim x dim maps)")
         check_non_negative("warmup", self.warmup)
         check_threads(self.threads)
         check_finite_non_negative("min_time_s", self.min_time_s)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_choice, check_positive
+from ..memory import check_fits
 from .cache import cache_key, default_cache_dir
 from .corpus import STDLIB, fingerprint
 from .docstrings import check_split_fractions, extract_stdlib_pairs, split_by_file
@@ -180,6 +181,10 @@ class Seq2SeqDataSettings:
             )
         for name in ("num_train", "num_eval"):
             check_positive(name, getattr(self, name))
+        if self.task != "docstrings":  # 10**12 pairs failed in the allocator, naming no flag
+            pairs = self.num_train + self.num_eval
+            what = f"{pairs} pairs (num_train + num_eval) of up to {self.max_len} tokens"
+            check_fits(16 * pairs * self.max_len, what)  # int64 sources and targets
         if self.task == "docstrings":  # before the stdlib is parsed
             check_split_fractions(self.val_fraction, self.test_fraction)
             check_vocab_size(self.vocab_size)

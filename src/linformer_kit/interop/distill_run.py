@@ -15,7 +15,7 @@ import torch
 
 from ..checks import check_positive
 from ..data.corpus import list_files
-from ..files import atomic_write
+from ..files import atomic_write, check_output_path
 from ..models import LinformerModel
 from .bert import convert_hf_model, read_hf_config
 from .convert import DEFAULT_SHAPE, convert_to_dir
@@ -131,6 +131,8 @@ def distill_checkpoint(
             on bad settings.
     """
     teacher_dir, student_dir = Path(teacher_dir), Path(student_dir)
+    # a file: "--out ... is a file", after the teacher was converted
+    check_output_path(student_dir, directory=True, flag="--student")
     device = settings.torch_device()
     read_hf_config(teacher_dir)  # a missing teacher is named before anything else
     tokenizer = model_tokenizer(teacher_dir, "the text")

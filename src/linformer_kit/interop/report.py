@@ -31,6 +31,7 @@ from ..config import LinformerConfig
 from ..data.classification import encode_documents, pad_sequences
 from ..data.tokenizer import load_tokenizer
 from ..embeddings import masked_mean
+from ..memory import check_batch_fits
 from ..models import LinformerModel
 from ..training.compare import machine
 from .bert import convert_hf_model, linformer_config_from_hf, read_hf_config
@@ -237,6 +238,7 @@ class ConversionReport:
         # before the teacher runs: these failed after it, naming no flag
         for name in ("heldout_texts", "batch_size", "repeats", "memory_runs"):
             check_positive(name, getattr(self, name))
+        check_batch_fits(self.batch_size)  # its memory probe's process failed with a traceback
         parse_proj_dims(self.proj_dims)
         for init in self.inits.split(","):
             check_choice("inits", init.strip(), INITS)

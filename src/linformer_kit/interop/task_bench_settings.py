@@ -10,8 +10,9 @@ from typing import NamedTuple
 
 from ..checks import check_choice, check_non_negative, check_positive
 from ..config import PROJECTIONS, TRUNCATIONS, check_proj_dim
+from ..files import check_output_path
 from ..training.finetune_settings import DEFAULT_TRUNCATION, PROJECTION_MODES, FinetuneSettings
-from ..training.settings import check_lr
+from ..training.settings import check_lr, check_threads
 
 _VARIANT = re.compile(r"(exact|k(\d+))@(\d+)((?::\w+)*)")
 AFTER = "after"  # the variant suffix: convert the fine-tuned exact@N, then fine-tune briefly
@@ -93,7 +94,8 @@ class TaskBenchSettings:
         names = ("epochs", "batch_size", "grad_accum_steps", "after_epochs", "calibration_texts")
         for name in names:
             check_positive(name, getattr(self, name))
-        check_non_negative("threads", self.threads)
+        check_threads(self.threads)
+        check_output_path(self.work_dir, directory=True, flag="--work-dir")  # was Errno 17
         check_lr("lr", self.lr, zero="0 = finetune's")
         check_lr("after_lr", self.after_lr)
         check_choice("projections", self.projections, PROJECTION_MODES)

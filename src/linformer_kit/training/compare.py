@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..causal_lm import LinformerForCausalLM
-from ..checks import check_finite_non_negative, check_positive
+from ..checks import check_finite_non_negative, check_non_negative, check_positive
 from ..config import LinformerConfig
 from ..data.corpus import STDLIB
 from ..data.pipeline import DataSettings, prepare_pretraining_data
@@ -86,8 +86,11 @@ class ComparisonSettings:
                 "objectives must be a comma-separated list of distinct "
                 f"{' and '.join(OBJECTIVES)}; got {self.objectives!r}"
             )
-        for name in ("seq_len", "block_size"):  # the rest is checked where it is used
+        # the rest is checked where it is used (these three were named as the run's
+        # max_val_blocks and max_steps, with values the user never gave)
+        for name in ("seq_len", "block_size", "steps", "batch_size"):
             check_positive(name, getattr(self, name))
+        check_non_negative("eval_batches", self.eval_batches)
         if self.proj_dim > self.seq_len:  # (the config's error names its max_seq_len)
             raise ValueError(f"proj_dim ({self.proj_dim}) must be at most seq_len ({self.seq_len})")
         if "clm" in chosen and self.block_size >= self.seq_len:

@@ -26,8 +26,9 @@ from ..checks import (
 from ..config import LinformerConfig
 from ..data.pipeline import DataSettings
 from ..files import save_json
-from ..memory import check_fits
+from ..memory import check_batch_fits
 
+MAX_THREADS = 4096  # beyond any CPU's cores: OpenMP would start every one of them
 SCHEDULES = ("linear", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
 OBJECTIVES = ("mlm", "clm")
@@ -114,9 +115,7 @@ class TrainSettings:
             "keep_last",
         ):
             check_positive(name, getattr(self, name))
-        # a list of 10**12 rows grew for minutes before the kill
-        what = f"a micro-batch of batch_size {self.batch_size} (an 8-byte token id per sequence)"
-        check_fits(8 * self.batch_size, what)
+        check_batch_fits(self.batch_size)  # a list of 10**12 rows grew for minutes
         check_seed("seed", self.seed)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("objective", self.objective, OBJECTIVES)
@@ -274,8 +273,13 @@ def compiled_backward(setting: str | None) -> contextlib.AbstractContextManager:
 
 
 def check_threads(threads: int) -> None:
-    """Raises a ValueError unless `threads` is an integer >= 0 (0 = torch's default)."""
+    """Raises a ValueError unless `threads` is an integer in [0, MAX_THREADS] (0 = torch's
+    default)."""
     check_non_negative("threads", threads, "0 = torch's default")
+    if threads > MAX_THREADS:  # 10**12: "Overflow when unpacking long", naming no flag
+        raise ValueError(
+            f"threads must be an integer in [0, {MAX_THREADS}] (0 = torch's default), got {threads}"
+        )
 
 
 def use_threads(threads: int) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ...files import atomic_write
+from ...memory import check_fits
 from ..cache import cache_key, default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -232,6 +233,7 @@ def generated_task(
     seed: int,
     version: int,
     cache_dir: str | Path | None,
+    row_bytes: int,
     **task: Any,
 ) -> LRATask:
     """A task whose splits a generator draws, each from its own stream, generated once and cached.
@@ -244,13 +246,16 @@ def generated_task(
         seed: the data seed; split `s` draws from `f"{seed}/{s}"`.
         version: the generator's version (part of the cache key).
         cache_dir: the cache root (None: the project's default).
+        row_bytes: the bytes of a row (its tokens, padded), to refuse splits no memory holds.
         **task: `LRATask`'s other fields (vocab_size, num_labels, pad_id).
 
     Raises:
-        ValueError: for a split size below 1.
+        ValueError: for a split size below 1, or splits this machine's memory could never hold.
     """
     for split, num in sizes.items():
         check_range(f"num_{split}", num, 1)
+    rows = sum(sizes.values())  # 10**12 failed in numpy's allocator, with a traceback
+    check_fits(rows * row_bytes, f"{name}: {rows} rows of {row_bytes} bytes (num_train, ...)")
     params = {**{f"num_{k}": n for k, n in sizes.items()}, **shape, "seed": seed}
     params["version"] = version
 

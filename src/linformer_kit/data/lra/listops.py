@@ -246,5 +246,6 @@ def load_listops(
         seed=seed,
         version=VERSION,
         cache_dir=cache_dir,
+        row_bytes=max_length,
         **task,
     )

@@ -293,5 +293,6 @@ def load_pathfinder(
         seed=seed,
         version=VERSION,
         cache_dir=cache_dir,
+        row_bytes=size * size,
         **task,
     )
