@@ -137,6 +137,6 @@ def test_generate_refuses_a_masked_lm_checkpoint(checkpoint):
 def test_generate_names_a_seed_its_generators_cannot_take(checkpoint):
     path, _, _ = checkpoint  # 10**21 said "Overflow when unpacking long long"
     with pytest.raises(
-        SystemExit, match=r"seed must be an integer in \[0, 2\*\*64 - 1\], got 10{21}"
+        SystemExit, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\], got 10{21}"
     ):
         main(["generate", str(path), "--prompt", "def", "--seed", str(10**21)])

@@ -586,3 +586,16 @@ def test_a_config_no_machine_here_could_hold_is_named_with_its_file(mlm_dir):
     named = rf"^{path / CONFIG_NAME}: a model of vocab_size 10000000000000, .* GiB: more than"
     with pytest.raises(ValueError, match=named):
         LinformerForMaskedLM.from_pretrained(path, verify=False)
+
+
+def test_a_callers_own_bad_argument_is_not_blamed_on_the_config(mlm_dir):
+    _, path = mlm_dir  # it was prefixed with config.json's path, as if the file were wrong
+    with pytest.raises(ValueError, match=r"^pooling must be one of cls, mean, last; got 'bogus'"):
+        LinformerForSequenceClassification.from_pretrained(path, keep_head=False, pooling="bogus")
+
+
+def test_a_float8_model_loads_its_weights_checked_in_float32(tmp_path):
+    model = LinformerModel(tiny()).to(torch.float8_e4m3fn)  # isfinite has no float8 kernel
+    model.save_pretrained(tmp_path)
+    again = LinformerModel.from_pretrained(tmp_path, dtype="auto")
+    assert next(again.parameters()).dtype == torch.float8_e4m3fn

@@ -65,7 +65,7 @@ def check_fraction(name: str, value: Any) -> None:
 
 
 def check_seed(name: str, value: Any) -> None:
-    """Raises ValueError unless `value` is an integer in [0, 2**64 - 1] (what a torch
+    """Raises ValueError unless `value` is an integer in [-2**63, 2**64 - 1] (what a torch
     generator takes), naming `name` and the value."""
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
-        raise ValueError(f"{name} must be an integer in [0, 2**64 - 1], got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not -(2**63) <= value < 2**64:
+        raise ValueError(f"{name} must be an integer in [-2**63, 2**64 - 1], got {value!r}")

@@ -48,18 +48,23 @@ def check_batch_fits(batch_size: int) -> None:
 
 
 def check_weights_fit(config: LinformerConfig, num_labels: int = 0) -> None:
-    """Raises ValueError, naming the sizes, for a model whose weights this machine's memory
-    could never hold: the embeddings', every layer's attention and feed-forward maps' and a
-    classifier's head of `num_labels` (a lower bound: biases, norms and projections left
-    out), in float32.
+    """Raises ValueError, naming the sizes, for a model whose weights the memory of the device
+    it is built on (torch's default: the CPU, a GPU; none for "meta") could never hold: the
+    embeddings', every layer's attention and feed-forward maps' and a classifier's head of
+    `num_labels` (a lower bound: biases, norms and projections left out), in torch's default
+    dtype.
     """
+    device = torch.get_default_device()
+    if device.type == "meta":  # shapes alone, no memory
+        return
     c = config
     weights = (c.vocab_size + c.max_seq_len + c.type_vocab_size + num_labels) * c.dim
     weights += c.depth * (4 * c.dim + 2 * c.hidden_ffn_dim) * c.dim
     labels = f", num_labels {num_labels}" if num_labels else ""
     check_fits(
-        4 * weights,
+        torch.get_default_dtype().itemsize * weights,
         f"a model of vocab_size {c.vocab_size}, max_seq_len {c.max_seq_len}, type_vocab_size "
         f"{c.type_vocab_size}, dim {c.dim}, depth {c.depth}, ffn_dim {c.hidden_ffn_dim}{labels} "
         f"({weights:,} weights or more)",
+        device,
     )

@@ -29,6 +29,7 @@ from .functional import gather_positions, real_first
 from .input_checks import check_index_range, check_key_padding_mask, check_seq_len, check_token_ids
 from .losses import at_least_float32
 from .memory import check_weights_fit
+from .seq2seq_config import Seq2SeqConfig
 
 logger = logging.getLogger(__name__)
 
@@ -146,14 +147,15 @@ class LinformerPreTrainedModel(nn.Module):
             hub.check_encoder(meta, path, f"load it with {meta['architecture']}.from_pretrained")
         config = meta["config"].replace(**(config_overrides or {}))
         same = meta["architecture"] == cls.__name__ and keep_head
-        try:
-            model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
-        except ValueError as err:  # e.g. sizes no machine here could hold: the file named
+        sides = [config.encoder, config.decoder] if isinstance(config, Seq2SeqConfig) else [config]
+        try:  # sizes no machine here could hold: named with the file they came from
+            for side in sides:
+                check_weights_fit(side)
+        except ValueError as err:
             raise ValueError(f"{os.path.join(os.fspath(path), hub.CONFIG_NAME)}: {err}") from None
+        model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
         tensors = hub.read_weights(path)
-        if broken := [
-            k for k, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()
-        ]:
+        if broken := [k for k, t in tensors.items() if t.is_floating_point() and not _finite(t)]:
             warnings.warn(  # loaded without a word, the outputs were nan
                 f"{path}: {len(broken)} weights hold nan or inf ({', '.join(broken[:3])}"
                 f"{', ...' if len(broken) > 3 else ''}): the model's outputs will not be "
@@ -185,6 +187,11 @@ class LinformerPreTrainedModel(nn.Module):
                 cls.__name__,
             )
         return model.eval()
+
+
+def _finite(weights: Tensor) -> bool:
+    """Whether every value is a number (float8 has no isfinite: checked in float32)."""
+    return bool((weights.float() if weights.element_size() == 1 else weights).isfinite().all())
 
 
 def _architectures() -> set[str]:

@@ -182,9 +182,9 @@ class Seq2SeqDataSettings:
         for name in ("num_train", "num_eval"):
             check_positive(name, getattr(self, name))
         if self.task != "docstrings":  # 10**12 pairs failed in the allocator, naming no flag
-            pairs = self.num_train + self.num_eval
-            what = f"{pairs} pairs (num_train + num_eval) of up to {self.max_len} tokens"
-            check_fits(16 * pairs * self.max_len, what)  # int64 sources and targets
+            pairs = self.num_train + 2 * self.num_eval  # validation and test: num_eval each
+            what = f"{pairs} pairs (num_train + 2 x num_eval) of {self.min_len} tokens or more"
+            check_fits(16 * pairs * self.min_len, what)  # int64 sources and targets
         if self.task == "docstrings":  # before the stdlib is parsed
             check_split_fractions(self.val_fraction, self.test_fraction)
             check_vocab_size(self.vocab_size)

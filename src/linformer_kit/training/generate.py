@@ -45,7 +45,7 @@ def generate_texts(
     Raises:
         ValueError: for a checkpoint of another kind or without a tokenizer, no prompt, a
             prompt that encodes to no token, one that leaves no room for a new token, or a
-            seed out of [0, 2**64 - 1].
+            seed out of [-2**63, 2**64 - 1].
     """
     check_seed("seed", seed)  # before the model loads
     # a live run's `last` followed once: config, weights and tokenizer of one save
