@@ -401,3 +401,15 @@ def test_resume_continues_a_stopped_run_to_what_an_unstopped_run_gives(tmp_path,
     for flag, field in (("--output-dir", "output_dir"), ("--cache-dir", "cache_dir")):
         with pytest.raises(ValueError, match=rf"^{flag} .*file.txt is a file; name a directory"):
             run_lra("listops", tiny_listops(tmp_path, **{field: str(tmp_path / "file.txt")}))
+
+
+def test_a_proj_dim_above_the_tasks_length_is_said_to_run_at_the_length(tmp_path, caplog):
+    # the table said "Linformer k=12" for --proj-dim 10**12 (the JSON the flag's value)
+    flags = {**RESUMABLE, "steps": 1, "proj_dim": 10**12}
+    with caplog.at_level("WARNING"):
+        report = run_lra("listops", tiny_listops(tmp_path, models="linformer", **flags))
+    assert (
+        "--proj-dim 1000000000000 exceeds the task's length 12: the Linformer runs at k = 12"
+        in caplog.text
+    )
+    assert report["rows"][0]["model"].endswith("k=12")

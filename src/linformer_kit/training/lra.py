@@ -339,6 +339,13 @@ def _run_task(task: str, settings: LRASettings, run_dir: Path) -> dict[str, Any]
         (run_dir / name).mkdir(parents=True, exist_ok=True)
         save_json(dataclasses.asdict(settings), run_dir / name / SETTINGS_NAME)
         save_json(data.params, run_dir / name / DATA_NAME)
+    if settings.proj_dim > data.max_seq_len and "linformer" in settings.model_names:
+        logger.warning(  # the table said k = 16, without a word, for a --proj-dim of 10**12
+            "--proj-dim %d exceeds the task's length %d: the Linformer runs at k = %d",
+            settings.proj_dim,
+            data.max_seq_len,
+            data.max_seq_len,
+        )
     before = machine()
     rows = []
     for name in settings.model_names:
