@@ -90,6 +90,25 @@ def test_finetune_from_a_missing_folder_says_it_does_not_exist(tmp_path):
     )
 
 
+def test_finetune_names_a_missing_eval_file_by_its_flag_before_any_work(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "a", "label": 0}\n')
+    missing = tmp_path / "valid.jsonl"  # named without its flag, after --data was read
+    with pytest.raises(SystemExit) as stop:
+        main(
+            [
+                "finetune",
+                "--init",
+                str(tmp_path / "runs"),
+                "--data",
+                str(data),
+                "--eval",
+                str(missing),
+            ]
+        )
+    assert str(stop.value) == f"linformer finetune: error: --eval {missing}: no such file"
+
+
 def named(path, names=("other", "cat")):
     """The classification file at `path` with its 0/1 labels replaced by names."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
