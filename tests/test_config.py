@@ -63,6 +63,9 @@ def test_round_trip_and_unknown_fields():
     assert LinformerConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match=r"unknown LinformerConfig fields \['hidden'\]"):
         LinformerConfig.from_dict({**cfg.to_dict(), "hidden": 3})
+    # replace (and from_pretrained's config_overrides) gave dataclasses' TypeError, no list
+    with pytest.raises(ValueError, match=r"unknown LinformerConfig fields \['hiden'\]; known"):
+        cfg.replace(hiden=3)
 
 
 def test_presets_and_derived_fields():
@@ -87,6 +90,12 @@ def test_proj_dim_schedule_is_non_increasing_between_the_bounds():
     with pytest.raises(ValueError, match="got depth=3, first=4, last=2, multiple_of=8"):
         proj_dim_schedule(4, 2, 3, multiple_of=8)
     assert min(proj_dim_schedule(100, 10, 5, multiple_of=8)) == 8  # rounded down, as it says
+    # a str or None failed in a comparison; multiple_of 2.5 gave floats the config refused
+    for args, named in [(("256", 64, 4), "first"), ((256, 64, None), "depth")]:
+        with pytest.raises(ValueError, match=rf"^{named} must be an integer >= 1, got"):
+            proj_dim_schedule(*args)
+    with pytest.raises(ValueError, match=r"^multiple_of must be an integer >= 1, got 2.5"):
+        proj_dim_schedule(256, 64, 4, multiple_of=2.5)
 
 
 def test_numbers_of_any_kind_pass_the_numeric_checks_and_other_types_are_named():

@@ -306,3 +306,19 @@ def test_inconsistent_arguments_are_named():
         exact_attention(q, k, v, dropout_p=-0.5)
     with pytest.raises(ValueError, match=r"keys and values must be as many: .* 9 against 8"):
         dot_product_attention(q, k, v[:, :, :8])
+
+
+def test_queries_that_do_not_match_the_keys_are_named():
+    q = torch.randn(2, 4, 8, 16)
+    e = torch.randn(32, 4)
+    # SDPA's and bmm's errors named no input; one head of q was broadcast over k's four
+    for other in (torch.randn(3, 4, 8, 16), torch.randn(2, 1, 8, 16), torch.randn(2, 4, 8, 8)):
+        with pytest.raises(ValueError, match=r"^q and k must be of one batch, heads and head_dim"):
+            linformer_attention(other, q, q, e, e)
+        with pytest.raises(ValueError, match=r"^q and k must be of one batch, heads and head_dim"):
+            exact_attention(other, q, q)
+    with pytest.raises(ValueError, match=r"^q, k and v must be of one dtype, got torch.float64"):
+        linformer_attention(q.double(), q, q, e, e)
+    # cross_attention ran exact attention without a word when given proj_v alone
+    with pytest.raises(ValueError, match=r"^proj_v needs proj_k"):
+        cross_attention(q, q, q, None, e)

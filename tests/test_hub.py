@@ -599,3 +599,8 @@ def test_a_float8_model_loads_its_weights_checked_in_float32(tmp_path):
     model.save_pretrained(tmp_path)
     again = LinformerModel.from_pretrained(tmp_path, dtype="auto")
     assert next(again.parameters()).dtype == torch.float8_e4m3fn
+
+
+def test_saving_to_an_empty_path_is_refused():
+    with pytest.raises(ValueError, match=r"^path is empty \(''\); name a directory"):
+        LinformerModel(tiny()).save_pretrained("")  # it wrote into the working directory

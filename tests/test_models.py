@@ -469,12 +469,12 @@ def test_ids_and_labels_out_of_range_are_named_with_the_range():
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 4\) or equal .* got 4"):
         classifier(ids, labels=torch.tensor([1, 4]))
     # float ids and labels: the embedding's and cross_entropy's dtype errors named neither
+    for dtype in (torch.float32, torch.uint8):  # uint8 passed, to the embedding's error
+        named = rf"^input_ids must be an int64 \(or int32\) tensor, got dtype {dtype}"
+        with pytest.raises(ValueError, match=named):
+            model(ids.to(dtype))
     with pytest.raises(
-        ValueError, match=r"^input_ids must be an integer \(int64\) tensor, got dtype torch.float32"
-    ):
-        model(ids.float())
-    with pytest.raises(
-        ValueError, match=r"^labels must be an integer \(int64\) tensor, got dtype torch.float32"
+        ValueError, match=r"^labels must be an int64 \(or int32\) tensor, got dtype torch.float32"
     ):
         classifier(ids, labels=torch.tensor([1.0, 2.0]))
     # -100 still scores nothing, as in F.cross_entropy
@@ -509,3 +509,19 @@ def test_classifier_labels_shaped_as_the_logits_score_the_same_and_others_are_na
     model = LinformerForSequenceClassification(tiny(), num_labels=1).eval()
     out = model(ids)
     assert model(ids, labels=out.logits.detach()).loss == 0  # was 0.004 with (B, 1) labels
+
+
+def test_int32_labels_score_as_int64_ones_on_every_head():
+    # int32 ids ran, int32 labels failed in cross_entropy ("expected ... Long or Byte")
+    ids = torch.randint(2, VOCAB, (2, 10))
+    for model in (
+        LinformerForMaskedLM(tiny()),
+        LinformerForCausalLM(tiny(causal=True, block_size=4)),
+    ):
+        model.eval()
+        want = model(ids, labels=ids).loss
+        torch.testing.assert_close(model(ids, labels=ids.int()).loss, want)
+    classifier = LinformerForSequenceClassification(tiny(), num_labels=3).eval()
+    labels = torch.tensor([0, 2])
+    want = classifier(ids, labels=labels).loss
+    torch.testing.assert_close(classifier(ids, labels=labels.int()).loss, want)

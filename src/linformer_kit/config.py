@@ -54,7 +54,12 @@ class ConfigDict:
     Seq2SeqConfig)."""
 
     def replace(self: ConfigT, **changes: Any) -> ConfigT:
-        """Returns a validated copy with the given fields changed."""
+        """Returns a validated copy with the given fields changed.
+
+        Raises:
+            ValueError: for a name that is not a config field, or a bad value.
+        """
+        check_fields(type(self), changes)  # a TypeError from dataclasses named no field list
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -319,9 +324,13 @@ def proj_dim_schedule(first: int, last: int, depth: int, multiple_of: int = 1) -
         A list of `depth` ints, non-increasing, each in [multiple_of, first].
 
     Raises:
-        ValueError: if the bounds are not 1 <= multiple_of <= last <= first or depth < 1.
+        ValueError: for an argument that is not an integer >= 1, or bounds that are not
+            multiple_of <= last <= first.
     """
-    if depth < 1 or not 1 <= multiple_of <= last <= first:
+    for name, value in (("first", first), ("last", last), ("depth", depth)):
+        check_positive(name, value)  # a str or None failed in a comparison, 2.5 gave floats
+    check_positive("multiple_of", multiple_of)
+    if not multiple_of <= last <= first:
         raise ValueError(
             f"need depth >= 1 and 1 <= multiple_of <= last <= first; got depth={depth}, "
             f"first={first}, last={last}, multiple_of={multiple_of}"

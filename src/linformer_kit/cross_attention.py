@@ -48,9 +48,12 @@ def cross_attention(
         (B, H, M, D). A memory with no real position gives zeros.
 
     Raises:
-        ValueError: if N exceeds max_seq_len or the mask has the wrong shape or dtype.
+        ValueError: if N exceeds max_seq_len, the mask has the wrong shape or dtype, or
+            proj_v is given without proj_k.
     """
     if proj_k is None:
+        if proj_v is not None:  # it ran exact attention without a word
+            raise ValueError("proj_v needs proj_k: pass both, proj_k alone (shared), or neither")
         return exact_attention(q, k, v, key_padding_mask, dropout_p, scale)
     proj_v = proj_k if proj_v is None else proj_v
     return linformer_attention(q, k, v, proj_k, proj_v, key_padding_mask, dropout_p, scale)

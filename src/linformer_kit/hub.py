@@ -200,7 +200,8 @@ def save_pretrained(
         architecture: class name recorded for `from_pretrained`.
         model_kwargs: constructor arguments beyond the config (e.g. num_labels).
     """
-    check_output_path(path := Path(path), directory=True, flag="path")  # "Not a directory"
+    check_output_path(path, directory=True, flag="path")  # "Not a directory"; "": the cwd
+    path = Path(path)
     state = model.state_dict()
     tensors = {group[0]: state[group[0]].contiguous() for group in _alias_groups(state)}
     save_id = uuid.uuid4().hex

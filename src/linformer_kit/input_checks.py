@@ -28,14 +28,14 @@ def check_token_ids(ids: Tensor, name: str = "input_ids") -> None:
 def check_index_range(
     values: Tensor, size: int, name: str, ignore_index: int | None = None
 ) -> None:
-    """Raises ValueError naming `name` and the dtype of values that are not integers, or the
-    range and the first value outside [0, size) (`ignore_index` excepted). The range is
-    checked on CPU in eager mode outside torch.func only: on a GPU it would cost a host sync
-    per call (an out-of-range index fails there in a device-side assert), and vmap refuses
-    the data-dependent branch."""
-    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-        # embedding and cross_entropy named neither the argument nor the dtype wanted
-        raise ValueError(f"{name} must be an integer (int64) tensor, got dtype {values.dtype}")
+    """Raises ValueError naming `name` and the dtype of values that are not int64 or int32
+    (what an embedding takes), or the range and the first value outside [0, size)
+    (`ignore_index` excepted). The range is checked on CPU in eager mode outside torch.func
+    only: on a GPU it would cost a host sync per call (an out-of-range index fails there in a
+    device-side assert), and vmap refuses the data-dependent branch."""
+    if values.dtype not in (torch.int64, torch.int32):
+        # the embedding, gather and cross_entropy named neither the argument nor the dtype
+        raise ValueError(f"{name} must be an int64 (or int32) tensor, got dtype {values.dtype}")
     if values.device.type != "cpu" or torch.compiler.is_compiling() or transformed(values):
         return
     bad = (values < 0) | (values >= size)
@@ -77,8 +77,9 @@ def check_rows_hold_a_token(key_padding_mask: Tensor, what: str) -> None:
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Raises ValueError unless q, k and v are floating-point (B, H, N, D) tensors, with keys
-    and values of one batch, heads and length (a value per key)."""
+    """Raises ValueError unless q, k and v are floating-point (B, H, N, D) tensors of one
+    dtype, batch and heads, queries and keys of one head_dim, keys and values of one length
+    (a value per key)."""
     if not q.dim() == k.dim() == v.dim() == 4:
         raise ValueError(
             f"q, k and v must be (batch, heads, seq_len, head_dim), got shapes "
@@ -87,6 +88,15 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not x.is_floating_point():  # matmul named neither the input nor the dtype
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:  # a matmul's "expected scalar type Float"
+        raise ValueError(f"q, k and v must be of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    # (B, H) and D of the queries: SDPA's and bmm's errors named no input, and one head of q
+    # was broadcast over every head of k without a word
+    if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
+        raise ValueError(
+            f"q and k must be of one batch, heads and head_dim: got q of shape "
+            f"{tuple(q.shape)} and k of shape {tuple(k.shape)}"
+        )
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
             f"keys and values must be as many, of one batch and heads: got k of shape "

@@ -200,7 +200,7 @@ def linear_cross_entropy(
         bias = None if bias is None else bias.to(dtype)
         logits = F.linear(hidden.to(dtype), weight.to(dtype), bias).flatten(0, -2)
         logits = at_least_float32(logits)
-        return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)
+        return F.cross_entropy(logits, targets.reshape(-1).long(), ignore_index=ignore_index)
     device = hidden.device.type
     check_index_range(targets, vocab_size, name, ignore_index)
     rows = targets.numel()
@@ -265,7 +265,7 @@ def lm_head_loss(
         return None, logits
     check_index_range(targets, weight.shape[0], "labels", -100)
     flat = at_least_float32(logits.reshape(-1, logits.shape[-1]))
-    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100), logits
+    return F.cross_entropy(flat, targets.reshape(-1).long(), ignore_index=-100), logits
 
 
 def at_least_float32(t: Tensor) -> Tensor:

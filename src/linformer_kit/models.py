@@ -394,7 +394,7 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
                 loss = F.mse_loss(logits32, labels.to(logits32.dtype))
             else:
                 check_index_range(labels, self.num_labels, "labels", -100)
-                loss = F.cross_entropy(at_least_float32(logits), labels)
+                loss = F.cross_entropy(at_least_float32(logits), labels.long())
         return SequenceClassifierOutput(
             loss, logits, out.last_hidden_state, out.hidden_states, out.attentions
         )
