@@ -422,3 +422,18 @@ def test_a_fully_padded_row_gives_zeros_not_nan(dtype, projected):
     out = causal_attention(q, k, v, proj, proj, block_size=3, key_padding_mask=mask)
     assert torch.isfinite(out).all()
     assert torch.count_nonzero(out[1]) == 0
+
+
+def test_causal_attention_takes_as_many_queries_as_keys_and_any_block_size():
+    q = torch.randn(2, 4, 8, 16)
+    e = torch.randn(32, 4)
+    # exact: SDPA aligned the mask top-left for 5 queries over 8 keys, without a word
+    for proj in (None, e):
+        with pytest.raises(
+            ValueError, match=r"^causal attention takes as many queries as keys: got 5 and 8"
+        ):
+            causal_attention(q[:, :, :5], q, q, proj)
+    # a block longer than the sequence is one block (10**12 went to the allocator)
+    torch.testing.assert_close(
+        causal_attention(q, q, q, e, block_size=10**12), causal_attention(q, q, q, e, block_size=8)
+    )

@@ -8,6 +8,7 @@ import re
 import pytest
 from train_helpers import write_classification, write_corpus
 
+from linformer_kit import LinformerForMaskedLM, linformer_tiny
 from linformer_kit.cli import main
 from linformer_kit.data.corpus import list_files
 
@@ -94,18 +95,12 @@ def test_finetune_names_a_missing_eval_file_by_its_flag_before_any_work(tmp_path
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "a", "label": 0}\n')
     missing = tmp_path / "valid.jsonl"  # named without its flag, after --data was read
+    init = tmp_path / "mlm"
+    LinformerForMaskedLM(
+        linformer_tiny(vocab_size=300, max_seq_len=16, proj_dim=8)
+    ).save_pretrained(init)
     with pytest.raises(SystemExit) as stop:
-        main(
-            [
-                "finetune",
-                "--init",
-                str(tmp_path / "runs"),
-                "--data",
-                str(data),
-                "--eval",
-                str(missing),
-            ]
-        )
+        main(["finetune", "--init", str(init), "--data", str(data), "--eval", str(missing)])
     assert str(stop.value) == f"linformer finetune: error: --eval {missing}: no such file"
 
 

@@ -179,18 +179,23 @@ def causal_attention(
         (B, H, N, D).
 
     Raises:
-        ValueError: for inputs not (B, H, N, D) or keys and values of other shapes, if N
-            exceeds max_seq_len, the mask has the wrong shape or dtype, the projections give
+        ValueError: for inputs not (B, H, N, D), queries, keys and values of other shapes, if
+            N exceeds max_seq_len, the mask has the wrong shape or dtype, the projections give
             different k or a per-head one other heads, proj_v comes without proj_k, or
             block_size < 1.
     """
     check_qkv(q, k, v)
     batch, _, seq_len, _ = q.shape
+    if k.shape[2] != seq_len:  # SDPA aligned the causal mask top-left without a word
+        raise ValueError(
+            f"causal attention takes as many queries as keys: got {seq_len} and {k.shape[2]}"
+        )
     check_key_padding_mask(key_padding_mask, batch, seq_len)
     if proj_k is None and proj_v is not None:
         raise ValueError("proj_v needs proj_k: pass both, proj_k alone (shared), or neither")
     if proj_k is not None:
         check_positive("block_size", block_size)
+        block_size = min(block_size, seq_len)  # one block either way (10**12 was allocated)
         proj_v = proj_k if proj_v is None else proj_v
         check_projections(proj_k, proj_v, num_heads=q.shape[1])
         check_seq_len(seq_len, min(proj_k.shape[-2], proj_v.shape[-2]))

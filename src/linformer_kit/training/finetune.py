@@ -199,9 +199,6 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     for name in ("init", "data", "eval"):
         if not getattr(settings, name):
             raise ValueError(f"finetune needs --{name}")
-    for name in ("data", "eval"):  # a missing --eval was named, without its flag, after --data
-        if not Path(getattr(settings, name)).exists():  # was read and the teacher checked
-            raise FileNotFoundError(f"--{name} {getattr(settings, name)}: no such file")
     check_run_dir(train.output_dir, resume=train.resume)  # before the model and data load
     use_threads(train.threads)  # the probe's and the teacher's passes too, not training alone
     teacher = check_teacher(settings.teacher) if settings.teacher else None
@@ -211,6 +208,9 @@ def finetune(settings: FinetuneSettings, train: TrainSettings) -> TrainResult:
     config = meta["config"]
     if settings.pooling == "cls" and config.causal:  # before the data loads
         raise ValueError(f"--pooling cls: {CAUSAL_CLS}")
+    for name in ("data", "eval"):  # a missing --eval was named, without its flag, after --data
+        if not Path(getattr(settings, name)).exists():  # was read and the teacher checked
+            raise FileNotFoundError(f"--{name} {getattr(settings, name)}: no such file")
     tokenizer = load_tokenizer(settings.init, model_vocab_size=config.vocab_size)
     max_len = _sequence_length(settings, config.max_seq_len)
     # a folder with checkpoints is resumed (its head loaded) or refused by the Trainer
