@@ -601,6 +601,8 @@ def test_a_float8_model_loads_its_weights_checked_in_float32(tmp_path):
     assert next(again.parameters()).dtype == torch.float8_e4m3fn
 
 
-def test_saving_to_an_empty_path_is_refused():
+def test_saving_to_or_loading_from_an_empty_path_is_refused():
     with pytest.raises(ValueError, match=r"^path is empty \(''\); name a directory"):
         LinformerModel(tiny()).save_pretrained("")  # it wrote into the working directory
+    with pytest.raises(ValueError, match=r"^path is empty \(''\); name a checkpoint folder"):
+        LinformerModel.from_pretrained("")  # it read the working directory

@@ -525,3 +525,21 @@ def test_int32_labels_score_as_int64_ones_on_every_head():
     labels = torch.tensor([0, 2])
     want = classifier(ids, labels=labels).loss
     torch.testing.assert_close(classifier(ids, labels=labels.int()).loss, want)
+
+
+def test_inputs_that_are_not_tensors_are_named():
+    # "'list' object has no attribute 'dim'" named no argument
+    ids = torch.randint(2, VOCAB, (2, 10))
+    model = LinformerModel(tiny()).eval()
+    for args, named in [
+        ((ids.tolist(),), "input_ids must be a torch.Tensor of token ids, got list"),
+        ((ids.numpy(),), "input_ids must be a torch.Tensor of token ids, got ndarray"),
+        ((ids, [[True] * 10] * 2), "key_padding_mask must be a torch.Tensor of bools, got list"),
+    ]:
+        with pytest.raises(TypeError, match=rf"^{named}$"):
+            model(*args)
+    causal = LinformerForCausalLM(tiny(causal=True, block_size=4)).eval()
+    with pytest.raises(
+        TypeError, match=r"^input_ids must be a torch.Tensor of token ids, got list"
+    ):
+        causal.generate(ids.tolist(), 3)

@@ -12,7 +12,7 @@ from torch import Tensor
 from .attention import CausalState
 from .checks import check_finite_non_negative, check_non_negative, check_positive
 from .config import LinformerConfig
-from .input_checks import check_key_padding_mask, check_rows_hold_a_token
+from .input_checks import check_key_padding_mask, check_rows_hold_a_token, check_tensor
 from .losses import check_labels, lm_head_loss
 from .models import LinformerModel, LinformerPreTrainedModel
 
@@ -158,6 +158,7 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
                 row, an eos_token_id out of the vocabulary, or a total length over
                 max_seq_len.
         """
+        check_tensor("input_ids", input_ids, "of token ids")
         if input_ids.dim() != 2 or 0 in input_ids.shape:
             raise ValueError(
                 f"input_ids must be (batch >= 1, N >= 1) token ids, got shape "

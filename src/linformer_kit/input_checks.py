@@ -19,8 +19,17 @@ def check_seq_len(seq_len: int, max_seq_len: int) -> None:
         )
 
 
+def check_tensor(name: str, value: object, what: str) -> None:
+    """Raises TypeError, naming `name`, for a `value` that is not a tensor (a list gave
+    "'list' object has no attribute 'dim'", naming no argument)."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(value).__name__}")
+
+
 def check_token_ids(ids: Tensor, name: str = "input_ids") -> None:
-    """Raises ValueError unless `ids` is a (batch >= 1, seq_len) tensor, naming `name`."""
+    """Raises ValueError unless `ids` is a (batch >= 1, seq_len) tensor (TypeError: not a
+    tensor), naming `name`."""
+    check_tensor(name, ids, "of token ids")
     if ids.dim() != 2 or ids.shape[0] < 1:
         raise ValueError(f"{name} must be (batch >= 1, seq_len), got shape {tuple(ids.shape)}")
 
@@ -57,9 +66,11 @@ def check_input(x: Tensor, dim: int) -> None:
 
 
 def check_key_padding_mask(key_padding_mask: Tensor | None, batch: int, seq_len: int) -> None:
-    """Raises ValueError unless the mask is a bool tensor of shape (batch, seq_len)."""
+    """Raises ValueError unless the mask is a bool tensor of shape (batch, seq_len)
+    (TypeError: not a tensor)."""
     if key_padding_mask is None:
         return
+    check_tensor("key_padding_mask", key_padding_mask, "of bools")
     if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (batch, seq_len):
         raise ValueError(
             f"key_padding_mask must be a bool tensor of shape (batch, seq_len) = "

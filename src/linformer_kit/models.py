@@ -134,6 +134,8 @@ class LinformerPreTrainedModel(nn.Module):
         floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
         if not (floating or dtype in (None, "auto")):
             raise ValueError(f'dtype must be a floating torch dtype or "auto", got {dtype!r}')
+        if not os.fspath(path):  # it read the working directory
+            raise ValueError("path is empty (''); name a checkpoint folder")
         path = hub.pinned(path)
         hub.check_before_load(path, verify)
         meta = hub.read_config(path)
