@@ -187,7 +187,9 @@ def test_convert_refuses_to_overwrite_its_source_and_bad_sizes_before_any_work(t
             main([*args, "--out", str(other)])
         assert {p.name: p.read_bytes() for p in other.iterdir()} == before
     (source / "config.json").write_text("{bad")  # "Expecting property name ...", no file named
-    with pytest.raises(SystemExit, match=rf"{source / 'config.json'} is not a JSON file: Expect"):
+    with pytest.raises(
+        SystemExit, match=rf"{source / 'config.json'} is not valid JSON \(line 1\): Expect"
+    ):
         main([*args, "--out", str(tmp_path / "out")])
 
 

@@ -5,7 +5,6 @@ data-driven projection inits."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -21,7 +20,7 @@ from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel
 from ..training.checkpoint import CHECKPOINTS_DIR, STATE_NAME
 from ..training.settings import RUN_CONFIG_NAME
-from .bert import convert_hf_model
+from .bert import convert_hf_model, read_hf_config
 from .projection_init import DEFAULT_INIT, init_projections
 from .report import TOKENIZER_NAME, calibration_ids
 
@@ -41,15 +40,14 @@ ENCODERS = {
 
 def is_linformer_checkpoint(source: str | os.PathLike) -> bool:
     """Whether `source` was written by this library (its config.json names an architecture)
-    rather than by Hugging Face transformers."""
-    config = Path(source) / hub.CONFIG_NAME
-    if not config.is_file():
+    rather than by Hugging Face transformers.
+
+    Raises:
+        ValueError: for a config.json that is not a JSON object, naming it.
+    """
+    if not (Path(source) / hub.CONFIG_NAME).is_file():
         return False
-    try:
-        meta = json.loads(config.read_text())
-    except ValueError as err:  # a bare "Expecting value: line 1 column 1" named no file
-        raise ValueError(f"{config} is not a JSON file: {err}") from None
-    return isinstance(meta, dict) and "architecture" in meta
+    return "architecture" in read_hf_config(source)  # a bad file named, as a JSON object
 
 
 def convert_to_dir(
