@@ -237,7 +237,6 @@ def load_listops(
         "max_depth": max_depth,
         "max_args": max_args,
     }
-    task = {"vocab_size": len(TOKENS), "num_labels": 10, "pad_id": PAD_ID}
     return generated_task(
         "listops",
         generate_listops,
@@ -247,5 +246,7 @@ def load_listops(
         version=VERSION,
         cache_dir=cache_dir,
         row_bytes=max_length,
-        **task,
+        vocab_size=len(TOKENS),
+        num_labels=10,
+        pad_id=PAD_ID,
     )

@@ -283,8 +283,6 @@ def load_pathfinder(
     """
     sizes = {"train": num_train, "val": num_val, "test": num_test}
     shape = {"contour_length": contour_length, "num_distractors": num_distractors, "size": size}
-    # Every row is full length, so no token is padding; id 0 (background) is nominal.
-    task = {"vocab_size": 256, "num_labels": 2, "pad_id": 0}
     return generated_task(
         "pathfinder",
         generate_pathfinder,
@@ -294,5 +292,7 @@ def load_pathfinder(
         version=VERSION,
         cache_dir=cache_dir,
         row_bytes=size * size,
-        **task,
+        vocab_size=256,
+        num_labels=2,
+        pad_id=0,  # every row is full length: no token is padding; 0 (background) is nominal
     )
