@@ -13,8 +13,8 @@ from test_cli_train import MODEL, TRAIN
 from train_helpers import flip_last_byte, pretrain_cli, write_classification
 
 from linformer_kit.cli import main
-from linformer_kit.hub import write_manifest
 from linformer_kit.interop.report import minilm_path
+from linformer_kit.manifest import write_manifest
 
 ALTERED = (
     "failed its integrity check: model.safetensors was altered (same size, but its SHA-256 "

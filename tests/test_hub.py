@@ -23,7 +23,7 @@ from linformer_kit import (
     hub,
     linformer_tiny,
 )
-from linformer_kit.hub import (
+from linformer_kit.manifest import (
     CONFIG_NAME,
     MANIFEST_NAME,
     WEIGHTS_NAME,

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from linformer_kit import LinformerModel, hub, linformer_tiny
+from linformer_kit import LinformerModel, linformer_tiny, manifest
 from linformer_kit.cli import convert as cli_convert
 from linformer_kit.cli import distill as cli_distill
 from linformer_kit.cli import main
@@ -197,7 +197,7 @@ def test_converting_into_a_folder_with_an_old_manifest_gives_a_loadable_model(tm
     # The old manifest described the replaced files: loading refused the new ones as corrupt.
     out = tmp_path / "out"
     LinformerModel(linformer_tiny(vocab_size=50, max_seq_len=16, proj_dim=4)).save_pretrained(out)
-    hub.write_manifest(out)
+    manifest.write_manifest(out)
     main(["convert", "--proj-dim", "16", "--init", "mean", "--out", str(out)])
     assert LinformerModel.from_pretrained(out).config.proj_dim == 16
 

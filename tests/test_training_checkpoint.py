@@ -8,9 +8,9 @@ import pytest
 import torch
 from train_helpers import flip_last_byte, tiny_run
 
-from linformer_kit import hub
+from linformer_kit import manifest
 from linformer_kit.files import umask_mode
-from linformer_kit.hub import IntegrityError, write_manifest
+from linformer_kit.manifest import IntegrityError, write_manifest
 from linformer_kit.masked_lm import LinformerForMaskedLM
 from linformer_kit.training import checkpoint as checkpoint_module
 from linformer_kit.training import latest_checkpoint, load_checkpoint, pretrain
@@ -69,14 +69,14 @@ def test_a_load_through_a_link_a_live_run_moves_reads_one_save(run_dir, monkeypa
     # A run moves `last` to each new save. Read through the link, the manifest, config and
     # weights were read in turn and could be of two saves: a false IntegrityError (86 of
     # 4,059 loads of a live run's `last` in a review), or weights other than those checked.
-    checkpoints, verify = run_dir / "checkpoints", hub.verify_manifest
+    checkpoints, verify = run_dir / "checkpoints", manifest.verify_manifest
 
     def verified_then_the_link_moves(path, **kwargs):
         checked = verify(path, **kwargs)
         checkpoint_module._point(run_dir / "last", checkpoints / "step-00000004")
         return checked
 
-    monkeypatch.setattr(hub, "verify_manifest", verified_then_the_link_moves)
+    monkeypatch.setattr(manifest, "verify_manifest", verified_then_the_link_moves)
     if load.startswith("from_pretrained"):  # "run/last/", as a shell completes it, too
         last = f"{run_dir / 'last'}/" if load.endswith("/") else run_dir / "last"
         model = LinformerForMaskedLM.from_pretrained(last)
@@ -127,9 +127,9 @@ def test_a_trainer_state_of_another_shape_is_a_corrupt_checkpoint(run_dir, state
         load_checkpoint(newest)
     assert latest_checkpoint(run_dir).state["step"] == 4
     # a manifest that leaves the trainer state out is no checkpoint's
-    manifest = json.loads((newest / "manifest.json").read_text())
-    del manifest["files"]["trainer_state.pt"]
-    (newest / "manifest.json").write_text(json.dumps(manifest))
+    listing = json.loads((newest / "manifest.json").read_text())
+    del listing["files"]["trainer_state.pt"]
+    (newest / "manifest.json").write_text(json.dumps(listing))
     with pytest.raises(IntegrityError, match="trainer_state.pt is not in manifest.json"):
         load_checkpoint(newest)
 

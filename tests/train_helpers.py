@@ -131,14 +131,14 @@ def write_pid_and_train(path: str, seconds: float) -> None:
 def count_checkpoint_checks(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     """Counts, by path, the checkpoints read through `load_checkpoint`'s integrity check
     (each a pass over every byte of the checkpoint)."""
-    from linformer_kit import hub
+    from linformer_kit import manifest
 
     checks: collections.Counter = collections.Counter()
-    verify = hub.verify_manifest
+    verify = manifest.verify_manifest
 
     def counted(path: str | os.PathLike, **kwargs: object) -> bool:
         checks[Path(path).resolve()] += 1
         return verify(path, **kwargs)
 
-    monkeypatch.setattr(hub, "verify_manifest", counted)
+    monkeypatch.setattr(manifest, "verify_manifest", counted)
     return checks

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import hub
+from . import hub, manifest
 from .attention import CausalState
 from .checks import check_choice
 from .config import LinformerConfig
@@ -129,7 +129,7 @@ class LinformerPreTrainedModel(nn.Module):
             FileNotFoundError: if a file is missing.
             ValueError: if a file is corrupt or the weights do not match the config, or
                 for a dtype that is not a floating torch dtype or "auto";
-                hub.IntegrityError if a file does not match the manifest.
+                manifest.IntegrityError if a file does not match the manifest.
         """
         floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
         if not (floating or dtype in (None, "auto")):
@@ -137,7 +137,7 @@ class LinformerPreTrainedModel(nn.Module):
         if not os.fspath(path):  # it read the working directory
             raise ValueError("path is empty (''); name a checkpoint folder")
         path = hub.pinned(path)
-        hub.check_before_load(path, verify)
+        manifest.check_before_load(path, verify)
         meta = hub.read_config(path)
         if meta["architecture"] not in _architectures():  # read as "another" one's backbone
             raise ValueError(

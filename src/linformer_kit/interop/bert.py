@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from .. import hub
+from .. import manifest
 from ..config import LinformerConfig
 from ..models import LinformerModel
 from .projection_init import init_projections
@@ -89,7 +89,7 @@ def read_hf_weights(path: str | os.PathLike) -> dict[str, Tensor]:
             are refused), or a shard is missing.
         ValueError: if a file is truncated or not a safetensors file, the index is malformed,
             or the directory has a manifest.json that its files do not match
-            (`hub.check_before_load`).
+            (`manifest.check_before_load`).
     """
     folder = Path(path)
     weights = _weights_file(folder)
@@ -100,7 +100,7 @@ def read_hf_weights(path: str | os.PathLike) -> dict[str, Tensor]:
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {folder}{hint}")
     sharded = weights.name != WEIGHTS_NAME
     files = [folder / name for name in _shards(weights)] if sharded else [weights]
-    hub.check_before_load(path)
+    manifest.check_before_load(path)
     tensors: dict[str, Tensor] = {}
     for file in files:
         if not file.is_file():

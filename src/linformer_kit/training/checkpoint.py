@@ -10,7 +10,7 @@ Layout of a run directory::
     best -> checkpoints/step-...
 
 A checkpoint is assembled in a temporary directory, its manifest (size and SHA-256 of every
-file, `hub.write_manifest`) written last, then renamed into place; only then do the `last` /
+file, `manifest.write_manifest`) written last, then renamed into place; only then do the `last` /
 `best` links move. So a checkpoint without a manifest is incomplete, and one whose files do
 not match it is corrupt: resume skips both.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import hub
+from .. import hub, manifest
 from ..checks import is_number
 from ..data.tokenizer import TOKENIZER_NAME, TextTokenizer
 from ..files import check_output_path, umask_mode
@@ -118,7 +118,7 @@ def save_checkpoint(
             run_config.save(tmp / RUN_CONFIG_NAME)
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_NAME)
-        hub.write_manifest(tmp, step=step)
+        manifest.write_manifest(tmp, step=step)
         os.chmod(tmp, umask_mode(0o777))  # mkdtemp made it private (0o700)
         if final.exists():
             shutil.rmtree(final)
@@ -180,18 +180,18 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
     Raises:
         FileNotFoundError: if the directory does not exist.
-        hub.IntegrityError: if it is incomplete or corrupt (a ValueError).
+        manifest.IntegrityError: if it is incomplete or corrupt (a ValueError).
     """
     path = Path(hub.pinned(path))
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    hub.verify_manifest(path, required=True, listed=(STATE_NAME,))
+    manifest.verify_manifest(path, required=True, listed=(STATE_NAME,))
     try:
         state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-        raise hub.IntegrityError(path, [f"{STATE_NAME} is unreadable ({err})"]) from err
+        raise manifest.IntegrityError(path, [f"{STATE_NAME} is unreadable ({err})"]) from err
     if problem := _state_problem(state):
-        raise hub.IntegrityError(path, [f"{STATE_NAME} is not a trainer state: {problem}"])
+        raise manifest.IntegrityError(path, [f"{STATE_NAME} is not a trainer state: {problem}"])
     return Checkpoint(path.resolve(), state)
 
 
@@ -248,7 +248,7 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
     for path in candidates:
         try:
             checkpoint = load_checkpoint(path)
-        except hub.IntegrityError as err:
+        except manifest.IntegrityError as err:
             problems.append(f"{path.name}: {'; '.join(err.problems)}")
             continue
         for problem in problems:
