@@ -129,6 +129,12 @@ def test_projecting_the_input_first_is_exactly_equal(projection, sharing, masked
         torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
 
 
+def test_a_projection_that_is_no_module_is_named():
+    # a kind's name failed in an attribute lookup ("'str' object has no attribute ...")
+    with pytest.raises(TypeError, match=r"^proj_k must be a SequenceProjection .* got str$"):
+        LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=8, proj_k="linear")
+
+
 def test_order_is_chosen_by_flop_count():
     attn = LinformerSelfAttention(
         dim=64,

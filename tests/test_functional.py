@@ -233,6 +233,9 @@ def test_linformer_attention_names_malformed_inputs_and_takes_an_empty_batch():
     # keys and values of different lengths were projected by different rows: no error
     with pytest.raises(ValueError, match=r"keys and values must be as many.* \(1, 3, 7, 4\)"):
         linformer_attention(q, q, q[:, :, :7], e, e)
+    # a list: "'list' object has no attribute 'dim'", naming no input
+    with pytest.raises(TypeError, match=r"^v must be a torch.Tensor \(batch, heads, .* got list"):
+        linformer_attention(q, q, q.tolist(), e, e)
     # integer inputs: "expected m1 and m2 to have the same dtype" from a matmul
     with pytest.raises(
         ValueError, match=r"^k must be a floating-point tensor, got dtype torch.int64"

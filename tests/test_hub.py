@@ -160,6 +160,15 @@ def test_directory_holds_only_config_and_safetensors(mlm_dir):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX permission bits")
+def test_a_model_on_the_meta_device_is_not_saved(tmp_path):
+    # torch's NotImplementedError ("Cannot copy out of meta tensor"), after the folder was made
+    with torch.device("meta"):
+        model = LinformerModel(tiny())
+    with pytest.raises(ValueError, match=r"weights are on the meta device \(embeddings"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_saved_files_get_ordinary_permissions(mlm_dir):
     """Files are readable as the umask allows (mkstemp's private 0o600 must not leak through),
     so a checkpoint directory can be shared like any other output."""

@@ -527,6 +527,14 @@ def test_int32_labels_score_as_int64_ones_on_every_head():
     torch.testing.assert_close(classifier(ids, labels=labels.int()).loss, want)
 
 
+def test_ids_on_another_device_than_the_model_are_named():
+    # meta ids into a CPU model gave nan outputs without a word
+    model = LinformerModel(tiny()).eval()
+    ids = torch.randint(2, VOCAB, (2, 10), device="meta")
+    with pytest.raises(ValueError, match=r"^input_ids are on meta, the model on cpu: move one"):
+        model(ids)
+
+
 def test_inputs_that_are_not_tensors_are_named():
     # "'list' object has no attribute 'dim'" named no argument
     ids = torch.randint(2, VOCAB, (2, 10))
@@ -535,9 +543,19 @@ def test_inputs_that_are_not_tensors_are_named():
         ((ids.tolist(),), "input_ids must be a torch.Tensor of token ids, got list"),
         ((ids.numpy(),), "input_ids must be a torch.Tensor of token ids, got ndarray"),
         ((ids, [[True] * 10] * 2), "key_padding_mask must be a torch.Tensor of bools, got list"),
+        (
+            (ids, None, [[0] * 10] * 2),
+            "token_type_ids must be a torch.Tensor of segment ids, got list",
+        ),  # noqa: E501
     ]:
         with pytest.raises(TypeError, match=rf"^{named}$"):
             model(*args)
+    # labels: "'list' object has no attribute 'shape'" (or 'flatten'), after the backbone ran
+    classifier = LinformerForSequenceClassification(tiny(), num_labels=3).eval()
+    with pytest.raises(TypeError, match=r"^labels must be a torch.Tensor of class ids"):
+        classifier(ids, labels=[0, 1])
+    with pytest.raises(TypeError, match=r"^labels must be a torch.Tensor of token ids"):
+        LinformerForMaskedLM(tiny()).eval()(ids, labels=ids.tolist())
     causal = LinformerForCausalLM(tiny(causal=True, block_size=4)).eval()
     with pytest.raises(
         TypeError, match=r"^input_ids must be a torch.Tensor of token ids, got list"

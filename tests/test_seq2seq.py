@@ -353,6 +353,9 @@ def test_config_refuses_mismatched_sides():
         Seq2SeqConfig(encoder=enc, decoder=dec, eos_token_id=-1)
     with pytest.raises(ValueError, match=r"decoder_start_token_id must be in .* got True"):
         Seq2SeqConfig(encoder=enc, decoder=dec, decoder_start_token_id=True)
+    # None: "'NoneType' object has no attribute 'causal'"
+    with pytest.raises(TypeError, match=r"^encoder must be a LinformerConfig .* got NoneType$"):
+        Seq2SeqConfig(encoder=None, decoder=dec)
     with pytest.raises(ValueError, match="needs a Seq2SeqConfig, got LinformerConfig"):
         LinformerForSeq2SeqLM(enc)
     with pytest.raises(ValueError, match=r"max_new_tokens must be at most 15 \(the decoder's"):

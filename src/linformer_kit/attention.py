@@ -80,6 +80,12 @@ class LinformerSelfAttention(nn.Module):
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
         check_probability("dropout", dropout)
         check_positive("block_size", block_size)
+        for name, proj in (("proj_k", proj_k), ("proj_v", proj_v)):
+            if proj is not None and not isinstance(proj, SequenceProjection):
+                raise TypeError(  # a kind's name ("linear") failed in an attribute lookup
+                    f"{name} must be a SequenceProjection (projection.build_projection makes "
+                    f"one of a kind) or None (exact attention), got {type(proj).__name__}"
+                )
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.max_seq_len = max_seq_len
         self.dropout = dropout

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +84,15 @@ def save_pretrained(
         architecture: class name recorded for `from_pretrained`.
         model_kwargs: constructor arguments beyond the config (e.g. num_labels).
     """
+    state = model.state_dict()
+    if meta := [name for name, t in state.items() if t.is_meta]:  # torch's NotImplementedError
+        raise ValueError(
+            f"the model's weights are on the meta device ({meta[0]}, ...): they hold no "
+            f"values to save; give it weights first (model.to_empty(device=...), then load "
+            f"or initialise them)"
+        )
     check_output_path(path, directory=True, flag="path")  # "Not a directory"; "": the cwd
     path = Path(path)
-    state = model.state_dict()
     tensors = {group[0]: state[group[0]].contiguous() for group in _alias_groups(state)}
     save_id = uuid.uuid4().hex
     meta = {
@@ -235,6 +242,24 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                 f"the model again"
             )
     return tensors
+
+
+def warn_not_finite(tensors: dict[str, torch.Tensor], source: str | os.PathLike) -> None:
+    """Warns, naming them, of weights that hold nan or inf (a diverged run's): loaded without
+    a word, the model's outputs were nan. float8 has no isfinite: checked in float32."""
+    broken = [
+        name
+        for name, t in tensors.items()
+        if t.is_floating_point()
+        and not (t.float() if t.element_size() == 1 else t).isfinite().all()
+    ]
+    if broken:
+        warnings.warn(
+            f"{source}: {len(broken)} weights hold nan or inf ({', '.join(broken[:3])}"
+            f"{', ...' if len(broken) > 3 else ''}): the model's outputs will not be "
+            f"numbers (saved from a run that diverged?)",
+            stacklevel=3,  # the caller of from_pretrained
+        )
 
 
 def weights_dtype(tensors: dict[str, torch.Tensor], source: str | os.PathLike) -> torch.dtype:

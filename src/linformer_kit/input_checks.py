@@ -90,7 +90,9 @@ def check_rows_hold_a_token(key_padding_mask: Tensor, what: str) -> None:
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Raises ValueError unless q, k and v are floating-point (B, H, N, D) tensors of one
     dtype, batch and heads, queries and keys of one head_dim, keys and values of one length
-    (a value per key)."""
+    (a value per key); TypeError for one that is not a tensor."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, "(batch, heads, seq_len, head_dim)")
     if not q.dim() == k.dim() == v.dim() == 4:
         raise ValueError(
             f"q, k and v must be (batch, heads, seq_len, head_dim), got shapes "

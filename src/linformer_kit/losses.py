@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .input_checks import check_index_range
+from .input_checks import check_index_range, check_tensor
 from .linear_backend import add_matmul_, linear, matmul
 from .native import transformed
 from .python_side import first_order_only
@@ -233,6 +233,8 @@ def check_labels(labels: Tensor | None, input_ids: Tensor | None, *, return_logi
     """Raises a ValueError for labels not shaped as the ids they score, or for
     `return_logits=False` without labels; the language models check both before running
     their backbone (that call returns only the loss)."""
+    if labels is not None:
+        check_tensor("labels", labels, "of token ids (-100: not scored)")
     if labels is not None and input_ids is not None and labels.shape != input_ids.shape:
         raise ValueError(
             f"labels must have the scored ids' shape {tuple(input_ids.shape)}, got "

@@ -26,7 +26,13 @@ from .embeddings import (
 )
 from .encoder import LinformerEncoder
 from .functional import gather_positions, real_first
-from .input_checks import check_index_range, check_key_padding_mask, check_seq_len, check_token_ids
+from .input_checks import (
+    check_index_range,
+    check_key_padding_mask,
+    check_seq_len,
+    check_tensor,
+    check_token_ids,
+)
 from .losses import at_least_float32
 from .memory import check_weights_fit
 from .seq2seq_config import Seq2SeqConfig
@@ -157,13 +163,7 @@ class LinformerPreTrainedModel(nn.Module):
             raise ValueError(f"{os.path.join(os.fspath(path), hub.CONFIG_NAME)}: {err}") from None
         model = cls(config, **{**(meta["model_kwargs"] if same else {}), **model_kwargs})
         tensors = hub.read_weights(path)
-        if broken := [k for k, t in tensors.items() if t.is_floating_point() and not _finite(t)]:
-            warnings.warn(  # loaded without a word, the outputs were nan
-                f"{path}: {len(broken)} weights hold nan or inf ({', '.join(broken[:3])}"
-                f"{', ...' if len(broken) > 3 else ''}): the model's outputs will not be "
-                f"numbers (saved from a run that diverged?)",
-                stacklevel=2,
-            )
+        hub.warn_not_finite(tensors, path)
         if dtype is not None:
             model.to(hub.weights_dtype(tensors, path) if dtype == "auto" else dtype)
         if same:
@@ -189,11 +189,6 @@ class LinformerPreTrainedModel(nn.Module):
                 cls.__name__,
             )
         return model.eval()
-
-
-def _finite(weights: Tensor) -> bool:
-    """Whether every value is a number (float8 has no isfinite: checked in float32)."""
-    return bool((weights.float() if weights.element_size() == 1 else weights).isfinite().all())
 
 
 def _architectures() -> set[str]:
@@ -266,6 +261,14 @@ class LinformerModel(LinformerPreTrainedModel):
         if input_ids.shape[1] < 1:  # a generation step of no token
             raise ValueError("input_ids holds no token (seq_len 0)")
         check_key_padding_mask(key_padding_mask, *input_ids.shape)  # before anything reads it
+        weights = self.embeddings.tokens.weight
+        if input_ids.device != weights.device:  # meta ids into a CPU model gave nan
+            raise ValueError(
+                f"input_ids are on {input_ids.device}, the model on {weights.device}: move "
+                f"one to the other's device (model.to(device) or input_ids.to(device))"
+            )
+        if token_type_ids is not None:
+            check_tensor("token_type_ids", token_type_ids, "of segment ids")
         if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
             raise ValueError(
                 f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)}, got "
@@ -378,6 +381,8 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         output_attentions: bool = False,
     ) -> SequenceClassifierOutput:
         """Class logits (B, num_labels) and, given labels (B,), the loss."""
+        if labels is not None:
+            check_tensor("labels", labels, "of class ids (or regression targets)")
         out = self.linformer(
             input_ids, key_padding_mask, token_type_ids, output_hidden_states, output_attentions
         )

@@ -43,6 +43,11 @@ class Seq2SeqConfig(ConfigDict):
         for side in ("encoder", "decoder"):
             if isinstance(getattr(self, side), dict):  # from JSON
                 setattr(self, side, LinformerConfig.from_dict(getattr(self, side)))
+            elif not isinstance(getattr(self, side), LinformerConfig):
+                raise TypeError(
+                    f"{side} must be a LinformerConfig (or its dict), got "
+                    f"{type(getattr(self, side)).__name__}"
+                )
         if self.encoder.causal or not self.decoder.causal:
             raise ValueError(
                 f"a seq2seq model needs encoder.causal=False and decoder.causal=True; got "

@@ -22,7 +22,7 @@ from ..files import exclusive
 from ..kernel_rule import use_kernel
 from ..models import LinformerPreTrainedModel
 from ..precision import bf16_autocast
-from .batches import mix_seed
+from .batches import mix_seed, real_tokens
 from .checkpoint import (
     Checkpoint,
     check_run_dir,
@@ -52,20 +52,6 @@ logger = logging.getLogger(__name__)
 def _model_loss(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """The loss the model computes itself from the batch (labels included)."""
     return model(**batch).loss
-
-
-def real_tokens(batch: dict[str, Tensor]) -> int:
-    """The real tokens a batch feeds the model, the decoder's included (a seq2seq run counted
-    its sources alone: 2.5x too few on the copy task); padding is no token read (64 % more
-    in a padded fine-tuning batch)."""
-    count = 0
-    for ids, mask in (
-        ("input_ids", "key_padding_mask"),
-        ("decoder_input_ids", "decoder_padding_mask"),
-    ):
-        if ids in batch:
-            count += int(batch[mask].sum()) if mask in batch else batch[ids].numel()
-    return count
 
 
 class Trainer:
