@@ -34,6 +34,29 @@ def check_token_ids(ids: Tensor, name: str = "input_ids") -> None:
         raise ValueError(f"{name} must be (batch >= 1, seq_len), got shape {tuple(ids.shape)}")
 
 
+def check_device(input_ids: Tensor, weight: Tensor) -> None:
+    """Raises ValueError unless the ids are on the model's (`weight`'s) device: meta ids
+    into a CPU model gave nan outputs without a word."""
+    if input_ids.device != weight.device:
+        raise ValueError(
+            f"input_ids are on {input_ids.device}, the model on {weight.device}: move one to "
+            f"the other's device (model.to(device) or input_ids.to(device))"
+        )
+
+
+def check_token_type_ids(token_type_ids: Tensor | None, input_ids: Tensor) -> None:
+    """Raises ValueError unless segment ids, when given, are shaped as the ids (TypeError:
+    not a tensor)."""
+    if token_type_ids is None:
+        return
+    check_tensor("token_type_ids", token_type_ids, "of segment ids")
+    if token_type_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)}, got "
+            f"{tuple(token_type_ids.shape)}"
+        )
+
+
 def check_index_range(
     values: Tensor, size: int, name: str, ignore_index: int | None = None
 ) -> None:

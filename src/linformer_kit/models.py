@@ -27,11 +27,13 @@ from .embeddings import (
 from .encoder import LinformerEncoder
 from .functional import gather_positions, real_first
 from .input_checks import (
+    check_device,
     check_index_range,
     check_key_padding_mask,
     check_seq_len,
     check_tensor,
     check_token_ids,
+    check_token_type_ids,
 )
 from .losses import at_least_float32
 from .memory import check_weights_fit
@@ -261,19 +263,8 @@ class LinformerModel(LinformerPreTrainedModel):
         if input_ids.shape[1] < 1:  # a generation step of no token
             raise ValueError("input_ids holds no token (seq_len 0)")
         check_key_padding_mask(key_padding_mask, *input_ids.shape)  # before anything reads it
-        weights = self.embeddings.tokens.weight
-        if input_ids.device != weights.device:  # meta ids into a CPU model gave nan
-            raise ValueError(
-                f"input_ids are on {input_ids.device}, the model on {weights.device}: move "
-                f"one to the other's device (model.to(device) or input_ids.to(device))"
-            )
-        if token_type_ids is not None:
-            check_tensor("token_type_ids", token_type_ids, "of segment ids")
-        if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)}, got "
-                f"{tuple(token_type_ids.shape)}"
-            )
+        check_device(input_ids, self.embeddings.tokens.weight)
+        check_token_type_ids(token_type_ids, input_ids)
         position_ids = (
             causal_position_ids(input_ids, key_padding_mask, start) if self.config.causal else None
         )
