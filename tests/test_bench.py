@@ -207,6 +207,16 @@ def test_budgets_skip_with_a_stated_reason(tmp_path):
     assert sum("time budget" in r["reason"] for r in slow["rows"]) == 6
 
 
+def test_a_length_where_nothing_runs_times_no_ceiling(tmp_path):
+    # Every configuration over the budget, the matmul ceiling was still timed alone, its
+    # rounds in no estimate: --repeats 10**12 ran on (3 rounds a second) until stopped.
+    settings = tiny_settings(tmp_path, n="64", repeats=10**12, warmup=10**12)
+    result = run_bench(settings)
+    assert {r["status"] for r in result["rows"]} == {"skipped"}
+    assert all("time budget" in r["reason"] for r in result["rows"])
+    assert result["ceiling_gflop_per_s"] == {}
+
+
 def test_a_k_above_n_is_skipped_and_bf16_rows_keep_their_error_in_the_csv(tmp_path):
     settings = tiny_settings(
         tmp_path, n="8,32", scope="attention", sharing="kv", exact="sdpa", dtype="float32,bfloat16"

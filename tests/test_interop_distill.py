@@ -324,5 +324,9 @@ def test_cli_distills_whole_documents_past_the_teachers_positions(tiny, tmp_path
         main([*command, "--documents", str(docs), "--data", str(docs)])
     with pytest.raises(SystemExit, match="differs from the student's 128"):
         main([*command[:-1], "256", *flags])  # the saved student is 128 long
+    # of two flags of paths, a missing one was named without its flag
+    missing = str(tmp_path / "held.csv")
+    with pytest.raises(SystemExit, match=rf"--heldout-documents: data path {missing} does not"):
+        main([*command, "--documents", str(docs), "--heldout-documents", missing])
     with pytest.raises(ValueError, match="no documents left"):
         split_documents(["one", "two"], None, DistillData(heldout_texts=2), seed=0)

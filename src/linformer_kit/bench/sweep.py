@@ -224,6 +224,38 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             "rows": table,
         }
 
+    def time_runnable(seq_len: int, runnable: list[tuple[Call, None]], bar: tqdm) -> None:
+        """Times the configurations to run at one n, beside the matmul ceiling."""
+        steps = {}
+        for call, _ in runnable:
+            if call.variant.compile:  # seconds to a minute each: say what it is doing
+                bar.set_postfix_str(f"n={seq_len}, compiling {_key(call)}")
+            steps[_key(call)] = make_step(call)
+        steps.update(ceiling_steps)
+        bar.set_postfix(n=seq_len)
+        times = time_interleaved(
+            steps,
+            warmup=settings.warmup,
+            repeats=settings.repeats,
+            device=settings.device,
+            min_seconds=settings.min_time_s,
+            tick=lambda: bar.update(1),
+        )
+        del steps
+        if compiling:
+            torch._dynamo.reset()  # this n's compiled code is not needed again
+        flop_s = {d: tuple(matmul_flops(sizes[d]) / pick(times[f"matmul {d}"])
+                           for pick in (statistics.median, min)) for d in dtypes}  # fmt: skip
+        ceilings[seq_len] = {d: f[0] / 1e9 for d, f in flop_s.items()}
+        best_ceilings[seq_len] = {d: f[1] / 1e9 for d, f in flop_s.items()}
+        for call, _ in runnable:
+            row = _row(call, flop_s[call.dtype], times[_key(call)])
+            if call.dtype != "float32":
+                row["relative_error_vs_float32"] = autocast_error(call)
+                if not bf16.native:
+                    row.update(status=EMULATED, reason=f"not a result: {bf16.describe()}")
+            rows.append((call, row))
+
     if (Path(settings.out) / RESULT_NAME).is_file():
         logger.info(
             "%s holds an earlier run's results: replaced once the first n is timed (give "
@@ -239,39 +271,11 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             for call in _calls(settings, seq_len):
                 reason = _skip_reason(call, settings, first_ceiling[call.dtype])
                 (skipped if reason else runnable).append((call, reason))
-            steps = {}
-            for call, _ in runnable:
-                if call.variant.compile:  # seconds to a minute each: say what it is doing
-                    bar.set_postfix_str(f"n={seq_len}, compiling {_key(call)}")
-                steps[_key(call)] = make_step(call)
-            steps.update(ceiling_steps)
-            bar.set_postfix(n=seq_len)
-            times = time_interleaved(
-                steps,
-                warmup=settings.warmup,
-                repeats=settings.repeats,
-                device=settings.device,
-                min_seconds=settings.min_time_s,
-                tick=lambda: bar.update(1),
-            )
-            del steps
-            if compiling:
-                torch._dynamo.reset()  # this n's compiled code is not needed again
-            flop_s = {d: tuple(matmul_flops(sizes[d]) / pick(times[f"matmul {d}"])
-                               for pick in (statistics.median, min)) for d in dtypes}  # fmt: skip
-            ceilings[seq_len] = {d: f[0] / 1e9 for d, f in flop_s.items()}
-            best_ceilings[seq_len] = {d: f[1] / 1e9 for d, f in flop_s.items()}
-            for call, _ in runnable:
-                row = _row(call, flop_s[call.dtype], times[_key(call)])
-                if call.dtype != "float32":
-                    row["relative_error_vs_float32"] = autocast_error(call)
-                    if not bf16.native:
-                        row.update(status=EMULATED, reason=f"not a result: {bf16.describe()}")
-                rows.append((call, row))
-            for call, reason in skipped:
-                row = _row(call, None, None)
-                row.update(status="skipped", reason=reason)
-                rows.append((call, row))
+            if runnable:
+                time_runnable(seq_len, runnable, bar)
+            else:  # the ceiling alone, timed for no row: --repeats 10**12 ran on
+                bar.update(settings.warmup + settings.repeats)
+            _add_rows(rows, skipped)
             # Written after each n, so a run stopped early keeps the lengths it finished; the
             # first write removes an earlier run's plots, which no longer describe the JSON.
             if seq_len == seq_lens[0]:
@@ -297,6 +301,14 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     if interrupted is not None:
         raise interrupted
     return final
+
+
+def _add_rows(rows: list[tuple[Call, dict[str, Any]]], skipped: list[tuple[Call, str]]) -> None:
+    """Adds the rows of configurations not run, each with why."""
+    for call, reason in skipped:
+        row = _row(call, None, None)
+        row.update(status="skipped", reason=reason)
+        rows.append((call, row))
 
 
 def _title(settings: BenchSettings) -> str:

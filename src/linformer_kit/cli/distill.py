@@ -38,8 +38,8 @@ def _distill(args: argparse.Namespace, teacher: Path) -> None:
         dataclass_from_args(DistillSettings, args),
         data,
         files=None if args.documents else distillation_files(args.data, data.glob),
-        documents=_texts(args.documents, args),
-        heldout_documents=_texts(args.heldout_documents, args),
+        documents=_texts(args.documents, args, "--documents"),
+        heldout_documents=_texts(args.heldout_documents, args, "--heldout-documents"),
         proj_dim=args.proj_dim,
         sharing=args.sharing,
         projection=args.projection,
@@ -50,10 +50,14 @@ def _distill(args: argparse.Namespace, teacher: Path) -> None:
     print(f"held-out embedding cosine {before:.4f} -> {after:.4f}; saved {args.student}")
 
 
-def _texts(specs: list[str] | None, args: argparse.Namespace) -> list[str] | None:
+def _texts(specs: list[str] | None, args: argparse.Namespace, flag: str) -> list[str] | None:
     if not specs:
         return None
-    return [doc.text for doc in iter_documents(specs, glob=args.glob, text_field=args.text_field)]
+    try:
+        documents = iter_documents(specs, glob=args.glob, text_field=args.text_field)
+        return [doc.text for doc in documents]
+    except FileNotFoundError as err:  # of two flags of paths, which one's
+        raise FileNotFoundError(f"{flag}: {err}") from None
 
 
 def _report(args: argparse.Namespace, teacher: Path) -> None:
