@@ -141,6 +141,11 @@ def test_a_sweep_stopped_early_keeps_the_lengths_it_finished(tmp_path, monkeypat
     assert (
         f"{out} holds an earlier run's results: replaced once the first n is timed" in caplog.text
     )
+    # a user's table of that name was replaced; the run's own (above) is
+    (out / "bench.csv").write_text("date,loss\n1,2\n")
+    with pytest.raises(ValueError, match=r"bench.csv exists and is not a report that begins"):
+        run_bench(tiny_settings(tmp_path))
+    assert (out / "bench.csv").read_text() == "date,loss\n1,2\n"
 
 
 def test_an_interrupted_write_leaves_the_earlier_files_whole(tmp_path, monkeypatch):

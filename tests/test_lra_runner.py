@@ -40,11 +40,14 @@ def test_a_second_lra_run_into_a_task_folder_in_use_is_refused(tmp_path):
             run_lra("listops", settings)
 
 
-def test_a_user_file_where_the_report_goes_is_named_before_any_work(tmp_path):
+@pytest.mark.parametrize(
+    "name, what", [("listops.png", "a .png image"), ("summary.md", "a report that begins")]
+)
+def test_a_user_file_where_the_report_goes_is_named_before_any_work(tmp_path, name, what):
     settings = tiny_listops(tmp_path)
     (tmp_path / "runs").mkdir()
-    (tmp_path / "runs" / "listops.png").write_text("mine")  # it was replaced by the plot
-    named = f"--output-dir {tmp_path / 'runs' / 'listops.png'} exists and is not a .png image"
+    (tmp_path / "runs" / name).write_text("mine")  # replaced by the plot, or the summary
+    named = f"--output-dir {tmp_path / 'runs' / name} exists and is not {what}"
     with pytest.raises(ValueError, match=named):
         run_lra("listops", settings)
     assert not (tmp_path / "runs" / "listops").exists()  # no data made, no run started

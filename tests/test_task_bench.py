@@ -224,17 +224,20 @@ def test_an_out_json_that_is_not_a_report_is_named_before_any_work(tmp_path, tex
         earlier_rows(dataclasses.asdict(settings))
 
 
-def test_a_user_file_where_the_figure_goes_is_named_before_any_work(tmp_path):
-    for name in "abc":
-        (tmp_path / name).write_text("")
-    files = {flag: str(tmp_path / name) for flag, name in zip(("train", "val", "test"), "abc")}
-    (tmp_path / "report.png").write_text("mine")  # the figure replaced it
+@pytest.mark.parametrize(
+    "name, what", [("report.png", "a .png image"), ("report.md", "a report that begins")]
+)
+def test_a_user_file_where_the_figure_goes_is_named_before_any_work(tmp_path, name, what):
+    for data in "abc":
+        (tmp_path / data).write_text("")
+    files = {flag: str(tmp_path / data) for flag, data in zip(("train", "val", "test"), "abc")}
+    (tmp_path / name).write_text("mine")  # the figure, or the table, replaced it
     settings = TaskBenchSettings(
         **files, out=str(tmp_path / "report"), work_dir=str(tmp_path / "w")
     )
-    with pytest.raises(ValueError, match=r"--out .*report.png exists and is not a .png image"):
+    with pytest.raises(ValueError, match=rf"--out .*{name} exists and is not {what}"):
         task_bench.run_task_bench(settings)
-    assert (tmp_path / "report.png").read_text() == "mine" and not (tmp_path / "w").exists()
+    assert (tmp_path / name).read_text() == "mine" and not (tmp_path / "w").exists()
 
 
 def test_an_after_row_is_run_again_with_its_exact_run_and_kept_rows_survive_a_crash(

@@ -261,9 +261,13 @@ IMAGE_SIGNATURES = {
 MAX_REPORT_BYTES = 2**24  # a larger file at a report's path is no report: never read whole
 
 
-def is_output(path: Path, kind: str) -> bool:
+def is_output(path: Path, kind: str, begins: str = "") -> bool:
     """Whether the file at `path` is an output of `kind` ("json": one JSON object of report
-    size; an image format: a file that begins as one does), as an earlier run wrote it."""
+    size; an image format: a file that begins as one does; "text": one that begins with
+    `begins`, a table's header or a title), as an earlier run wrote it."""
+    if kind == "text":
+        with open(path, "rb") as handle:
+            return handle.read(len(begins.encode())) == begins.encode()
     if kind == "json":
         if path.stat().st_size > MAX_REPORT_BYTES:
             return False
@@ -275,15 +279,20 @@ def is_output(path: Path, kind: str) -> bool:
         return handle.read(8).startswith(IMAGE_SIGNATURES.get(kind, (b"",)))
 
 
-def check_replaceable(path: str | os.PathLike, kind: str, flag: str = "--out") -> None:
-    """Raises ValueError for a file at `path` that an output of `kind` ("json", or an image
-    format: "png", "pdf", ...) would replace and that is no such output (`is_output`; an
-    empty file is replaced): a slip of `--out` replaced a user's training data with a report,
-    or a user's files with a run's, without a word. Checked before the work.
+def check_replaceable(
+    path: str | os.PathLike, kind: str, flag: str = "--out", begins: str = ""
+) -> None:
+    """Raises ValueError for a file at `path` that an output of `kind` ("json", an image
+    format: "png", "pdf", ..., or "text" that begins with `begins`) would replace and that is
+    no such output (`is_output`; an empty file is replaced): a slip of `--out` replaced a
+    user's training data with a report, or a user's files with a run's, without a word.
+    Checked before the work.
     """
     out = Path(path)
-    if out.is_file() and out.stat().st_size and not is_output(out, kind):
-        what = "a JSON report" if kind == "json" else f"a .{kind} image"
+    if out.is_file() and out.stat().st_size and not is_output(out, kind, begins):
+        what = {"json": "a JSON report", "text": f"a report that begins {begins[:40]!r}"}.get(
+            kind, f"a .{kind} image"
+        )
         raise ValueError(
             f"{flag} {out} exists and is not {what}: writing would replace it; remove it "
             f"first, or choose another path"

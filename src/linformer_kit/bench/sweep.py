@@ -38,6 +38,7 @@ from .variants import compile_limits, estimate_bytes, peer_available, variant_fl
 logger = logging.getLogger(__name__)
 
 RESULT_NAME, TABLE_NAME = "bench.json", "bench.csv"
+TABLE_BEGINS = "scope,dtype,variant,"  # the CSV's header, in `_row`'s order
 PLOT_NAMES = ("scaling.png", "grid.png", "peers.png")  # what `plots.plot_result` draws
 EMULATED = "emulated"  # the status of a bf16 row on a CPU without native bf16
 
@@ -184,6 +185,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
     out = Path(settings.out)  # a user's file of these names was replaced (plots: removed)
     check_replaceable(out / RESULT_NAME, "json")
+    check_replaceable(out / TABLE_NAME, "text", begins=TABLE_BEGINS)
     for name in PLOT_NAMES:
         check_replaceable(out / name, "png")
     if settings.threads:

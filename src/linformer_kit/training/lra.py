@@ -26,7 +26,7 @@ from .checkpoint import check_run_dir
 from .compare import machine
 from .distributed import distributed_job, job_size
 from .loop import Trainer
-from .lra_report import model_label, plot_lra, write_summary
+from .lra_report import SUMMARY_TITLE, model_label, plot_lra, write_summary
 from .lra_settings import LRASettings, Recipe, check_task, check_task_flags
 from .process import in_fresh_process
 from .settings import TrainSettings
@@ -313,6 +313,7 @@ def run_lra(task: str, settings: LRASettings) -> dict[str, Any]:
     report = Path(settings.output_dir) / task  # a user's files of these names were replaced
     check_replaceable(report.with_suffix(".json"), "json", "--output-dir")
     check_replaceable(report.with_suffix(".png"), "png", "--output-dir")
+    check_replaceable(report.with_name("summary.md"), "text", "--output-dir", SUMMARY_TITLE)
     if settings.cache_dir:
         check_output_path(settings.cache_dir, directory=True, flag="--cache-dir")
     for name in settings.model_names:  # a bad setting is named before anything is written

@@ -58,6 +58,9 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+SUMMARY_TITLE = "# Long Range Arena, this library's Linformer and exact Transformer"
+
+
 def write_summary(output_dir: str | Path) -> Path:
     """Writes `output_dir/summary.md`: the table of every task whose report (`TASK.json`) is
     in `output_dir`, in LRA's order, with each run's machine. Returns its path."""
@@ -68,7 +71,7 @@ def write_summary(output_dir: str | Path) -> Path:
         if (output / f"{task}.json").is_file()
     ]
     rows = [row for report in reports for row in summary_rows(report)]
-    lines = ["# Long Range Arena, this library's Linformer and exact Transformer", ""]
+    lines = [SUMMARY_TITLE, ""]
     lines.append(
         markdown_table(
             rows,
