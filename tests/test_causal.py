@@ -194,6 +194,16 @@ def test_incremental_generation_equals_the_full_pass_at_every_step(sharing, kind
         assert all(s.keys.shape[2] < BLOCK and s.key_sums.shape[2] == 6 for s in states)
 
 
+def test_generation_states_that_are_not_the_models_are_named():
+    # [] and [CausalState()] gave an IndexError, [None, None] an AttributeError, and the
+    # states of two models (four for two layers) were taken without a word
+    model = LinformerForCausalLM(tiny()).eval()
+    ids = torch.randint(0, 50, (2, 3))
+    for states in ([], [CausalState()], [None, None], model.init_states() * 2, "states"):
+        with pytest.raises(ValueError, match=r"^states must be a list of 2 CausalStates, one"):
+            model(ids, states=states)
+
+
 def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     torch.manual_seed(0)
     model = LinformerForCausalLM(tiny()).eval()

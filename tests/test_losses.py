@@ -175,7 +175,10 @@ def test_zero_width_hidden_gives_log_vocab_size():
         (dict(bias=torch.zeros(9)), r"bias must have shape \(10,\)"),
         (dict(targets=torch.tensor([0, 1, 10, 2, 3, 4])), r"\[0, 10\) .* got 10"),
         (dict(targets=torch.tensor([0, -1, 1, 2, 3, 4])), r"ignore_index -100; got -1"),
-        (dict(rows_per_chunk=0), r"rows_per_chunk must be at least 1, got 0"),
+        (dict(rows_per_chunk=0), r"rows_per_chunk must be an integer >= 1, got 0"),
+        # these reached torch's op schema (a TypeError naming no argument of ours)
+        (dict(rows_per_chunk=2.5), r"rows_per_chunk must be an integer >= 1, got 2.5"),
+        (dict(ignore_index="pad"), r"ignore_index must be an integer, got 'pad'"),
     ],
 )
 def test_bad_inputs_raise(change, message):

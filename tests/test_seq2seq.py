@@ -208,6 +208,16 @@ def test_no_future_leak_in_the_decoder(dec_proj):
         assert torch.equal(model(src, changed).logits[:, :cut], before[:, :cut]), cut
 
 
+def test_decoder_states_that_are_not_the_models_are_named():
+    # one layer's state for a two-layer decoder gave an IndexError, None an AttributeError
+    model = model_for()
+    src, tgt = torch.randint(3, 40, (2, 12)), torch.randint(3, 40, (2, 1))
+    depth = len(model.decoder.layers)
+    for states in (model.init_states()[:1], [None] * depth):
+        with pytest.raises(ValueError, match=rf"^states must be a list of {depth} DecoderLayerS"):
+            model(src, tgt, states=states)
+
+
 @pytest.mark.parametrize("enc_proj", [("linear", 8), ("exact", None)], ids=["linformer", "exact"])
 @pytest.mark.parametrize("dec_proj", [6, None])
 def test_incremental_generation_equals_rerunning_the_full_model(enc_proj, dec_proj):

@@ -57,6 +57,23 @@ def check_token_type_ids(token_type_ids: Tensor | None, input_ids: Tensor) -> No
         )
 
 
+def check_states(states: object, depth: int, kind: type) -> None:
+    """Raises ValueError unless generation `states` are a list of `depth` `kind`s, one a
+    layer, as `init_states` makes them (an empty list gave an IndexError, a list of None an
+    AttributeError, two models' states one model's generation without a word); None
+    passes (no generation)."""
+    if states is not None and (
+        not isinstance(states, (list, tuple))
+        or len(states) != depth
+        or not all(isinstance(state, kind) for state in states)
+    ):
+        got = [type(s).__name__ for s in states] if isinstance(states, (list, tuple)) else states
+        raise ValueError(
+            f"states must be a list of {depth} {kind.__name__}s, one a layer, as init_states "
+            f"makes them; got {got!r:.200}"
+        )
+
+
 def check_index_range(
     values: Tensor, size: int, name: str, ignore_index: int | None = None
 ) -> None:

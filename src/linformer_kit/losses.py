@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import check_positive
 from .input_checks import check_index_range, check_tensor
 from .linear_backend import add_matmul_, linear, matmul
 from .native import transformed
@@ -179,8 +180,8 @@ def linear_cross_entropy(
 
     Raises:
         ValueError: if the shapes disagree, a target is outside [0, vocab_size) and is not
-            `ignore_index` (checked on CPU outside torch.compile and torch.func), or
-            rows_per_chunk is below 1.
+            `ignore_index` (checked on CPU outside torch.compile and torch.func),
+            rows_per_chunk is no integer >= 1 or ignore_index no integer.
     """
     vocab_size, dim = weight.shape
     if hidden.shape[-1:] != (dim,) or targets.shape != hidden.shape[:-1]:
@@ -191,8 +192,10 @@ def linear_cross_entropy(
         )
     if bias is not None and bias.shape != (vocab_size,):
         raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
-    if rows_per_chunk is not None and rows_per_chunk < 1:
-        raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
+    if rows_per_chunk is not None:  # 2.5 or "64" reached torch's op schema
+        check_positive("rows_per_chunk", rows_per_chunk)
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ValueError(f"ignore_index must be an integer, got {ignore_index!r}")
     if transformed(hidden, weight, bias, targets):
         # torch.func: the chunked loss is an autograd Function, which cannot run there (and
         # the range check below is data-dependent, which vmap refuses; cross_entropy checks)

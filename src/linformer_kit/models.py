@@ -31,6 +31,7 @@ from .input_checks import (
     check_index_range,
     check_key_padding_mask,
     check_seq_len,
+    check_states,
     check_tensor,
     check_token_ids,
     check_token_type_ids,
@@ -258,6 +259,7 @@ class LinformerModel(LinformerPreTrainedModel):
             ValueError: if N exceeds max_seq_len or the inputs are malformed.
         """
         check_token_ids(input_ids)
+        check_states(states, self.config.depth, CausalState)
         start = states[0].length if states else 0
         check_seq_len(start + input_ids.shape[1], self.config.max_seq_len)
         if input_ids.shape[1] < 1:  # a generation step of no token

@@ -29,6 +29,7 @@ from .input_checks import (
     check_key_padding_mask,
     check_rows_hold_a_token,
     check_seq_len,
+    check_states,
     check_token_ids,
 )
 from .kernel_rule import checkpointed
@@ -215,6 +216,7 @@ class LinformerDecoder(nn.Module):
                 masks disagree in shape.
         """
         check_token_ids(input_ids, "decoder_input_ids")
+        check_states(states, len(self.layers), DecoderLayerState)
         start = states[0].self_attention.length if states else 0
         check_seq_len(start + input_ids.shape[1], self.config.max_seq_len)
         check_key_padding_mask(key_padding_mask, *input_ids.shape)
