@@ -542,6 +542,13 @@ def test_a_resumed_run_keeps_its_tokenizer_and_corpus(tmp_path, caplog):
     run.data.tokenizer, run.train.max_steps = str(other), 8
     with pytest.raises(ValueError, match=r"--tokenizer .*other.json is not the tokenizer of"):
         pretrain(run)
+    # a new vocabulary size was ignored without a word (the run's tokenizer goes on)
+    run.data.tokenizer, vocab_size = "", run.data.vocab_size
+    run.data.vocab_size = vocab_size + 100
+    named = rf"--vocab-size {vocab_size + 100} \(the run's: {vocab_size}\)"
+    with pytest.raises(ValueError, match=rf"tokenizer, split and order; these differ: {named}"):
+        pretrain(run)
+    run.data.vocab_size = vocab_size
     # The newest checkpoint's tokenizer was read unverified: a damaged one failed the resume
     # (truncated) or tokenised the data before the trainer skipped that checkpoint (altered)
     run.data.tokenizer = ""

@@ -49,23 +49,24 @@ def resumed_data_settings(run: RunConfig, checkpoint: Checkpoint | None) -> Data
 
 
 # What a pretraining --resume keeps: the corpus, its split into train and validation, and
-# the order its blocks come in (a changed split scored blocks the run had trained on).
+# the order its blocks come in (a changed split scored blocks the run had trained on); the
+# tokenizer's settings (the run's tokenizer goes on: a new --vocab-size was ignored silently).
 RESUME_KEEPS = {
     "data": ("data", "glob", "text_field", "skip_bad_files", "max_documents", "val_fraction",
-             "max_val_blocks"),
+             "max_val_blocks", "vocab_size", "tokenizer_documents"),
     "train": ("objective", *DATA_ORDER),
 }  # fmt: skip
 
 
 def check_same_data(run: RunConfig, checkpoint: Checkpoint | None) -> None:
-    """Checks that a `--resume` from `checkpoint` goes on with the run's data, split and
-    order (`RESUME_KEEPS`); a fresh run (None) passes.
+    """Checks that a `--resume` from `checkpoint` goes on with the run's data, tokenizer
+    settings, split and order (`RESUME_KEEPS`); a fresh run (None) passes.
 
     Raises:
         ValueError: naming each flag that differs, with the run's value.
     """
     path = checkpoint and checkpoint.path
-    continues = f"the pretraining of {path} on its data, split and order"
+    continues = f"the pretraining of {path} on its data, tokenizer, split and order"
     check_resume_keeps(checkpoint, run, RESUME_KEEPS, continues, _same_setting)
 
 
