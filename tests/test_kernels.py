@@ -81,6 +81,12 @@ def test_explicit_equals_sdpa_with_a_general_mask_and_float32(blocks):
     sdpa = dot_product_attention(q, k, v, mask, scale=0.3, kernel="sdpa")
     explicit = dot_product_attention(q, k, v, mask, scale=0.3, kernel="explicit")
     torch.testing.assert_close(explicit, sdpa, atol=1e-6, rtol=1e-5)
+    # a mask of the keys alone, (M,): the explicit kernel took it, SDPA an IndexError
+    keys = torch.tensor([True, False] * 4)
+    sdpa = dot_product_attention(q, k, v, keys, kernel="sdpa")
+    explicit = dot_product_attention(q, k, v, keys, kernel="explicit")
+    torch.testing.assert_close(explicit, sdpa, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sdpa, dot_product_attention(q, k, v, keys.expand(8, 8)))
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])

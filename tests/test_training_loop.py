@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import types
 
@@ -279,6 +280,24 @@ def test_a_full_disk_during_a_save_is_named_with_the_way_on(tmp_path, monkeypatc
 
     monkeypatch.setattr(checkpoint_module.torch, "save", unpicklable)
     with pytest.raises(AttributeError):
+        pretrain(run)
+
+
+def test_a_run_folder_removed_during_the_run_is_named(tmp_path, monkeypatch):
+    # The save failed naming a temporary file inside it ("[Errno 2] No such file or
+    # directory: .../checkpoints/.tmp-g689xf1j/.tokenizer.json...tmp")
+    from linformer_kit.cli.overrides import USER_ERRORS
+    from linformer_kit.training import checkpoint as checkpoint_module
+
+    real_save = checkpoint_module.torch.save
+
+    def removed_first(state, path):
+        shutil.rmtree(tmp_path / "run")
+        real_save(state, path)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", removed_first)
+    run = tiny_run(tmp_path, max_steps=2, eval_every=2, save_every=2)
+    with pytest.raises(USER_ERRORS, match=r"^the run folder .*/run was removed while the run"):
         pretrain(run)
 
 

@@ -354,6 +354,8 @@ def dot_product_attention(
         )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if attn_mask is not None and attn_mask.dim() < 2:  # (M,): SDPA's IndexError, not explicit's
+        attn_mask = attn_mask.reshape(1, -1)
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"keys and values must be as many: got k of shape {tuple(k.shape)} and v of "

@@ -136,13 +136,21 @@ def save_checkpoint(
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint the disk had no room for; the checkpoints before it are intact."""
+    """A checkpoint the disk had no room for (the checkpoints before it are intact), or whose
+    run folder was removed."""
 
 
 def _check_disk(err: Exception, final: Path) -> None:
     """Raises CheckpointWriteError for a save that failed on a full disk (torch.save says
     "unexpected pos", safetensors "No space left on device": a traceback either way, that
-    named neither the disk nor the way on); other errors go on as they are."""
+    named neither the disk nor the way on), or whose run folder was removed meanwhile (the
+    error named a temporary file in it); other errors go on as they are."""
+    run_dir = final.parent.parent
+    if not run_dir.is_dir():  # torch.save: "Parent directory ... does not exist"
+        raise CheckpointWriteError(
+            f"the run folder {run_dir} was removed while the run went on: checkpoint "
+            f"{final.name} could not be written, and the run stops"
+        ) from err
     try:
         free = shutil.disk_usage(final.parent).free
     except OSError:
