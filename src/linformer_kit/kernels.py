@@ -74,18 +74,12 @@ _FUSED_ROWS = 256
 # Weights (B x H x N x M) up to which the compiled kernel, training with dropout, keeps its
 # forward's weights for backward (`keep_weights`, 4 bytes each) instead of making them
 # again there (one GEMM of its seven, and an exp pass): while they stay in the last-level
-# cache. Measured on a Zen 3 EPYC (AVX2, 32 MiB of L3, 2 threads; 4 heads, M = 256,
-# head_dim 64). The kernel alone (fwd+bwd, medians of 6-12 interleaved rounds), recompute /
-# keep: 1.15 / 1.17 / 1.16x at 2^20 / 2^21 / 2^22 weights (n 1024 / 2048 / 4096, B 1) with
-# dropout 0.1, 1.11-1.17x without, but 0.95x at 2^23 (n 8192 B 1; n 1024 B 8: 0.93-0.94x);
-# in bf16 (MKL's bf16 GEMM) 1.09 / 1.08x at n 1024 / 4096 with dropout; without glibc
-# keeping freed memory (`keep_freed_memory`) still 1.08-1.14x in fp32. The attention
-# layer with dropout 0.1 (medians of 12-40 paired rounds, several runs): 1.05-1.08 / 1.06-1.07
-# / 1.07x at n 1024 / 2048 / 4096, the encoder layer 1.02-1.03 / 1.04x at 1024 / 4096, and a
-# 6-layer encoder, whose layers' weights wait in memory for the layers above, 1.04 / 1.08 /
-# 1.07x (`benchmarks/kernels/zen3-avx2/keep-weights/`).
-# Only with dropout: without, SDPA (which the rule mostly takes then) saves one logsumexp
-# a row, which the encoder layer's memory matches; with dropout its math path keeps N x N.
+# cache. Measured on a Zen 3 EPYC (AVX2, 32 MiB of L3, 2 threads; 4 heads, M 256, head_dim
+# 64), the kernel alone, recompute / keep: 1.15-1.17x at 2^20-2^22 weights with dropout 0.1,
+# but 0.93-0.95x at 2^23; the attention layer 1.05-1.08x, a 6-layer encoder 1.04-1.08x at
+# n 1024-4096 (`benchmarks/kernels/zen3-avx2/keep-weights/`, docs/performance.md). Only
+# with dropout: without, SDPA (which the rule mostly takes then) saves one logsumexp a row,
+# which the encoder layer's memory matches; with dropout its math path keeps N x N.
 _KEEP_WEIGHTS = 1 << 22
 
 
