@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 from types import SimpleNamespace
 
@@ -58,6 +59,15 @@ def test_pretrain_writes_checkpoints_and_resumes_from_its_config(pretrained, cap
     with pytest.raises(SystemExit):
         main(["pretrain", "--config", str(pretrained), "--max-steps", "13"])
     assert "holds checkpoints: pass --resume to continue that run" in capsys.readouterr().err
+    # a copied (or moved) run went on in the folder it was saved in, the copy untouched
+    copy = pretrained.parent / "copy"
+    shutil.copytree(pretrained, copy, symlinks=True)
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--config", str(copy), "--max-steps", "13", "--resume"])
+    assert (
+        f"--config {copy} is the folder of a run saved to --output-dir {pretrained}: give "
+        f"--output-dir {copy} to go on with it there" in capsys.readouterr().err
+    )
     # a hand-edited value of another type was a TypeError traceback naming no file
     edited = pretrained.parent / "edited.json"
     edits = [("train", "lr", "x"), ("train", "beta2", None), ("train", "weight_decay", "0.1")]

@@ -150,6 +150,13 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, m
                        r"pairs and order; these differ: --data-seed 7 \(the run's: 0\), "
                        r"--batch-size 2 \(the run's: 4\)"):  # fmt: skip
         train_seq2seq(run)
+    # Other pairs under the same flags (a stdlib or cache changed since, a tokenizer trained
+    # anew: the docstring task's) went on without a word under the run's weights
+    run = tiny_run(tmp_path / "resumed", 9, resume=True)
+    data = load_seq2seq_data(run.data)
+    data.train.targets[0] = data.train.targets[0][::-1] + [1]
+    with pytest.raises(ValueError, match=r"on the data it trained on \(num_pairs 72, sha256 "):
+        train_seq2seq(run, data)
 
 
 def test_the_commands_train_evaluate_and_refuse_bad_input(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -93,12 +94,27 @@ def merged_run_config(cls: type[ConfigT], args: argparse.Namespace) -> tuple[Con
     Args:
         cls: the run config's class (`RunConfig`, `Seq2SeqRunConfig`).
         args: the parsed command line.
+
+    Raises:
+        ValueError: for `--config` at a run's folder saved to another `output_dir` (moved
+            or copied) without `--output-dir`.
     """
     config = config_path(args.config)
     base = cls.load(config).to_dict() if config else {}
     given = collect_overrides(args)
     sections = {section: {**base.get(section, {}), **values} for section, values in given.items()}
-    return cls.from_dict({**base, **sections}), given
+    run = cls.from_dict({**base, **sections})
+    folder, recorded = config and Path(config), run.train.output_dir
+    if folder and (folder / "checkpoints").is_dir() and "output_dir" not in given.get("train", {}):
+        # a run's folder (not a checkpoint's) moved or copied: the run went on in, or started
+        # afresh at, the folder it was saved in, without a word
+        if not (os.path.isdir(recorded) and os.path.samefile(folder, recorded)):
+            raise ValueError(
+                f"--config {config} is the folder of a run saved to --output-dir {recorded}: "
+                f"give --output-dir {config} to go on with it there (a moved or copied run), "
+                f"or --output-dir {recorded}"
+            )
+    return run, given
 
 
 def config_path(path: str | None) -> str | None:

@@ -4,6 +4,8 @@ docstring task, behind one loader."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -216,6 +218,17 @@ class Seq2SeqData:
     test: Seq2SeqPairs
     vocab_size: int
     tokenizer: TextTokenizer | None
+
+    def digest(self) -> dict[str, int | str]:
+        """The identity of the training and validation pairs: their count and the SHA-256
+        of their ids, recorded in every checkpoint (a resume on other pairs, from a stdlib
+        or a cache changed since, or a tokenizer trained anew, went on without a word)."""
+        digest = hashlib.sha256()
+        for pairs in (self.train, self.val):
+            for ids in (*pairs.sources, *pairs.targets):
+                digest.update(len(ids).to_bytes(8, "little") + array("q", ids).tobytes())
+        return {"num_pairs": len(self.train.sources) + len(self.val.sources),
+                "sha256": digest.hexdigest()}  # fmt: skip
 
 
 def _docstring_data(settings: Seq2SeqDataSettings) -> Seq2SeqData:

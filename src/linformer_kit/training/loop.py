@@ -115,7 +115,7 @@ class Trainer:
     def _resume(self) -> int | None:
         checkpoint = checkpoint_to_resume(self.checkpoint, self.run_dir)
         if checkpoint is None:
-            logger.info("no checkpoint in %s: starting from scratch", self.run_dir)
+            logger.warning("--resume: no checkpoint in %s, starting from scratch", self.run_dir)
             return None
         state = checkpoint.state
         check_resumable(checkpoint, self.model, self.dist.world_size)

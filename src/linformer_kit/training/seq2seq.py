@@ -258,6 +258,7 @@ def train_seq2seq(run: Seq2SeqRunConfig, data: Seq2SeqData | None = None) -> Tra
             tokenizer=data.tokenizer,
             loss_fn=batches.loss,
             checkpoint=checkpoint,
+            data_source=data.digest(),
         ).fit()
         return result
 
