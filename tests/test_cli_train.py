@@ -149,6 +149,24 @@ def test_an_interrupted_lra_model_says_how_to_continue_it(tmp_path, resumed, mon
     assert line == f"linformer demo: interrupted at step 3 of {tmp_path}"
 
 
+def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun(tmp_path, monkeypatch):
+    # The line left torchrun out: pasted, it ran one process, which the resume refuses.
+    saved = SimpleNamespace(path=tmp_path / "step-00000002")
+    monkeypatch.setattr(cli, "latest_checkpoint", lambda run_dir: saved)
+    argv = ["pretrain", "--data", "corpus", "--output-dir", str(tmp_path)]
+    args = build_parser().parse_args(argv)
+    for env, launcher in [
+        ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "torchrun --nproc_per_node 2 --no-python"),
+        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"},
+         "torchrun --nnodes 2 --nproc_per_node 8 --no-python"),
+    ]:  # fmt: skip
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        line = cli.interrupted(args, argv, TrainingInterrupted(3, tmp_path))
+        command = shlex.join(["linformer", *argv, "--resume"])
+        assert line.endswith(f"continue with: {launcher} {command}")
+
+
 def test_finetune_reports_accuracy_per_epoch_and_evaluate_reads_it(tmp_path, pretrained, capsys):
     train = write_classification(tmp_path / "train.jsonl", 48, seed=0)
     valid = write_classification(tmp_path / "valid.jsonl", 16, seed=1)

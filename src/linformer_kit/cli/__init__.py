@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import signal
 import sys
@@ -15,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from .. import __version__
 from ..training.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
-from ..training.distributed import is_main_process
+from ..training.distributed import is_main_process, job_size
 from ..training.loop import TrainingInterrupted
 from . import (
     analysis,
@@ -67,18 +68,30 @@ def interrupted(args: argparse.Namespace, argv: list[str], err: KeyboardInterrup
     if build_parser().parse_known_args([*argv, "--resume"])[1]:  # no --resume: demo, bench-task
         return f"linformer {args.command}: interrupted at step {err.step} of {err.run_dir}"
     checkpoint = latest_checkpoint(err.run_dir)
+    command = [*_launcher(), "linformer"]
     if checkpoint is None:
         return (
             f"linformer {args.command}: interrupted at step {err.step}, before the first "
-            f"checkpoint; start again with: {shlex.join(['linformer', *argv])}"
+            f"checkpoint; start again with: {shlex.join([*command, *argv])}"
         )
     resumed = getattr(args, "train.resume", getattr(args, "resume", False)) is True  # lra's
     again = argv if resumed else [*argv, "--resume"]
     return (
         f"linformer {args.command}: interrupted at step {err.step}; last checkpoint: "
         f"{err.run_dir / CHECKPOINTS_DIR / checkpoint.path.name}; continue with: "
-        f"{shlex.join(['linformer', *again])}"
+        f"{shlex.join([*command, *again])}"
     )
+
+
+def _launcher() -> list[str]:
+    """torchrun's part of the command that continues a job of several processes (without
+    it the command ran one, which the resume refuses); none for one process."""
+    world = job_size()
+    if world == 1:
+        return []
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = ["--nnodes", str(world // local)] if world > local else []
+    return ["torchrun", *nodes, "--nproc_per_node", str(local), "--no-python"]
 
 
 @contextlib.contextmanager
