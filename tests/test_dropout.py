@@ -370,6 +370,24 @@ def test_a_live_build_is_waited_for(build_folder, caplog):
     assert "removed, left by" not in caplog.text
 
 
+def test_a_process_left_in_the_build_folder_is_named_while_the_lock_is_waited_for(
+    build_folder, caplog, monkeypatch
+):
+    # A shell left in the folder beside a killed build's lock kept every later process
+    # waiting at its first kernel call, without a word, for as long as it stayed there.
+    folder, builds = build_folder
+    monkeypatch.setattr(native, "LOCK_WAIT_S", 0.3)
+    (folder / "lock").touch()
+    shell = subprocess.Popen(["sleep", "1.5"], cwd=folder)
+    with pytest.raises(RuntimeError, match="built"):
+        native._build()
+    assert shell.poll() == 0 and builds == [False]  # waited for it, then the lock was stale
+    assert (
+        f"{folder / 'lock'}: the CPU kernels' build has waited 0 s for it while pid {shell.pid} "
+        f"(sleep) run in its folder" in caplog.text
+    )
+
+
 def test_the_kernels_build_as_cpp17():
     """torch before 2.13 builds extensions with -std=c++17 (torch 2.11's build of these
     sources failed on std::bit_cast): up to torch 2.13 the kernels build so, their own

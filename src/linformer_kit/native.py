@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import platform
 import re
@@ -42,7 +43,7 @@ from . import files, precision, python_side
 logger = logging.getLogger(__name__)
 
 LOCK_SETTLE_S = 2.0  # torch's build lock standing this long, no process in its folder: stale
-LOCK_WAIT_S = 60.0  # without /proc: a build waiting this long on torch's lock names it
+LOCK_WAIT_S = 60.0  # a build waiting this long on torch's lock names it (and what runs there)
 PROC = Path("/proc")  # where Linux shows each process's working directory
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
@@ -192,9 +193,10 @@ def _left_by_a_killed_build(lock: Path) -> bool:
     (`_build_held`), is a killed build's: it stays LOCK_SETTLE_S while no process runs in
     the folder (torch runs ninja there). Another holder can only be a process of a version
     of this library before the hold (its `load` takes the file for milliseconds to find
-    the build current, or for a whole build, run in the folder): waited for. Without Linux's
-    /proc (which shows where processes run) nothing is removed: after LOCK_WAIT_S a warning
-    names the file, and torch's wait goes on."""
+    the build current, or for a whole build, run in the folder): waited for, and after
+    LOCK_WAIT_S a warning names the processes running there. Without Linux's /proc (which
+    shows where processes run) nothing is removed: after LOCK_WAIT_S a warning names the
+    file, and torch's wait goes on."""
     if not (PROC / "self" / "cwd").exists():
         deadline = time.monotonic() + LOCK_WAIT_S
         while lock.exists():
@@ -209,25 +211,36 @@ def _left_by_a_killed_build(lock: Path) -> bool:
                 break
             time.sleep(0.1)
         return False
-    settled = time.monotonic() + LOCK_SETTLE_S
+    settled, named = time.monotonic() + LOCK_SETTLE_S, time.monotonic() + LOCK_WAIT_S
     while lock.exists():
-        if _runs_in(lock.parent):
+        if running := _running_in(lock.parent):
             settled = time.monotonic() + LOCK_SETTLE_S
+            if time.monotonic() > named:  # a shell left in the folder kept it without a word
+                logger.warning(
+                    "%s: the CPU kernels' build has waited %.0f s for it while %s run in its "
+                    "folder: a build going on, or a process left there; end it if it builds "
+                    "nothing",
+                    lock,
+                    LOCK_WAIT_S,
+                    ", ".join(running),
+                )
+                named = math.inf
         elif time.monotonic() > settled:
             return True
         time.sleep(0.1)
     return False
 
 
-def _runs_in(folder: Path) -> bool:
-    """Whether a process of this machine that we may inspect has `folder` as its working
-    directory (Linux's /proc)."""
-    folder = folder.resolve()
+def _running_in(folder: Path) -> list[str]:
+    """The processes of this machine that we may inspect with `folder` as their working
+    directory (Linux's /proc), each as "pid N (its command)"."""
+    folder, running = folder.resolve(), []
     for cwd in PROC.glob("[0-9]*/cwd"):
         with contextlib.suppress(OSError):
             if Path(os.readlink(cwd)) == folder:
-                return True
-    return False
+                command = (cwd.parent / "comm").read_text().strip()
+                running.append(f"pid {cwd.parent.name} ({command})")
+    return running
 
 
 def switched_off() -> bool:
