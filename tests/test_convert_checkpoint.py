@@ -15,6 +15,7 @@ from train_helpers import write_classification
 from linformer_kit import LinformerConfig
 from linformer_kit.causal_lm import LinformerForCausalLM
 from linformer_kit.cli import main
+from linformer_kit.files import exclusive
 from linformer_kit.hub import read_config, read_weights
 from linformer_kit.interop.convert import convert_to_dir
 from linformer_kit.models import LinformerForSequenceClassification
@@ -173,6 +174,11 @@ def test_an_interrupted_conversion_never_leaves_one_models_weights_by_anothers_t
     out = tmp_path / "converted"
     main(["convert", "--from", str(dirs / "classifier"), "--proj-dim", "16", "--out", str(out)])
     (out / "run_config.json").write_text("{}")  # as a converted training checkpoint has
+    # Two conversions into one folder at once could leave one's weights beside the other's
+    # tokenizer (each file renamed in turn), which evaluate scored without a word
+    with exclusive(out, "conversion"):  # as another process holds it
+        with pytest.raises(ValueError, match=r"converted is in use by another conversion"):
+            convert_to_dir(dirs / "classifier", out, proj_dim=8)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -12,6 +12,7 @@ from hf_helpers import N, write_tiny_bert
 
 from linformer_kit import LinformerModel
 from linformer_kit.cli import main
+from linformer_kit.files import exclusive
 from linformer_kit.interop import convert_hf_model
 from linformer_kit.interop.distill import (
     DistillSettings,
@@ -182,6 +183,14 @@ def test_mismatched_student_is_reported(tiny, tmp_path):
             SMALL,
             files=stdlib_files("calibration"),
         )
+
+
+def test_a_student_another_distillation_holds_is_refused(tiny, tmp_path):
+    # two distillations of one student: the last to save dropped the other's work
+    convert_hf_model(tiny, proj_dim=K, init="mean").save_pretrained(tmp_path / "s")
+    with exclusive(tmp_path / "s", "distillation"):  # as another process holds it
+        with pytest.raises(ValueError, match=r"s is in use by another distillation \(pid"):
+            distill_checkpoint(tiny, tmp_path / "s", DistillSettings(max_steps=1), SMALL, files=[])
 
 
 def test_exact_student_and_k_beyond_n_are_refused(tiny, tmp_path):

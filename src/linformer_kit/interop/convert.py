@@ -15,7 +15,7 @@ import torch
 
 from .. import hub
 from ..checks import check_non_negative, check_positive
-from ..files import atomic_write, check_output_path
+from ..files import atomic_write, check_output_path, exclusive
 from ..masked_lm import LinformerForMaskedLM
 from ..models import LinformerForSequenceClassification, LinformerModel, LinformerPreTrainedModel
 from ..training.checkpoint import CHECKPOINTS_DIR, STATE_NAME
@@ -116,27 +116,28 @@ def convert_to_dir(
         "init": init,
         "seed": seed,
     }
-    model: LinformerPreTrainedModel
-    if is_linformer_checkpoint(source):
-        texts = calibration_texts if data_driven else 0
-        model = convert_checkpoint(source, calibration_texts=texts, **options)
-    else:
-        ids = calibration_ids(source, calibration_texts, max_seq_len) if data_driven else None
-        model = convert_hf_model(source, calibration_ids=ids, **options)
-    # with its tokenizer, and the run config of a training checkpoint (what `evaluate` reads
-    # texts as: a classifier fine-tuned on texts cut shorter than its model is scored on those)
-    extras = (TOKENIZER_NAME, RUN_CONFIG_NAME)
-    if (Path(out) / hub.CONFIG_NAME).is_file():
-        logger.warning("replacing the model in %s", out)
-        for name in extras:  # the replaced model's go first: an interrupt never leaves a mix
-            if (Path(out) / name).is_file():
-                (Path(out) / name).unlink()
-                if not (source / name).is_file():
-                    logger.warning("removed the replaced model's %s from %s", name, out)
-    model.save_pretrained(out)
-    for name in (n for n in extras if (source / n).is_file()):
-        atomic_write(Path(out) / name, partial(shutil.copy2, source / name))
-    return model.backbone
+    with exclusive(Path(out), "conversion"):  # two into one folder mixed their files
+        model: LinformerPreTrainedModel
+        if is_linformer_checkpoint(source):
+            texts = calibration_texts if data_driven else 0
+            model = convert_checkpoint(source, calibration_texts=texts, **options)
+        else:
+            ids = calibration_ids(source, calibration_texts, max_seq_len) if data_driven else None
+            model = convert_hf_model(source, calibration_ids=ids, **options)
+        # with its tokenizer, and the run config of a training checkpoint (what `evaluate` reads
+        # texts as: a classifier fine-tuned on texts cut shorter than its model is scored on those)
+        extras = (TOKENIZER_NAME, RUN_CONFIG_NAME)
+        if (Path(out) / hub.CONFIG_NAME).is_file():
+            logger.warning("replacing the model in %s", out)
+            for name in extras:  # the replaced model's go first: an interrupt never leaves a mix
+                if (Path(out) / name).is_file():
+                    (Path(out) / name).unlink()
+                    if not (source / name).is_file():
+                        logger.warning("removed the replaced model's %s from %s", name, out)
+        model.save_pretrained(out)
+        for name in (n for n in extras if (source / n).is_file()):
+            atomic_write(Path(out) / name, partial(shutil.copy2, source / name))
+        return model.backbone
 
 
 def convert_checkpoint(

@@ -15,7 +15,7 @@ import torch
 
 from ..checks import check_positive
 from ..data.corpus import list_files
-from ..files import atomic_write, check_output_path
+from ..files import atomic_write, check_output_path, exclusive
 from ..models import LinformerModel
 from .bert import convert_hf_model, read_hf_config
 from .convert import DEFAULT_SHAPE, convert_to_dir
@@ -140,7 +140,11 @@ def distill_checkpoint(
     asked = {name: value for name, value in asked.items() if value is not None}
     if max_seq_len is not None:
         asked["max_seq_len"] = max_seq_len
-    if (student_dir / "config.json").is_file():
+    if not (student_dir / "config.json").is_file():
+        shape = {**DEFAULT_SHAPE, **asked}
+        logger.info("no model in %s: converting %s with %s", student_dir, teacher_dir, shape)
+        convert_to_dir(teacher_dir, student_dir, calibration_texts=data.calibration_texts, **shape)
+    with exclusive(student_dir, "distillation"):  # two into one student: one's work lost
         student = LinformerModel.from_pretrained(student_dir)
         differ = [
             f"{name} {value} differs from the student's {getattr(student.config, name)}"
@@ -149,28 +153,23 @@ def distill_checkpoint(
         ]
         if differ:  # silently distilling another shape than the one asked for
             raise ValueError(
-                f"{'; '.join(differ)} in {student_dir} (these flags shape a new student: leave "
-                "them out, or give a new --student folder)"
+                f"{'; '.join(differ)} in {student_dir} (these flags shape a new student: "
+                "leave them out, or give a new --student folder)"
             )
-    else:
-        shape = {**DEFAULT_SHAPE, **asked}
-        logger.info("no model in %s: converting %s with %s", student_dir, teacher_dir, shape)
-        student = convert_to_dir(
-            teacher_dir, student_dir, calibration_texts=data.calibration_texts, **shape
-        )
-    n = student.config.max_seq_len
-    teacher = convert_hf_model(teacher_dir, proj_dim=None, max_seq_len=n).to(device)
-    if documents is None:
-        mask = None
-        ids = text_windows(tokenizer, files or [], n, data.texts, per_file=data.per_file)
-        scored = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts), None
-    else:
-        texts, heldout_texts = split_documents(documents, heldout_documents, data, settings.seed)
-        ids, mask = document_ids(tokenizer, texts, n)
-        scored = document_ids(tokenizer, heldout_texts, n)
-    scored = [None if t is None else t.to(device) for t in scored]
-    heldout = HeldOut.from_teacher(teacher, *scored)
-    history = distill(student, teacher, ids, settings, key_padding_mask=mask, heldout=heldout)
-    student.cpu().save_pretrained(student_dir)
-    atomic_write(student_dir / TOKENIZER_NAME, partial(shutil.copy2, tokenizer))
-    return history
+        n = student.config.max_seq_len
+        teacher = convert_hf_model(teacher_dir, proj_dim=None, max_seq_len=n).to(device)
+        if documents is None:
+            mask = None
+            ids = text_windows(tokenizer, files or [], n, data.texts, per_file=data.per_file)
+            scored = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts), None
+        else:
+            split = split_documents(documents, heldout_documents, data, settings.seed)
+            texts, heldout_texts = split
+            ids, mask = document_ids(tokenizer, texts, n)
+            scored = document_ids(tokenizer, heldout_texts, n)
+        scored = [None if t is None else t.to(device) for t in scored]
+        heldout = HeldOut.from_teacher(teacher, *scored)
+        history = distill(student, teacher, ids, settings, key_padding_mask=mask, heldout=heldout)
+        student.cpu().save_pretrained(student_dir)
+        atomic_write(student_dir / TOKENIZER_NAME, partial(shutil.copy2, tokenizer))
+        return history
