@@ -29,6 +29,7 @@ from linformer_kit.bench import (
 from linformer_kit.bench.flops import exact_attention_flops, linformer_attention_flops
 from linformer_kit.bench.summary import summarise
 from linformer_kit.bench.variants import NaiveAttention
+from linformer_kit.files import exclusive
 
 
 def test_flop_formulas_match_hand_counts():
@@ -137,7 +138,7 @@ def test_a_sweep_stopped_early_keeps_the_lengths_it_finished(tmp_path, monkeypat
         run_bench(tiny_settings(tmp_path))
     saved = json.loads((out / "bench.json").read_text())
     assert {r["n"] for r in saved["rows"]} == {32} and set(saved["ceiling_gflop_per_s"]) == {"32"}
-    assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "bench.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "bench.csv", "bench.json"]
     assert (
         f"{out} holds an earlier run's results: replaced once the first n is timed" in caplog.text
     )
@@ -210,6 +211,14 @@ def test_budgets_skip_with_a_stated_reason(tmp_path):
     slow = run_bench(dataclasses.replace(settings, memory_budget_gb=8.0, time_budget_s=1e-9))
     assert all(r["status"] == "skipped" for r in slow["rows"])
     assert sum("time budget" in r["reason"] for r in slow["rows"]) == 6
+
+
+def test_a_second_sweep_into_a_folder_in_use_is_refused(tmp_path):
+    # two sweeps into one --out removed each other's plots as they went
+    settings = tiny_settings(tmp_path)
+    with exclusive(Path(settings.out), "bench run"):  # as another process holds it
+        with pytest.raises(ValueError, match=r"bench is in use by another bench run \(pid"):
+            run_bench(settings)
 
 
 def test_a_length_where_nothing_runs_times_no_ceiling(tmp_path):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..files import atomic_write, check_replaceable, save_json
+from ..files import atomic_write, check_replaceable, exclusive, save_json
 from ..precision import warn_if_bf16_is_slow
 from ..training.compare import machine
 from ..training.settings import keep_freed_memory
@@ -181,13 +181,19 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         The result: settings, machine (with load averages before and after), ceilings and
         one row per configuration.
     """
-    from .plots import plot_result
-
     out = Path(settings.out)  # a user's file of these names was replaced (plots: removed)
     check_replaceable(out / RESULT_NAME, "json")
     check_replaceable(out / TABLE_NAME, "text", begins=TABLE_BEGINS)
     for name in PLOT_NAMES:
         check_replaceable(out / name, "png")
+    with exclusive(out, "bench run"):  # two into one folder removed each other's plots
+        return _sweep(settings)
+
+
+def _sweep(settings: BenchSettings) -> dict[str, Any]:
+    """`run_bench` with its folder held."""
+    from .plots import plot_result
+
     if settings.threads:
         torch.set_num_threads(settings.threads)
     # Process-wide; peak memory is measured in fresh processes with glibc's defaults.
