@@ -221,9 +221,15 @@ def test_a_second_sweep_into_a_folder_in_use_is_refused(tmp_path):
             run_bench(settings)
 
 
-def test_a_length_where_nothing_runs_times_no_ceiling(tmp_path):
+def test_a_length_where_nothing_runs_times_no_ceiling(tmp_path, monkeypatch):
     # Every configuration over the budget, the matmul ceiling was still timed alone, its
     # rounds in no estimate: --repeats 10**12 ran on (3 rounds a second) until stopped.
+    def ceiling_alone(steps, **kwargs):
+        assert not all(key.startswith("matmul") for key in steps), "the ceiling timed alone"
+        return timed(steps, **kwargs)
+
+    timed = sweep.time_interleaved
+    monkeypatch.setattr(sweep, "time_interleaved", ceiling_alone)
     settings = tiny_settings(tmp_path, n="64", repeats=10**12, warmup=10**12)
     result = run_bench(settings)
     assert {r["status"] for r in result["rows"]} == {"skipped"}

@@ -62,12 +62,13 @@ def test_pretrain_writes_checkpoints_and_resumes_from_its_config(pretrained, cap
     # a copied (or moved) run went on in the folder it was saved in, the copy untouched
     copy = pretrained.parent / "copy"
     shutil.copytree(pretrained, copy, symlinks=True)
-    with pytest.raises(SystemExit):
-        main(["pretrain", "--config", str(copy), "--max-steps", "13", "--resume"])
-    assert (
-        f"--config {copy} is the folder of a run saved to --output-dir {pretrained}: give "
-        f"--output-dir {copy} to go on with it there" in capsys.readouterr().err
-    )
+    for config in (copy, copy / "run_config.json"):
+        with pytest.raises(SystemExit):
+            main(["pretrain", "--config", str(config), "--max-steps", "13", "--resume"])
+        assert (
+            f"--config {config} is of the run in {copy}, saved to --output-dir {pretrained}: "
+            f"give --output-dir {copy} to go on with it there" in capsys.readouterr().err
+        )
     # a hand-edited value of another type was a TypeError traceback naming no file
     edited = pretrained.parent / "edited.json"
     edits = [("train", "lr", "x"), ("train", "beta2", None), ("train", "weight_decay", "0.1")]
@@ -157,8 +158,9 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun(tmp_path
     args = build_parser().parse_args(argv)
     for env, launcher in [
         ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "torchrun --nproc_per_node 2 --no-python"),
-        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"},
-         "torchrun --nnodes 2 --nproc_per_node 8 --no-python"),
+        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "node0",
+          "MASTER_PORT": "29500"}, "torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint "
+         "node0:29500 --nproc_per_node 8 --no-python"),
     ]:  # fmt: skip
         for name, value in env.items():
             monkeypatch.setenv(name, value)

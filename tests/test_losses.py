@@ -5,6 +5,7 @@ import json
 import weakref
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,6 +187,13 @@ def test_bad_inputs_raise(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         linear_cross_entropy(**args)
+
+
+def test_numpy_integers_are_integers():
+    args = dict(hidden=torch.randn(6, 8), weight=torch.randn(10, 8), targets=torch.arange(6))
+    want = linear_cross_entropy(**args, ignore_index=-100, rows_per_chunk=2)
+    got = linear_cross_entropy(**args, ignore_index=np.int64(-100), rows_per_chunk=np.int64(2))
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("gemm", ["blas", "onednn"])

@@ -19,6 +19,7 @@ from linformer_kit import (
     native,
 )
 from linformer_kit.embeddings import masked_mean
+from linformer_kit.input_checks import check_device
 from linformer_kit.kernel_rule import pinned_kernel, use_kernel
 
 B, N, VOCAB, DIM, DEPTH = 3, 20, 100, 32, 2
@@ -533,6 +534,8 @@ def test_ids_on_another_device_than_the_model_are_named():
     ids = torch.randint(2, VOCAB, (2, 10), device="meta")
     with pytest.raises(ValueError, match=r"^input_ids are on meta, the model on cpu: move one"):
         model(ids)
+    # the other way round a hook brings offloaded weights (accelerate's) to the inputs
+    check_device(torch.zeros(1, dtype=torch.long), torch.empty(1, device="meta"))
 
 
 def test_inputs_that_are_not_tensors_are_named():

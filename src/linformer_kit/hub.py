@@ -29,6 +29,10 @@ from torch import nn
 from .config import LinformerConfig
 from .files import atomic_write, check_output_path
 from .manifest import CONFIG_NAME, MANIFEST_NAME, WEIGHTS_NAME
+from .manifest import IntegrityError as IntegrityError  # importable from here, as before
+from .manifest import check_before_load as check_before_load
+from .manifest import verify_manifest as verify_manifest
+from .manifest import write_manifest as write_manifest
 from .seq2seq_config import config_from_dict
 
 logger = logging.getLogger(__name__)
@@ -85,9 +89,9 @@ def save_pretrained(
         model_kwargs: constructor arguments beyond the config (e.g. num_labels).
     """
     state = model.state_dict()
-    if meta := [name for name, t in state.items() if t.is_meta]:  # torch's NotImplementedError
+    if on_meta := [name for name, t in state.items() if t.is_meta]:  # torch's NotImplementedError
         raise ValueError(
-            f"the model's weights are on the meta device ({meta[0]}, ...): they hold no "
+            f"the model's weights are on the meta device ({on_meta[0]}, ...): they hold no "
             f"values to save; give it weights first (model.to_empty(device=...), then load "
             f"or initialise them)"
         )

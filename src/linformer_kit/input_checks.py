@@ -35,10 +35,10 @@ def check_token_ids(ids: Tensor, name: str = "input_ids") -> None:
 
 
 def check_device(input_ids: Tensor, weight: Tensor) -> None:
-    """Raises ValueError unless the ids are on the model's (`weight`'s) device: meta ids
-    into a CPU model gave nan outputs without a word. A weight on `meta` passes (offloaded:
-    a hook brings it to the inputs' device)."""
-    if input_ids.device != weight.device and not weight.is_meta:
+    """Raises ValueError for ids on the meta device into a model that is not (`weight`'s
+    device): they gave nan outputs without a word. Other devices are torch's to name (its
+    error does), or a hook's to move (accelerate's offloading: weights on meta)."""
+    if input_ids.is_meta and not weight.is_meta:
         raise ValueError(
             f"input_ids are on {input_ids.device}, the model on {weight.device}: move one to "
             f"the other's device (model.to(device) or input_ids.to(device))"

@@ -38,7 +38,7 @@ from .variants import compile_limits, estimate_bytes, peer_available, variant_fl
 logger = logging.getLogger(__name__)
 
 RESULT_NAME, TABLE_NAME = "bench.json", "bench.csv"
-TABLE_BEGINS = "scope,dtype,variant,"  # the CSV's header, in `_row`'s order
+TABLE_BEGINS = "scope,"  # the CSV's header, in `_row`'s order (every version's)
 PLOT_NAMES = ("scaling.png", "grid.png", "peers.png")  # what `plots.plot_result` draws
 EMULATED = "emulated"  # the status of a bf16 row on a CPU without native bf16
 

@@ -90,7 +90,11 @@ def _launcher() -> list[str]:
     if world == 1:
         return []
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    nodes = ["--nnodes", str(world // local)] if world > local else []
+    nodes = []
+    if world > local:  # on every machine of the job, meeting where it met
+        host, port = (os.environ.get(name, name) for name in ("MASTER_ADDR", "MASTER_PORT"))
+        nodes = ["--nnodes", str(world // local), "--rdzv-backend", "c10d"]
+        nodes += ["--rdzv-endpoint", f"{host}:{port}"]
     return ["torchrun", *nodes, "--nproc_per_node", str(local), "--no-python"]
 
 

@@ -13,6 +13,7 @@ from ..config import PROJECTIONS, SHARINGS
 from ..files import check_output_path, check_replaceable, save_json
 from ..interop.convert import DEFAULT_SHAPE
 from ..training.loop import TrainResult
+from ..training.settings import RUN_CONFIG_NAME
 from .overrides import collect_overrides
 
 ConfigT = TypeVar("ConfigT")
@@ -105,14 +106,17 @@ def merged_run_config(cls: type[ConfigT], args: argparse.Namespace) -> tuple[Con
     sections = {section: {**base.get(section, {}), **values} for section, values in given.items()}
     run = cls.from_dict({**base, **sections})
     folder, recorded = config and Path(config), run.train.output_dir
+    if folder and folder.name == RUN_CONFIG_NAME:  # a run's own file: its folder
+        folder = folder.parent
     if folder and (folder / "checkpoints").is_dir() and "output_dir" not in given.get("train", {}):
-        # a run's folder (not a checkpoint's) moved or copied: the run went on in, or started
-        # afresh at, the folder it was saved in, without a word
+        # a run's folder (not a checkpoint's) moved or copied, or named from elsewhere than
+        # where it started: the run went on in, or started afresh at, the folder it was
+        # saved to (from here), without a word
         if not (os.path.isdir(recorded) and os.path.samefile(folder, recorded)):
+            where = "" if os.path.isabs(recorded) else ", relative to where it started"
             raise ValueError(
-                f"--config {config} is the folder of a run saved to --output-dir {recorded}: "
-                f"give --output-dir {config} to go on with it there (a moved or copied run), "
-                f"or --output-dir {recorded}"
+                f"--config {config} is of the run in {folder}, saved to --output-dir "
+                f"{recorded}{where}: give --output-dir {folder} to go on with it there"
             )
     return run, given
 

@@ -36,13 +36,7 @@ from .convert import convert_to_dir
 from .distill import DistillSettings
 from .distill_run import DistillData, distill_checkpoint
 from .report import minilm_path
-from .task_bench_report import (
-    TFIDF,
-    earlier_rows,
-    markdown_table,
-    report_file,
-    write_task_report,
-)
+from .task_bench_report import TFIDF, earlier_rows, report_file, write_task_report
 from .task_bench_settings import TaskBenchSettings, Variant, parse_variants
 
 logger = logging.getLogger(__name__)
@@ -251,7 +245,7 @@ def run_task_bench(s: TaskBenchSettings) -> dict[str, Any]:
     variants = parse_variants(s.variants)
     check_replaceable(report_file(s.out, ".json"), "json")  # a user's files there were replaced
     check_replaceable(report_file(s.out, ".png"), "png")
-    check_replaceable(report_file(s.out, ".md"), "text", begins=markdown_table([]).split("\n")[0])
+    check_replaceable(report_file(s.out, ".md"), "text", begins="| model |")  # the table's
     with exclusive(Path(s.work_dir), "bench-task"):
         return _run_held(s, variants)
 

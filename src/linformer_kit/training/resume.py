@@ -142,10 +142,10 @@ def check_same_source(checkpoint: Checkpoint, source: dict[str, Any] | None) -> 
     shown = lambda s: ", ".join(f"{k} {str(v)[:16]}" for k, v in s.items())  # noqa: E731
     raise ValueError(
         f"--resume continues the training of {checkpoint.path} on the data it trained on "
-        f"({shown(was)}); this run's is other ({shown(source)}): a file was added, removed "
-        f"or changed, so the train / validation split and the order would be drawn anew and "
-        f"validation would score what the run trained on. Restore the data, or start a "
-        f"fresh run in another --output-dir"
+        f"({shown(was)}); this run's is other ({shown(source)}): the data changed since (a "
+        f"file added, removed or changed; seq2seq's docstrings: another Python's stdlib or a "
+        f"tokenizer trained anew), so the run would go on, and validate, on other data than "
+        f"it trained on. Restore the data, or start a fresh run in another --output-dir"
     )
 
 
