@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Any
 
 
@@ -29,6 +30,18 @@ def is_number(value: Any) -> bool:
     if isinstance(value, numbers.Real):
         return not isinstance(value, bool)
     return getattr(value, "shape", None) == ()  # a 0-d tensor or array
+
+
+def is_integer(value: Any) -> bool:
+    """Whether `value` is an integer: an int, a numpy integer or a 0-d integer tensor (not
+    a bool)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def check_finite_non_negative(name: str, value: float, zero: str = "") -> None:

@@ -12,12 +12,11 @@ on GPUs).
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import is_integer
 from .input_checks import check_index_range, check_tensor
 from .linear_backend import add_matmul_, linear, matmul
 from .native import transformed
@@ -145,17 +144,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (*scaled, None, None, None, None, None, None)
 
 
-def _integer(value: object) -> int | None:
-    """`value` as an int where it is an integer (a numpy or 0-d tensor one too; not a
-    bool), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -205,9 +193,9 @@ def linear_cross_entropy(
     if bias is not None and bias.shape != (vocab_size,):
         raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
     # 2.5 or "64" reached torch's op schema; a numpy integer is one
-    if rows_per_chunk is not None and (_integer(rows_per_chunk) is None or rows_per_chunk < 1):
+    if rows_per_chunk is not None and (not is_integer(rows_per_chunk) or rows_per_chunk < 1):
         raise ValueError(f"rows_per_chunk must be an integer >= 1, got {rows_per_chunk!r}")
-    if _integer(ignore_index) is None:
+    if not is_integer(ignore_index):
         raise ValueError(f"ignore_index must be an integer, got {ignore_index!r}")
     if transformed(hidden, weight, bias, targets):
         # torch.func: the chunked loss is an autograd Function, which cannot run there (and

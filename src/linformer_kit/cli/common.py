@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from ..config import PROJECTIONS, SHARINGS
 from ..files import check_output_path, check_replaceable, save_json
 from ..interop.convert import DEFAULT_SHAPE
+from ..training.checkpoint import CHECKPOINTS_DIR
 from ..training.loop import TrainResult
 from ..training.settings import RUN_CONFIG_NAME
 from .overrides import collect_overrides
@@ -108,7 +109,8 @@ def merged_run_config(cls: type[ConfigT], args: argparse.Namespace) -> tuple[Con
     folder, recorded = config and Path(config), run.train.output_dir
     if folder and folder.name == RUN_CONFIG_NAME:  # a run's own file: its folder
         folder = folder.parent
-    if folder and (folder / "checkpoints").is_dir() and "output_dir" not in given.get("train", {}):
+    placed = "output_dir" in given.get("train", {})
+    if folder and (folder / CHECKPOINTS_DIR).is_dir() and not placed:
         # a run's folder (not a checkpoint's) moved or copied, or named from elsewhere than
         # where it started: the run went on in, or started afresh at, the folder it was
         # saved to (from here), without a word

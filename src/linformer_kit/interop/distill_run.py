@@ -163,8 +163,9 @@ def distill_checkpoint(
             ids = text_windows(tokenizer, files or [], n, data.texts, per_file=data.per_file)
             scored = text_windows(tokenizer, stdlib_files("heldout"), n, data.heldout_texts), None
         else:
-            split = split_documents(documents, heldout_documents, data, settings.seed)
-            texts, heldout_texts = split
+            texts, heldout_texts = split_documents(
+                documents, heldout_documents, data, settings.seed
+            )
             ids, mask = document_ids(tokenizer, texts, n)
             scored = document_ids(tokenizer, heldout_texts, n)
         scored = [None if t is None else t.to(device) for t in scored]

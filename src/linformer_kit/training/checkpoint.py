@@ -124,7 +124,7 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
     except Exception as err:
-        _check_disk(err, final)
+        _check_write(err, final)
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -140,7 +140,7 @@ class CheckpointWriteError(OSError):
     run folder was removed."""
 
 
-def _check_disk(err: Exception, final: Path) -> None:
+def _check_write(err: Exception, final: Path) -> None:
     """Raises CheckpointWriteError for a save that failed on a full disk (torch.save says
     "unexpected pos", safetensors "No space left on device": a traceback either way, that
     named neither the disk nor the way on), or whose run folder was removed meanwhile (the
