@@ -6,6 +6,7 @@ import re
 import shlex
 import shutil
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,8 @@ from linformer_kit import LinformerForCausalLM, cli
 from linformer_kit.cli import build_parser, main
 from linformer_kit.cli.common import print_checkpoints
 from linformer_kit.cli.overrides import collect_overrides
+from linformer_kit.training import distributed
+from linformer_kit.training.interfaces import mark_stopped
 from linformer_kit.training.loop import Trainer, TrainingInterrupted
 
 MODEL = ["--max-seq-len", "64", "--dim", "32", "--depth", "2", "--num-heads", "2"]
@@ -133,6 +136,47 @@ def test_sigterm_stops_training_as_ctrl_c_does_with_status_143(tmp_path, capsys,
         "linformer pretrain: interrupted at step 3; last checkpoint: run/checkpoints/step-00000002"
     )
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored after the command
+
+
+def test_a_peer_death_then_torchruns_sigterm_names_the_step_the_error_and_the_resume(
+    tmp_path, capsys, monkeypatch
+):
+    # A DDP peer's death reaches the survivors as an error in a collective; torchrun's SIGTERM
+    # then came while it unwound (in the job's teardown): rank 0 printed a bare
+    # "interrupted", the step, the error and the checkpoint lost.
+    corpus = write_corpus(tmp_path / "corpus", files=2)
+    argv = ["pretrain", "--data", str(corpus), "--vocab-size", "300", "--proj-dim", "16"]
+    argv += [*MODEL, *TRAIN, "--max-steps", "6", "--save-every", "2", "--output-dir", "run"]
+    monkeypatch.chdir(tmp_path)
+    step = Trainer._train_step
+
+    def peer_gone_at_step_3(trainer, model):
+        if trainer.step == 3:
+            raise RuntimeError("[pair.cc:553] Connection closed by peer\nmore detail")
+        return step(trainer, model)
+
+    def sigterm_in_teardown():
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's, to the processes left
+
+    monkeypatch.setattr(Trainer, "_train_step", peer_gone_at_step_3)
+    monkeypatch.setattr(distributed, "teardown_distributed", sigterm_in_teardown)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 143
+    command = shlex.join(["torchrun", "--nproc_per_node", "2", "--no-python", "linformer"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "linformer pretrain: interrupted at step 3 after RuntimeError: [pair.cc:553] Connection "
+        "closed by peer; last checkpoint: run/checkpoints/step-00000002; continue with: "
+        + shlex.join(["linformer", *argv, "--resume"])
+    )
+    error = RuntimeError("Connection closed by peer")
+    mark_stopped(error, 3, Path("run"))
+    assert error.__notes__ == ["training stopped at step 3 of run"]  # a traceback's last line
+    interrupt = KeyboardInterrupt()
+    interrupt.__context__ = error
+    line = cli.interrupted(build_parser().parse_args(argv), argv, interrupt)
+    assert line.endswith(f"continue with: {command} {shlex.join([*argv, '--resume'])}")
 
 
 @pytest.mark.parametrize("resumed", [False, True])

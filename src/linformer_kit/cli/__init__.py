@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from .. import __version__
 from ..training.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
 from ..training.distributed import is_main_process, job_size
-from ..training.loop import TrainingInterrupted
+from ..training.interfaces import stopped_at
 from . import (
     analysis,
     bench,
@@ -61,25 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def interrupted(args: argparse.Namespace, argv: list[str], err: KeyboardInterrupt) -> str:
-    """The one line that replaces a Ctrl-C traceback: where training stopped, its last
-    checkpoint and the command that continues it."""
-    if not isinstance(err, TrainingInterrupted):
-        return f"linformer {args.command}: interrupted"
+    """The one line that replaces a Ctrl-C traceback: where training stopped (and the error
+    it stopped on, when the interrupt came after one: a DDP peer's death, then torchrun's
+    SIGTERM), its last checkpoint and the command that continues it."""
+    stop, error = stopped_at(err)
+    during = f" after {error}" if error else ""
+    if stop is None:
+        return f"linformer {args.command}: interrupted{during}"
+    where = f"linformer {args.command}: interrupted at step {stop.step}{during}"
     if build_parser().parse_known_args([*argv, "--resume"])[1]:  # no --resume: demo, bench-task
-        return f"linformer {args.command}: interrupted at step {err.step} of {err.run_dir}"
-    checkpoint = latest_checkpoint(err.run_dir)
+        return f"{where} of {stop.run_dir}"
+    checkpoint = latest_checkpoint(stop.run_dir)
     command = [*_launcher(), "linformer"]
     if checkpoint is None:
         return (
-            f"linformer {args.command}: interrupted at step {err.step}, before the first "
-            f"checkpoint; start again with: {shlex.join([*command, *argv])}"
+            f"{where}, before the first checkpoint; start again with: "
+            f"{shlex.join([*command, *argv])}"
         )
     resumed = getattr(args, "train.resume", getattr(args, "resume", False)) is True  # lra's
     again = argv if resumed else [*argv, "--resume"]
     return (
-        f"linformer {args.command}: interrupted at step {err.step}; last checkpoint: "
-        f"{err.run_dir / CHECKPOINTS_DIR / checkpoint.path.name}; continue with: "
-        f"{shlex.join([*command, *again])}"
+        f"{where}; last checkpoint: {stop.run_dir / CHECKPOINTS_DIR / checkpoint.path.name}; "
+        f"continue with: {shlex.join([*command, *again])}"
     )
 
 

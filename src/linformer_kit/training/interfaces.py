@@ -42,6 +42,31 @@ class TrainingInterrupted(KeyboardInterrupt):
         return type(self), (self.step, self.run_dir)
 
 
+def mark_stopped(error: Exception, step: int, run_dir: Path) -> None:
+    """Marks an error that ended training at `step` (its traceback's last line says so).
+
+    In a job of several processes, a peer's death reaches the others as an error in a
+    collective, and torchrun's SIGTERM follows while it unwinds: the interrupt that reaches
+    the command then finds the step and the checkpoints here (`stopped_at`).
+    """
+    error.add_note(f"training stopped at step {step} of {run_dir}")
+    error.linformer_stopped_at = TrainingInterrupted(step, run_dir)  # type: ignore[attr-defined]
+
+
+def stopped_at(interrupt: KeyboardInterrupt) -> tuple[TrainingInterrupted | None, str]:
+    """Where training stopped for an interrupt, and the error it came during ("" if none):
+    the interrupt itself for Ctrl-C in the loop, an error's mark (`mark_stopped`) for an
+    interrupt that came while training stopped on that error."""
+    if isinstance(interrupt, TrainingInterrupted):
+        return interrupt, ""
+    error = interrupt.__context__
+    if not isinstance(error, Exception):
+        return None, ""
+    lines = str(error).strip().splitlines() or [""]
+    summary = f"{type(error).__name__}: {lines[0]}".rstrip(": ")
+    return getattr(error, "linformer_stopped_at", None), summary
+
+
 @dataclass
 class TrainResult:
     """What a run measured: every metrics record, the final validation and throughput."""

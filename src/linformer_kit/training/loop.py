@@ -23,15 +23,16 @@ from ..kernel_rule import use_kernel
 from ..models import LinformerPreTrainedModel
 from ..precision import bf16_autocast
 from .batches import mix_seed, real_tokens
-from .checkpoint import (
-    Checkpoint,
-    check_run_dir,
-    restore_links,
-    restore_rng,
-    save_checkpoint,
-)
+from .checkpoint import Checkpoint, check_run_dir, restore_links, restore_rng, save_checkpoint
 from .distributed import Distributed, peak_memory_mb
-from .interfaces import BatchSource, Evaluator, SavedConfig, TrainingInterrupted, TrainResult
+from .interfaces import (
+    BatchSource,
+    Evaluator,
+    SavedConfig,
+    TrainingInterrupted,
+    TrainResult,
+    mark_stopped,
+)
 from .metrics_log import MetricsLog
 from .optim import apply_settings, build_optimizer, build_scheduler, load_optimizer_state
 from .resume import check_resumable, check_same_source, checkpoint_to_resume
@@ -363,6 +364,9 @@ class Trainer:
             final, step_times = self._loop(model, log, bar)
         except KeyboardInterrupt:
             raise TrainingInterrupted(self.step, self.run_dir) from None
+        except Exception as err:
+            mark_stopped(err, self.step, self.run_dir)
+            raise
         finally:
             bar.close()
             log.close()
