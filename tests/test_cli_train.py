@@ -173,10 +173,13 @@ def test_a_peer_death_then_torchruns_sigterm_names_the_step_the_error_and_the_re
     error = RuntimeError("Connection closed by peer")
     mark_stopped(error, 3, Path("run"))
     assert error.__notes__ == ["training stopped at step 3 of run"]  # a traceback's last line
-    interrupt = KeyboardInterrupt()
+    args, interrupt = build_parser().parse_args(argv), KeyboardInterrupt()
     interrupt.__context__ = error
-    line = cli.interrupted(build_parser().parse_args(argv), argv, interrupt)
+    line = cli.interrupted(args, argv, interrupt)
     assert line.endswith(f"continue with: {command} {shlex.join([*argv, '--resume'])}")
+    interrupt.__context__ = BlockingIOError(11, "Resource temporarily unavailable")
+    # handled, not what stopped training: a Ctrl-C during a lock's wait, after its first try
+    assert cli.interrupted(args, argv, interrupt) == "linformer pretrain: interrupted"
 
 
 @pytest.mark.parametrize("resumed", [False, True])

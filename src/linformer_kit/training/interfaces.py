@@ -54,17 +54,19 @@ def mark_stopped(error: Exception, step: int, run_dir: Path) -> None:
 
 
 def stopped_at(interrupt: KeyboardInterrupt) -> tuple[TrainingInterrupted | None, str]:
-    """Where training stopped for an interrupt, and the error it came during ("" if none):
-    the interrupt itself for Ctrl-C in the loop, an error's mark (`mark_stopped`) for an
-    interrupt that came while training stopped on that error."""
+    """Where training stopped for an interrupt, and the error it came after ("" if none):
+    the interrupt itself for Ctrl-C in the loop; for one that came while an error that ended
+    training unwound, that error's mark (`mark_stopped`). Other errors the interrupt came
+    during (one handled, as a lock's first try) are not named."""
     if isinstance(interrupt, TrainingInterrupted):
         return interrupt, ""
     error = interrupt.__context__
-    if not isinstance(error, Exception):
+    while error is not None and not hasattr(error, "linformer_stopped_at"):
+        error = error.__context__
+    if error is None:
         return None, ""
-    lines = str(error).strip().splitlines() or [""]
-    summary = f"{type(error).__name__}: {lines[0]}".rstrip(": ")
-    return getattr(error, "linformer_stopped_at", None), summary
+    first = (str(error).strip().splitlines() or [""])[0]
+    return error.linformer_stopped_at, f"{type(error).__name__}: {first}".rstrip(": ")
 
 
 @dataclass
