@@ -2,7 +2,12 @@
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
+import time
 import weakref
 
 import pytest
@@ -205,3 +210,55 @@ def test_teardown_frees_an_unreferenced_ddp_wrapper_before_the_group_goes(tmp_pa
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+WORKER = """
+import time
+from linformer_kit.training import distributed
+distributed.LAUNCHER_POLL_S = 0.05
+distributed.setup_distributed("cpu")
+print("joined", flush=True)
+time.sleep(120)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie that nobody reaps does not)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_torchrun_worker_stops_when_its_launcher_is_killed(tmp_path):
+    # torchrun forwards the signals it gets, but killed (SIGKILL, out of memory) its workers
+    # trained on to the end, holding the run folder that a rerun with --resume needs.
+    log = tmp_path / "worker.log"
+    launcher = textwrap.dedent(f"""
+        import subprocess, sys, time
+        env = dict(__import__("os").environ, TORCHELASTIC_RUN_ID="job", WORLD_SIZE="1")
+        with open({str(log)!r}, "w") as log:
+            worker = subprocess.Popen([sys.executable, "-c", {WORKER!r}], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT)
+        print(worker.pid, flush=True)
+        time.sleep(120)
+    """)
+    job = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    worker = int(job.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while "joined" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running(worker), log.read_text()
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+        deadline = time.monotonic() + 10
+        while running(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(worker), "the worker trained on without its launcher"
+        assert f"torchrun (pid {job.pid}) is gone: this process stops" in log.read_text()
+    finally:
+        if running(worker):
+            os.kill(worker, signal.SIGKILL)
+        job.kill()

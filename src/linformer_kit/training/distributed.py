@@ -9,7 +9,10 @@ import logging
 import os
 import re
 import resource
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 logger = logging.getLogger(__name__)
+LAUNCHER_POLL_S = 1.0  # how often a torchrun worker looks whether its launcher is alive
+_watching: list[int] = []  # the launcher watched (once per process)
 
 
 @dataclass
@@ -107,6 +112,7 @@ def setup_distributed(device: str = "auto") -> Distributed:
     """
     world_size = job_size()
     target = resolve_device(device)
+    stop_with_launcher()
     if world_size == 1:
         return Distributed(0, 1, target)
     if target.type == "cuda":
@@ -117,6 +123,29 @@ def setup_distributed(device: str = "auto") -> Distributed:
     rank = dist.get_rank()
     logger.info("process %d of %d on %s", rank, world_size, target)
     return Distributed(rank, world_size, target)
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun, SIGTERM to this process when its launcher dies without a word.
+
+    torchrun forwards the signals it gets to its workers, but when it is killed (SIGKILL,
+    out of memory) they trained on to the end, writing into the run folder and holding it
+    (a rerun with --resume was refused). Here a daemon thread sees the parent change and
+    stops this process as `kill` would (the command prints where training stopped).
+    Nothing outside torchrun (no TORCHELASTIC_RUN_ID).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _watching:
+        return
+    launcher = os.getppid()
+    _watching.append(launcher)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(LAUNCHER_POLL_S)
+        logger.warning("torchrun (pid %d) is gone: this process stops", launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stop-with-launcher", daemon=True).start()
 
 
 def teardown_distributed() -> None:
