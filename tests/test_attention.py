@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from linformer_kit import (
     LinformerConfig,
     LinformerEncoder,
+    LinformerEncoderLayer,
     LinformerModel,
     LinformerSelfAttention,
     attention,
@@ -320,3 +321,29 @@ def test_a_short_input_runs_at_its_own_length(monkeypatch, projection, keys):
     attn = LinformerSelfAttention(dim=16, num_heads=2, max_seq_len=64, proj_k=proj)
     assert attn(torch.randn(2, 10, 16))[0].shape == (2, 10, 16)
     assert shapes == [(10, keys, keys)]
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_an_encoder_layer_drops_each_sublayer_output_once(norm_first):
+    # Hand-composed from the dropout's own draws: the post-LN feed-forward's dropout was
+    # lost without a test noticing (eval equal, training random either way).
+    torch.manual_seed(0)
+    proj = build_projection(projection="linear", max_seq_len=12, proj_dim=4)
+    layer = LinformerEncoderLayer(
+        dim=8, num_heads=2, max_seq_len=12, proj_k=proj, proj_v=proj, ffn_dim=16,
+        norm_first=norm_first, dropout=0.5,
+    ).train()  # fmt: skip
+    drawn = []
+    layer.dropout.register_forward_hook(lambda module, args, out: drawn.append((args[0], out)))
+    x = torch.randn(2, 12, 8)
+    out = layer(x)[0]
+    assert len(drawn) == 2
+    (attended, kept), (ffn_out, ffn_kept) = drawn
+    with torch.no_grad():
+        torch.testing.assert_close(attended, layer.attn(layer.attn_norm(x) if norm_first else x)[0])
+        mid = x + kept if norm_first else layer.attn_norm(x + kept)
+        torch.testing.assert_close(ffn_out, layer.ffn(layer.ffn_norm(mid) if norm_first else mid))
+        want = mid + ffn_kept if norm_first else layer.ffn_norm(mid + ffn_kept)
+    torch.testing.assert_close(out, want)
+    for value, dropped in drawn:  # each a dropout of p = 0.5: zero or doubled
+        assert torch.all((dropped == 0) | torch.isclose(dropped, 2 * value))

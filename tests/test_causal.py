@@ -4,7 +4,9 @@ incremental generation and save/load of LinformerForCausalLM."""
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from reference import causal_block_attention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from linformer_kit import (
     CausalState,
@@ -12,6 +14,7 @@ from linformer_kit import (
     LinformerForCausalLM,
     LinformerModel,
     LinformerSelfAttention,
+    causal,
     causal_attention,
 )
 from linformer_kit.projection import build_projection
@@ -447,3 +450,68 @@ def test_causal_attention_takes_as_many_queries_as_keys_and_any_block_size():
     torch.testing.assert_close(
         causal_attention(q, q, q, e, block_size=10**12), causal_attention(q, q, q, e, block_size=8)
     )
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_more_blocks_than_a_scan_chunk_match_the_reference(per_head, block_size):
+    # Past SCAN_CHUNK blocks the prefix sums are summed chunk by chunk (75 and 150 blocks:
+    # a whole chunk, a part one and, at 150, a chunk level of its own).
+    assert 150 // block_size > causal.SCAN_CHUNK
+    torch.manual_seed(block_size)
+    q, k, v = (torch.randn(1, 2, 150, 3, dtype=torch.float64) for _ in range(3))
+    shape = (2, 150, 4) if per_head else (150, 4)
+    proj_k, proj_v = (torch.randn(shape, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(1, 150, dtype=torch.bool)
+    mask[0, 140:] = False
+    got = causal_attention(q, k, v, proj_k, proj_v, block_size=block_size, key_padding_mask=mask)
+    want = causal_block_attention(q, k, v, proj_k, proj_v, block_size, mask)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.numel = max(self.numel, tensor.numel())
+        return out
+
+
+def test_causal_linformer_never_makes_an_n_by_n_tensor():
+    # The prefix sums were one (M, M) triangle by the M = N / block_size block products:
+    # N x N at block_size 1 (and M^2 work at any block size).
+    n = 2048
+    q, k, v = (torch.randn(1, 1, n, 2, requires_grad=True) for _ in range(3))
+    proj = torch.randn(n, 2, requires_grad=True)
+    with LargestTensor() as seen:
+        causal_attention(q, k, v, proj, proj, block_size=1).sum().backward()
+    assert seen.numel <= 2 * causal.SCAN_CHUNK * n, f"a tensor of {seen.numel} elements"
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_causal_attention_drops_attention_weights_in_training_only(projected):
+    # causal_attention's dropout_p reached the exact path only: the Linformer blocks trained
+    # without attention dropout.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 12, 4) for _ in range(3))
+    proj = torch.randn(12, 3) if projected else None
+    plain = causal_attention(q, k, v, proj, proj, block_size=4)
+    dropped = causal_attention(q, k, v, proj, proj, block_size=4, dropout_p=0.5)
+    assert not torch.allclose(dropped, plain)
+    proj_dim = 3 if projected else None
+    proj_k = build_projection(projection="linear", max_seq_len=12, proj_dim=proj_dim)
+    attn = LinformerSelfAttention(
+        dim=8, num_heads=2, max_seq_len=12, proj_k=proj_k, causal=True, block_size=4, dropout=0.5
+    )
+    x = torch.randn(2, 12, 8)
+    attn.eval()
+    assert torch.equal(attn(x)[0], attn(x)[0])
+    attn.train()
+    assert not torch.allclose(attn(x)[0], attn(x)[0])

@@ -8,6 +8,8 @@ from reference import projected_attention, softmax_attention
 
 from linformer_kit import LinformerSelfAttention, causal_attention, cross_attention, native
 from linformer_kit.functional import (
+    attend,
+    attention_weights,
     exact_attention,
     linformer_attention,
     project_blocks,
@@ -325,3 +327,51 @@ def test_queries_that_do_not_match_the_keys_are_named():
     # cross_attention ran exact attention without a word when given proj_v alone
     with pytest.raises(ValueError, match=r"^proj_v needs proj_k"):
         cross_attention(q, q, q, None, e)
+
+
+def test_conv_blocks_partly_padded_or_short_are_rescaled_to_full_blocks():
+    # A block with r of its bs positions real is the strided convolution of its zero-filled
+    # block times bs / r, as if full: without the rescale it shrank with the padding.
+    x = torch.randn(1, 7, 1, 2, dtype=torch.float64)
+    kernel = torch.randn(3, dtype=torch.float64)
+    mask = torch.tensor([[True] * 5 + [False] * 2])
+    real = x * mask[:, :, None, None]
+    padded = torch.nn.functional.pad(real[:, :, 0].transpose(1, 2), (0, 2)).reshape(2, 1, 9)
+    conv = torch.nn.functional.conv1d(padded, kernel.view(1, 1, 3), stride=3).view(2, 3)
+    want = conv.T * torch.tensor([3 / 3, 3 / 2, 0.0], dtype=torch.float64)[:, None]
+    out, blocks = project_blocks(x, 3, kernel, mask)
+    torch.testing.assert_close(out[0, :, 0], want)
+    assert blocks.tolist() == [[True, True, False]]
+    unmasked = torch.nn.functional.pad(x[:, :, 0].transpose(1, 2), (0, 2)).reshape(2, 1, 9)
+    conv = torch.nn.functional.conv1d(unmasked, kernel.view(1, 1, 3), stride=3).view(2, 3)
+    short = torch.tensor([1.0, 1.0, 3.0], dtype=torch.float64)  # the last block: 1 of 3
+    torch.testing.assert_close(project_blocks(x, 3, kernel)[0][0, :, 0], conv.T * short[:, None])
+
+
+def test_attention_weights_of_a_row_with_no_key_are_zero():
+    # A padded sequence's rows (and, causal, a left-padded query's) are 0, not uniform 1 / M.
+    q, k, _ = qkv(5)
+    mask = torch.tensor([[True] * 5, [False] * 5])
+    weights = attention_weights(q, k, mask)
+    assert weights[1].abs().max() == 0
+    torch.testing.assert_close(weights[0].sum(-1), torch.ones(H, 5, dtype=torch.float64))
+    left = torch.tensor([[False, False, True, True, True]] * B)
+    causal_weights = attention_weights(q, k, left, causal=True)
+    assert causal_weights[:, :, :2].abs().max() == 0  # queries 0, 1 see keys 0, 1: padding
+    torch.testing.assert_close(causal_weights[:, :, 2:].sum(-1), torch.ones(B, H, 3).double())
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_linformer_attention_applies_its_dropout_p_as_attend_does(per_head):
+    # dropout_p was a public argument: taken and dropped, the output would not change.
+    q, k, v = qkv(6, dtype=torch.float32)
+    shape = (H, 8, 4) if per_head else (8, 4)
+    proj_k, proj_v = torch.randn(shape), torch.randn(shape)
+    plain = linformer_attention(q, k, v, proj_k, proj_v)
+    torch.manual_seed(0)
+    dropped = linformer_attention(q, k, v, proj_k, proj_v, dropout_p=0.5)
+    assert not torch.allclose(dropped, plain)
+    pk = project_linear(k.transpose(1, 2), proj_k).transpose(1, 2)
+    pv = project_linear(v.transpose(1, 2), proj_v).transpose(1, 2)
+    torch.manual_seed(0)
+    torch.testing.assert_close(dropped, attend(q, pk, pv, None, 0.5))

@@ -415,3 +415,18 @@ def test_a_source_batch_other_than_the_targets_is_named():
         model(src.expand(2, 12), tgt, key_padding_mask=torch.ones(1, 12, dtype=torch.bool))
     with pytest.raises(ValueError, match="key_padding_mask must be a bool tensor of shape"):
         model(src.expand(2, 12), tgt, decoder_padding_mask=torch.ones(2, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_cross_attention_dropout_only_in_training(projected):
+    # Dropout in eval made generation random; dropped in training, it never regularised.
+    torch.manual_seed(0)
+    proj = MatrixProjection(max_seq_len=9, proj_dim=4) if projected else None
+    dropped = LinformerCrossAttention(dim=8, num_heads=2, max_seq_len=9, proj_k=proj, dropout=0.5)
+    plain = LinformerCrossAttention(dim=8, num_heads=2, max_seq_len=9, proj_k=proj)
+    plain.load_state_dict(dropped.state_dict())
+    x, memory = torch.randn(2, 3, 8), torch.randn(2, 9, 8)
+    dropped.eval()
+    torch.testing.assert_close(dropped(x, memory), plain(x, memory), atol=0, rtol=0)
+    dropped.train()
+    assert not torch.allclose(dropped(x, memory), plain(x, memory))
