@@ -217,8 +217,11 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         new, end = input_ids, total
         for position in range(input_ids.shape[1], total):
-            logits = self(new, states=states).logits[:, -1].float()  # (B, vocab_size)
-            new = self.sample(logits, temperature, top_k, generator)
+            # the head on the last position alone: the prompt's (B, N, vocab_size) logits
+            # were 0.5 GB a row for 4096 tokens of a 30k vocabulary
+            last = self.linformer(new, states=states).last_hidden_state[:, -1]
+            _, logits = lm_head_loss(last, self.linformer.embeddings.tokens.weight, None)
+            new = self.sample(logits.float(), temperature, top_k, generator)  # (B,)
             new = new.masked_fill(done, self.config.pad_token_id)[:, None]  # (B, 1)
             tokens[:, position : position + 1] = new
             if eos_token_id is not None:
