@@ -526,3 +526,21 @@ def test_generation_makes_no_logits_for_the_prompt():
     with LargestTensor() as seen:
         model.generate(prompt, max_new_tokens=2)
     assert seen.numel < 60 * 1000 / 2, f"a tensor of {seen.numel} elements"
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_sampling_draws_from_the_softmax_at_the_temperature(temperature, monkeypatch):
+    # Tested at 0, 1 and with top_k 1 only: a temperature applied twice went unseen.
+    logits = torch.randn(3, 7)
+    drawn, real = [], torch.multinomial
+
+    def recorded(probs, *args, **kwargs):
+        drawn.append(probs)
+        return real(probs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", recorded)
+    LinformerForCausalLM.sample(logits, temperature, None)
+    torch.testing.assert_close(drawn[0], (logits.double() / temperature).softmax(-1))
+    LinformerForCausalLM.sample(logits, temperature, 3)
+    kept = logits.masked_fill(logits < logits.topk(3).values[:, -1:], float("-inf"))
+    torch.testing.assert_close(drawn[1], (kept.double() / temperature).softmax(-1))

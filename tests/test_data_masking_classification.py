@@ -24,6 +24,11 @@ def test_masking_picks_15_percent_and_splits_80_10_10():
     masked = (inputs[chosen] == 4).float().mean().item()
     unchanged = (inputs[chosen] == ids[chosen]).float().mean().item()
     assert abs(masked - 0.8) < 0.02 and abs(unchanged - 0.1) < 0.02
+    # the other 10 %: ids drawn from the whole vocabulary (drawn from the special ids alone,
+    # the rates above held)
+    replaced = inputs[chosen & (inputs != ids) & (inputs != 4)]
+    assert abs(len(replaced) / chosen.sum().item() - 0.1) < 0.02
+    assert len(replaced.unique()) > 200 and replaced.max() < 1000  # ~490 draws of 1000
 
 
 def test_masking_is_reproducible_from_the_seed_and_fresh_otherwise():

@@ -144,6 +144,27 @@ def test_changed_corpus_gets_a_new_cache(tmp_path):
     assert prepare_pretraining_data(settings, 32).cache != second
 
 
+def test_another_vocabulary_size_or_tokenizer_gets_its_own_tokenizer_and_cache(tmp_path):
+    # Keys without the vocabulary size reused the tokenizer trained at the old size; without
+    # the tokenizer, another one's token ids.
+    corpus = write_corpus(tmp_path / "corpus", files=2, sentences=60)
+    settings = DataSettings(data=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "c"))
+    first = prepare_pretraining_data(settings, 32)
+    second = prepare_pretraining_data(dataclasses.replace(settings, vocab_size=280), 32)
+    assert (first.tokenizer.vocab_size, second.tokenizer.vocab_size) == (300, 280)
+    assert second.cache != first.cache
+    saved = tmp_path / "saved.json"
+    second.tokenizer.save(saved)
+    given = prepare_pretraining_data(dataclasses.replace(settings, tokenizer=str(saved)), 32)
+    assert given.cache == second.cache  # the same tokenizer, the same ids
+    assert not np.array_equal(first.train.tokens, second.train.tokens)
+
+
+def test_token_ids_past_uint16_are_kept_in_uint32():
+    assert cache_module.token_dtype(65536) == np.uint16  # ids 0 .. 65535
+    assert cache_module.token_dtype(65537) == np.uint32  # id 65536 wrapped to 0 in uint16
+
+
 def test_truncated_token_cache_is_rejected(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", files=2, sentences=60)
     settings = DataSettings(data=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "c"))
@@ -172,6 +193,7 @@ def test_split_is_deterministic_disjoint_and_packs_full_blocks():
     again_train, _ = split_blocks(tokens, 10, 0.2)
     assert np.array_equal(train.indices, again_train.indices)
     assert len(val) == 20 and len(train) == 80
+    assert [len(part) for part in split_blocks(tokens, 10, 0.001)] == [99, 1]  # never 0
     assert not set(train.indices) & set(val.indices)
     block = train[0]
     assert block.dtype == torch.int64 and block.shape == (10,)

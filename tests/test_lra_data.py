@@ -231,6 +231,9 @@ def test_text_from_class_folders_truncates_bytes(tmp_path):
     assert task.train.lengths.max() == 100
     first = bytes((task.train.inputs[0, :7] - 1).astype(np.uint8).tolist())
     assert first == b"review "
+    # another max_length is another cache (the key without it gave the 100-byte cut again)
+    longer = load_text(tmp_path / "reviews", max_length=300, cache_dir=tmp_path / "cache")
+    assert longer.train.lengths.max() == 300
 
 
 def test_text_from_a_headerless_csv_and_a_train_test_layout(tmp_path):

@@ -251,6 +251,25 @@ def test_incremental_generation_equals_rerunning_the_full_model(enc_proj, dec_pr
     assert stopped.shape[1] == steps + 1 or (stopped[:, 1:] == eos).any(1).all()
 
 
+def test_a_row_that_ended_is_padded_while_the_others_go_on():
+    # Both rows of the greedy test above end at one step: a finished row that kept
+    # generating, or `done` set anew each step, went unseen.
+    model = model_for()
+    src = torch.randint(3, 40, (2, 15))
+
+    def sampled(**kw):
+        seeds = [torch.Generator().manual_seed(row) for row in range(2)]
+        return model.generate(src, 12, temperature=1.0, generator=seeds, **kw)
+
+    tokens = sampled(stop_at_eos=False)
+    ends = [int(t) for t in tokens[1, 1:-2] if int(t) not in tokens[0].tolist()]
+    model.config.eos_token_id = eos = ends[0]  # row 1 makes it, row 0 never does
+    end = int((tokens[1] == eos).nonzero()[0])
+    want = tokens.clone()
+    want[1, end + 1 :] = model.config.decoder.pad_token_id
+    torch.testing.assert_close(sampled(), want, atol=0, rtol=0)
+
+
 def test_the_memory_is_projected_once_per_generation_to_k_rows(monkeypatch):
     model = model_for()
     calls = []

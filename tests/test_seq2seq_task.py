@@ -12,6 +12,7 @@ from train_helpers import count_checkpoint_checks
 
 from linformer_kit import LinformerForSeq2SeqLM, hub
 from linformer_kit.cli import main
+from linformer_kit.data import seq2seq as seq2seq_data
 from linformer_kit.data.docstrings import CodeDoc, function_pairs, split_by_file
 from linformer_kit.data.seq2seq import Seq2SeqDataSettings, load_seq2seq_data
 from linformer_kit.data.tokenizer import train_tokenizer
@@ -98,6 +99,29 @@ def test_the_split_is_by_file_and_fixed_by_the_seed():
     for val, test, empty in [(0.01, 0.1, "val"), (0.1, 0.01, "test"), (0.5, 0.49, "train")]:
         with pytest.raises(ValueError, match=rf"of 40 files leave {empty} without a file"):
             split_by_file(pairs, 3, val, test)
+
+
+def test_the_docstrings_task_frames_targets_and_keys_its_tokenizer_by_vocabulary_size(
+    tmp_path, monkeypatch
+):
+    # A key without the vocabulary size reused the tokenizer trained at another size; a
+    # target without its end token would teach the decoder never to stop.
+    pairs = [
+        CodeDoc(f"m{f}.py:{line}", f"def add_{f}_{line}(x): return x + {line}",
+                f"Adds {line} to x in module {f}.")
+        for f in range(40) for line in (1, 9)
+    ]  # fmt: skip
+    monkeypatch.setattr(seq2seq_data, "extract_stdlib_pairs", lambda cache_dir=None: pairs)
+    sizes = []
+    for vocab_size in (300, 280):
+        settings = Seq2SeqDataSettings(vocab_size=vocab_size, cache_dir=str(tmp_path))
+        data = load_seq2seq_data(settings)
+        sizes.append(data.vocab_size)
+        batch = data.train.batch([0])
+        ids, real = batch["decoder_input_ids"][0], batch["decoder_padding_mask"][0]
+        assert ids[0] == data.tokenizer.cls_id and ids[real][-1] == data.tokenizer.sep_id
+        assert ids[real][1:-1].tolist() == data.train.targets[0]
+    assert sizes == [300, 280]
 
 
 def tiny_run(output_dir, steps, resume=False):

@@ -40,7 +40,7 @@ from linformer_kit.training import (
     pretrain,
 )
 from linformer_kit.training.batches import LMBatches, LMEvaluator, RowSchedule, language_model_loss
-from linformer_kit.training.checkpoint import latest_checkpoint, restore_rng
+from linformer_kit.training.checkpoint import latest_checkpoint, load_checkpoint, restore_rng
 from linformer_kit.training.distributed import Distributed, resolve_device
 from linformer_kit.training.metrics_log import MetricsLog
 from linformer_kit.training.optim import (
@@ -628,6 +628,36 @@ def test_gradient_accumulation_gives_the_gradient_of_one_batch_of_all_scored_tok
     assert tokens == sum(batch["input_ids"].numel() for batch in micro)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_best_is_the_lowest_validation_loss_and_pruning_keeps_it_and_keep_last(tmp_path):
+    # Losses that only fell hid `best` taken as the newest score, pruning that kept one
+    # checkpoint too many, and a best checkpoint pruned away under its link.
+    trainer = _trainer(tmp_path, max_steps=4, eval_every=1, save_every=1, keep_last=1)
+    scores = iter([1.0, 3.0, 2.0, 4.0])
+
+    def evaluator(model, device):
+        return {"val_loss": next(scores)}
+
+    evaluator.key = "val_loss"
+    trainer.evaluator = evaluator
+    result = trainer.fit()
+    run = tmp_path / "run"
+    assert result.best_val == 1.0
+    assert (run / "best").resolve().name == "step-00000001"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [
+        "step-00000001",
+        "step-00000004",
+    ]
+    state = load_checkpoint(run / "last").state
+    assert (state["best"], state["best_step"]) == (1.0, 1)
+
+
+def test_gradients_are_clipped_to_clip_grad_norm(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=1, batch_size=2, clip_grad_norm=1e-3)
+    grads, _ = _step_gradients(trainer)
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
+    assert norm.item() == pytest.approx(1e-3, rel=1e-4)
 
 
 def test_gradient_accumulation_of_seq2seq_pairs_weighs_each_target_token_once():
