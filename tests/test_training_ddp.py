@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,9 +226,10 @@ time.sleep(120)
 def running(pid: int) -> bool:
     """Whether process `pid` runs (a zombie that nobody reaps does not)."""
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return False
+    return stat.rsplit(")", 1)[1].split()[0] not in "ZX"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
