@@ -1,5 +1,6 @@
 """The pretrain / finetune / evaluate / demo subcommands end to end on tiny generated data."""
 
+import dataclasses
 import json
 import os
 import re
@@ -177,6 +178,18 @@ def test_a_peer_death_then_torchruns_sigterm_names_the_step_the_error_and_the_re
     interrupt.__context__ = error
     line = cli.interrupted(args, argv, interrupt)
     assert line.endswith(f"continue with: {command} {shlex.join([*argv, '--resume'])}")
+    demo = build_parser().parse_args(["demo"])  # no --resume: the run folder, then the error
+    assert cli.interrupted(demo, ["demo"], interrupt) == (
+        "linformer demo: interrupted at step 3 of run after RuntimeError: Connection closed by peer"
+    )
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen(Exception):
+        path: str
+
+    frozen = Frozen("shard-3")
+    mark_stopped(frozen, 3, Path("run"))  # raised as it is (its own error lost before)
+    assert not hasattr(frozen, "linformer_stopped_at")
     interrupt.__context__ = BlockingIOError(11, "Resource temporarily unavailable")
     # handled, not what stopped training: a Ctrl-C during a lock's wait, after its first try
     assert cli.interrupted(args, argv, interrupt) == "linformer pretrain: interrupted"

@@ -129,7 +129,9 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
         to turn dropout off. Prompts of different lengths come padded, with
         `key_padding_mask`: the rows of each real length are generated together (a state
         holds one length), each as if alone: greedily, or sampling with one generator per
-        row.
+        row. It runs the backbone and the tied head itself (the head on each pass's last
+        position only), not `forward`: an override of `forward` or a hook on the model is
+        not called.
 
         Args:
             input_ids: (B, N) prompts, N >= 1.

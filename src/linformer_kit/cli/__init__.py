@@ -68,21 +68,21 @@ def interrupted(args: argparse.Namespace, argv: list[str], err: KeyboardInterrup
     during = f" after {error}" if error else ""
     if stop is None:
         return f"linformer {args.command}: interrupted{during}"
-    where = f"linformer {args.command}: interrupted at step {stop.step}{during}"
+    where = f"linformer {args.command}: interrupted at step {stop.step}"
     if build_parser().parse_known_args([*argv, "--resume"])[1]:  # no --resume: demo, bench-task
-        return f"{where} of {stop.run_dir}"
+        return f"{where} of {stop.run_dir}{during}"
     checkpoint = latest_checkpoint(stop.run_dir)
     command = [*_launcher(), "linformer"]
     if checkpoint is None:
         return (
-            f"{where}, before the first checkpoint; start again with: "
+            f"{where}{during}, before the first checkpoint; start again with: "
             f"{shlex.join([*command, *argv])}"
         )
     resumed = getattr(args, "train.resume", getattr(args, "resume", False)) is True  # lra's
     again = argv if resumed else [*argv, "--resume"]
+    last = stop.run_dir / CHECKPOINTS_DIR / checkpoint.path.name
     return (
-        f"{where}; last checkpoint: {stop.run_dir / CHECKPOINTS_DIR / checkpoint.path.name}; "
-        f"continue with: {shlex.join([*command, *again])}"
+        f"{where}{during}; last checkpoint: {last}; continue with: {shlex.join([*command, *again])}"
     )
 
 

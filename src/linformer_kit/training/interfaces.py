@@ -49,8 +49,11 @@ def mark_stopped(error: Exception, step: int, run_dir: Path) -> None:
     collective, and torchrun's SIGTERM follows while it unwinds: the interrupt that reaches
     the command then finds the step and the checkpoints here (`stopped_at`).
     """
-    error.add_note(f"training stopped at step {step} of {run_dir}")
-    error.linformer_stopped_at = TrainingInterrupted(step, run_dir)  # type: ignore[attr-defined]
+    try:
+        error.add_note(f"training stopped at step {step} of {run_dir}")
+        error.linformer_stopped_at = TrainingInterrupted(step, run_dir)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):  # a frozen exception: raised as it is, unmarked
+        pass
 
 
 def stopped_at(interrupt: KeyboardInterrupt) -> tuple[TrainingInterrupted | None, str]:
