@@ -152,6 +152,25 @@ def test_a_tail_under_half_a_window_is_left_out(random_exact: Path, tmp_path: Pa
     assert ids.shape[0] == 2  # a tail of at least half a window stays
 
 
+def test_windows_join_documents_by_the_separator_and_mask_only_the_padding(tmp_path: Path) -> None:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    tokenizer = train_tokenizer([" ".join(words)] * 20, 300)
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text(" ".join(words[:5]))
+    (folder / "b.txt").write_text(" ".join(words[5:]))
+    stream = []
+    for text in (" ".join(words[:5]), " ".join(words[5:])):
+        stream += tokenizer.encode_batch([text])[0] + [tokenizer.sep_id]  # as pretraining packs
+    ids, mask = token_windows(tokenizer, str(folder), count=1, seq_len=len(stream) + 3)
+    assert ids[0].tolist() == stream + [tokenizer.pad_id] * 3
+    assert mask[0].tolist() == [True] * len(stream) + [False] * 3
+    # beside a full window, a tail under half a window (here about a third) is left out
+    full = round(len(stream) / 1.35)
+    assert 0.25 * full < len(stream) - full < 0.5 * full
+    assert token_windows(tokenizer, str(folder), count=4, seq_len=full)[0].shape[0] == 1
+
+
 def test_spectrum_of_trained_linformer_with_random_tokens(
     trained_linformer: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

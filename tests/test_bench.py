@@ -26,9 +26,14 @@ from linformer_kit.bench import (
     sweep,
     variant_flops,
 )
-from linformer_kit.bench.flops import exact_attention_flops, linformer_attention_flops
+from linformer_kit.bench.flops import (
+    exact_attention_flops,
+    linformer_attention_flops,
+    matmul_flops,
+)
 from linformer_kit.bench.summary import summarise
-from linformer_kit.bench.variants import NaiveAttention
+from linformer_kit.bench.timing import Call
+from linformer_kit.bench.variants import NaiveAttention, estimate_bytes
 from linformer_kit.files import exclusive
 
 
@@ -44,6 +49,7 @@ def test_flop_formulas_match_hand_counts():
     assert linformer_attention_flops(SHAPE, input_first=True, shared_kv=True) == input_first
     layer = variant_flops(SDPA, SHAPE, "layer", backward=True)
     assert layer == 3 * (exact_attention_flops(SHAPE) + 4 * b * n * d * f)
+    assert matmul_flops(64) == 2 * 64**3  # the ceiling: halved, every fraction doubled
 
 
 def test_ours_counts_the_order_it_runs():
@@ -55,7 +61,9 @@ def test_ours_counts_the_order_it_runs():
     )
     per_head = linformer_attention_flops(long, input_first=False, shared_kv=False)
     assert variant_flops(OURS["none"], long, "attention", backward=False) == per_head
-    assert variant_flops(OURS["headwise"], long, "attention", backward=False) < per_head
+    assert variant_flops(OURS["headwise"], long, "attention", backward=False) == (
+        linformer_attention_flops(long, input_first=True, shared_kv=False)
+    )  # E and F: two input projections (counted as one, its GFLOP/s read high)
 
 
 @pytest.mark.parametrize("scope", ["attention", "layer"])
@@ -303,6 +311,24 @@ def test_the_speed_up_over_the_faster_peer_comes_with_its_round_by_round_quartil
         assert "speedup_vs_faster_peer_quartiles" not in entry
 
 
+def test_a_row_reads_the_median_and_the_fastest_of_its_rounds():
+    # Every sweep test times one round, where the median, the mean, the min and the max agree.
+    call = Call(
+        variant=SDPA, shape=SHAPE, scope="attention", backward=True, dtype="float32",
+        device="cpu", threads=1,
+    )  # fmt: skip
+    row = sweep._row(call, (1e12, 2e12), [0.001, 0.002, 0.009])
+    assert (row["median_ms"], row["min_ms"]) == pytest.approx((2.0, 1.0))
+    flops = variant_flops(SDPA, SHAPE, "attention", backward=True)
+    assert row["ceiling_fraction"] == pytest.approx(flops / 0.002 / 1e12)
+    assert row["ceiling_fraction_best"] == pytest.approx(flops / 0.001 / 2e12)
+
+
+def test_the_memory_estimate_doubles_with_backward():
+    forward = estimate_bytes(OURS["kv"], SHAPE, "layer", backward=False)
+    assert estimate_bytes(OURS["kv"], SHAPE, "layer", backward=True) == 2 * forward
+
+
 def test_summary_reads_the_targets_off_the_rows():
     def row(kind, variant, n, ms, mem, k=8, dropout=0.0, kernel=None):
         return dict(
@@ -343,6 +369,9 @@ def test_summary_reads_the_targets_off_the_rows():
     assert "time_vs_no_attention_dropout" not in entry
     dropped = summarise(rows)["attention"]["float32"]["linformer kv attn-dropout 0.1 k=8"][64]
     assert dropped["time_vs_no_attention_dropout"] == pytest.approx(1.1)
+    bf16 = dict(rows[1], dtype="bfloat16", median_ms=0.5)  # 4x its fp32 row's speed
+    entry = summarise([*rows, bf16])["attention"]["bfloat16"]["linformer kv k=8"][64]
+    assert entry["speedup_vs_float32"] == pytest.approx(4.0)
     assert dropped["memory_vs_sdpa"] == pytest.approx(21.0 / 40.0)  # against SDPA with dropout
     # Ours pinned to a kernel is compared with the same kernel without dropout.
     rows += [
@@ -361,6 +390,9 @@ def test_summary_reads_the_targets_off_the_rows():
     assert pinned[64]["time_vs_no_attention_dropout"] == pytest.approx(2.5)
     dropped = summarise(rows)["attention"]["float32"]["linformer kv attn-dropout 0.1 k=8"][64]
     assert dropped["time_vs_no_attention_dropout"] == pytest.approx(1.1)
+    bf16 = dict(rows[1], dtype="bfloat16", median_ms=0.5)  # 4x its fp32 row's speed
+    entry = summarise([*rows, bf16])["attention"]["bfloat16"]["linformer kv k=8"][64]
+    assert entry["speedup_vs_float32"] == pytest.approx(4.0)
 
 
 def test_settings_reject_unknown_choices(tmp_path):

@@ -24,6 +24,7 @@ from linformer_kit.bench import (
     time_interleaved,
     timing,
 )
+from linformer_kit.bench import timing as timing_module
 from linformer_kit.bench.timing import module_step, size_ceiling_matmul
 from linformer_kit.kernel_rule import pinned_kernel, use_kernel
 from linformer_kit.training.process import in_fresh_process
@@ -34,6 +35,19 @@ def test_timing_adds_rounds_until_the_minimum_time():
         {"a": lambda: None}, warmup=0, repeats=1, device="cpu", min_seconds=10.0, max_repeats=7
     )
     assert len(times["a"]) == 7
+
+
+def test_max_repeats_counts_timed_rounds_after_the_warm_up():
+    times = time_interleaved(
+        {"a": lambda: None}, warmup=2, repeats=1, device="cpu", min_seconds=10.0, max_repeats=7
+    )
+    assert len(times["a"]) == 7
+
+
+def test_the_ceiling_probe_keeps_the_faster_of_its_two_calls(monkeypatch):
+    drawn = iter([0.2, 0.05])
+    monkeypatch.setattr(timing_module, "_seconds", lambda step, device: next(drawn))
+    assert size_ceiling_matmul("float32", "cpu", target_s=0.1, start=64) == (64, 0.05)
 
 
 def test_timing_interleaves_and_rotates_the_order():

@@ -382,6 +382,8 @@ def test_masked_validation_scores_the_same_tokens_at_any_batch_size(tmp_path):
     scores = [LMEvaluator(batches, size)(model, torch.device("cpu")) for size in (1, 3, 8)]
     assert scores[1]["val_loss"] == pytest.approx(scores[0]["val_loss"], rel=1e-6)
     assert scores[2]["val_loss"] == pytest.approx(scores[0]["val_loss"], rel=1e-6)
+    for score in scores:  # the mean loss's (the summed loss's at batch size 1 alone)
+        assert score["val_ppl"] == pytest.approx(math.exp(score["val_loss"]))
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
