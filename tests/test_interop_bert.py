@@ -292,3 +292,27 @@ def test_roberta_positions_start_after_the_padding_index(copy_of_minilm, exact):
     model = convert_hf_model(copy_of_minilm, proj_dim=None)
     assert model.config.max_seq_len == 512 and model.config.pad_token_id == 1
     assert torch.equal(model.embeddings.positions.weight, exact.embeddings.positions.weight)
+
+
+def test_the_config_s_eps_activation_and_dropouts_are_the_converted_model_s(copy_of_minilm):
+    # MiniLM's values are the defaults (eps 1e-12, gelu, 0.1 and 0.1): a field read from the
+    # wrong key, or not read, converted it unchanged.
+    _edit_config(
+        copy_of_minilm, layer_norm_eps=1e-5, hidden_act="relu", hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.3,
+    )  # fmt: skip
+    config = convert_hf_model(copy_of_minilm, proj_dim=None).config
+    assert (config.layer_norm_eps, config.activation) == (1e-5, "relu")
+    assert (config.dropout, config.attention_dropout) == (0.0, 0.3)
+
+
+def test_tf_named_layer_norms_gamma_and_beta_convert_as_weight_and_bias(copy_of_minilm, exact):
+    def renamed(tensors):
+        for name in [n for n in tensors if "LayerNorm." in n]:
+            kind = {"weight": "gamma", "bias": "beta"}[name.rsplit(".", 1)[1]]
+            tensors[name.rsplit(".", 1)[0] + "." + kind] = tensors.pop(name)
+
+    _edit_weights(copy_of_minilm, renamed)
+    model = convert_hf_model(copy_of_minilm, proj_dim=None)
+    for name, tensor in exact.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, atol=0, rtol=0, msg=name)

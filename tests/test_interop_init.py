@@ -5,7 +5,7 @@ import torch
 
 from linformer_kit import LinformerModel, linformer_tiny
 from linformer_kit.functional import project_blocks
-from linformer_kit.interop import init_projections, mean_pooling_matrix
+from linformer_kit.interop import init_projections, mean_pooling_matrix, projection_init
 from linformer_kit.interop.projection_init import (
     balanced_bounds,
     block_matrix,
@@ -54,6 +54,41 @@ def test_every_init_sets_every_projection(teacher, sharing, init):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("sharing", ["none", "headwise", "kv", "layerwise"])
+def test_attention_init_pools_by_the_attention_each_projection_serves(
+    teacher, sharing, monkeypatch
+):
+    # Layerwise (one projection for every layer) hid a per-layer projection set from every
+    # layer's attention; the default with calibration text is this init (mean without). The
+    # tiny teacher's attention is near uniform (its blocks those of mean pooling): each
+    # layer and head here receives its own sink.
+    model, ids = tiny(sharing=sharing), calibration()
+    depth, heads = len(model.encoder.layers), model.config.num_heads
+    mass = torch.ones(depth, heads, N)
+    for layer in range(depth):
+        for head in range(heads):
+            mass[layer, head, (7 * layer + 3 * head + 5) % N] = 50.0
+    monkeypatch.setattr(projection_init, "received_attention", lambda teacher, ids: mass)
+    init_projections(model, None, teacher=teacher, calibration_ids=ids)
+    for index, layer in enumerate(model.encoder.layers):
+        served = mass.sum(0) if sharing == "layerwise" else mass[index]
+        weight = layer.attn.proj_k.weight
+        per_head = served if weight.dim() == 3 else served.sum(0, keepdim=True)
+        want = torch.stack([block_matrix(balanced_bounds(m, 8), N) for m in per_head])
+        torch.testing.assert_close(weight, want.view_as(weight), atol=0, rtol=0)
+    init_projections(model, None, teacher=teacher)  # no calibration text: mean pooling
+    weight = model.encoder.layers[0].attn.proj_k.weight
+    torch.testing.assert_close(weight, mean_pooling_matrix(N, 8).expand_as(weight))
+
+
+def test_xavier_init_draws_within_glorot_s_bound():
+    model = tiny()
+    init_projections(model, "xavier")
+    bound = (6.0 / (N + 8)) ** 0.5
+    weight = model.encoder.layers[0].attn.proj_k.weight
+    assert 0.9 * bound < weight.abs().max() <= bound
+
+
 def test_data_driven_columns_average_real_rows(teacher):
     model = tiny()
     init_projections(model, "svd", teacher=teacher, calibration_ids=calibration())
@@ -78,6 +113,9 @@ def test_balanced_blocks_give_a_sink_its_own_block():
     assert bounds[:2].tolist() == [0, 1] and len(bounds) == 8
     assert (bounds.diff() > 0).all() and bounds[-1] < N
     assert torch.equal(balanced_bounds(torch.ones(N), 8), torch.arange(0, N, 4))
+    # half the share uniform by default: a tail that receives no attention keeps blocks
+    tail = torch.tensor([1.0] * 4 + [0.0] * 12)
+    assert balanced_bounds(tail, 4).tolist() == [0, 2, 3, 7]
     weight = block_matrix(bounds, N)
     assert torch.allclose(weight.sum(0), torch.ones(8)) and weight[0, 0] == 1.0
 

@@ -632,10 +632,14 @@ def test_gradient_accumulation_gives_the_gradient_of_one_batch_of_all_scored_tok
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_best_is_the_lowest_validation_loss_and_pruning_keeps_it_and_keep_last(tmp_path):
+@pytest.mark.parametrize("save_every", [1, 100])
+def test_best_is_the_lowest_validation_loss_and_pruning_keeps_it_and_keep_last(
+    tmp_path, save_every
+):
     # Losses that only fell hid `best` taken as the newest score, pruning that kept one
-    # checkpoint too many, and a best checkpoint pruned away under its link.
-    trainer = _trainer(tmp_path, max_steps=4, eval_every=1, save_every=1, keep_last=1)
+    # checkpoint too many, a best checkpoint pruned away under its link, and (saves rarer
+    # than validations) an improvement not saved.
+    trainer = _trainer(tmp_path, max_steps=4, eval_every=1, save_every=save_every, keep_last=1)
     scores = iter([1.0, 3.0, 2.0, 4.0])
 
     def evaluator(model, device):
