@@ -116,11 +116,16 @@ def test_ctrl_c_prints_one_line_to_resume_and_resuming_matches_an_uninterrupted_
     assert train_losses(run) == train_losses(tmp_path / "straight")
 
 
-def test_sigterm_stops_training_as_ctrl_c_does_with_status_143(tmp_path, capsys, monkeypatch):
+def pretrain_in(tmp_path, monkeypatch):
+    """A 6-step `pretrain` command saving every 2 steps into run/ under tmp_path (the cwd)."""
     corpus = write_corpus(tmp_path / "corpus", files=2)
     argv = ["pretrain", "--data", str(corpus), "--vocab-size", "300", "--proj-dim", "16"]
-    argv += [*MODEL, *TRAIN, "--max-steps", "6", "--save-every", "2", "--output-dir", "run"]
     monkeypatch.chdir(tmp_path)
+    return [*argv, *MODEL, *TRAIN, "--max-steps", "6", "--save-every", "2", "--output-dir", "run"]
+
+
+def test_sigterm_stops_training_as_ctrl_c_does_with_status_143(tmp_path, capsys, monkeypatch):
+    argv = pretrain_in(tmp_path, monkeypatch)
     step = Trainer._train_step
 
     def terminated_at_step_3(trainer, model):
@@ -145,10 +150,7 @@ def test_a_peer_death_then_torchruns_sigterm_names_the_step_the_error_and_the_re
     # A DDP peer's death reaches the survivors as an error in a collective; torchrun's SIGTERM
     # then came while it unwound (in the job's teardown): rank 0 printed a bare
     # "interrupted", the step, the error and the checkpoint lost.
-    corpus = write_corpus(tmp_path / "corpus", files=2)
-    argv = ["pretrain", "--data", str(corpus), "--vocab-size", "300", "--proj-dim", "16"]
-    argv += [*MODEL, *TRAIN, "--max-steps", "6", "--save-every", "2", "--output-dir", "run"]
-    monkeypatch.chdir(tmp_path)
+    argv = pretrain_in(tmp_path, monkeypatch)
     step = Trainer._train_step
 
     def peer_gone_at_step_3(trainer, model):

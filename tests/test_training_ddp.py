@@ -9,13 +9,12 @@ import sys
 import textwrap
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
-from train_helpers import pretrain_cli, tiny_run, write_classification
+from train_helpers import pretrain_cli, process_alive, tiny_run, write_classification
 
 from linformer_kit import files, hub
 from linformer_kit.cli import main
@@ -223,16 +222,6 @@ time.sleep(120)
 """
 
 
-def running(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie that nobody reaps does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in "ZX"
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_torchrun_worker_stops_when_its_launcher_is_killed(tmp_path):
     # torchrun forwards the signals it gets, but killed (SIGKILL, out of memory) its workers
     # trained on to the end, holding the run folder that a rerun with --resume needs.
@@ -252,15 +241,15 @@ def test_a_torchrun_worker_stops_when_its_launcher_is_killed(tmp_path):
         deadline = time.monotonic() + 60
         while "joined" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert running(worker), log.read_text()
+        assert process_alive(worker), log.read_text()
         job.send_signal(signal.SIGKILL)
         job.wait()
         deadline = time.monotonic() + 10
-        while running(worker) and time.monotonic() < deadline:
+        while process_alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not running(worker), "the worker trained on without its launcher"
+        assert not process_alive(worker), "the worker trained on without its launcher"
         assert f"torchrun (pid {job.pid}) is gone: this process stops" in log.read_text()
     finally:
-        if running(worker):
+        if process_alive(worker):
             os.kill(worker, signal.SIGKILL)
         job.kill()

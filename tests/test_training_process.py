@@ -12,23 +12,11 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
+from train_helpers import process_alive
 
 from linformer_kit.training.process import in_fresh_process
 
 TESTS = Path(__file__).parent
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped, counts as ended)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return not stat.parent.parent.is_dir()  # no /proc: trust kill(pid, 0)
 
 
 def _kill_both(parent: subprocess.Popen, pid_file: Path) -> None:
@@ -79,13 +67,13 @@ def test_the_fresh_process_ends_when_its_parent_is_killed(tmp_path):
             assert alive, f"no fresh process: {stderr.read_text()}"
             time.sleep(0.1)
         child = int(pid_file.read_text())
-        assert child != parent.pid and _alive(child)
+        assert child != parent.pid and process_alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         deadline = time.monotonic() + 20
-        while _alive(child) and time.monotonic() < deadline:
+        while process_alive(child) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(child), "the fresh process outlived its killed parent"
+        assert not process_alive(child), "the fresh process outlived its killed parent"
     finally:
         _kill_both(parent, pid_file)
 
@@ -128,6 +116,6 @@ def test_an_interrupted_parent_stops_the_fresh_process_and_raises_where_it_stopp
         out, err = parent.communicate(timeout=30)
         assert out == f"stopped at step 3 in {tmp_path}\n", err
         assert "Traceback" not in err, err
-        assert not _alive(child)
+        assert not process_alive(child)
     finally:
         _kill_both(parent, pid_file)

@@ -142,3 +142,16 @@ def count_checkpoint_checks(monkeypatch: pytest.MonkeyPatch) -> collections.Coun
 
     monkeypatch.setattr(manifest, "verify_manifest", counted)
     return checks
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not stat.parent.parent.is_dir()  # no /proc: trust kill(pid, 0)
