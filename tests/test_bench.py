@@ -324,6 +324,21 @@ def test_a_row_reads_the_median_and_the_fastest_of_its_rounds():
     assert row["ceiling_fraction_best"] == pytest.approx(flops / 0.001 / 2e12)
 
 
+def test_rows_compare_to_exact_attention_of_their_own_setting():
+    def row(kind, ms, mem, dropout=0.0):
+        return dict(scope="attention", dtype="float32", n=64, attention_dropout=dropout,
+                    kind=kind, status="ok", median_ms=ms, peak_mem_mb=mem)  # fmt: skip
+
+    rows = [row("sdpa", 8.0, 30.0), row("ours", 2.0, 10.0), row("sdpa", 20.0, 40.0, 0.1),
+            row("ours", 4.0, 8.0, 0.1), row("naive", 16.0, 60.0)]  # fmt: skip
+    sweep._compare_to_exact(rows)
+    ours, dropped = rows[1], rows[3]
+    assert (ours["speedup_vs_sdpa"], ours["memory_saving_vs_sdpa"]) == (4.0, 3.0)
+    assert (ours["speedup_vs_naive"], ours["memory_saving_vs_naive"]) == (8.0, 6.0)
+    assert (dropped["speedup_vs_sdpa"], dropped["memory_saving_vs_sdpa"]) == (5.0, 5.0)
+    assert "speedup_vs_naive" not in dropped  # no naive row with dropout
+
+
 def test_the_memory_estimate_doubles_with_backward():
     forward = estimate_bytes(OURS["kv"], SHAPE, "layer", backward=False)
     assert estimate_bytes(OURS["kv"], SHAPE, "layer", backward=True) == 2 * forward
