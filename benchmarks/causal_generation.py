@@ -11,7 +11,6 @@ depend on them). Writes benchmarks/causal_generation/results.json (or into --out
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from linformer_kit import LinformerConfig, LinformerForCausalLM
+from linformer_kit.files import save_json
 from linformer_kit.training.compare import machine
 
 POSITIONS = (1024, 2048, 4096, 8192, 16384)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(meta, indent=2) + "\n")
+    save_json(meta, out / "results.json")  # atomic: a kill leaves the last results
 
 
 if __name__ == "__main__":

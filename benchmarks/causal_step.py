@@ -11,7 +11,6 @@ Writes benchmarks/causal_step/results.json (or into --out).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from linformer_kit import LinformerConfig, LinformerForCausalLM
+from linformer_kit.files import save_json
 from linformer_kit.training.compare import machine
 
 SEQ_LENS = (512, 1024, 2048, 4096)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(meta, indent=2) + "\n")
+    save_json(meta, out / "results.json")  # atomic: a kill leaves the last results
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
-from train_helpers import process_alive
+from train_helpers import ends_within, process_alive
 
 from linformer_kit.training.process import in_fresh_process
 
@@ -70,10 +70,7 @@ def test_the_fresh_process_ends_when_its_parent_is_killed(tmp_path):
         assert child != parent.pid and process_alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        deadline = time.monotonic() + 20
-        while process_alive(child) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not process_alive(child), "the fresh process outlived its killed parent"
+        assert ends_within(child, 20), "the fresh process outlived its killed parent"
     finally:
         _kill_both(parent, pid_file)
 

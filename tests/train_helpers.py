@@ -155,3 +155,11 @@ def process_alive(pid: int) -> bool:
         return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return not stat.parent.parent.is_dir()  # no /proc: trust kill(pid, 0)
+
+
+def ends_within(pid: int, seconds: float) -> bool:
+    """Whether process `pid` has ended (`process_alive`) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not process_alive(pid)
